@@ -1,0 +1,40 @@
+// Context: where ops run. A CPU context runs the reference backend; a CUDA context owns a stream binding,
+// the cuBLASLt handle and workspace, device properties and a thread-safe plan cache.
+// A Context may be used from several threads at once; work from all of them goes to its one stream.
+// Copies of a Context share the same state.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "qmm/tensor.h"
+
+namespace qmm {
+
+class Context {
+ public:
+  // The CPU reference backend.
+  static Context cpu();
+  // A CUDA context on `device`, enqueueing on `stream` (a cudaStream_t; nullptr means the legacy default
+  // stream). Throws Error(NoDevice) when qmm was built without CUDA or no such GPU is usable.
+  static Context cuda(int device = 0, void* stream = nullptr);
+  // Number of usable CUDA devices; 0 where there is no GPU, no driver, or no CUDA in this build.
+  static int cuda_device_count();
+  // Why no CUDA device is usable (empty when one is).
+  static std::string cuda_unavailable_reason();
+
+  Device device() const;
+  void* stream() const;
+  std::string device_name() const;  // "cpu" or the GPU's name
+  // Blocks until all work enqueued by this context is done (no-op on the CPU).
+  void synchronize() const;
+
+  struct Impl;
+  Impl& impl() const { return *impl_; }
+
+ private:
+  explicit Context(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace qmm

@@ -1,0 +1,95 @@
+// The ops. Every entry point validates its arguments before touching any output, throws qmm::Error naming the op
+// and the argument, and runs on the context's device (all tensors must live there).
+// Calls on a CUDA context are asynchronous with respect to the host (ordered on the context's stream).
+#pragma once
+
+#include "qmm/context.h"
+#include "qmm/nf4.h"
+#include "qmm/tensor.h"
+
+namespace qmm {
+
+// How f32-storage GEMMs multiply. bf16-storage GEMMs always use bf16 operands with fp32 accumulation
+// and accept any mode.
+enum class MathMode {
+  FP32,  // strict IEEE fp32 products and sums
+  TF32,  // operands rounded to tf32 (10-bit mantissa, round to nearest), fp32 accumulation
+  BF16,  // operands truncated to bf16 (low 16 bits cleared), fp32 accumulation:
+         // C[i,j] = sum_k trunc(A[i,k]) * trunc(B[k,j])
+};
+const char* math_mode_name(MathMode mode);
+
+// out = alpha * product + beta * out. beta = 0 overwrites (out's old contents are never read, NaN included).
+struct GemmOptions {
+  float alpha = 1.0f;
+  float beta = 0.0f;
+  MathMode math = MathMode::FP32;
+};
+
+// Dense GEMM family. A and B share one dtype (f32 or bf16); the output is that dtype or f32.
+// C[M,N] = A[M,K] * B[K,N]
+void gemm(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,
+          const GemmOptions& opts = {});
+// C[M,N] = A[M,K] * B^T, B given as [N,K] (a linear layer's weight)
+void gemm_bt(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,
+             const GemmOptions& opts = {});
+// dA[M,K] = dC[M,N] * B^T for B [K,N] (the input gradient of gemm); beta = 1 accumulates into dA.
+void gemm_backward_a(const Context& ctx, const TensorView& dc, const TensorView& b, const TensorView& da,
+                     const GemmOptions& opts = {});
+// dB[K,N] = A^T * dC for A [M,K], dC [M,N] (the weight gradient of gemm); beta = 1 accumulates into dB.
+void gemm_backward_b(const Context& ctx, const TensorView& a, const TensorView& dc, const TensorView& db,
+                     const GemmOptions& opts = {});
+// Batched 4-D GEMM over [batch, heads]: C[b,h] = A[b,h] * op(B[b,h]).
+// A [b,h,m,k]; B [b,h,k,n], or [b,h,n,k] with transpose_b (attention's Q*K^T); C [b,h,m,n].
+void batched_gemm(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,
+                  bool transpose_b = false, const GemmOptions& opts = {});
+
+// SwiGLU: h = silu(gate) * up, silu(x) = x / (1 + exp(-x)). Same shape and dtype (f32 or bf16) for all;
+// h may be the same memory as gate or up (in place).
+void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h);
+// Backward: dgate = dh * up * silu'(gate), dup = dh * silu(gate). dgate may alias gate and dup may alias up.
+void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
+                     const TensorView& dgate, const TensorView& dup);
+
+// NF4 quantize W [N,K] (f32, bf16 or f16) into `out`, whose buffers are sized for W's shape
+// (Nf4Tensor::allocate does that); out.absmax is u8 to ask for double quantization, f32 otherwise.
+// Byte-identical to bitsandbytes' quantize_4bit(quant_type="nf4").
+void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out);
+// Convenience: allocates on the context's device and quantizes.
+Nf4Tensor nf4_quantize(const Context& ctx, const TensorView& w, bool double_quant,
+                       int block_size = kNf4DefaultBlockSize);
+// out [N,K] (f32 or bf16) = codebook[code] * scale, computed in fp32, rounded to nearest even for bf16.
+void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& out);
+
+// Which NF4 GEMM implementation to run; Auto lets the dispatcher choose by shape and device.
+enum class Nf4Path { Auto, Reference, DequantGemm, SmallM, Fused };
+const char* nf4_path_name(Nf4Path path);
+
+struct Nf4GemmOptions {
+  float alpha = 1.0f;
+  float beta = 0.0f;
+  Nf4Path path = Nf4Path::Auto;
+};
+
+// NF4 GEMMs multiply bf16 operands with fp32 accumulation: A (or dC) rounded to bf16 (nearest even) and the
+// weight dequantized to bf16. A and C are f32 or bf16, independently.
+// C[M,N] = A[M,K] * dequant(W)^T, W [N,K]
+void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
+              const Nf4GemmOptions& opts = {});
+// dA[M,K] = dC[M,N] * dequant(W), W [N,K]; beta = 1 accumulates.
+void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weight& w, const TensorView& da,
+                         const Nf4GemmOptions& opts = {});
+
+// Both MLP input projections from one input: gate = A*dequant(Wg)^T, up = A*dequant(Wu)^T, and optionally
+// h = silu(gate)*up. Any of the three outputs may be left empty (a default TensorView) when not needed,
+// but at least one must be given. Outputs are [M,N], f32 or bf16. opts.alpha scales gate and up (before the
+// SwiGLU); opts.beta must be 0.
+struct GateUpOutputs {
+  TensorView gate;
+  TensorView up;
+  TensorView h;
+};
+void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
+                 const GateUpOutputs& out, const Nf4GemmOptions& opts = {});
+
+}  // namespace qmm

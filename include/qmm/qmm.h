@@ -1,0 +1,9 @@
+// Umbrella header: everything a user of qmm needs.
+#pragma once
+
+#include "qmm/context.h"
+#include "qmm/error.h"
+#include "qmm/nf4.h"
+#include "qmm/ops.h"
+#include "qmm/safetensors.h"
+#include "qmm/tensor.h"

@@ -1,0 +1,117 @@
+// Context creation, memory and copies for the CUDA backend.
+#include <string>
+
+#include "cuda/common/check.h"
+#include "cuda/common/cuda_state.h"
+#include "cuda/cuda_backend.h"
+
+namespace qmm::cuda {
+
+namespace {
+constexpr std::size_t kLtWorkspaceBytes = 32u << 20;  // cuBLASLt's recommendation for Hopper is 32 MiB
+}
+
+void throw_cuda(cudaError_t err, const char* what, const char* file, int line) {
+  throw Error(ErrorCode::Cuda, std::string("CUDA error ") + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
+                                   ") in " + what + " at " + file + ":" + std::to_string(line));
+}
+
+void throw_cublas(cublasStatus_t st, const char* what, const char* file, int line) {
+  throw Error(ErrorCode::Cublas, std::string("cuBLASLt error ") + cublasLtGetStatusName(st) + " (" +
+                                     cublasLtGetStatusString(st) + ") in " + what + " at " + file + ":" +
+                                     std::to_string(line));
+}
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error so later calls report their own
+    return 0;
+  }
+  return n;
+}
+
+std::string unavailable_reason() {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("no usable CUDA device: ") + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
+  }
+  return n == 0 ? "no CUDA device found" : "";
+}
+
+void init_context(Context::Impl& impl, int device, void* stream) {
+  const int n = device_count();
+  if (n == 0) throw Error(ErrorCode::NoDevice, "Context::cuda: " + unavailable_reason());
+  if (device < 0 || device >= n)
+    throw Error(ErrorCode::NoDevice, "Context::cuda: device " + std::to_string(device) + " requested but " +
+                                         std::to_string(n) + " CUDA device(s) present");
+  impl.cuda.reset(new CudaState());
+  CudaState& s = *impl.cuda;
+  s.device = device;
+  s.stream = static_cast<cudaStream_t>(stream);
+  QMM_CUDA_CHECK(cudaSetDevice(device));
+  QMM_CUDA_CHECK(cudaGetDeviceProperties(&s.props, device));
+  QMM_CUBLAS_CHECK(cublasLtCreate(&s.lt));
+  s.workspace_bytes = kLtWorkspaceBytes;
+  QMM_CUDA_CHECK(cudaMalloc(&s.workspace, s.workspace_bytes));
+  impl.name = s.props.name;
+}
+
+void destroy_state(CudaState* s) {
+  if (!s) return;
+  cudaSetDevice(s->device);
+  if (s->stream) cudaStreamSynchronize(s->stream); else cudaDeviceSynchronize();
+  if (s->lt) cublasLtDestroy(s->lt);
+  cudaFree(s->workspace);
+  cudaFree(s->scratch);
+  delete s;
+}
+
+void* CudaState::scratch_at_least(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(scratch_mutex);
+  if (bytes > scratch_bytes) {
+    // Work already enqueued may still read the old buffer: wait for it before freeing.
+    QMM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    QMM_CUDA_CHECK(cudaFree(scratch));
+    scratch = nullptr;
+    scratch_bytes = 0;
+    QMM_CUDA_CHECK(cudaMalloc(&scratch, bytes));
+    scratch_bytes = bytes;
+  }
+  return scratch;
+}
+
+void set_device(const Context& ctx) {
+  int current = -1;
+  QMM_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != state(ctx).device) QMM_CUDA_CHECK(cudaSetDevice(state(ctx).device));
+}
+
+void synchronize(const Context& ctx) {
+  set_device(ctx);
+  QMM_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
+}
+
+void* device_alloc(std::size_t bytes, int device) {
+  QMM_CUDA_CHECK(cudaSetDevice(device));
+  void* p = nullptr;
+  QMM_CUDA_CHECK(cudaMalloc(&p, bytes));
+  return p;
+}
+
+void device_free(void* ptr, int device) noexcept {
+  cudaSetDevice(device);
+  cudaFree(ptr);
+}
+
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, std::size_t bytes) {
+  if (dst_device.is_cuda()) QMM_CUDA_CHECK(cudaSetDevice(dst_device.index));
+  else if (src_device.is_cuda()) QMM_CUDA_CHECK(cudaSetDevice(src_device.index));
+  // cudaMemcpy with cudaMemcpyDefault infers the direction (unified addressing) and is ordered against the
+  // legacy default stream; contexts on other streams must synchronize before reading results on the host.
+  QMM_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+}
+
+}  // namespace qmm::cuda
