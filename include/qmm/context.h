@@ -4,12 +4,23 @@
 // Copies of a Context share the same state.
 #pragma once
 
+#include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "qmm/tensor.h"
 
 namespace qmm {
+
+struct DeviceInfo {
+  std::string name;              // "cpu" or the GPU's name
+  int compute_capability = 0;    // 90 for Hopper; 0 on the CPU
+  int sm_count = 0;
+  std::size_t l2_bytes = 0;
+  std::size_t memory_bytes = 0;
+};
 
 class Context {
  public:
@@ -26,8 +37,12 @@ class Context {
   Device device() const;
   void* stream() const;
   std::string device_name() const;  // "cpu" or the GPU's name
+  DeviceInfo info() const;
   // Blocks until all work enqueued by this context is done (no-op on the CPU).
   void synchronize() const;
+  // Runs fn(i) for i = 0 .. warmup+repeats-1 and returns the milliseconds of each of the last `repeats` calls:
+  // on a CUDA context measured with events on its stream around each call, on the CPU with a steady clock.
+  std::vector<double> time_calls(const std::function<void(int)>& fn, int warmup, int repeats) const;
 
   struct Impl;
   Impl& impl() const { return *impl_; }

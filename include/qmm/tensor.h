@@ -98,6 +98,10 @@ class Tensor {
 // Copies src into dst (same dtype and element count) between any two devices; blocks until done.
 void copy(const TensorView& dst, const TensorView& src);
 
+class Context;
+// The same, enqueued on ctx's stream (asynchronous where both sides are device memory).
+void copy(const Context& ctx, const TensorView& dst, const TensorView& src);
+
 // A copy of `src` on `device`.
 Tensor to_device(const TensorView& src, Device device);
 

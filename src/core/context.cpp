@@ -1,5 +1,7 @@
 #include "qmm/context.h"
 
+#include <chrono>
+
 #include "core/context_impl.h"
 #include "qmm/error.h"
 #ifdef QMM_WITH_CUDA
@@ -54,6 +56,31 @@ std::string Context::cuda_unavailable_reason() {
 Device Context::device() const { return impl_->device; }
 void* Context::stream() const { return impl_->stream; }
 std::string Context::device_name() const { return impl_->name; }
+
+DeviceInfo Context::info() const {
+#ifdef QMM_WITH_CUDA
+  if (impl_->device.is_cuda()) return cuda::device_info(*this);
+#endif
+  DeviceInfo d;
+  d.name = "cpu";
+  return d;
+}
+
+std::vector<double> Context::time_calls(const std::function<void(int)>& fn, int warmup, int repeats) const {
+  if (warmup < 0 || repeats < 1)
+    throw Error(ErrorCode::InvalidArgument, "Context::time_calls: warmup must be >= 0 and repeats >= 1");
+#ifdef QMM_WITH_CUDA
+  if (impl_->device.is_cuda()) return cuda::time_calls(*this, fn, warmup, repeats);
+#endif
+  std::vector<double> ms;
+  for (int i = 0; i < warmup + repeats; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn(i);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (i >= warmup) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+  }
+  return ms;
+}
 
 void Context::synchronize() const {
 #ifdef QMM_WITH_CUDA

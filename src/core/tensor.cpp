@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/validate.h"
+#include "qmm/context.h"
 #include "qmm/error.h"
 #ifdef QMM_WITH_CUDA
 #include "cuda/cuda_backend.h"
@@ -98,6 +99,24 @@ void copy(const TensorView& dst, const TensorView& src) {
   }
 #ifdef QMM_WITH_CUDA
   cuda::copy_bytes(dst.data(), dst.device(), src.data(), src.device(), src.nbytes());
+#else
+  throw Error(ErrorCode::NoDevice, "copy: qmm was built without CUDA");
+#endif
+}
+
+void copy(const Context& ctx, const TensorView& dst, const TensorView& src) {
+  if (dst.device().is_cpu() && src.device().is_cpu()) return copy(dst, src);
+  detail::require(dst.dtype() == src.dtype(), ErrorCode::DTypeMismatch, "copy",
+                  "dst is " + dst.str() + " but src is " + src.str());
+  detail::require(dst.numel() == src.numel(), ErrorCode::ShapeMismatch, "copy",
+                  "dst is " + dst.str() + " but src is " + src.str());
+  detail::require((dst.device().is_cpu() || dst.device() == ctx.device()) &&
+                      (src.device().is_cpu() || src.device() == ctx.device()),
+                  ErrorCode::DeviceMismatch, "copy", "device tensors must be on the context's " + ctx.device().str());
+  if (dst.numel() == 0) return;
+  detail::require(dst.data() && src.data(), ErrorCode::InvalidArgument, "copy", "null data pointer");
+#ifdef QMM_WITH_CUDA
+  cuda::copy_bytes_async(ctx, dst.data(), src.data(), src.nbytes());
 #else
   throw Error(ErrorCode::NoDevice, "copy: qmm was built without CUDA");
 #endif

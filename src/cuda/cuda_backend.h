@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "core/gemm_problem.h"
 #include "qmm/context.h"
@@ -19,7 +21,10 @@ void init_context(Context::Impl& impl, int device, void* stream);  // fills impl
 void* device_alloc(std::size_t bytes, int device);
 void device_free(void* ptr, int device) noexcept;
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, std::size_t bytes);
+void copy_bytes_async(const Context& ctx, void* dst, const void* src, std::size_t bytes);
 void synchronize(const Context& ctx);
+DeviceInfo device_info(const Context& ctx);
+std::vector<double> time_calls(const Context& ctx, const std::function<void(int)>& fn, int warmup, int repeats);
 
 void gemm(const Context& ctx, const GemmProblem& p);                       // gemm/
 void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h);  // swiglu/

@@ -94,6 +94,49 @@ void synchronize(const Context& ctx) {
   QMM_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
 }
 
+void copy_bytes_async(const Context& ctx, void* dst, const void* src, std::size_t bytes) {
+  set_device(ctx);
+  QMM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_of(ctx)));
+}
+
+DeviceInfo device_info(const Context& ctx) {
+  const cudaDeviceProp& p = state(ctx).props;
+  DeviceInfo d;
+  d.name = p.name;
+  d.compute_capability = p.major * 10 + p.minor;
+  d.sm_count = p.multiProcessorCount;
+  d.l2_bytes = static_cast<std::size_t>(p.l2CacheSize);
+  d.memory_bytes = p.totalGlobalMem;
+  return d;
+}
+
+std::vector<double> time_calls(const Context& ctx, const std::function<void(int)>& fn, int warmup, int repeats) {
+  set_device(ctx);
+  cudaStream_t s = stream_of(ctx);
+  std::vector<cudaEvent_t> events(static_cast<std::size_t>(repeats) * 2);
+  for (auto& e : events) QMM_CUDA_CHECK(cudaEventCreate(&e));
+  std::vector<double> ms(static_cast<std::size_t>(repeats));
+  try {
+    for (int i = 0; i < warmup; ++i) fn(i);
+    for (int r = 0; r < repeats; ++r) {
+      QMM_CUDA_CHECK(cudaEventRecord(events[2 * r], s));
+      fn(warmup + r);
+      QMM_CUDA_CHECK(cudaEventRecord(events[2 * r + 1], s));
+    }
+    QMM_CUDA_CHECK(cudaStreamSynchronize(s));
+    for (int r = 0; r < repeats; ++r) {
+      float t = 0;
+      QMM_CUDA_CHECK(cudaEventElapsedTime(&t, events[2 * r], events[2 * r + 1]));
+      ms[static_cast<std::size_t>(r)] = t;
+    }
+  } catch (...) {
+    for (auto& e : events) cudaEventDestroy(e);
+    throw;
+  }
+  for (auto& e : events) cudaEventDestroy(e);
+  return ms;
+}
+
 void* device_alloc(std::size_t bytes, int device) {
   QMM_CUDA_CHECK(cudaSetDevice(device));
   void* p = nullptr;
