@@ -37,7 +37,7 @@ QMM_HOST_DEVICE inline int nf4_nearest_code(float x) {
       0.1202552504837513f, 0.2035212516784668f, 0.2920137718319893f, 0.3893125355243683f,
       0.5016634166240692f, 0.6427869200706482f, 0.8614784181118011f};
   int code = 0;
-#if defined(__CUDACC__)
+#if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
   for (int i = 0; i < 15; ++i) code += (x > kMid[i]) ? 1 : 0;
