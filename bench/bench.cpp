@@ -1,6 +1,469 @@
-// qmm bench: placeholder until the GPU backend lands.
+// qmm bench: every op at the model shapes, timed with CUDA events (or a steady clock on the CPU), inputs rotated
+// over several times the L2 size, median and spread, against a roofline whose ceilings are measured at the start
+// of the run (a large device copy and large cuBLASLt GEMMs per math mode).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <functional>
 #include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
 #include "commands.h"
+#include "qmm/qmm.h"
+#include "shapes.h"
+
 namespace qmm::tool {
-int run_bench(const BenchOptions&) { std::cout << "qmm bench: not implemented yet\n"; return 1; }
+namespace {
+
+using bench::Projection;
+
+struct Ceilings {
+  double copy_gbps = 0;  // bytes read + written per second / 1e9
+  double bf16_tflops = 0, tf32_tflops = 0, fp32_tflops = 0;
+  double tflops_for(const std::string& mode) const {
+    if (mode == "fp32") return fp32_tflops;
+    if (mode == "tf32") return tf32_tflops;
+    return bf16_tflops;  // bf16 storage, BF16-compute, NF4 (bf16 tensor cores)
+  }
+};
+
+struct Stats {
+  double median_us = 0, p10_us = 0, p90_us = 0;
+};
+
+Stats stats_of(std::vector<double> ms) {
+  std::sort(ms.begin(), ms.end());
+  auto at = [&](double q) { return ms[static_cast<std::size_t>(q * static_cast<double>(ms.size() - 1) + 0.5)] * 1e3; };
+  return {at(0.5), at(0.1), at(0.9)};
+}
+
+struct Result {
+  std::string op, mode, shape;
+  std::int64_t batch = 1, m = 0, n = 0, k = 0;
+  double flops = 0, bytes = 0;
+  Stats t;
+  double floor_us = 0;  // 0: no ceilings (CPU mode)
+  std::string baseline;  // what `ratio` divides by
+  double ratio = 0;      // this time / baseline time (0: none)
+};
+
+// A pool of random values, generated once, from which every input is copied (so inputs are never zeros and
+// setting up a case costs a copy, not a random-number pass).
+class InputPool {
+ public:
+  explicit InputPool(std::size_t bytes) : host_(DType::U8, {static_cast<std::int64_t>(bytes)}) {
+    std::uint64_t s = 0x9E3779B97F4A7C15ull;
+    auto* f = host_.data_as<std::uint16_t>();
+    for (std::size_t i = 0; i < bytes / 2; ++i) {
+      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      // bf16 bit patterns of values in about [-1, 1) and, read as f32 pairs, finite numbers of modest size
+      const float v = static_cast<float>(static_cast<std::int64_t>(s >> 40) - (1 << 23)) / static_cast<float>(1 << 23);
+      f[i] = float_to_bf16(v);
+    }
+  }
+  // A tensor on `device` filled from the pool starting at a seed-dependent offset.
+  Tensor make(const Context& ctx, DType dtype, Shape shape, std::uint64_t seed) const {
+    Tensor t(dtype, shape, ctx.device());
+    const std::size_t total = t.nbytes(), pool = host_.nbytes();
+    std::size_t done = 0, offset = (seed * 7919u * 64u) % (pool / 2) / 4 * 4;
+    auto* dst = static_cast<std::uint8_t*>(t.data());
+    while (done < total) {
+      const std::size_t chunk = std::min(total - done, pool - offset);
+      TensorView d(dst + done, DType::U8, {static_cast<std::int64_t>(chunk)}, ctx.device());
+      TensorView s(static_cast<std::uint8_t*>(host_.data()) + offset, DType::U8, {static_cast<std::int64_t>(chunk)});
+      copy(d, s);
+      done += chunk;
+      offset = 0;
+    }
+    return t;
+  }
+
+ private:
+  // Read as f32, each pair of bf16 patterns is the high half's value in [-1, 1) plus random low mantissa bits:
+  // finite, of modest size, and with the low bits that BF16-compute truncates.
+  Tensor host_;
+};
+
+class Bench {
+ public:
+  Bench(const Context& ctx, const BenchOptions& opts) : ctx_(ctx), opts_(opts), pool_(pool_bytes(ctx)) {
+    info_ = ctx.info();
+    is_gpu_ = ctx.device().is_cuda();
+  }
+
+  bool selected(const std::string& op, const std::string& shape) const {
+    if (!opts_.ops.empty() && std::find(opts_.ops.begin(), opts_.ops.end(), op) == opts_.ops.end()) return false;
+    if (opts_.shapes.empty()) return true;
+    for (const auto& s : opts_.shapes)
+      if (shape.find(s) != std::string::npos) return true;
+    return false;
+  }
+
+  // How many input sets to rotate over so that their total exceeds 4x the L2.
+  int sets_for(double bytes) const {
+    if (!is_gpu_) return 1;
+    const double want = 4.0 * static_cast<double>(info_.l2_bytes);
+    return static_cast<int>(std::clamp(std::ceil(want / std::max(bytes, 1.0)), 1.0, 32.0));
+  }
+
+  std::vector<double> time(const std::function<void(int)>& fn) const {
+    const int warmup = is_gpu_ ? 5 : 1;
+    return ctx_.time_calls(fn, warmup, opts_.repeats);
+  }
+
+  void measure_ceilings() {
+    if (!is_gpu_) return;
+    const std::int64_t n = 256ll << 20;  // 1 GiB of f32 each way
+    Tensor a = pool_.make(ctx_, DType::F32, {n}, 1), b(DType::F32, {n}, ctx_.device());
+    const Stats c = stats_of(time([&](int) { copy(ctx_, b, a); }));
+    ceil_.copy_gbps = 2.0 * static_cast<double>(a.nbytes()) / (c.median_us * 1e-6) / 1e9;
+    auto gemm_rate = [&](DType dt, MathMode math, std::int64_t s) {
+      Tensor x = pool_.make(ctx_, dt, {s, s}, 2), y = pool_.make(ctx_, dt, {s, s}, 3), z(dt, {s, s}, ctx_.device());
+      const Stats st = stats_of(time([&](int) { gemm(ctx_, x, y, z, {1, 0, math}); }));
+      return 2.0 * static_cast<double>(s) * s * s / (st.median_us * 1e-6) / 1e12;
+    };
+    ceil_.bf16_tflops = gemm_rate(DType::BF16, MathMode::FP32, 8192);
+    ceil_.tf32_tflops = gemm_rate(DType::F32, MathMode::TF32, 8192);
+    ceil_.fp32_tflops = gemm_rate(DType::F32, MathMode::FP32, 4096);
+    std::printf("ceilings: copy %.0f GB/s, bf16 GEMM %.0f TFLOP/s (8192^3), TF32 %.0f (8192^3), FP32 %.1f (4096^3)\n",
+                ceil_.copy_gbps, ceil_.bf16_tflops, ceil_.tf32_tflops, ceil_.fp32_tflops);
+  }
+
+  void record(Result r) {
+    if (is_gpu_ && ceil_.copy_gbps > 0) {
+      const double t_flop = r.flops / (ceil_.tflops_for(r.mode) * 1e12);
+      const double t_byte = r.bytes / (ceil_.copy_gbps * 1e9);
+      r.floor_us = std::max(t_flop, t_byte) * 1e6;
+    }
+    print_row(r);
+    results_.push_back(r);
+  }
+
+  const Result* find(const std::string& op, const std::string& mode, std::int64_t m, std::int64_t n,
+                     std::int64_t k) const {
+    for (const auto& r : results_)
+      if (r.op == op && r.mode == mode && r.m == m && r.n == n && r.k == k && r.batch == 1) return &r;
+    return nullptr;
+  }
+
+  void print_header() const {
+    std::printf("\n%-17s %-9s %-22s %5s %6s %6s %10s %19s %8s %8s %6s %s\n", "op", "mode", "shape", "M", "N", "K",
+                "median us", "p10-p90 us", "TFLOP/s", "GB/s", "%roof", "ratio");
+  }
+
+  void print_row(const Result& r) const {
+    const double s = r.t.median_us * 1e-6;
+    char roof[16] = "   -", ratio[64] = "";
+    if (r.floor_us > 0) std::snprintf(roof, sizeof roof, "%5.0f%%", 100.0 * r.floor_us / r.t.median_us);
+    if (r.ratio > 0) std::snprintf(ratio, sizeof ratio, "%.2fx %s", r.ratio, r.baseline.c_str());
+    std::printf("%-17s %-9s %-22s %5lld %6lld %6lld %10.1f %9.1f-%-9.1f %8.1f %8.0f %6s %s\n", r.op.c_str(),
+                r.mode.c_str(), r.shape.c_str(), static_cast<long long>(r.m), static_cast<long long>(r.n),
+                static_cast<long long>(r.k), r.t.median_us, r.t.p10_us, r.t.p90_us, r.flops / s / 1e12,
+                r.bytes / s / 1e9, roof, ratio);
+    std::fflush(stdout);
+  }
+
+  void print_ratios() const {
+    std::printf("\nratios (this time / baseline time, same run):\n");
+    print_header();
+    for (const Result& r : results_)
+      if (r.ratio > 0) print_row(r);
+  }
+
+  void run_dense();
+  void run_batched();
+  void run_swiglu();
+  void run_nf4();
+  void add_ratios();
+  void write_json(const std::string& path) const;
+
+  std::vector<std::int64_t> token_counts() const {
+    if (is_gpu_) return bench::token_counts();
+    return {1, 16};  // the CPU reference is slow: keep CPU mode to seconds
+  }
+  std::vector<Projection> projections() const {
+    auto p = bench::projections();
+    if (!is_gpu_) p.resize(2);
+    return p;
+  }
+
+ private:
+  static std::size_t pool_bytes(const Context& ctx) { return ctx.device().is_cuda() ? (256u << 20) : (16u << 20); }
+
+  const Context& ctx_;
+  const BenchOptions& opts_;
+  InputPool pool_;
+  DeviceInfo info_;
+  bool is_gpu_ = false;
+  Ceilings ceil_;
+  std::vector<Result> results_;
+};
+
+struct DenseMode {
+  const char* name;
+  DType dtype;
+  MathMode math;
+};
+constexpr DenseMode kDenseModes[] = {{"bf16", DType::BF16, MathMode::FP32},
+                                     {"f32/bf16", DType::F32, MathMode::BF16},
+                                     {"tf32", DType::F32, MathMode::TF32},
+                                     {"fp32", DType::F32, MathMode::FP32}};
+
+void Bench::run_dense() {
+  // For a linear layer y = x W^T (W [N,K]): forward gemm_bt; dx = dy W is gemm; dW = dy^T x is gemm_backward_b;
+  // gemm_backward_a (dA = dC B^T) is measured at the forward's shape.
+  for (const Projection& p : projections())
+    for (std::int64_t m : token_counts())
+      for (const DenseMode& mode : kDenseModes) {
+        const std::size_t es = dtype_size(mode.dtype);
+        struct Variant {
+          const char* op;
+          std::int64_t rows_a, cols_a, rows_b, cols_b, rows_c, cols_c;  // stored shapes
+          std::int64_t gm, gn, gk;                                       // GEMM m, n, k
+        };
+        const std::int64_t M = m, N = p.n, K = p.k;
+        const Variant variants[] = {
+            {"gemm_bt", M, K, N, K, M, N, M, N, K},
+            {"gemm", M, N, N, K, M, K, M, K, N},
+            {"gemm_backward_a", M, N, K, N, M, K, M, K, N},
+            {"gemm_backward_b", M, N, M, K, N, K, N, K, M},
+        };
+        for (const Variant& v : variants) {
+          if (!selected(v.op, p.label)) continue;
+          const double bytes = static_cast<double>((v.rows_a * v.cols_a + v.rows_b * v.cols_b + v.rows_c * v.cols_c) * es);
+          const int sets = sets_for(bytes);
+          std::vector<Tensor> as, bs, cs;
+          for (int s = 0; s < sets; ++s) {
+            as.push_back(pool_.make(ctx_, mode.dtype, {v.rows_a, v.cols_a}, 10 + s));
+            bs.push_back(pool_.make(ctx_, mode.dtype, {v.rows_b, v.cols_b}, 50 + s));
+            cs.emplace_back(mode.dtype, Shape{v.rows_c, v.cols_c}, ctx_.device());
+          }
+          const GemmOptions o{1, 0, mode.math};
+          const std::string op = v.op;
+          auto fn = [&](int i) {
+            const int s = i % sets;
+            if (op == "gemm_bt") gemm_bt(ctx_, as[s], bs[s], cs[s], o);
+            else if (op == "gemm") gemm(ctx_, as[s], bs[s], cs[s], o);
+            else if (op == "gemm_backward_a") gemm_backward_a(ctx_, as[s], bs[s], cs[s], o);
+            else gemm_backward_b(ctx_, as[s], bs[s], cs[s], o);
+          };
+          Result r{v.op, mode.name, p.label, 1, v.gm, v.gn, v.gk, 2.0 * v.gm * v.gn * v.gk, bytes, stats_of(time(fn))};
+          record(r);
+        }
+      }
+}
+
+void Bench::run_batched() {
+  for (const auto& a : bench::attention_shapes()) {
+    if (!is_gpu_) break;
+    for (const DenseMode& mode : kDenseModes)
+      for (bool qk : {true, false}) {
+        const char* op = qk ? "batched_qk" : "batched_pv";
+        if (!selected(op, a.label) && !selected("batched_gemm", a.label)) continue;
+        const std::int64_t b = a.batch, h = a.heads, s = a.seq, d = a.head_dim;
+        // Q*K^T: [b,h,s,d] x [b,h,s,d]^T -> [b,h,s,s];  P*V: [b,h,s,s] x [b,h,s,d] -> [b,h,s,d]
+        const Shape sa = qk ? Shape{b, h, s, d} : Shape{b, h, s, s};
+        const Shape sb = Shape{b, h, s, d};
+        const Shape sc = qk ? Shape{b, h, s, s} : Shape{b, h, s, d};
+        const std::size_t es = dtype_size(mode.dtype);
+        const double bytes = static_cast<double>((sa.numel() + sb.numel() + sc.numel()) * static_cast<std::int64_t>(es));
+        const int sets = sets_for(bytes);
+        std::vector<Tensor> as, bs, cs;
+        for (int i = 0; i < sets; ++i) {
+          as.push_back(pool_.make(ctx_, mode.dtype, sa, 90 + i));
+          bs.push_back(pool_.make(ctx_, mode.dtype, sb, 130 + i));
+          cs.emplace_back(mode.dtype, sc, ctx_.device());
+        }
+        const GemmOptions o{1, 0, mode.math};
+        auto fn = [&](int i) { batched_gemm(ctx_, as[i % sets], bs[i % sets], cs[i % sets], qk, o); };
+        const std::int64_t gm = s, gn = qk ? s : d, gk = qk ? d : s;
+        Result r{op, mode.name, a.label, b * h, gm, gn, gk, 2.0 * b * h * gm * gn * gk, bytes, stats_of(time(fn))};
+        record(r);
+      }
+  }
+}
+
+void Bench::run_swiglu() {
+  std::vector<std::pair<std::string, std::int64_t>> sizes = {{"16M", 16ll << 20}, {"64M", 64ll << 20},
+                                                             {"2048x8960", 2048ll * 8960}};
+  if (!is_gpu_) sizes = {{"1M", 1ll << 20}};
+  for (const auto& [label, n] : sizes)
+    for (DType dt : {DType::BF16, DType::F32})
+      for (bool backward : {false, true}) {
+        const char* op = backward ? "swiglu_backward" : "swiglu";
+        if (!selected(op, label)) continue;
+        const double es = static_cast<double>(dtype_size(dt));
+        const double bytes = es * static_cast<double>(n) * (backward ? 5 : 3);
+        const int sets = sets_for(bytes);
+        std::vector<Tensor> g, u, dh, o1, o2;
+        for (int s = 0; s < sets; ++s) {
+          g.push_back(pool_.make(ctx_, dt, {n}, 200 + s));
+          u.push_back(pool_.make(ctx_, dt, {n}, 240 + s));
+          if (backward) dh.push_back(pool_.make(ctx_, dt, {n}, 280 + s));
+          o1.emplace_back(dt, Shape{n}, ctx_.device());
+          if (backward) o2.emplace_back(dt, Shape{n}, ctx_.device());
+        }
+        auto fn = [&](int i) {
+          const int s = i % sets;
+          if (backward) swiglu_backward(ctx_, g[s], u[s], dh[s], o1[s], o2[s]);
+          else swiglu(ctx_, g[s], u[s], o1[s]);
+        };
+        Result r{op, dtype_name(dt), label, 1, n, 1, 1, 0, bytes, stats_of(time(fn))};
+        record(r);
+      }
+}
+
+double nf4_bytes(std::int64_t n, std::int64_t k, bool dq) {
+  const double blocks = std::ceil(static_cast<double>(n * k) / 64.0);
+  return static_cast<double>(n * k) / 2.0 + (dq ? blocks + std::ceil(blocks / 256.0) * 4.0 + 1024.0 : 4.0 * blocks);
+}
+
+void Bench::run_nf4() {
+  // Quantize/dequantize of the weights, then the NF4 GEMMs with bf16 activations and double-quantized weights.
+  for (const Projection& p : projections()) {
+    const std::int64_t N = p.n, K = p.k;
+    if (p.label.find("down") != std::string::npos) continue;  // same element count as gate_up
+    for (bool dq : {false, true}) {
+      const std::string mode = dq ? "dq" : "plain";
+      Tensor w = pool_.make(ctx_, DType::BF16, {N, K}, 300);
+      Nf4Tensor q = nf4_quantize(ctx_, w, dq);
+      Tensor out(DType::BF16, {N, K}, ctx_.device());
+      const std::string label = p.label.substr(0, p.label.find(' ')) + " " + std::to_string(N) + "x" + std::to_string(K);
+      if (selected("nf4_dequantize", label)) {
+        const double bytes = nf4_bytes(N, K, dq) + 2.0 * N * K;
+        record({"nf4_dequantize", mode, label, 1, N, K, 1, 0, bytes,
+                stats_of(time([&](int) { nf4_dequantize(ctx_, q, out); }))});
+      }
+      if (selected("nf4_quantize", label)) {
+        const double bytes = nf4_bytes(N, K, dq) + 2.0 * N * K;
+        Nf4Tensor q2 = Nf4Tensor::allocate(N, K, dq, ctx_.device());
+        Nf4Weight qv = q2.view();
+        record({"nf4_quantize", mode, label, 1, N, K, 1, 0, bytes,
+                stats_of(time([&](int) { nf4_quantize(ctx_, w, qv); }))});
+      }
+    }
+  }
+  for (const Projection& p : projections())
+    for (std::int64_t m : token_counts()) {
+      const std::int64_t M = m, N = p.n, K = p.k;
+      const bool fwd = selected("nf4_gemm", p.label), bwd = selected("nf4_gemm_backward_a", p.label);
+      const bool gu = selected("nf4_gate_up", p.label) && p.label.find("gate_up") != std::string::npos &&
+                      (M <= 64 || M == 2048);
+      if (!fwd && !bwd && !gu) continue;
+      const double wbytes = nf4_bytes(N, K, true);
+      const int sets = sets_for(wbytes + 2.0 * (M * K + M * N));
+      std::vector<Nf4Tensor> ws, ws2;
+      std::vector<Tensor> as, cs, dcs, das, hs;
+      for (int s = 0; s < sets; ++s) {
+        Tensor w = pool_.make(ctx_, DType::BF16, {N, K}, 400 + s);
+        ws.push_back(nf4_quantize(ctx_, w, true));
+        if (gu) ws2.push_back(nf4_quantize(ctx_, pool_.make(ctx_, DType::BF16, {N, K}, 450 + s), true));
+        as.push_back(pool_.make(ctx_, DType::BF16, {M, K}, 500 + s));
+        cs.emplace_back(DType::BF16, Shape{M, N}, ctx_.device());
+        if (bwd) {
+          dcs.push_back(pool_.make(ctx_, DType::BF16, {M, N}, 540 + s));
+          das.emplace_back(DType::BF16, Shape{M, K}, ctx_.device());
+        }
+        if (gu) hs.emplace_back(DType::BF16, Shape{M, N}, ctx_.device());
+      }
+      const double flops = 2.0 * M * N * K;
+      if (fwd)
+        record({"nf4_gemm", "bf16/dq", p.label, 1, M, N, K, flops, wbytes + 2.0 * (M * K + M * N),
+                stats_of(time([&](int i) { nf4_gemm(ctx_, as[i % sets], ws[i % sets], cs[i % sets]); }))});
+      if (bwd)
+        record({"nf4_gemm_backward_a", "bf16/dq", p.label, 1, M, K, N, flops, wbytes + 2.0 * (M * K + M * N),
+                stats_of(time([&](int i) { nf4_gemm_backward_a(ctx_, dcs[i % sets], ws[i % sets], das[i % sets]); }))});
+      if (gu) {
+        record({"nf4_gate_up", "bf16/dq h", p.label, 1, M, N, K, 2 * flops, 2 * wbytes + 2.0 * (M * K + M * N),
+                stats_of(time([&](int i) {
+                  nf4_gate_up(ctx_, as[i % sets], ws[i % sets], ws2[i % sets], {TensorView(), TensorView(), hs[i % sets]});
+                }))});
+      }
+    }
+}
+
+void Bench::add_ratios() {
+  // NF4 GEMMs against the bf16 GEMM on the dequantized weight (same shape, same run); BF16-compute against
+  // bf16 storage and TF32; gate+up against two nf4_gemm calls.
+  for (Result& r : results_) {
+    const Result* base = nullptr;
+    if (r.op == "nf4_gemm") base = find("gemm_bt", "bf16", r.m, r.n, r.k), r.baseline = "gemm_bt bf16";
+    else if (r.op == "nf4_gemm_backward_a") base = find("gemm", "bf16", r.m, r.n, r.k), r.baseline = "gemm bf16";
+    else if (r.op == "nf4_gate_up") {
+      if (const Result* one = find("nf4_gemm", "bf16/dq", r.m, r.n, r.k)) {
+        r.baseline = "2x nf4_gemm";
+        r.ratio = r.t.median_us / (2 * one->t.median_us);
+      }
+      continue;
+    } else if (r.mode == "f32/bf16") base = find(r.op, "bf16", r.m, r.n, r.k), r.baseline = "bf16 storage";
+    else if (r.mode == "tf32" || r.mode == "fp32") base = find(r.op, "f32/bf16", r.m, r.n, r.k), r.baseline = "f32/bf16";
+    if (base) r.ratio = r.t.median_us / base->t.median_us;
+    else r.baseline.clear();
+  }
+}
+
+std::string now_utc() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+void Bench::write_json(const std::string& path) const {
+  nlohmann::json j;
+  j["device"] = info_.name;
+  j["compute_capability"] = info_.compute_capability;
+  j["date"] = now_utc();
+  const char* commit = std::getenv("QMM_COMMIT");
+  j["commit"] = commit ? commit : "unknown";
+  j["repeats"] = opts_.repeats;
+  j["ceilings"] = {{"copy_GBps", ceil_.copy_gbps},
+                   {"bf16_TFLOPs", ceil_.bf16_tflops},
+                   {"tf32_TFLOPs", ceil_.tf32_tflops},
+                   {"fp32_TFLOPs", ceil_.fp32_tflops}};
+  for (const Result& r : results_) {
+    const double s = r.t.median_us * 1e-6;
+    nlohmann::json e = {{"op", r.op},       {"mode", r.mode},          {"shape", r.shape},
+                        {"batch", r.batch}, {"m", r.m},                {"n", r.n},
+                        {"k", r.k},         {"median_us", r.t.median_us}, {"p10_us", r.t.p10_us},
+                        {"p90_us", r.t.p90_us}, {"flops", r.flops},    {"bytes", r.bytes},
+                        {"tflops", r.flops / s / 1e12}, {"gbps", r.bytes / s / 1e9}, {"floor_us", r.floor_us}};
+    if (r.floor_us > 0) e["roofline_fraction"] = r.floor_us / r.t.median_us;
+    if (r.ratio > 0) e["ratio"] = {{"vs", r.baseline}, {"value", r.ratio}};
+    j["results"].push_back(e);
+  }
+  std::ofstream f(path);
+  if (!f) throw Error(ErrorCode::Io, "bench: cannot write " + path);
+  f << j.dump(1) << "\n";
+  std::printf("\nwrote %zu results to %s\n", results_.size(), path.c_str());
+}
+
+}  // namespace
+
+int run_bench(const BenchOptions& opts) {
+  const bool gpu = !opts.cpu && Context::cuda_device_count() > 0;
+  const Context ctx = gpu ? Context::cuda(0) : Context::cpu();
+  BenchOptions o = opts;
+  if (!gpu && o.repeats > 3) o.repeats = 3;  // the CPU reference backend is a correctness tool, not a fast path
+  std::printf("qmm bench on %s%s, %d repeats per case\n", ctx.device_name().c_str(),
+              gpu ? "" : " (CPU reference backend: small shapes only)", o.repeats);
+  Bench b(ctx, o);
+  b.measure_ceilings();
+  b.print_header();
+  b.run_dense();
+  b.run_batched();
+  b.run_swiglu();
+  b.run_nf4();
+  b.add_ratios();
+  b.print_ratios();
+  if (!o.json_path.empty()) b.write_json(o.json_path);
+  return 0;
+}
+
 }  // namespace qmm::tool
