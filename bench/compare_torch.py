@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Times PyTorch on the cases of a `qmm bench --json` file, in the same process run, and prints qmm/torch.
+
+For each qmm result: the same op, mode and shape through torch.matmul (bf16, TF32, FP32; BF16-compute on f32 storage
+as torch users write it: cast to bf16, multiply, cast back), PyTorch's eager SwiGLU (silu(g) * u, and its autograd
+backward), and for NF4 GEMMs torch.matmul on the dequantized bf16 weight. Inputs are rotated over more than 4x the
+L2 size, timed with CUDA events, median of --repeats calls after warm-up.
+    python3 bench/compare_torch.py --qmm-json out/bench.json [--json out/compare.json]
+"""
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+L2_BYTES = 60 << 20
+
+
+def time_us(fn, sets, repeats, warmup=5):
+    for i in range(warmup):
+        fn(i % sets)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    for r in range(repeats):
+        starts[r].record()
+        fn(r % sets)
+        ends[r].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def n_sets(nbytes):
+    return max(1, min(32, -(-4 * L2_BYTES // max(int(nbytes), 1))))
+
+
+def rand(shape, dtype):
+    return torch.randn(shape, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def dense_case(r):
+    """Returns (fn(i), sets) for a dense or NF4 GEMM result, or None."""
+    op, mode, m, n, k = r["op"], r["mode"], r["m"], r["n"], r["k"]
+    torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+    store = torch.bfloat16 if mode in ("bf16", "bf16/dq") else torch.float32
+    bf16_compute = mode == "f32/bf16"
+    # (shape of first operand, second operand, how to multiply) per op, in the qmm bench's storage layout
+    if op in ("gemm_bt", "nf4_gemm"):
+        a_shape, b_shape, mul = (m, k), (n, k), lambda a, b: a @ b.t()
+    elif op in ("gemm", "nf4_gemm_backward_a"):
+        a_shape, b_shape, mul = (m, k), (k, n), lambda a, b: a @ b
+        if op == "nf4_gemm_backward_a":  # dA[M,K] = dC[M,N] * W[N,K]; qmm reports m=M, n=K, k=N
+            a_shape, b_shape = (m, k), (k, n)
+    elif op == "gemm_backward_a":
+        a_shape, b_shape, mul = (m, k), (n, k), lambda a, b: a @ b.t()
+    elif op == "gemm_backward_b":  # dB = A^T dC; qmm reports gemm m, n, k: A [k, m], dC [k, n]
+        a_shape, b_shape, mul = (k, m), (k, n), lambda a, b: a.t() @ b
+    elif op in ("batched_qk", "batched_pv"):
+        bh = r["batch"]
+        a_shape, b_shape = (bh, m, k), ((bh, n, k) if op == "batched_qk" else (bh, k, n))
+        mul = (lambda a, b: a @ b.transpose(-1, -2)) if op == "batched_qk" else (lambda a, b: a @ b)
+    else:
+        return None
+    esize = 2 if store == torch.bfloat16 else 4
+    nbytes = esize * (a_shape_numel(a_shape) + a_shape_numel(b_shape) + m * n * r.get("batch", 1))
+    sets = n_sets(nbytes)
+    As = [rand(a_shape, store) for _ in range(sets)]
+    Bs = [rand(b_shape, store) for _ in range(sets)]
+    if bf16_compute:
+        return (lambda i: mul(As[i].bfloat16(), Bs[i].bfloat16()).float()), sets
+    return (lambda i: mul(As[i], Bs[i])), sets
+
+
+def a_shape_numel(shape):
+    p = 1
+    for d in shape:
+        p *= d
+    return p
+
+
+def swiglu_case(r):
+    n = r["m"]
+    dtype = torch.bfloat16 if r["mode"] == "bf16" else torch.float32
+    esize = 2 if dtype == torch.bfloat16 else 4
+    if r["op"] == "swiglu":
+        sets = n_sets(3 * esize * n)
+        gs = [rand((n,), dtype) for _ in range(sets)]
+        us = [rand((n,), dtype) for _ in range(sets)]
+        return (lambda i: F.silu(gs[i]) * us[i]), sets
+    sets = n_sets(5 * esize * n)
+    gs = [rand((n,), dtype).requires_grad_() for _ in range(sets)]
+    us = [rand((n,), dtype).requires_grad_() for _ in range(sets)]
+    dhs = [rand((n,), dtype) for _ in range(sets)]
+    hs = [F.silu(g) * u for g, u in zip(gs, us)]
+    return (lambda i: torch.autograd.grad(hs[i], (gs[i], us[i]), dhs[i], retain_graph=True)), sets
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--qmm-json", required=True)
+    ap.add_argument("--json", help="write the comparison here")
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    data = json.load(open(args.qmm_json))
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}; qmm results from {data.get('date')}"
+          f" (commit {data.get('commit')})")
+    print(f"{'op':<20} {'mode':<9} {'shape':<22} {'M':>5} {'N':>6} {'K':>6} {'qmm us':>9} {'torch us':>9}"
+          f" {'torch/qmm':>9}")
+    rows = []
+    for r in data["results"]:
+        case = swiglu_case(r) if r["op"].startswith("swiglu") else dense_case(r)
+        if case is None:
+            continue
+        fn, sets = case
+        t = time_us(fn, sets, args.repeats)
+        speed = t / r["median_us"]
+        rows.append({**{k: r[k] for k in ("op", "mode", "shape", "m", "n", "k")}, "qmm_us": r["median_us"],
+                     "torch_us": t, "speedup_vs_torch": speed})
+        print(f"{r['op']:<20} {r['mode']:<9} {r['shape']:<22} {r['m']:>5} {r['n']:>6} {r['k']:>6}"
+              f" {r['median_us']:>9.1f} {t:>9.1f} {speed:>9.2f}", flush=True)
+        torch.cuda.empty_cache()
+    if rows:
+        worst = min(rows, key=lambda x: x["speedup_vs_torch"])
+        print(f"\n{len(rows)} cases; slowest relative to torch: {worst['op']} {worst['mode']} {worst['shape']} "
+              f"M={worst['m']}: {worst['speedup_vs_torch']:.2f}x")
+    if args.json:
+        json.dump(rows, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
