@@ -48,9 +48,8 @@ def dense_case(r):
     if op in ("gemm_bt", "nf4_gemm"):
         a_shape, b_shape, mul = (m, k), (n, k), lambda a, b: a @ b.t()
     elif op in ("gemm", "nf4_gemm_backward_a"):
+        # for nf4_gemm_backward_a, dA[M,K] = dC[M,N] * W[N,K]: qmm reports the GEMM's m=M, n=K, k=N
         a_shape, b_shape, mul = (m, k), (k, n), lambda a, b: a @ b
-        if op == "nf4_gemm_backward_a":  # dA[M,K] = dC[M,N] * W[N,K]; qmm reports m=M, n=K, k=N
-            a_shape, b_shape = (m, k), (k, n)
     elif op == "gemm_backward_a":
         a_shape, b_shape, mul = (m, k), (n, k), lambda a, b: a @ b.t()
     elif op == "gemm_backward_b":  # dB = A^T dC; qmm reports gemm m, n, k: A [k, m], dC [k, n]
