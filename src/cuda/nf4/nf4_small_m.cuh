@@ -1,0 +1,193 @@
+// Device code of the small-M NF4 GEMM. See nf4_small_m.cu for the data layout.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "qmm/nf4.h"
+
+namespace qmm::cuda::small_m {
+
+constexpr int kThreads = 128;                   // 4 warps
+constexpr int kTilesN = 4;                      // n8 tiles per warp: each warp owns 32 weight rows
+constexpr int kBlockN = 4 * 8 * kTilesN;        // 128 weight rows (outputs) per block
+constexpr int kChunkK = 128;                    // k per chunk: 4 threads x 32 codes (one 16-byte load each)
+constexpr int kChunks = 4;                      // chunks per block
+constexpr int kBlockK = kChunkK * kChunks;      // 512: the k range of one block (split-K over blocks)
+constexpr int kPadA = 8;                        // bf16 elements of padding per shared A row
+constexpr int kLdA = kBlockK + kPadA;
+constexpr int kLutBytes = 256 * 8;              // byte -> (codebook[hi], codebook[lo])
+
+// Scales of one weight, plain (absmax) or double-quantized (q, absmax2, code2, offset).
+struct Scales {
+  const float* absmax;
+  const std::uint8_t* q;
+  const float* absmax2;
+  const float* code2;
+  float offset;
+  int block_shift;  // log2(block size)
+};
+
+// The rebuilt fp32 scale, with the CPU's operation order and roundings (no fused multiply-add).
+__device__ __forceinline__ float block_scale(const Scales& s, std::int64_t block) {
+  if (s.absmax) return __ldg(s.absmax + block);
+  const float c = __ldg(s.code2 + __ldg(s.q + block));
+  return __fadd_rn(__fmul_rn(c, __ldg(s.absmax2 + (block >> 8))), s.offset);
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
+                                               std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void store_out(void* c, bool c_bf16, std::int64_t idx, float v, float alpha, float beta) {
+  if (c_bf16) {
+    auto* p = static_cast<__nv_bfloat16*>(c) + idx;
+    float r = alpha * v;
+    if (beta != 0.0f) r += beta * __bfloat162float(*p);
+    *p = __float2bfloat16_rn(r);
+  } else {
+    auto* p = static_cast<float*>(c) + idx;
+    float r = alpha * v;
+    if (beta != 0.0f) r += beta * *p;
+    *p = r;
+  }
+}
+
+// Grid: x over blocks of 128 weight rows, y over k ranges of 512 (split-K). MT m16 tiles cover M <= 16*MT.
+// Thread (g = lane/4, t = lane%4) of a warp loads, per chunk and n8 tile, the 16 bytes holding codes
+// k0 + 32t .. k0 + 32t + 31 of weight row g. The reduction order inside an mma is free, so mma step s (of 8 per
+// chunk) uses k = k0 + 32t + 4s + {0,1,2,3} for the fragment slots {2t, 2t+1, 2t+8, 2t+9}; A's fragments are read
+// from shared memory with the same mapping. One scale per 16-byte load (32 codes never straddle a block).
+template <int MT, bool kAF32>
+__global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
+    const void* __restrict__ a, std::int64_t M, std::int64_t N, std::int64_t K,
+    const std::uint8_t* __restrict__ codes, Scales scales, float* __restrict__ partial, void* __restrict__ c,
+    bool c_bf16, float alpha, float beta) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float2* lut = reinterpret_cast<float2*>(smem);
+  __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + kLutBytes);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const std::int64_t n_block = static_cast<std::int64_t>(blockIdx.x) * kBlockN;
+  const std::int64_t k_block = static_cast<std::int64_t>(blockIdx.y) * kBlockK;
+
+  // 1. The weight bytes first: every load of this thread is in flight before anything waits on one.
+  uint4 w[kChunks][kTilesN];
+  float s[kChunks][kTilesN];
+#pragma unroll
+  for (int ch = 0; ch < kChunks; ++ch)
+#pragma unroll
+    for (int tile = 0; tile < kTilesN; ++tile) {
+      const std::int64_t n = n_block + warp * 32 + tile * 8 + g;
+      const std::int64_t k = k_block + ch * kChunkK + 32 * t;
+      if (n < N && k < K) {
+        const std::int64_t e = n * K + k;
+        w[ch][tile] = __ldg(reinterpret_cast<const uint4*>(codes + (e >> 1)));
+        s[ch][tile] = block_scale(scales, e >> scales.block_shift);
+      } else {
+        w[ch][tile] = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);  // code 7 is 0.0
+        s[ch][tile] = 0.0f;
+      }
+    }
+
+  // 2. While they fly: the codebook pair table and the activation tile (bf16, zero outside M and K).
+  for (int i = tid; i < 256; i += kThreads) lut[i] = make_float2(nf4_code_value(i >> 4), nf4_code_value(i & 15));
+  constexpr int kVecPerRow = kBlockK / 8;
+  for (int i = tid; i < MT * 16 * kVecPerRow; i += kThreads) {
+    const int row = i / kVecPerRow, col = (i % kVecPerRow) * 8;
+    const std::int64_t k = k_block + col;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < M && k < K) {  // K % 32 == 0, so all 8 are in range
+      if constexpr (kAF32) {
+        const float* src = static_cast<const float*>(a) + row * K + k;
+        const float4 x0 = __ldg(reinterpret_cast<const float4*>(src));
+        const float4 x1 = __ldg(reinterpret_cast<const float4*>(src + 4));
+        v = make_uint4(pack_bf16x2(x0.x, x0.y), pack_bf16x2(x0.z, x0.w), pack_bf16x2(x1.x, x1.y),
+                       pack_bf16x2(x1.z, x1.w));
+      } else {
+        v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a) + row * K + k));
+      }
+    }
+    *reinterpret_cast<uint4*>(as + row * kLdA + col) = v;
+  }
+  __syncthreads();
+
+  // 3. Dequantize in registers and multiply.
+  float acc[MT][kTilesN][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int tile = 0; tile < kTilesN; ++tile)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][tile][i] = 0.0f;
+
+#pragma unroll
+  for (int ch = 0; ch < kChunks; ++ch) {
+    if (k_block + ch * kChunkK >= K) break;  // uniform across the block
+#pragma unroll
+    for (int step = 0; step < 8; ++step) {
+      std::uint32_t af[MT][4];
+      const int kk = ch * kChunkK + 32 * t + 4 * step;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint2 x0 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g) * kLdA + kk);
+        const uint2 x1 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g + 8) * kLdA + kk);
+        af[mt][0] = x0.x;
+        af[mt][1] = x1.x;
+        af[mt][2] = x0.y;
+        af[mt][3] = x1.y;
+      }
+#pragma unroll
+      for (int tile = 0; tile < kTilesN; ++tile) {
+        const uint4 wv = w[ch][tile];
+        const std::uint32_t word = (step >> 1) == 0 ? wv.x : (step >> 1) == 1 ? wv.y : (step >> 1) == 2 ? wv.z : wv.w;
+        const int shift = (step & 1) * 16;
+        const float2 p = lut[(word >> shift) & 0xFF];
+        const float2 q = lut[(word >> (shift + 8)) & 0xFF];
+        const float sc = s[ch][tile];
+        const std::uint32_t b0 = pack_bf16x2(p.x * sc, p.y * sc);
+        const std::uint32_t b1 = pack_bf16x2(q.x * sc, q.y * sc);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma_bf16_16816(acc[mt][tile], af[mt], b0, b1);
+      }
+    }
+  }
+
+  // 4. Rows m of the output are the mma's rows; its columns are weight rows n.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int tile = 0; tile < kTilesN; ++tile)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const std::int64_t m = mt * 16 + g + (i >= 2 ? 8 : 0);
+        const std::int64_t n = n_block + warp * 32 + tile * 8 + 2 * t + (i & 1);
+        if (m >= M || n >= N) continue;
+        if (partial) partial[(static_cast<std::int64_t>(blockIdx.y) * M + m) * N + n] = acc[mt][tile][i];
+        else store_out(c, c_bf16, m * N + n, acc[mt][tile][i], alpha, beta);
+      }
+}
+
+// Sums the split-K partials [splits][M*N] in a fixed order (deterministic) and writes alpha*sum + beta*C.
+__global__ void nf4_split_k_reduce_kernel(const float* __restrict__ partial, int splits, std::int64_t mn,
+                                          void* __restrict__ c, bool c_bf16, float alpha, float beta) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < mn;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    float sum = 0.0f;
+    for (int sp = 0; sp < splits; ++sp) sum += partial[sp * mn + i];
+    store_out(c, c_bf16, i, sum, alpha, beta);
+  }
+}
+
+}  // namespace qmm::cuda::small_m

@@ -1,0 +1,20 @@
+// The fused small-M NF4 GEMM (C = A * dequant(W)^T for M <= 64): reads each weight byte once with 16-byte loads,
+// dequantizes in registers and multiplies on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate).
+#pragma once
+
+#include "qmm/context.h"
+#include "qmm/nf4.h"
+#include "qmm/tensor.h"
+
+namespace qmm::cuda {
+
+constexpr int kNf4SmallMMaxRows = 64;
+
+// Whether the fast kernel can take this problem (M <= 64, K a multiple of 32, 16-byte aligned A and codes);
+// callers fall back to dequantize + GEMM otherwise.
+bool nf4_small_m_supported(const TensorView& a, const Nf4Weight& w);
+
+void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
+                             float alpha, float beta);
+
+}  // namespace qmm::cuda
