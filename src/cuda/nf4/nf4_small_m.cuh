@@ -179,6 +179,130 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
       }
 }
 
+// ---- input gradient: dA[M,K] = dC[M,N] * dequant(W), M <= 16 -----------------------------------------------
+// Computed transposed, dA^T = W^T dC^T, so that the weight is the mma's A operand and its 16-byte row loads fit:
+// thread (g, t) loads codes k0 + 32g .. k0 + 32g + 31 of weight rows n0 + {2t, 2t+1, 2t+8, 2t+9} (the fragment's
+// reduction slots). Byte p of those loads is output-row slot g of m16 tile p (element k0 + 32g + 2p) and slot g+8
+// (element + 1). dC^T is the B operand: its fragment pairs are consecutive n of one dC row, read from shared memory.
+constexpr int kBwdWarps = 8;
+constexpr int kBwdThreads = kBwdWarps * 32;
+constexpr int kBwdBlockK = 256;   // output columns per block: 8 g x 32 codes
+constexpr int kBwdGroupN = 16;    // weight rows per mma group
+
+template <int MT8, bool kDcF32>
+__global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
+    const void* __restrict__ dc, std::int64_t M, std::int64_t N, std::int64_t K,
+    const std::uint8_t* __restrict__ codes, Scales scales, int groups_per_warp, float* __restrict__ partial,
+    void* __restrict__ da, bool da_bf16, float alpha, float beta) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float2* lut = reinterpret_cast<float2*>(smem);
+  const int block_n = kBwdWarps * kBwdGroupN * groups_per_warp;  // weight rows (reduction) of this block
+  const int ld_dc = block_n + 8;                                  // bf16 elements per shared dC row
+  __nv_bfloat16* dcs = reinterpret_cast<__nv_bfloat16*>(smem + kLutBytes);
+  float* red = reinterpret_cast<float*>(smem + kLutBytes + ((MT8 * 8 * ld_dc * 2 + 15) / 16) * 16);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const std::int64_t k0 = static_cast<std::int64_t>(blockIdx.x) * kBwdBlockK;
+  const std::int64_t n_begin = static_cast<std::int64_t>(blockIdx.y) * block_n;
+
+  for (int i = tid; i < 256; i += kBwdThreads) lut[i] = make_float2(nf4_code_value(i >> 4), nf4_code_value(i & 15));
+  // dC tile [MT8*8][block_n] as bf16 pairs, zero outside M and N.
+  for (int i = tid; i < MT8 * 8 * (block_n / 2); i += kBwdThreads) {
+    const int row = i / (block_n / 2), col = (i % (block_n / 2)) * 2;
+    const std::int64_t n = n_begin + col;
+    float x0 = 0.0f, x1 = 0.0f;
+    if (row < M) {
+      if constexpr (kDcF32) {
+        const float* src = static_cast<const float*>(dc) + row * N + n;
+        if (n < N) x0 = src[0];
+        if (n + 1 < N) x1 = src[1];
+      } else {
+        const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(dc) + row * N + n;
+        if (n < N) x0 = __bfloat162float(src[0]);
+        if (n + 1 < N) x1 = __bfloat162float(src[1]);
+      }
+    }
+    *reinterpret_cast<std::uint32_t*>(dcs + row * ld_dc + col) = pack_bf16x2(x0, x1);
+  }
+  __syncthreads();
+
+  float acc[16][MT8][4];
+#pragma unroll
+  for (int p = 0; p < 16; ++p)
+#pragma unroll
+    for (int mt = 0; mt < MT8; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[p][mt][i] = 0.0f;
+
+  const std::int64_t k = k0 + 32 * g;
+  const int row_slot[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+  for (int gi = 0; gi < groups_per_warp; ++gi) {
+    const int nl = (gi * kBwdWarps + warp) * kBwdGroupN;  // first weight row of the group, within the block
+    uint4 w[4];
+    float sc[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const std::int64_t n = n_begin + nl + row_slot[r];
+      if (n < N && k < K) {
+        const std::int64_t e = n * K + k;
+        w[r] = __ldg(reinterpret_cast<const uint4*>(codes + (e >> 1)));
+        sc[r] = block_scale(scales, e >> scales.block_shift);
+      } else {
+        w[r] = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);
+        sc[r] = 0.0f;
+      }
+    }
+    std::uint32_t bf[MT8][2];
+#pragma unroll
+    for (int mt = 0; mt < MT8; ++mt) {
+      const __nv_bfloat16* row = dcs + (mt * 8 + g) * ld_dc + nl + 2 * t;
+      bf[mt][0] = *reinterpret_cast<const std::uint32_t*>(row);
+      bf[mt][1] = *reinterpret_cast<const std::uint32_t*>(row + 8);
+    }
+#pragma unroll
+    for (int p = 0; p < 16; ++p) {
+      float2 l[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const std::uint32_t word = (p >> 2) == 0 ? w[r].x : (p >> 2) == 1 ? w[r].y : (p >> 2) == 2 ? w[r].z : w[r].w;
+        l[r] = lut[(word >> (8 * (p & 3))) & 0xFF];
+      }
+      const std::uint32_t af[4] = {pack_bf16x2(l[0].x * sc[0], l[1].x * sc[1]),
+                                   pack_bf16x2(l[0].y * sc[0], l[1].y * sc[1]),
+                                   pack_bf16x2(l[2].x * sc[2], l[3].x * sc[3]),
+                                   pack_bf16x2(l[2].y * sc[2], l[3].y * sc[3])};
+#pragma unroll
+      for (int mt = 0; mt < MT8; ++mt) mma_bf16_16816(acc[p][mt], af, bf[mt][0], bf[mt][1]);
+    }
+  }
+
+  // Sum the warps' partial tiles in a fixed order (deterministic), in shared memory [MT8*8][256].
+  constexpr int kRedLd = kBwdBlockK;
+  for (int wv = 0; wv < kBwdWarps; ++wv) {
+    if (warp == wv) {
+#pragma unroll
+      for (int p = 0; p < 16; ++p)
+#pragma unroll
+        for (int mt = 0; mt < MT8; ++mt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int m = mt * 8 + 2 * t + (i & 1);
+            const int kl = 32 * g + 2 * p + (i >> 1);
+            float& r = red[m * kRedLd + kl];
+            r = (wv == 0 ? 0.0f : r) + acc[p][mt][i];
+          }
+    }
+    __syncthreads();
+  }
+  for (int i = tid; i < MT8 * 8 * kBwdBlockK; i += kBwdThreads) {
+    const int m = i / kBwdBlockK, kl = i % kBwdBlockK;
+    const std::int64_t kk = k0 + kl;
+    if (m >= M || kk >= K) continue;
+    if (partial) partial[(static_cast<std::int64_t>(blockIdx.y) * M + m) * K + kk] = red[i];
+    else store_out(da, da_bf16, m * K + kk, red[i], alpha, beta);
+  }
+}
+
 // Sums the split-K partials [splits][M*N] in a fixed order (deterministic) and writes alpha*sum + beta*C.
 __global__ void nf4_split_k_reduce_kernel(const float* __restrict__ partial, int splits, std::int64_t mn,
                                           void* __restrict__ c, bool c_bf16, float alpha, float beta) {
