@@ -33,35 +33,58 @@ small_m::Scales scales_of(const Nf4Weight& w) {
   return sc;
 }
 
+int reduce_blocks(const Context& ctx, std::int64_t n) {
+  return static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>((n + 255) / 256, 8LL * state(ctx).sm_count())));
+}
+
 void launch_reduce(const Context& ctx, const float* partial, int splits, std::int64_t mn, const TensorView& c,
                    float alpha, float beta) {
-  const int blocks = static_cast<int>(std::min<std::int64_t>((mn + 255) / 256, 8LL * state(ctx).sm_count()));
-  small_m::nf4_split_k_reduce_kernel<<<blocks, 256, 0, stream_of(ctx)>>>(partial, splits, mn, c.data(),
+  small_m::nf4_split_k_reduce_kernel<<<reduce_blocks(ctx, mn), 256, 0, stream_of(ctx)>>>(partial, splits, mn, c.data(),
                                                                         c.dtype() == DType::BF16, alpha, beta);
   QMM_CUDA_CHECK_LAUNCH("nf4_split_k_reduce_kernel");
 }
 
+// One launch over `weights` (1, or 2 for gate and up) weights of W's shape. With one weight and no split the
+// kernel writes C itself; otherwise it writes fp32 partials to scratch, returned for the caller's reduction.
 template <int MT, bool kAF32>
-void launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha,
-                  float beta) {
+float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
+                    const TensorView& c, float alpha, float beta, int* splits_out) {
   using namespace small_m;
-  const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
+  const std::int64_t M = a.dim(0), K = a.dim(1), N = w0.rows;
   const int splits = static_cast<int>((K + kBlockK - 1) / kBlockK);
-  const dim3 grid(static_cast<unsigned>((N + kBlockN - 1) / kBlockN), static_cast<unsigned>(splits));
+  const int blocks_n = static_cast<int>((N + kBlockN - 1) / kBlockN);
+  const dim3 grid(static_cast<unsigned>(blocks_n * weights), static_cast<unsigned>(splits));
   const int smem = kLutBytes + MT * 16 * kLdA * 2;
   auto kernel = nf4_gemm_small_m_kernel<MT, kAF32>;
   QMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-
-  const Scales sc = scales_of(w);
-  const bool c_bf16 = c.dtype() == DType::BF16;
-  cudaStream_t stream = stream_of(ctx);
   float* partial = nullptr;
-  if (splits > 1)
-    partial = static_cast<float*>(state(ctx).scratch_at_least(static_cast<std::size_t>(splits) * M * N * 4));
-  kernel<<<grid, kThreads, smem, stream>>>(a.data(), M, N, K, w.codes.data_as<std::uint8_t>(), sc, partial,
-                                           c.data(), c_bf16, alpha, beta);
+  if (splits > 1 || weights > 1)
+    partial = static_cast<float*>(
+        state(ctx).scratch_at_least(static_cast<std::size_t>(weights) * splits * M * N * sizeof(float)));
+  const WeightArgs args0{w0.codes.data_as<std::uint8_t>(), scales_of(w0)};
+  const WeightArgs args1{w1.codes.data_as<std::uint8_t>(), scales_of(w1)};
+  kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(a.data(), M, N, K, args0, args1, blocks_n, partial,
+                                                   c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16, alpha,
+                                                   beta);
   QMM_CUDA_CHECK_LAUNCH("nf4_gemm_small_m_kernel");
-  if (splits > 1) launch_reduce(ctx, partial, splits, M * N, c, alpha, beta);
+  *splits_out = splits;
+  return partial;
+}
+
+template <bool kAF32>
+float* launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
+                   const TensorView& c, float alpha, float beta, int* splits) {
+  const std::int64_t M = a.dim(0);
+  if (M <= 16) return launch_tiles<1, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, splits);
+  if (M <= 32) return launch_tiles<2, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, splits);
+  return launch_tiles<4, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, splits);
+}
+
+float* launch_forward(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
+                      int weights, const TensorView& c, float alpha, float beta, int* splits) {
+  set_device(ctx);
+  return a.dtype() == DType::F32 ? launch_rows<true>(ctx, a, w0, w1, weights, c, alpha, beta, splits)
+                                 : launch_rows<false>(ctx, a, w0, w1, weights, c, alpha, beta, splits);
 }
 
 template <int MT8, bool kDcF32>
@@ -124,11 +147,22 @@ void launch_nf4_gemm_backward_small_m(const Context& ctx, const TensorView& dc, 
 
 void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
                              float alpha, float beta) {
-  set_device(ctx);
-  const std::int64_t M = a.dim(0);
-  if (M <= 16) launch_rows<1>(ctx, a, w, c, alpha, beta);
-  else if (M <= 32) launch_rows<2>(ctx, a, w, c, alpha, beta);
-  else launch_rows<4>(ctx, a, w, c, alpha, beta);
+  int splits = 1;
+  const float* partial = launch_forward(ctx, a, w, w, 1, c, alpha, beta, &splits);
+  if (partial) launch_reduce(ctx, partial, splits, a.dim(0) * w.rows, c, alpha, beta);
+}
+
+void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,
+                                const Nf4Weight& w_up, const GateUpOutputs& out, float alpha) {
+  int splits = 1;
+  const float* partial = launch_forward(ctx, a, w_gate, w_up, 2, TensorView(), 1.0f, 0.0f, &splits);
+  const std::int64_t mn = a.dim(0) * w_gate.rows;
+  auto ptr = [](const TensorView& v) { return v.empty() ? nullptr : v.data(); };
+  const small_m::GateUpOut o{ptr(out.gate), ptr(out.up), ptr(out.h), out.gate.dtype() == DType::BF16,
+                             out.up.dtype() == DType::BF16, out.h.dtype() == DType::BF16};
+  small_m::nf4_gate_up_reduce_kernel<<<reduce_blocks(ctx, mn), 256, 0, stream_of(ctx)>>>(partial, splits, mn, o,
+                                                                                       alpha);
+  QMM_CUDA_CHECK_LAUNCH("nf4_gate_up_reduce_kernel");
 }
 
 }  // namespace qmm::cuda

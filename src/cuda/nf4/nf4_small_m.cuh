@@ -69,17 +69,27 @@ __device__ __forceinline__ void store_out(void* c, bool c_bf16, std::int64_t idx
 // k0 + 32t .. k0 + 32t + 31 of weight row g. The reduction order inside an mma is free, so mma step s (of 8 per
 // chunk) uses k = k0 + 32t + 4s + {0,1,2,3} for the fragment slots {2t, 2t+1, 2t+8, 2t+9}; A's fragments are read
 // from shared memory with the same mapping. One scale per 16-byte load (32 codes never straddle a block).
+// Two weights of one shape may share a launch (gate and up): blocks [0, blocks_per_weight) take w0, the rest w1,
+// and the partials of w1 follow those of w0.
+struct WeightArgs {
+  const std::uint8_t* codes;
+  Scales scales;
+};
+
 template <int MT, bool kAF32>
 __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
-    const void* __restrict__ a, std::int64_t M, std::int64_t N, std::int64_t K,
-    const std::uint8_t* __restrict__ codes, Scales scales, float* __restrict__ partial, void* __restrict__ c,
-    bool c_bf16, float alpha, float beta) {
+    const void* __restrict__ a, std::int64_t M, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1,
+    int blocks_per_weight, float* __restrict__ partial, void* __restrict__ c, bool c_bf16, float alpha, float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
   float2* lut = reinterpret_cast<float2*>(smem);
   __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + kLutBytes);
 
+  const int which = static_cast<int>(blockIdx.x) >= blocks_per_weight ? 1 : 0;
+  const std::uint8_t* __restrict__ codes = which ? w1.codes : w0.codes;
+  const Scales scales = which ? w1.scales : w0.scales;
+  if (partial) partial += static_cast<std::int64_t>(which) * gridDim.y * M * N;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const std::int64_t n_block = static_cast<std::int64_t>(blockIdx.x) * kBlockN;
+  const std::int64_t n_block = static_cast<std::int64_t>(blockIdx.x - which * blocks_per_weight) * kBlockN;
   const std::int64_t k_block = static_cast<std::int64_t>(blockIdx.y) * kBlockK;
 
   // 1. The weight bytes first: every load of this thread is in flight before anything waits on one.
@@ -311,6 +321,32 @@ __global__ void nf4_split_k_reduce_kernel(const float* __restrict__ partial, int
     float sum = 0.0f;
     for (int sp = 0; sp < splits; ++sp) sum += partial[sp * mn + i];
     store_out(c, c_bf16, i, sum, alpha, beta);
+  }
+}
+
+// gate_up: sums both weights' partials, then writes gate, up (alpha applied) and h = silu(gate)*up where asked.
+struct GateUpOut {
+  void* gate;
+  void* up;
+  void* h;
+  bool gate_bf16, up_bf16, h_bf16;
+};
+
+__global__ void nf4_gate_up_reduce_kernel(const float* __restrict__ partial, int splits, std::int64_t mn,
+                                          GateUpOut out, float alpha) {
+  const float* pu = partial + static_cast<std::int64_t>(splits) * mn;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < mn;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    float gs = 0.0f, us = 0.0f;
+    for (int sp = 0; sp < splits; ++sp) {
+      gs += partial[sp * mn + i];
+      us += pu[sp * mn + i];
+    }
+    gs *= alpha;
+    us *= alpha;
+    if (out.gate) store_out(out.gate, out.gate_bf16, i, gs, 1.0f, 0.0f);
+    if (out.up) store_out(out.up, out.up_bf16, i, us, 1.0f, 0.0f);
+    if (out.h) store_out(out.h, out.h_bf16, i, gs / (1.0f + __expf(-gs)) * us, 1.0f, 0.0f);
   }
 }
 

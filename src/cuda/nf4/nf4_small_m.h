@@ -4,6 +4,7 @@
 
 #include "qmm/context.h"
 #include "qmm/nf4.h"
+#include "qmm/ops.h"
 #include "qmm/tensor.h"
 
 namespace qmm::cuda {
@@ -17,6 +18,10 @@ bool nf4_small_m_supported(const TensorView& a, const Nf4Weight& w);
 
 void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
                              float alpha, float beta);
+
+// gate and up in one launch (both weights of one shape), then h = silu(gate)*up where out.h is given.
+void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,
+                                const Nf4Weight& w_up, const GateUpOutputs& out, float alpha);
 
 // dA = dC * dequant(W) for M <= 16 (same preconditions, on dC).
 bool nf4_small_m_backward_supported(const TensorView& dc, const Nf4Weight& w);
