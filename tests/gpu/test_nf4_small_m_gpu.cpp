@@ -1,0 +1,146 @@
+// The fused small-M NF4 kernels (forward, input gradient, gate+up) against the CPU oracle, forced by path.
+#include <tuple>
+
+#include "common/test_util.h"
+
+namespace qmm {
+namespace {
+
+struct Problem {
+  Nf4Tensor w_host;
+  Nf4Tensor w_dev;
+};
+
+Nf4Tensor nf4_to_device(const Nf4Tensor& h, Device d) {
+  Nf4Tensor out = h;
+  out.codes = to_device(h.codes, d);
+  out.absmax = to_device(h.absmax, d);
+  if (h.absmax2.defined()) out.absmax2 = to_device(h.absmax2, d);
+  if (h.code2.defined()) out.code2 = to_device(h.code2, d);
+  return out;
+}
+
+Problem make_weight(std::int64_t n, std::int64_t k, bool dq, std::uint64_t seed) {
+  const Context cpu = Context::cpu();
+  Tensor w = test::random_tensor(DType::BF16, {n, k}, seed, -0.05f, 0.05f);
+  Problem p;
+  p.w_host = nf4_quantize(cpu, w, dq);
+  p.w_dev = nf4_to_device(p.w_host, test::gpu_context()->device());
+  return p;
+}
+
+// Both sides multiply the same bf16 operands; only summation order differs.
+test::Tolerance tolerance_for(DType out, std::int64_t k) {
+  return out == DType::BF16 ? test::bf16_output_tolerance(k) : test::fp32_accum_tolerance(k);
+}
+
+using Shape3 = std::tuple<std::int64_t, std::int64_t, std::int64_t>;  // M, N, K
+
+class SmallMForward : public ::testing::TestWithParam<Shape3> {};
+
+TEST_P(SmallMForward, MatchesCpuOracle) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  const auto [m, n, k] = GetParam();
+  std::uint64_t seed = static_cast<std::uint64_t>(m * 1000003 + n * 1009 + k);
+  for (bool dq : {false, true})
+    for (DType adt : {DType::BF16, DType::F32})
+      for (DType cdt : {DType::F32, DType::BF16}) {
+        Problem p = make_weight(n, k, dq, ++seed);
+        Tensor a = test::random_tensor(adt, {m, k}, ++seed);
+        Tensor c0 = test::random_tensor(cdt, {m, n}, ++seed);
+        for (float beta : {0.0f, 1.0f}) {
+          const Nf4GemmOptions opts{0.75f, beta, Nf4Path::SmallM};
+          Tensor ref = test::host_copy(c0);
+          nf4_gemm(cpu, a, p.w_host, ref, {0.75f, beta, Nf4Path::Auto});
+          Tensor c = to_device(c0, gpu.device());
+          if (beta == 0.0f) test::poison(c);
+          nf4_gemm(gpu, to_device(a, gpu.device()), p.w_dev, c, opts);
+          gpu.synchronize();
+          EXPECT_TRUE(test::all_close(test::host_copy(c), ref, tolerance_for(cdt, k)))
+              << "M=" << m << " N=" << n << " K=" << k << " dq=" << dq << " a=" << dtype_name(adt)
+              << " c=" << dtype_name(cdt) << " beta=" << beta;
+        }
+      }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, SmallMForward,
+                         ::testing::Values(Shape3{1, 1, 32}, Shape3{1, 130, 96}, Shape3{7, 1000, 544},
+                                           Shape3{16, 129, 1536}, Shape3{17, 257, 512}, Shape3{33, 64, 160},
+                                           Shape3{64, 300, 1024}, Shape3{5, 14336 / 16, 4096}));
+
+class SmallMBackward : public ::testing::TestWithParam<Shape3> {};
+
+TEST_P(SmallMBackward, MatchesCpuOracle) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  const auto [m, n, k] = GetParam();
+  std::uint64_t seed = static_cast<std::uint64_t>(m * 7919 + n * 31 + k);
+  for (bool dq : {false, true})
+    for (DType dt : {DType::BF16, DType::F32}) {
+      Problem p = make_weight(n, k, dq, ++seed);
+      Tensor dc = test::random_tensor(dt, {m, n}, ++seed);
+      Tensor da0 = test::random_tensor(dt, {m, k}, ++seed);
+      for (float beta : {0.0f, 1.0f}) {
+        Tensor ref = test::host_copy(da0);
+        nf4_gemm_backward_a(cpu, dc, p.w_host, ref, {1.25f, beta, Nf4Path::Auto});
+        Tensor da = to_device(da0, gpu.device());
+        if (beta == 0.0f) test::poison(da);
+        nf4_gemm_backward_a(gpu, to_device(dc, gpu.device()), p.w_dev, da, {1.25f, beta, Nf4Path::SmallM});
+        gpu.synchronize();
+        EXPECT_TRUE(test::all_close(test::host_copy(da), ref, tolerance_for(dt, n)))
+            << "M=" << m << " N=" << n << " K=" << k << " dq=" << dq << " dtype=" << dtype_name(dt)
+            << " beta=" << beta;
+      }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, SmallMBackward,
+                         ::testing::Values(Shape3{1, 1, 32}, Shape3{1, 7, 96}, Shape3{8, 130, 544},
+                                           Shape3{9, 1000, 256}, Shape3{16, 2050, 1536}, Shape3{3, 4096, 1024}));
+
+TEST(SmallMGateUp, AllOutputCombinationsMatchCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  const std::int64_t m = 7, n = 333, k = 1056;
+  Problem g = make_weight(n, k, true, 11), u = make_weight(n, k, true, 12);
+  Tensor a = test::random_tensor(DType::BF16, {m, k}, 13);
+  Tensor rg(DType::F32, {m, n}), ru(DType::F32, {m, n}), rh(DType::F32, {m, n});
+  nf4_gate_up(cpu, a, g.w_host, u.w_host, {rg, ru, rh});
+  Tensor ad = to_device(a, gpu.device());
+  for (int mask = 1; mask < 8; ++mask) {
+    Tensor dg(DType::F32, {m, n}, gpu.device()), du(DType::F32, {m, n}, gpu.device()),
+        dh(DType::BF16, {m, n}, gpu.device());
+    test::poison(dg);
+    test::poison(du);
+    test::poison(dh);
+    GateUpOutputs out{(mask & 1) ? TensorView(dg) : TensorView(), (mask & 2) ? TensorView(du) : TensorView(),
+                      (mask & 4) ? TensorView(dh) : TensorView()};
+    nf4_gate_up(gpu, ad, g.w_dev, u.w_dev, out, {1.0f, 0.0f, Nf4Path::SmallM});
+    gpu.synchronize();
+    if (mask & 1) EXPECT_TRUE(test::all_close(test::host_copy(dg), rg, test::fp32_accum_tolerance(k))) << mask;
+    if (mask & 2) EXPECT_TRUE(test::all_close(test::host_copy(du), ru, test::fp32_accum_tolerance(k))) << mask;
+    if (mask & 4) EXPECT_TRUE(test::all_close(test::host_copy(dh), rh, test::bf16_output_tolerance(k))) << mask;
+  }
+}
+
+TEST(SmallMPath, ForcedOnUnsupportedShapeRaisesUnsupported) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  Problem p = make_weight(64, 100, false, 5);  // K = 100 is not a multiple of 32
+  Tensor a(DType::BF16, {4, 100}, gpu.device()), c(DType::F32, {4, 64}, gpu.device());
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, p.w_dev, c, {1, 0, Nf4Path::SmallM}); },
+                                 ErrorCode::Unsupported, {"nf4_gemm", "SmallM"}));
+  // Auto takes a correct path for the same shape.
+  Tensor ah = test::random_tensor(DType::BF16, {4, 100}, 6), ref(DType::F32, {4, 64});
+  nf4_gemm(Context::cpu(), ah, p.w_host, ref);
+  nf4_gemm(gpu, to_device(ah, gpu.device()), p.w_dev, c);
+  gpu.synchronize();
+  EXPECT_TRUE(test::all_close(test::host_copy(c), ref, test::fp32_accum_tolerance(100)));
+}
+
+}  // namespace
+}  // namespace qmm
