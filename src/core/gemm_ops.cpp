@@ -1,0 +1,196 @@
+// Public dense GEMM entry points: validate everything, map the variant onto one GemmProblem, route to the backend
+// of the context's device.
+#include <cmath>
+#include <string>
+
+#include "core/gemm_problem.h"
+#include "core/validate.h"
+#include "cpu/cpu_backend.h"
+#include "qmm/ops.h"
+#ifdef QMM_WITH_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+
+namespace qmm {
+
+const char* math_mode_name(MathMode mode) {
+  switch (mode) {
+    case MathMode::FP32: return "fp32";
+    case MathMode::TF32: return "tf32";
+    case MathMode::BF16: return "bf16";
+  }
+  return "?";
+}
+
+std::string GemmProblem::key() const {
+  auto s = [](std::int64_t v) { return std::to_string(v); };
+  return std::string("gemm|") + dtype_name(ab_dtype) + "->" + dtype_name(c_dtype) + "|" + math_mode_name(math) +
+         "|b" + s(batch) + "|m" + s(m) + "|n" + s(n) + "|k" + s(k) + "|" + (trans_a ? "T" : "N") +
+         (trans_b ? "T" : "N") + "|s" + s(stride_a) + "," + s(stride_b) + "," + s(stride_c);
+}
+
+namespace {
+
+using detail::require;
+
+struct Arg {
+  const char* name;
+  const TensorView& t;
+};
+
+// Checks shared by every variant that need no shape arithmetic: data, device, rank, dtypes, scalars, math mode.
+void check_common(const Context& ctx, const char* op, const Arg& a, const Arg& b, const Arg& c, int rank,
+                  const GemmOptions& opts) {
+  for (const Arg* x : {&a, &b, &c}) detail::require_tensor(ctx, op, x->name, x->t);
+  for (const Arg* x : {&a, &b, &c}) detail::require_rank(op, x->name, x->t, rank);
+  detail::require_dtype(op, a.name, a.t, {DType::F32, DType::BF16});
+  detail::require_same_dtype(op, a.name, a.t, b.name, b.t);
+  require(c.t.dtype() == a.t.dtype() || c.t.dtype() == DType::F32, ErrorCode::DTypeMismatch, op,
+          std::string(c.name) + " is " + dtype_name(c.t.dtype()) + " but must be " + dtype_name(a.t.dtype()) +
+              (a.t.dtype() == DType::F32 ? "" : " or f32") + " (the inputs' dtype or f32)");
+  require(std::isfinite(opts.alpha), ErrorCode::InvalidArgument, op,
+          "alpha is " + std::to_string(opts.alpha) + " but must be finite");
+  require(std::isfinite(opts.beta), ErrorCode::InvalidArgument, op,
+          "beta is " + std::to_string(opts.beta) + " but must be finite");
+  require(opts.math == MathMode::FP32 || opts.math == MathMode::TF32 || opts.math == MathMode::BF16,
+          ErrorCode::InvalidArgument, op, "math mode " + std::to_string(static_cast<int>(opts.math)) + " is unknown");
+}
+
+void check_output_shape(const char* op, const Arg& c, const Shape& want) {
+  require(c.t.shape() == want, ErrorCode::ShapeMismatch, op,
+          std::string(c.name) + " is " + c.t.shape().str() + " but must be " + want.str());
+}
+
+void check_no_overlap(const char* op, const Arg& a, const Arg& b, const Arg& c) {
+  detail::require_no_overlap(op, c.name, c.t, a.name, a.t);
+  detail::require_no_overlap(op, c.name, c.t, b.name, b.t);
+}
+
+GemmProblem make_problem(const TensorView& a, const TensorView& b, const TensorView& c, const GemmOptions& opts) {
+  GemmProblem p;
+  p.a = a.data();
+  p.b = b.data();
+  p.c = c.data();
+  p.ab_dtype = a.dtype();
+  p.c_dtype = c.dtype();
+  p.alpha = opts.alpha;
+  p.beta = opts.beta;
+  p.math = opts.math;
+  return p;
+}
+
+// Empty M or N: nothing to write. Empty K still runs: C = beta * C (zeros for beta = 0).
+void run(const Context& ctx, [[maybe_unused]] const char* op, const GemmProblem& p) {
+  if (p.batch == 0 || p.m == 0 || p.n == 0) return;
+  if (ctx.device().is_cpu()) {
+    cpu::gemm(p);
+    return;
+  }
+#ifdef QMM_WITH_CUDA
+  cuda::gemm(ctx, p);
+#else
+  detail::fail(ErrorCode::NoDevice, op, "qmm was built without CUDA");
+#endif
+}
+
+}  // namespace
+
+void gemm(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,
+          const GemmOptions& opts) {
+  const char* op = "gemm";
+  const Arg A{"A", a}, B{"B", b}, C{"C", c};
+  check_common(ctx, op, A, B, C, 2, opts);
+  require(a.dim(1) == b.dim(0), ErrorCode::ShapeMismatch, op,
+          "A is " + a.shape().str() + " but B is " + b.shape().str() + ": inner dimensions differ");
+  check_output_shape(op, C, {a.dim(0), b.dim(1)});
+  check_no_overlap(op, A, B, C);
+  GemmProblem p = make_problem(a, b, c, opts);
+  p.m = a.dim(0);
+  p.n = b.dim(1);
+  p.k = a.dim(1);
+  run(ctx, op, p);
+}
+
+void gemm_bt(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,
+             const GemmOptions& opts) {
+  const char* op = "gemm_bt";
+  const Arg A{"A", a}, B{"B", b}, C{"C", c};
+  check_common(ctx, op, A, B, C, 2, opts);
+  require(a.dim(1) == b.dim(1), ErrorCode::ShapeMismatch, op,
+          "A is " + a.shape().str() + " but B is " + b.shape().str() +
+              ": inner dimensions differ (B is [N,K], its last dimension must equal A's)");
+  check_output_shape(op, C, {a.dim(0), b.dim(0)});
+  check_no_overlap(op, A, B, C);
+  GemmProblem p = make_problem(a, b, c, opts);
+  p.m = a.dim(0);
+  p.n = b.dim(0);
+  p.k = a.dim(1);
+  p.trans_b = true;
+  run(ctx, op, p);
+}
+
+void gemm_backward_a(const Context& ctx, const TensorView& dc, const TensorView& b, const TensorView& da,
+                     const GemmOptions& opts) {
+  const char* op = "gemm_backward_a";
+  const Arg DC{"dC", dc}, B{"B", b}, DA{"dA", da};
+  check_common(ctx, op, DC, B, DA, 2, opts);
+  // dA[M,K] = dC[M,N] * B[K,N]^T: the contraction runs over N.
+  require(dc.dim(1) == b.dim(1), ErrorCode::ShapeMismatch, op,
+          "dC is " + dc.shape().str() + " but B is " + b.shape().str() +
+              ": inner dimensions differ (dC is [M,N], B is [K,N]; their N must agree)");
+  check_output_shape(op, DA, {dc.dim(0), b.dim(0)});
+  check_no_overlap(op, DC, B, DA);
+  GemmProblem p = make_problem(dc, b, da, opts);
+  p.m = dc.dim(0);
+  p.n = b.dim(0);
+  p.k = dc.dim(1);
+  p.trans_b = true;  // B [K,N] is op(B)^T for op(B) [N,K]
+  run(ctx, op, p);
+}
+
+void gemm_backward_b(const Context& ctx, const TensorView& a, const TensorView& dc, const TensorView& db,
+                     const GemmOptions& opts) {
+  const char* op = "gemm_backward_b";
+  const Arg A{"A", a}, DC{"dC", dc}, DB{"dB", db};
+  check_common(ctx, op, A, DC, DB, 2, opts);
+  // dB[K,N] = A[M,K]^T * dC[M,N]: the contraction runs over M.
+  require(a.dim(0) == dc.dim(0), ErrorCode::ShapeMismatch, op,
+          "A is " + a.shape().str() + " but dC is " + dc.shape().str() +
+              ": inner dimensions differ (A is [M,K], dC is [M,N]; their M must agree)");
+  check_output_shape(op, DB, {a.dim(1), dc.dim(1)});
+  check_no_overlap(op, A, DC, DB);
+  GemmProblem p = make_problem(a, dc, db, opts);
+  p.m = a.dim(1);
+  p.n = dc.dim(1);
+  p.k = a.dim(0);
+  p.trans_a = true;  // A [M,K] stored is op(A)^T for op(A) [K,M]
+  run(ctx, op, p);
+}
+
+void batched_gemm(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,
+                  bool transpose_b, const GemmOptions& opts) {
+  const char* op = "batched_gemm";
+  const Arg A{"A", a}, B{"B", b}, C{"C", c};
+  check_common(ctx, op, A, B, C, 4, opts);
+  require(a.dim(0) == b.dim(0) && a.dim(1) == b.dim(1), ErrorCode::ShapeMismatch, op,
+          "A is " + a.shape().str() + " but B is " + b.shape().str() + ": batch dimensions [b,h] differ");
+  const std::int64_t m = a.dim(2), k = a.dim(3);
+  const std::int64_t bk = transpose_b ? b.dim(3) : b.dim(2), n = transpose_b ? b.dim(2) : b.dim(3);
+  require(k == bk, ErrorCode::ShapeMismatch, op,
+          "A is " + a.shape().str() + " but B is " + b.shape().str() + ": inner dimensions differ" +
+              (transpose_b ? " (transpose_b: B is [b,h,n,k])" : " (B is [b,h,k,n])"));
+  check_output_shape(op, C, {a.dim(0), a.dim(1), m, n});
+  check_no_overlap(op, A, B, C);
+  GemmProblem p = make_problem(a, b, c, opts);
+  p.batch = a.dim(0) * a.dim(1);
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.trans_b = transpose_b;
+  p.stride_a = m * k;
+  p.stride_b = k * n;
+  p.stride_c = m * n;
+  run(ctx, op, p);
+}
+
+}  // namespace qmm

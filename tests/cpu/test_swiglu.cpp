@@ -1,0 +1,273 @@
+// SwiGLU forward and backward on the CPU backend, against formulas written here and against central finite
+// differences of a double-precision forward.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/test_util.h"
+
+namespace qmm {
+namespace {
+
+// Written differently from the backend on purpose (x / (1 + e^-x) rather than x * sigmoid(x)).
+double silu_ref(double x) { return x / (1.0 + std::exp(-x)); }
+// d/dx [x / (1 + e^-x)] = s + x * s * (1 - s) with s the logistic function.
+double silu_grad_ref(double x) {
+  const double s = 1.0 / (1.0 + std::exp(-x));
+  return s + x * s * (1.0 - s);
+}
+
+Tensor from_doubles(DType dtype, Shape shape, const std::vector<double>& v) {
+  Tensor t(dtype, shape);
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const float f = static_cast<float>(v[i]);
+    if (dtype == DType::F32) t.data_as<float>()[i] = f;
+    else t.data_as<std::uint16_t>()[i] = float_to_bf16(f);
+  }
+  return t;
+}
+
+// Library vs formula: both evaluate in double and round once to the dtype, so they differ by at most one output
+// ulp where exp() or the operation order puts a value next to a rounding boundary (f32 2^-23, bf16 2^-7 relative).
+// atol covers results that are tiny next to their inputs (gate near 0 or very negative).
+test::Tolerance formula_tolerance(DType dtype) {
+  return dtype == DType::BF16 ? test::Tolerance{1e-30, 7.9e-3, 4e-3} : test::Tolerance{1e-30, 1.2e-7, 1e-7};
+}
+
+constexpr std::int64_t kSizes[] = {1, 7, 1000, 65537};
+constexpr DType kDTypes[] = {DType::F32, DType::BF16};
+
+struct Inputs {
+  Tensor gate, up, dh;
+};
+// gate spans the saturated tails of the sigmoid as well as its middle.
+Inputs make_inputs(DType dtype, std::int64_t n, std::uint64_t seed) {
+  return {test::random_tensor(dtype, {n}, seed, -12.0f, 12.0f), test::random_tensor(dtype, {n}, seed + 1, -2.0f, 2.0f),
+          test::random_tensor(dtype, {n}, seed + 2, -1.5f, 1.5f)};
+}
+
+Tensor forward_ref(const Inputs& in) {
+  const std::vector<double> g = test::to_doubles(in.gate), u = test::to_doubles(in.up);
+  std::vector<double> h(g.size());
+  for (std::size_t i = 0; i < g.size(); ++i) h[i] = silu_ref(g[i]) * u[i];
+  return from_doubles(in.gate.dtype(), in.gate.shape(), h);
+}
+
+std::pair<Tensor, Tensor> backward_ref(const Inputs& in) {
+  const std::vector<double> g = test::to_doubles(in.gate), u = test::to_doubles(in.up), d = test::to_doubles(in.dh);
+  std::vector<double> dg(g.size()), du(g.size());
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    dg[i] = d[i] * u[i] * silu_grad_ref(g[i]);
+    du[i] = d[i] * silu_ref(g[i]);
+  }
+  return {from_doubles(in.gate.dtype(), in.gate.shape(), dg), from_doubles(in.gate.dtype(), in.gate.shape(), du)};
+}
+
+std::string describe(DType dtype, std::int64_t n) { return std::string(dtype_name(dtype)) + " n=" + std::to_string(n); }
+
+TEST(Swiglu, ForwardMatchesFormula) {
+  const Context ctx = Context::cpu();
+  for (DType dt : kDTypes) {
+    for (std::int64_t n : kSizes) {
+      const Inputs in = make_inputs(dt, n, 10 + static_cast<std::uint64_t>(n));
+      Tensor h(dt, {n});
+      test::poison(h);
+      swiglu(ctx, in.gate, in.up, h);
+      EXPECT_TRUE(test::all_close(h, forward_ref(in), formula_tolerance(dt))) << describe(dt, n);
+    }
+  }
+}
+
+TEST(Swiglu, MultiDimensionalShapes) {
+  // Elementwise over any rank: a [7,3,65] tensor behaves as its 1365 elements.
+  const Context ctx = Context::cpu();
+  Inputs in = make_inputs(DType::F32, 7 * 3 * 65, 77);
+  const Shape s{7, 3, 65};
+  const TensorView g(in.gate.data(), DType::F32, s), u(in.up.data(), DType::F32, s);
+  Tensor h(DType::F32, s);
+  test::poison(h);
+  swiglu(ctx, g, u, h);
+  EXPECT_TRUE(test::all_close(h, forward_ref(in), formula_tolerance(DType::F32)));
+}
+
+TEST(Swiglu, ForwardInPlace) {
+  // h may be gate or up itself: the result must be the same bytes as out of place.
+  const Context ctx = Context::cpu();
+  for (DType dt : kDTypes) {
+    for (std::int64_t n : kSizes) {
+      const Inputs in = make_inputs(dt, n, 20 + static_cast<std::uint64_t>(n));
+      Tensor ref(dt, {n});
+      swiglu(ctx, in.gate, in.up, ref);
+      Tensor g = test::host_copy(in.gate), u = test::host_copy(in.up);
+      swiglu(ctx, g, u, g);
+      EXPECT_TRUE(test::bytes_equal(g, ref)) << "h = gate, " << describe(dt, n);
+      g = test::host_copy(in.gate);
+      swiglu(ctx, g, u, u);
+      EXPECT_TRUE(test::bytes_equal(u, ref)) << "h = up, " << describe(dt, n);
+    }
+  }
+}
+
+TEST(Swiglu, BackwardMatchesFormula) {
+  const Context ctx = Context::cpu();
+  for (DType dt : kDTypes) {
+    for (std::int64_t n : kSizes) {
+      const Inputs in = make_inputs(dt, n, 30 + static_cast<std::uint64_t>(n));
+      Tensor dg(dt, {n}), du(dt, {n});
+      test::poison(dg);
+      test::poison(du);
+      swiglu_backward(ctx, in.gate, in.up, in.dh, dg, du);
+      const auto [want_dg, want_du] = backward_ref(in);
+      EXPECT_TRUE(test::all_close(dg, want_dg, formula_tolerance(dt))) << "dgate " << describe(dt, n);
+      EXPECT_TRUE(test::all_close(du, want_du, formula_tolerance(dt))) << "dup " << describe(dt, n);
+    }
+  }
+}
+
+TEST(Swiglu, BackwardInPlace) {
+  // dgate may be gate and dup may be up (each alone, or both): same bytes as out of place.
+  const Context ctx = Context::cpu();
+  for (DType dt : kDTypes) {
+    for (std::int64_t n : kSizes) {
+      const Inputs in = make_inputs(dt, n, 40 + static_cast<std::uint64_t>(n));
+      Tensor ref_dg(dt, {n}), ref_du(dt, {n});
+      swiglu_backward(ctx, in.gate, in.up, in.dh, ref_dg, ref_du);
+      {
+        Tensor g = test::host_copy(in.gate), u = test::host_copy(in.up);
+        swiglu_backward(ctx, g, u, in.dh, g, u);
+        EXPECT_TRUE(test::bytes_equal(g, ref_dg)) << "dgate = gate, " << describe(dt, n);
+        EXPECT_TRUE(test::bytes_equal(u, ref_du)) << "dup = up, " << describe(dt, n);
+      }
+      {
+        Tensor g = test::host_copy(in.gate), du(dt, {n});
+        swiglu_backward(ctx, g, in.up, in.dh, g, du);
+        EXPECT_TRUE(test::bytes_equal(g, ref_dg)) << "dgate = gate only, " << describe(dt, n);
+        EXPECT_TRUE(test::bytes_equal(du, ref_du)) << "dgate = gate only, " << describe(dt, n);
+      }
+    }
+  }
+}
+
+TEST(Swiglu, BackwardMatchesFiniteDifferences) {
+  // Central differences of a double-precision forward, f(g, u) = silu(g) * u, at the stored inputs:
+  // truncation error ~ eps^2 * |f'''| ~ 1e-12 and cancellation ~ 1e-16 / eps ~ 1e-10, both far below the f32
+  // rounding of the backend's output (2^-24 relative), so the tolerance is that rounding plus a margin.
+  const Context ctx = Context::cpu();
+  const double eps = 1e-6;
+  for (std::int64_t n : {1, 7, 65}) {
+    const Inputs in = make_inputs(DType::F32, n, 50 + static_cast<std::uint64_t>(n));
+    Tensor dg(DType::F32, {n}), du(DType::F32, {n});
+    test::poison(dg);
+    test::poison(du);
+    swiglu_backward(ctx, in.gate, in.up, in.dh, dg, du);
+    const std::vector<double> g = test::to_doubles(in.gate), u = test::to_doubles(in.up), d = test::to_doubles(in.dh);
+    auto f = [](double x, double y) { return x / (1.0 + std::exp(-x)) * y; };
+    std::vector<double> fd_g(g.size()), fd_u(g.size());
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      fd_g[i] = d[i] * (f(g[i] + eps, u[i]) - f(g[i] - eps, u[i])) / (2 * eps);
+      fd_u[i] = d[i] * (f(g[i], u[i] + eps) - f(g[i], u[i] - eps)) / (2 * eps);
+    }
+    const test::Tolerance tol{1e-9, 2e-7, 2e-7};
+    EXPECT_TRUE(test::all_close(dg, from_doubles(DType::F32, {n}, fd_g), tol)) << "dgate n=" << n;
+    EXPECT_TRUE(test::all_close(du, from_doubles(DType::F32, {n}, fd_u), tol)) << "dup n=" << n;
+  }
+}
+
+TEST(Swiglu, EmptyTensorsAreANoOp) {
+  const Context ctx = Context::cpu();
+  Tensor g(DType::F32, {0}), u(DType::F32, {0}), d(DType::F32, {0}), dg(DType::F32, {0}), du(DType::F32, {0});
+  EXPECT_NO_THROW(swiglu(ctx, g, u, d));
+  EXPECT_NO_THROW(swiglu_backward(ctx, g, u, d, dg, du));
+}
+
+// ---- validation -----------------------------------------------------------------------------------------------------
+template <class Fn>
+void expect_rejected(const std::string& what, std::initializer_list<TensorView> outs, Fn&& fn, ErrorCode code,
+                     std::initializer_list<std::string> needles) {
+  std::vector<Tensor> before;
+  for (const TensorView& o : outs) before.push_back(test::host_copy(o));
+  EXPECT_TRUE(test::throws_error(fn, code, needles)) << what;
+  std::size_t i = 0;
+  for (const TensorView& o : outs) EXPECT_TRUE(test::bytes_equal(o, before[i++])) << what << ": output changed";
+}
+
+TEST(Swiglu, ForwardValidation) {
+  const Context ctx = Context::cpu();
+  const std::int64_t n = 64;
+  const Tensor g = test::random_tensor(DType::F32, {n}, 1), u = test::random_tensor(DType::F32, {n}, 2);
+  const Tensor h = test::random_tensor(DType::F32, {n}, 3);
+  const Tensor short_h = test::random_tensor(DType::F32, {n - 1}, 4), h2d = test::random_tensor(DType::F32, {8, 8}, 5);
+  const Tensor h_bf16 = test::random_tensor(DType::BF16, {n}, 6), u_bf16 = test::random_tensor(DType::BF16, {n}, 7);
+  const Tensor g_f16(DType::F16, {n}), u_f16(DType::F16, {n}), h_f16(DType::F16, {n});
+  const ErrorCode shape = ErrorCode::ShapeMismatch, dtype = ErrorCode::DTypeMismatch,
+                  device = ErrorCode::DeviceMismatch, invalid = ErrorCode::InvalidArgument;
+
+  expect_rejected("short h", {short_h}, [&] { swiglu(ctx, g, u, short_h); }, shape, {"swiglu", "h", "[63]"});
+  expect_rejected("2-d h", {h2d}, [&] { swiglu(ctx, g, u, h2d); }, shape, {"swiglu", "h", "[8,8]"});
+  expect_rejected("up shape", {h}, [&] { swiglu(ctx, g, short_h, h); }, shape, {"swiglu", "up"});
+  expect_rejected("f16", {h_f16}, [&] { swiglu(ctx, g_f16, u_f16, h_f16); }, dtype, {"swiglu", "gate", "f16"});
+  expect_rejected("mixed up", {h}, [&] { swiglu(ctx, g, u_bf16, h); }, dtype, {"swiglu", "up", "bf16"});
+  expect_rejected("mixed h", {h_bf16}, [&] { swiglu(ctx, g, u, h_bf16); }, dtype, {"swiglu", "h", "bf16"});
+  const TensorView g_gpu(g.data(), DType::F32, {n}, Device::cuda(0)), h_gpu(h.data(), DType::F32, {n}, Device::cuda(0));
+  expect_rejected("gate device", {h}, [&] { swiglu(ctx, g_gpu, u, h); }, device, {"swiglu", "gate", "cuda:0"});
+  expect_rejected("h device", {h}, [&] { swiglu(ctx, g, u, h_gpu); }, device, {"swiglu", "h", "cuda:0"});
+  const TensorView null_up(nullptr, DType::F32, {n}), null_h(nullptr, DType::F32, {n});
+  expect_rejected("null up", {h}, [&] { swiglu(ctx, g, null_up, h); }, invalid, {"swiglu", "up", "null"});
+  EXPECT_TRUE(test::throws_error([&] { swiglu(ctx, g, u, null_h); }, invalid, {"swiglu", "h", "null"}));
+
+  // Partial overlaps: h starting one element into gate (or up), over a buffer holding both.
+  Tensor buf = test::random_tensor(DType::F32, {2 * n}, 8);
+  const TensorView lo(buf.data(), DType::F32, {n}), shifted(buf.data_as<float>() + 1, DType::F32, {n});
+  expect_rejected("h partly over gate", {buf}, [&] { swiglu(ctx, lo, u, shifted); }, invalid,
+                  {"swiglu", "h", "gate", "overlap"});
+  expect_rejected("h partly over up", {buf}, [&] { swiglu(ctx, g, lo, shifted); }, invalid,
+                  {"swiglu", "h", "up", "overlap"});
+}
+
+TEST(Swiglu, BackwardValidation) {
+  const Context ctx = Context::cpu();
+  const std::int64_t n = 33;
+  const Tensor g = test::random_tensor(DType::F32, {n}, 1), u = test::random_tensor(DType::F32, {n}, 2);
+  const Tensor d = test::random_tensor(DType::F32, {n}, 3);
+  const Tensor dg = test::random_tensor(DType::F32, {n}, 4), du = test::random_tensor(DType::F32, {n}, 5);
+  const Tensor wrong = test::random_tensor(DType::F32, {n + 1}, 6), d_bf16 = test::random_tensor(DType::BF16, {n}, 7);
+  const ErrorCode shape = ErrorCode::ShapeMismatch, dtype = ErrorCode::DTypeMismatch,
+                  device = ErrorCode::DeviceMismatch, invalid = ErrorCode::InvalidArgument;
+  const char* op = "swiglu_backward";
+
+  expect_rejected("dh shape", {dg, du}, [&] { swiglu_backward(ctx, g, u, wrong, dg, du); }, shape, {op, "dh"});
+  expect_rejected("dup shape", {dg, wrong}, [&] { swiglu_backward(ctx, g, u, d, dg, wrong); }, shape, {op, "dup"});
+  expect_rejected("dh dtype", {dg, du}, [&] { swiglu_backward(ctx, g, u, d_bf16, dg, du); }, dtype, {op, "dh", "bf16"});
+  const TensorView dg_gpu(dg.data(), DType::F32, {n}, Device::cuda(0));
+  expect_rejected("dgate device", {dg, du}, [&] { swiglu_backward(ctx, g, u, d, dg_gpu, du); }, device,
+                  {op, "dgate", "cuda:0"});
+  const TensorView null_dh(nullptr, DType::F32, {n});
+  expect_rejected("null dh", {dg, du}, [&] { swiglu_backward(ctx, g, u, null_dh, dg, du); }, invalid,
+                  {op, "dh", "null"});
+
+  // Aliases that are not allowed: each output over an input other than its own, or over the other output.
+  Tensor gc = test::host_copy(g), uc = test::host_copy(u), dc = test::host_copy(d);
+  expect_rejected("dgate = up", {uc, du}, [&] { swiglu_backward(ctx, g, uc, d, uc, du); }, invalid,
+                  {op, "dgate", "up", "overlap"});
+  expect_rejected("dgate = dh", {dc, du}, [&] { swiglu_backward(ctx, g, u, dc, dc, du); }, invalid,
+                  {op, "dgate", "dh", "overlap"});
+  expect_rejected("dup = gate", {dg, gc}, [&] { swiglu_backward(ctx, gc, u, d, dg, gc); }, invalid,
+                  {op, "dup", "gate", "overlap"});
+  expect_rejected("dup = dh", {dg, dc}, [&] { swiglu_backward(ctx, g, u, dc, dg, dc); }, invalid,
+                  {op, "dup", "dh", "overlap"});
+  expect_rejected("dgate = dup", {dg}, [&] { swiglu_backward(ctx, g, u, d, dg, dg); }, invalid,
+                  {op, "dgate", "dup", "overlap"});
+  // A partial overlap of dgate with gate is rejected even though an exact alias is fine.
+  Tensor buf = test::random_tensor(DType::F32, {2 * n}, 8);
+  const TensorView lo(buf.data(), DType::F32, {n}), shifted(buf.data_as<float>() + 1, DType::F32, {n});
+  expect_rejected("dgate partly over gate", {buf, du}, [&] { swiglu_backward(ctx, lo, u, d, shifted, du); }, invalid,
+                  {op, "dgate", "gate", "overlap"});
+  expect_rejected("dup partly over up", {buf, dg}, [&] { swiglu_backward(ctx, g, lo, d, dg, shifted); }, invalid,
+                  {op, "dup", "up", "overlap"});
+}
+
+}  // namespace
+}  // namespace qmm
