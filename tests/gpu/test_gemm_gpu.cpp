@@ -4,6 +4,7 @@
 // unaligned views, K = 0, the plan cache, concurrent use from several threads, and device validation.
 #include <cstdint>
 #include <cstring>
+#include <ostream>
 #include <random>
 #include <sstream>
 #include <string>
@@ -31,6 +32,8 @@ const char* op_name(Op op) {
   }
   return "?";
 }
+
+void PrintTo(Op op, std::ostream* os) { *os << op_name(op); }  // readable test names in gtest and CTest
 
 // The product: out [m,n] (per batch entry) = sum over k. Batched ops run over [kBatch, kHeads].
 struct Dims {
