@@ -1,12 +1,77 @@
-// STUB: replaced by the SwiGLU kernels.
+// Host side of SwiGLU: vector width from pointer alignment, grid from the SM count, launches on ctx's stream.
+#include "cuda/swiglu/swiglu.cuh"
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+
+#include "cuda/common/check.h"
+#include "cuda/common/cuda_state.h"
 #include "cuda/cuda_backend.h"
-#include "qmm/error.h"
+
 namespace qmm::cuda {
-void swiglu(const Context&, const TensorView&, const TensorView&, const TensorView&) {
-  throw Error(ErrorCode::Unsupported, "swiglu: CUDA path not built yet");
+
+namespace {
+
+using namespace swiglu_detail;
+
+bool all_aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if ((reinterpret_cast<std::uintptr_t>(p) & 15u) != 0) return false;
+  return true;
 }
-void swiglu_backward(const Context&, const TensorView&, const TensorView&, const TensorView&, const TensorView&,
-                     const TensorView&) {
-  throw Error(ErrorCode::Unsupported, "swiglu_backward: CUDA path not built yet");
+
+// Grid-stride launches: one full wave of resident blocks (from the kernel's occupancy), never more than the work
+// needs. More blocks than fit at once would run as a second, partial wave and leave SMs idle at the end.
+template <class Kernel>
+unsigned grid_for(const Context& ctx, Kernel kernel, std::int64_t threads_needed) {
+  int per_sm = 0;
+  QMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  const std::int64_t cap = static_cast<std::int64_t>(state(ctx).sm_count()) * std::max(1, per_sm);
+  const std::int64_t need = (threads_needed + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(std::max<std::int64_t>(1, std::min(cap, need)));
 }
+
+template <class T>
+void launch_swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h) {
+  const std::int64_t n = h.numel();
+  constexpr int V = Elem<T>::kVec;
+  const std::int64_t nvec = all_aligned16({gate.data(), up.data(), h.data()}) ? n / V : 0;
+  const std::int64_t items = nvec + (n - nvec * V);  // vectors plus scalar elements
+  swiglu_kernel<T><<<grid_for(ctx, swiglu_kernel<T>, items), kThreads, 0, stream_of(ctx)>>>(
+      gate.data_as<const T>(), up.data_as<const T>(), h.data_as<T>(), n, nvec);
+  QMM_CUDA_CHECK_LAUNCH("swiglu_kernel");
+}
+
+template <class T>
+void launch_swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
+                            const TensorView& dgate, const TensorView& dup) {
+  const std::int64_t n = dgate.numel();
+  constexpr int V = Elem<T>::kVec;
+  const std::int64_t nvec =
+      all_aligned16({gate.data(), up.data(), dh.data(), dgate.data(), dup.data()}) ? n / V : 0;
+  const std::int64_t items = nvec + (n - nvec * V);
+  swiglu_backward_kernel<T><<<grid_for(ctx, swiglu_backward_kernel<T>, items), kThreads, 0, stream_of(ctx)>>>(
+      gate.data_as<const T>(), up.data_as<const T>(), dh.data_as<const T>(), dgate.data_as<T>(), dup.data_as<T>(),
+      n, nvec);
+  QMM_CUDA_CHECK_LAUNCH("swiglu_backward_kernel");
+}
+
+}  // namespace
+
+void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h) {
+  if (h.numel() == 0) return;
+  set_device(ctx);
+  if (h.dtype() == DType::BF16) launch_swiglu<__nv_bfloat16>(ctx, gate, up, h);
+  else launch_swiglu<float>(ctx, gate, up, h);
+}
+
+void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
+                     const TensorView& dgate, const TensorView& dup) {
+  if (dgate.numel() == 0) return;
+  set_device(ctx);
+  if (dgate.dtype() == DType::BF16) launch_swiglu_backward<__nv_bfloat16>(ctx, gate, up, dh, dgate, dup);
+  else launch_swiglu_backward<float>(ctx, gate, up, dh, dgate, dup);
+}
+
 }  // namespace qmm::cuda

@@ -1,0 +1,270 @@
+// NF4 GEMMs on the GPU, dispatched by Nf4GemmOptions::path.
+//  DequantGemm (and Auto, for now): dequantize W to bf16 into scratch, round an f32 A to bf16 (nearest even) into
+//  the same scratch allocation, then the dense bf16 GEMM (cuBLASLt, fp32 accumulation).
+//  SmallM: the fused small-M kernels (nf4_small_m.cu) where their preconditions hold, Unsupported otherwise.
+//  Fused: not implemented yet. Reference: the CPU backend's, not a GPU path.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "cuda/common/check.h"
+#include "cuda/common/cuda_state.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/nf4/nf4_small_m.h"
+#include "cuda/swiglu/swiglu.cuh"
+#include "qmm/error.h"
+
+namespace qmm::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr std::size_t kScratchAlign = 256;  // every scratch region starts 256-byte aligned (cuBLASLt, vectors)
+
+std::size_t align_up(std::size_t v) { return (v + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }
+
+// Grid-stride launches: one full wave of resident blocks (from the kernel's occupancy), never more than the work
+// needs. More blocks than fit at once would run as a second, partial wave and leave SMs idle at the end.
+template <class Kernel>
+unsigned grid_for(const Context& ctx, Kernel kernel, std::int64_t threads_needed) {
+  int per_sm = 0;
+  QMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  const std::int64_t cap = static_cast<std::int64_t>(state(ctx).sm_count()) * std::max(1, per_sm);
+  const std::int64_t need = (threads_needed + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(std::max<std::int64_t>(1, std::min(cap, need)));
+}
+
+const char* path_label(Nf4Path p) {
+  switch (p) {
+    case Nf4Path::Auto: return "Auto";
+    case Nf4Path::Reference: return "Reference";
+    case Nf4Path::DequantGemm: return "DequantGemm";
+    case Nf4Path::SmallM: return "SmallM";
+    case Nf4Path::Fused: return "Fused";
+  }
+  return "?";
+}
+
+[[noreturn]] void unsupported(const char* op, Nf4Path p, const std::string& why) {
+  throw Error(ErrorCode::Unsupported, std::string(op) + ": path " + path_label(p) + " " + why);
+}
+
+// Paths other than Auto, DequantGemm and (where `small_m_ok`) SmallM end here.
+void check_path(const char* op, Nf4Path p, bool small_m_ok, const char* small_m_needs) {
+  switch (p) {
+    case Nf4Path::Auto:
+    case Nf4Path::DequantGemm: return;
+    case Nf4Path::SmallM:
+      if (small_m_ok) return;
+      unsupported(op, p, std::string("does not support this problem (it needs ") + small_m_needs + ")");
+    case Nf4Path::Fused: unsupported(op, p, "is not implemented yet");
+    case Nf4Path::Reference: unsupported(op, p, "runs on the CPU backend only (use a CPU context)");
+  }
+  unsupported(op, p, "is unknown");
+}
+
+constexpr const char* kSmallMNeeds =
+    "M <= 64, K a multiple of 32, block size >= 32, 16-byte aligned A and codes";
+constexpr const char* kSmallMBackwardNeeds =
+    "M <= 16, K a multiple of 32, block size >= 32, 16-byte aligned codes";
+
+// ---- kernels --------------------------------------------------------------------------------------------------
+
+// f32 -> bf16, round to nearest even (the NF4 GEMMs' operand contract). dst is 16-byte aligned scratch; src is
+// read with 16-byte vectors when it is 16-byte aligned too.
+__global__ void __launch_bounds__(kThreads) round_to_bf16_kernel(const float* __restrict__ src,
+                                                                 __nv_bfloat16* __restrict__ dst, std::int64_t n,
+                                                                 std::int64_t nvec) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  const std::int64_t tid = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (std::int64_t v = tid; v < nvec; v += stride) {  // 8 elements each
+    const float4 a = __ldg(reinterpret_cast<const float4*>(src) + 2 * v);
+    const float4 b = __ldg(reinterpret_cast<const float4*>(src) + 2 * v + 1);
+    const __nv_bfloat162 p0 = __floats2bfloat162_rn(a.x, a.y), p1 = __floats2bfloat162_rn(a.z, a.w);
+    const __nv_bfloat162 p2 = __floats2bfloat162_rn(b.x, b.y), p3 = __floats2bfloat162_rn(b.z, b.w);
+    reinterpret_cast<uint4*>(dst)[v] =
+        make_uint4(*reinterpret_cast<const std::uint32_t*>(&p0), *reinterpret_cast<const std::uint32_t*>(&p1),
+                   *reinterpret_cast<const std::uint32_t*>(&p2), *reinterpret_cast<const std::uint32_t*>(&p3));
+  }
+  for (std::int64_t i = nvec * 8 + tid; i < n; i += stride) dst[i] = __float2bfloat16_rn(src[i]);
+}
+
+// gate_up's last step when h is wanted. g and u are the fp32 GEMM results (scratch, or the caller's f32 outputs
+// themselves); writes the bf16 gate/up outputs the caller asked for (null when not asked for, or f32 and already
+// written) and h = silu(g) * u from the fp32 values.
+__global__ void __launch_bounds__(kThreads) gate_up_epilogue_kernel(const float* g, const float* u,
+                                                                    __nv_bfloat16* gate_bf16,
+                                                                    __nv_bfloat16* up_bf16, void* h, bool h_bf16,
+                                                                    std::int64_t n) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float gv = g[i], uv = u[i];
+    if (gate_bf16) gate_bf16[i] = __float2bfloat16_rn(gv);
+    if (up_bf16) up_bf16[i] = __float2bfloat16_rn(uv);
+    const float hv = swiglu_detail::swiglu_value(gv, uv);
+    if (h_bf16) static_cast<__nv_bfloat16*>(h)[i] = __float2bfloat16_rn(hv);
+    else static_cast<float*>(h)[i] = hv;
+  }
+}
+
+// ---- host helpers ---------------------------------------------------------------------------------------------
+
+// Carves one scratch allocation into consecutive 256-byte aligned regions. Sizes are summed first (reserve),
+// then the allocation is taken once (commit), so no region is ever invalidated by a later growth of the scratch.
+class ScratchPlan {
+ public:
+  std::size_t reserve(std::size_t bytes) {
+    const std::size_t at = total_;
+    total_ += align_up(bytes);
+    return at;
+  }
+  void commit(const Context& ctx) {
+    base_ = static_cast<char*>(state(ctx).scratch_at_least(std::max<std::size_t>(total_, 1)));
+  }
+  template <class T>
+  T* at(std::size_t offset) const { return reinterpret_cast<T*>(base_ + offset); }
+
+ private:
+  std::size_t total_ = 0;
+  char* base_ = nullptr;
+};
+
+void launch_round_to_bf16(const Context& ctx, const TensorView& src, __nv_bfloat16* dst) {
+  const std::int64_t n = src.numel();
+  if (n == 0) return;
+  const bool vec = (reinterpret_cast<std::uintptr_t>(src.data()) & 15u) == 0;
+  const std::int64_t nvec = vec ? n / 8 : 0;
+  round_to_bf16_kernel<<<grid_for(ctx, round_to_bf16_kernel, nvec + (n - nvec * 8)), kThreads, 0, stream_of(ctx)>>>(
+      src.data_as<const float>(), dst, n, nvec);
+  QMM_CUDA_CHECK_LAUNCH("round_to_bf16_kernel");
+}
+
+// The bf16 operand for A: A itself when it is bf16, else its rounded copy in the region reserved at `offset`.
+const void* bf16_operand(const Context& ctx, const TensorView& a, const ScratchPlan& plan, std::size_t offset) {
+  if (a.dtype() == DType::BF16) return a.data();
+  __nv_bfloat16* dst = plan.at<__nv_bfloat16>(offset);
+  launch_round_to_bf16(ctx, a, dst);
+  return dst;
+}
+
+void dequantize_bf16(const Context& ctx, const Nf4Weight& w, void* dst) {
+  cuda::nf4_dequantize(ctx, w, TensorView(dst, DType::BF16, {w.rows, w.cols}, Device::cuda(state(ctx).device)));
+}
+
+// C[m,n] = alpha * A[m,k] * B^T + beta * C with B stored [n,k] (trans_b), or * B with B stored [k,n].
+void bf16_gemm(const Context& ctx, const void* a, const void* b, bool trans_b, const TensorView& c, std::int64_t m,
+               std::int64_t n, std::int64_t k, float alpha, float beta) {
+  GemmProblem p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.trans_b = trans_b;
+  p.a = a;
+  p.b = b;
+  p.c = c.data();
+  p.ab_dtype = DType::BF16;
+  p.c_dtype = c.dtype();
+  p.alpha = alpha;
+  p.beta = beta;
+  p.math = MathMode::FP32;  // bf16 storage: bf16 operands, fp32 accumulation in any mode
+  cuda::gemm(ctx, p);
+}
+
+}  // namespace
+
+void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
+              const Nf4GemmOptions& opts) {
+  const char* op = "nf4_gemm";
+  const bool small_m = opts.path == Nf4Path::SmallM && nf4_small_m_supported(a, w);
+  check_path(op, opts.path, small_m, kSmallMNeeds);
+  const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
+  if (M == 0 || N == 0) return;
+  set_device(ctx);
+  if (small_m) return launch_nf4_gemm_small_m(ctx, a, w, c, opts.alpha, opts.beta);
+
+  // Scratch use inside this call: [bf16 A (when A is f32)] [bf16 W], regions of one allocation. The dense GEMM
+  // takes bf16 operands as they are and needs no scratch of its own.
+  ScratchPlan plan;
+  const std::size_t a_at = a.dtype() == DType::F32 ? plan.reserve(static_cast<std::size_t>(M * K) * 2) : 0;
+  const std::size_t w_at = plan.reserve(static_cast<std::size_t>(N * K) * 2);
+  plan.commit(ctx);
+  const void* a16 = bf16_operand(ctx, a, plan, a_at);
+  dequantize_bf16(ctx, w, plan.at<void>(w_at));
+  // C[M,N] = A[M,K] * W^T, W stored [N,K].
+  bf16_gemm(ctx, a16, plan.at<void>(w_at), true, c, M, N, K, opts.alpha, opts.beta);
+}
+
+void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weight& w, const TensorView& da,
+                         const Nf4GemmOptions& opts) {
+  const char* op = "nf4_gemm_backward_a";
+  const bool small_m = opts.path == Nf4Path::SmallM && nf4_small_m_backward_supported(dc, w);
+  check_path(op, opts.path, small_m, kSmallMBackwardNeeds);
+  const std::int64_t M = dc.dim(0), N = w.rows, K = w.cols;
+  if (M == 0 || K == 0) return;
+  set_device(ctx);
+  if (small_m) return launch_nf4_gemm_backward_small_m(ctx, dc, w, da, opts.alpha, opts.beta);
+
+  ScratchPlan plan;
+  const std::size_t a_at = dc.dtype() == DType::F32 ? plan.reserve(static_cast<std::size_t>(M * N) * 2) : 0;
+  const std::size_t w_at = plan.reserve(static_cast<std::size_t>(N * K) * 2);
+  plan.commit(ctx);
+  const void* dc16 = bf16_operand(ctx, dc, plan, a_at);
+  dequantize_bf16(ctx, w, plan.at<void>(w_at));
+  // dA[M,K] = dC[M,N] * W, W stored [N,K] = B [k=N, n=K], not transposed.
+  bf16_gemm(ctx, dc16, plan.at<void>(w_at), false, da, M, K, N, opts.alpha, opts.beta);
+}
+
+void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
+                 const GateUpOutputs& out, const Nf4GemmOptions& opts) {
+  const char* op = "nf4_gate_up";
+  const bool small_m = opts.path == Nf4Path::SmallM && nf4_small_m_supported(a, w_gate) &&
+                       nf4_small_m_supported(a, w_up) && w_gate.rows == w_up.rows;
+  check_path(op, opts.path, small_m, kSmallMNeeds);
+  const std::int64_t M = a.dim(0), K = a.dim(1), N = w_gate.rows;
+  if (M == 0 || N == 0) return;
+  set_device(ctx);
+  if (small_m) return launch_nf4_gate_up_small_m(ctx, a, w_gate, w_up, out, opts.alpha);
+
+  // With h: both GEMMs write fp32 (into the caller's f32 output, else into a scratch region), h comes from those
+  // fp32 values (never from a rounded bf16 gate or up) and bf16 outputs are rounded once, in the epilogue; the CPU
+  // backend does the same. Without h: each requested output takes its GEMM directly, rounded once to its dtype.
+  const bool want_h = !out.h.empty();
+  auto is_f32 = [](const TensorView& v) { return !v.empty() && v.dtype() == DType::F32; };
+  const bool g_tmp = want_h && !is_f32(out.gate), u_tmp = want_h && !is_f32(out.up);
+  const std::size_t mn = static_cast<std::size_t>(M * N);
+  ScratchPlan plan;
+  const std::size_t a_at = a.dtype() == DType::F32 ? plan.reserve(static_cast<std::size_t>(M * K) * 2) : 0;
+  // One bf16 weight region, reused for the up weight after the gate GEMM (stream order makes that safe).
+  const std::size_t w_at = plan.reserve(static_cast<std::size_t>(std::max(w_gate.numel(), w_up.numel())) * 2);
+  const std::size_t g_at = g_tmp ? plan.reserve(mn * 4) : 0;
+  const std::size_t u_at = u_tmp ? plan.reserve(mn * 4) : 0;
+  plan.commit(ctx);
+
+  const Device dev = Device::cuda(state(ctx).device);
+  const TensorView g_dst = g_tmp ? TensorView(plan.at<void>(g_at), DType::F32, {M, N}, dev) : out.gate;
+  const TensorView u_dst = u_tmp ? TensorView(plan.at<void>(u_at), DType::F32, {M, N}, dev) : out.up;
+  const void* a16 = bf16_operand(ctx, a, plan, a_at);
+  void* w16 = plan.at<void>(w_at);
+  if (!g_dst.empty()) {
+    dequantize_bf16(ctx, w_gate, w16);
+    bf16_gemm(ctx, a16, w16, true, g_dst, M, N, K, opts.alpha, 0.0f);
+  }
+  if (!u_dst.empty()) {
+    dequantize_bf16(ctx, w_up, w16);
+    bf16_gemm(ctx, a16, w16, true, u_dst, M, N, K, opts.alpha, 0.0f);
+  }
+  if (!want_h) return;
+
+  auto bf16_out = [](const TensorView& v) {
+    return !v.empty() && v.dtype() == DType::BF16 ? v.data_as<__nv_bfloat16>() : nullptr;
+  };
+  const unsigned grid = grid_for(ctx, gate_up_epilogue_kernel, static_cast<std::int64_t>(mn));
+  gate_up_epilogue_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
+      g_dst.data_as<const float>(), u_dst.data_as<const float>(), bf16_out(out.gate), bf16_out(out.up),
+      out.h.data(), out.h.dtype() == DType::BF16, static_cast<std::int64_t>(mn));
+  QMM_CUDA_CHECK_LAUNCH("gate_up_epilogue_kernel");
+}
+
+}  // namespace qmm::cuda

@@ -1,0 +1,133 @@
+// Host side of NF4 quantize and dequantize: alignment checks, grid sizing, the double-quantization offset.
+#include "cuda/nf4/quantize.cuh"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu/nf4_internal.h"
+#include "cuda/common/check.h"
+#include "cuda/common/cuda_state.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/nf4/quantize.h"
+#include "qmm/error.h"
+
+namespace qmm::cuda {
+
+namespace {
+
+using namespace nf4_detail;
+
+bool aligned(const void* p, std::uintptr_t bytes) { return (reinterpret_cast<std::uintptr_t>(p) & (bytes - 1)) == 0; }
+
+int log2_exact(int v) {
+  int s = 0;
+  while ((1 << s) < v) ++s;
+  return s;
+}
+
+// Grid-stride launches: one full wave of resident blocks (from the kernel's occupancy), never more than the work
+// needs. More blocks than fit at once would run as a second, partial wave and leave SMs idle at the end.
+template <class Kernel>
+unsigned grid_for(const Context& ctx, Kernel kernel, std::int64_t threads_needed) {
+  int per_sm = 0;
+  QMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  const std::int64_t cap = static_cast<std::int64_t>(state(ctx).sm_count()) * std::max(1, per_sm);
+  const std::int64_t need = (threads_needed + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(std::max<std::int64_t>(1, std::min(cap, need)));
+}
+
+template <class T>
+void launch_quantize(const Context& ctx, const TensorView& w, int block_size, std::uint8_t* codes, float* absmax) {
+  const std::int64_t n = w.numel();
+  const std::int64_t nblocks = (n + block_size - 1) / block_size;
+  const int lanes = std::min(32, block_size / kQuantChunk);
+  const int chunks = block_size / kQuantChunk / lanes;
+  const std::int64_t tasks = (nblocks + (32 / lanes) - 1) / (32 / lanes);  // one warp each
+  const bool vec = aligned(w.data(), 16) && aligned(codes, 4);
+  const T* src = w.data_as<const T>();
+  auto kernel = chunks == 1 ? nf4_quantize_kernel<T, true> : nf4_quantize_kernel<T, false>;
+  kernel<<<grid_for(ctx, kernel, tasks * 32), kThreads, 0, stream_of(ctx)>>>(src, n, block_size, lanes, chunks, vec,
+                                                                             codes, absmax, nblocks);
+  QMM_CUDA_CHECK_LAUNCH("nf4_quantize_kernel");
+}
+
+Scales scales_of(const Nf4Weight& w) {
+  Scales s{};
+  if (w.double_quant()) {
+    s.q = w.absmax.data_as<const std::uint8_t>();
+    s.absmax2 = w.absmax2.data_as<const float>();
+    s.code2 = w.code2.data_as<const float>();
+    s.offset = w.offset;
+  } else {
+    s.absmax = w.absmax.data_as<const float>();
+  }
+  return s;
+}
+
+template <class T>
+void launch_dequantize(const Context& ctx, const Nf4Weight& w, T* out) {
+  const std::int64_t n = w.numel();
+  const std::int64_t nchunks = (n + kDequantChunk - 1) / kDequantChunk;
+  const bool vec = aligned(w.codes.data(), 8) && aligned(out, 16);
+  nf4_dequantize_kernel<T><<<grid_for(ctx, nf4_dequantize_kernel<T>, nchunks), kThreads, 0, stream_of(ctx)>>>(
+      w.codes.data_as<const std::uint8_t>(), scales_of(w), log2_exact(w.block_size), n, vec, out);
+  QMM_CUDA_CHECK_LAUNCH("nf4_dequantize_kernel");
+}
+
+}  // namespace
+
+void nf4_double_quantize(const Context& ctx, const float* absmax, std::int64_t nblocks, float offset,
+                         Nf4Weight& out) {
+  set_device(ctx);
+  // code2 first: the kernel reads it back from out.code2. (A copy from pageable memory: staged before returning.)
+  QMM_CUDA_CHECK(cudaMemcpyAsync(out.code2.data(), nf4_code2_table(), kCode2Size * sizeof(float),
+                                 cudaMemcpyHostToDevice, stream_of(ctx)));
+  out.offset = offset;
+  if (nblocks == 0) return;
+  const std::int64_t groups = (nblocks + kNf4NestedBlockSize - 1) / kNf4NestedBlockSize;
+  nf4_double_quant_kernel<<<static_cast<unsigned>(groups), kNf4NestedBlockSize, 0, stream_of(ctx)>>>(
+      absmax, nblocks, offset, out.code2.data_as<const float>(), out.absmax.data_as<std::uint8_t>(),
+      out.absmax2.data_as<float>());
+  QMM_CUDA_CHECK_LAUNCH("nf4_double_quant_kernel");
+}
+
+void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out) {
+  set_device(ctx);
+  const std::int64_t n = w.numel();
+  const std::int64_t nblocks = out.num_blocks();
+  const bool dq = out.double_quant();
+  if (n == 0) {
+    if (dq) nf4_double_quantize(ctx, nullptr, 0, 0.0f, out);
+    return;
+  }
+  // Plain: the fp32 absmax goes straight to out.absmax. Double: to scratch, then it is quantized into out.absmax.
+  float* absmax = dq ? static_cast<float*>(state(ctx).scratch_at_least(static_cast<std::size_t>(nblocks) * 4))
+                     : out.absmax.data_as<float>();
+  std::uint8_t* codes = out.codes.data_as<std::uint8_t>();
+  switch (w.dtype()) {
+    case DType::F32: launch_quantize<float>(ctx, w, out.block_size, codes, absmax); break;
+    case DType::BF16: launch_quantize<__nv_bfloat16>(ctx, w, out.block_size, codes, absmax); break;
+    case DType::F16: launch_quantize<__half>(ctx, w, out.block_size, codes, absmax); break;
+    default: throw Error(ErrorCode::Internal, "nf4_quantize: unexpected input dtype");
+  }
+  if (!dq) return;
+
+  // The offset is a host float in the weight, and the CPU's summation order is easiest matched on the host:
+  // copy the (small) absmax array back once. Correctness over speed for this step.
+  std::vector<float> host(static_cast<std::size_t>(nblocks));
+  QMM_CUDA_CHECK(cudaMemcpyAsync(host.data(), absmax, host.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                 stream_of(ctx)));
+  QMM_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
+  // The CPU backend's own function: both backends get the same offset, and from it the same bytes.
+  nf4_double_quantize(ctx, absmax, nblocks, cpu::nf4_absmax_mean(host.data(), nblocks), out);
+}
+
+void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& out) {
+  if (w.numel() == 0) return;
+  set_device(ctx);
+  if (out.dtype() == DType::BF16) launch_dequantize(ctx, w, out.data_as<__nv_bfloat16>());
+  else launch_dequantize(ctx, w, out.data_as<float>());
+}
+
+}  // namespace qmm::cuda

@@ -1,0 +1,565 @@
+// NF4 on the GPU: quantize and dequantize byte-identical to the CPU backend and to bitsandbytes' golden vectors
+// (tests/data/nf4-bnb), and the dequantize + GEMM path of nf4_gemm, nf4_gemm_backward_a and nf4_gate_up against
+// the CPU oracle (which multiplies the same bf16-rounded operands in fp64).
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/test_util.h"
+#ifdef QMM_WITH_CUDA
+#include "cuda/nf4/quantize.h"
+#endif
+
+namespace qmm {
+namespace {
+
+Device gpu_device() { return test::gpu_context()->device(); }
+
+Nf4Tensor nf4_to(const Nf4Tensor& src, Device d) {
+  Nf4Tensor out = src;  // shape, block size and offset
+  out.codes = to_device(src.codes, d);
+  out.absmax = to_device(src.absmax, d);
+  if (src.absmax2.defined()) out.absmax2 = to_device(src.absmax2, d);
+  if (src.code2.defined()) out.code2 = to_device(src.code2, d);
+  return out;
+}
+
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+// Every byte of every field, and the offset bit for bit.
+void expect_same_nf4(const Nf4Tensor& got, const Nf4Tensor& ref, const std::string& what) {
+  EXPECT_TRUE(test::bytes_equal(got.codes, ref.codes)) << "codes, " << what;
+  EXPECT_TRUE(test::bytes_equal(got.absmax, ref.absmax)) << "absmax, " << what;
+  EXPECT_EQ(got.absmax2.defined(), ref.absmax2.defined()) << what;
+  if (got.absmax2.defined() && ref.absmax2.defined()) {
+    EXPECT_TRUE(test::bytes_equal(got.absmax2, ref.absmax2)) << "absmax2, " << what;
+    EXPECT_TRUE(test::bytes_equal(got.code2, ref.code2)) << "code2, " << what;
+    EXPECT_TRUE(same_bits(got.offset, ref.offset)) << "offset " << got.offset << " vs " << ref.offset << ", " << what;
+  }
+}
+
+// A device view of n elements, optionally one element past an aligned address (defeats every vector path).
+struct DeviceBuf {
+  Tensor storage;
+  TensorView view;
+};
+DeviceBuf device_buf(DType dt, Shape shape, bool misaligned) {
+  DeviceBuf b;
+  b.storage = Tensor(dt, {shape.numel() + 1}, gpu_device());
+  b.view = TensorView(static_cast<char*>(b.storage.data()) + (misaligned ? dtype_size(dt) : 0), dt, shape,
+                      gpu_device());
+  return b;
+}
+DeviceBuf device_copy(const Tensor& host, bool misaligned) {
+  DeviceBuf b = device_buf(host.dtype(), host.shape(), misaligned);
+  copy(b.view, host);
+  return b;
+}
+
+std::string describe(std::int64_t n, std::int64_t k, DType dt, bool dq, int bs) {
+  return std::to_string(n) + "x" + std::to_string(k) + " " + dtype_name(dt) + (dq ? " double" : " plain") +
+         " block " + std::to_string(bs);
+}
+
+// GPU and CPU dequantize of the same weight (on each side), f32 and bf16: byte-identical.
+void expect_same_dequant(const Nf4Tensor& w_dev, const Nf4Tensor& w_host, const std::string& what,
+                         bool misaligned = false) {
+  Context& gpu = *test::gpu_context();
+  for (DType dt : {DType::F32, DType::BF16}) {
+    Tensor ref(dt, {w_host.rows, w_host.cols});
+    nf4_dequantize(Context::cpu(), w_host, ref);
+    DeviceBuf out = device_buf(dt, {w_host.rows, w_host.cols}, misaligned);
+    test::poison(out.view);
+    nf4_dequantize(gpu, w_dev, out.view);
+    gpu.synchronize();
+    EXPECT_TRUE(test::bytes_equal(test::host_copy(out.view), ref))
+        << "dequantize to " << dtype_name(dt) << (misaligned ? " (misaligned output), " : ", ") << what;
+  }
+}
+
+// ---- golden vectors -------------------------------------------------------------------------------------------
+
+std::string golden_dir() { return test::data_dir() + "/nf4-bnb"; }
+
+// The file names listed in manifest.json (a JSON array of strings).
+std::vector<std::string> golden_files() {
+  std::ifstream in(golden_dir() + "/manifest.json");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string text = ss.str();
+  std::vector<std::string> names;
+  for (std::size_t at = text.find('"'); at != std::string::npos; at = text.find('"', at + 1)) {
+    const std::size_t end = text.find('"', at + 1);
+    if (end == std::string::npos) break;
+    names.push_back(text.substr(at + 1, end - at - 1));
+    at = end;
+  }
+  return names;
+}
+
+struct Golden {
+  std::string name;
+  SafetensorsFile file;
+  std::int64_t n = 0, k = 0;
+  int block_size = 0;
+  bool dq = false;
+};
+
+Golden open_golden(const std::string& name) {
+  Golden g{name, SafetensorsFile::open(golden_dir() + "/" + name)};
+  const auto& meta = g.file.metadata();
+  g.n = std::stoll(meta.at("N"));
+  g.k = std::stoll(meta.at("K"));
+  g.block_size = std::stoi(meta.at("blocksize"));
+  g.dq = meta.at("double_quant") == "True";
+  return g;
+}
+
+// The golden quantized weight, in host memory.
+Nf4Tensor golden_weight(const Golden& g) {
+  Nf4Tensor w;
+  w.rows = g.n;
+  w.cols = g.k;
+  w.block_size = g.block_size;
+  w.codes = g.file.tensor("codes", DType::U8);
+  if (g.dq) {
+    w.absmax = g.file.tensor("absmax_q", DType::U8);
+    w.absmax2 = g.file.tensor("absmax2", DType::F32);
+    w.code2 = g.file.tensor("code2", DType::F32);
+    w.offset = g.file.tensor("offset", DType::F32).data_as<float>()[0];
+  } else {
+    w.absmax = g.file.tensor("absmax", DType::F32);
+  }
+  return w;
+}
+
+TEST(Nf4GoldenGpu, ManifestListsFiles) {
+  QMM_REQUIRE_GPU();
+  EXPECT_EQ(golden_files().size(), 10u);
+}
+
+// Every output field byte-identical to bitsandbytes (the offset too: the mean is computed as the producer does,
+// sum * (1/n), see src/cpu/nf4_internal.h) and to the CPU backend.
+TEST(Nf4GoldenGpu, QuantizeMatchesGoldenAndCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  for (const std::string& name : golden_files()) {
+    const Golden g = open_golden(name);
+    const Tensor input = g.file.tensor("input");
+    Nf4Tensor got = nf4_quantize(gpu, to_device(input, gpu_device()), g.dq, g.block_size);
+    gpu.synchronize();
+    EXPECT_TRUE(test::bytes_equal(got.codes, g.file.tensor("codes", DType::U8))) << name;
+    if (g.dq) {
+      const float want = g.file.tensor("offset", DType::F32).data_as<float>()[0];
+      EXPECT_TRUE(same_bits(got.offset, want)) << got.offset << " vs " << want << ", " << name;
+      EXPECT_TRUE(test::bytes_equal(got.absmax, g.file.tensor("absmax_q", DType::U8))) << name;
+      EXPECT_TRUE(test::bytes_equal(got.absmax2, g.file.tensor("absmax2", DType::F32))) << name;
+      EXPECT_TRUE(test::bytes_equal(got.code2, g.file.tensor("code2", DType::F32))) << name;
+    } else {
+      EXPECT_TRUE(test::bytes_equal(got.absmax, g.file.tensor("absmax", DType::F32))) << name;
+    }
+    expect_same_nf4(got, nf4_quantize(Context::cpu(), input, g.dq, g.block_size), "vs CPU, " + name);
+  }
+}
+
+#ifdef QMM_WITH_CUDA
+// The double-quantization kernel alone: the exact fp32 absmax around bitsandbytes' own offset reproduces its
+// absmax_q and absmax2 (independent of how the offset is computed).
+TEST(Nf4GoldenGpu, DoubleQuantizationWithGoldenOffsetIsByteIdentical) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  int checked = 0;
+  for (const std::string& name : golden_files()) {
+    const Golden g = open_golden(name);
+    if (!g.dq) continue;
+    // The fp32 absmax of the plain quantization of the same input (checked byte-identical above).
+    Nf4Tensor plain = nf4_quantize(gpu, to_device(g.file.tensor("input"), gpu_device()), false, g.block_size);
+    Nf4Tensor t = Nf4Tensor::allocate(g.n, g.k, true, gpu_device(), g.block_size);
+    Nf4Weight v = t.view();
+    const float offset = g.file.tensor("offset", DType::F32).data_as<float>()[0];
+    cuda::nf4_double_quantize(gpu, plain.absmax.data_as<const float>(), v.num_blocks(), offset, v);
+    gpu.synchronize();
+    EXPECT_TRUE(same_bits(v.offset, offset)) << name;
+    EXPECT_TRUE(test::bytes_equal(t.absmax, g.file.tensor("absmax_q", DType::U8))) << name;
+    EXPECT_TRUE(test::bytes_equal(t.absmax2, g.file.tensor("absmax2", DType::F32))) << name;
+    EXPECT_TRUE(test::bytes_equal(t.code2, g.file.tensor("code2", DType::F32))) << name;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 5);
+}
+#endif
+
+// Dequantizing the golden weights gives bitsandbytes' `dequant` exactly (in the input's dtype), and the CPU's bytes.
+TEST(Nf4GoldenGpu, DequantizeMatchesGoldenAndCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  for (const std::string& name : golden_files()) {
+    const Golden g = open_golden(name);
+    const Nf4Tensor host = golden_weight(g);
+    const Nf4Tensor dev = nf4_to(host, gpu_device());
+    expect_same_dequant(dev, host, name);
+
+    const Tensor want = g.file.tensor("dequant");
+    const DType out_dt = want.dtype() == DType::BF16 ? DType::BF16 : DType::F32;
+    Tensor out(out_dt, {g.n, g.k}, gpu_device());
+    test::poison(out);
+    nf4_dequantize(gpu, dev, out);
+    gpu.synchronize();
+    Tensor got = test::host_copy(out);
+    if (want.dtype() == DType::F16) {  // the golden is fp32 rounded to f16; round ours the same way
+      Tensor h(DType::F16, {g.n, g.k});
+      for (std::int64_t i = 0; i < got.numel(); ++i)
+        h.data_as<std::uint16_t>()[i] = float_to_f16(got.data_as<float>()[i]);
+      got = h;
+    }
+    EXPECT_TRUE(test::bytes_equal(got, want)) << name;
+  }
+}
+
+// The offset inside the checkpoint's quant-state JSON text ("nested_offset": <number>).
+float nested_offset(const Tensor& json_bytes) {
+  const std::string text(json_bytes.data_as<const char>(), static_cast<std::size_t>(json_bytes.numel()));
+  const std::string key = "\"nested_offset\":";
+  const std::size_t at = text.find(key);
+  if (at == std::string::npos) throw Error(ErrorCode::Io, "nested_offset missing from the quant state");
+  return std::strtof(text.c_str() + at + key.size(), nullptr);
+}
+
+// A whole bitsandbytes Linear4bit checkpoint: its weight dequantizes to the stored reference exactly, and the
+// layer's output (x bf16, bf16 compute) is reproduced by nf4_gemm plus the bias within a bf16 output rounding.
+TEST(Nf4GoldenGpu, Linear4bitCheckpoint) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const SafetensorsFile f = SafetensorsFile::open(golden_dir() + "/linear4bit_state_dict.safetensors");
+  Nf4Tensor host;
+  host.rows = 256;
+  host.cols = 512;
+  host.block_size = 64;
+  host.codes = f.tensor("weight", DType::U8);
+  host.absmax = f.tensor("weight.absmax", DType::U8);
+  host.absmax2 = f.tensor("weight.nested_absmax", DType::F32);
+  host.code2 = f.tensor("weight.nested_quant_map", DType::F32);
+  host.offset = nested_offset(f.tensor("weight.quant_state.bitsandbytes__nf4", DType::U8));
+  const Nf4Tensor dev = nf4_to(host, gpu_device());
+
+  Tensor w(DType::F32, {256, 512}, gpu_device());
+  test::poison(w);
+  nf4_dequantize(gpu, dev, w);
+  gpu.synchronize();
+  EXPECT_TRUE(test::bytes_equal(test::host_copy(w), f.tensor("_ref.weight_dequant", DType::F32)));
+
+  const Tensor x = f.tensor("_ref.x", DType::BF16);
+  Tensor y(DType::F32, {3, 256}, gpu_device());
+  test::poison(y);
+  nf4_gemm(gpu, to_device(x, gpu_device()), dev, y);
+  gpu.synchronize();
+  Tensor got = test::host_copy(y);
+  const Tensor bias = f.tensor("bias", DType::F32);
+  for (std::int64_t i = 0; i < 3; ++i)
+    for (std::int64_t j = 0; j < 256; ++j) got.data_as<float>()[i * 256 + j] += bias.data_as<float>()[j];
+  EXPECT_TRUE(test::all_close(got, f.tensor("_ref.y", DType::F32), test::bf16_output_tolerance(512)));
+}
+
+// ---- random weights against the CPU ---------------------------------------------------------------------------
+
+// Values of several magnitudes (so blocks have different absmax), with some blocks all zero; rounded to dt.
+Tensor random_weight(DType dt, std::int64_t n, std::int64_t k, int block_size, std::uint64_t seed) {
+  Tensor f = test::random_tensor(DType::F32, {n, k}, seed, -1.0f, 1.0f);
+  float* v = f.data_as<float>();
+  const std::int64_t numel = n * k;
+  for (std::int64_t e = 0; e < numel; ++e) {
+    const std::int64_t b = e / block_size;
+    if (b % 3 == 1) v[e] *= 1.0f / 1024.0f;  // a power of two: exact (f16 may go subnormal, same on both sides)
+    if (b == 0 || b == 4) v[e] = 0.0f;       // all-zero blocks (the last, partial block too where it is block 4)
+  }
+  if (dt == DType::F32) return f;
+  Tensor w(dt, {n, k});
+  auto* bits = w.data_as<std::uint16_t>();
+  for (std::int64_t e = 0; e < numel; ++e) bits[e] = dt == DType::BF16 ? float_to_bf16(v[e]) : float_to_f16(v[e]);
+  return w;
+}
+
+void check_random_quantize(std::int64_t n, std::int64_t k, DType dt, bool dq, int bs, std::uint64_t seed) {
+  Context& gpu = *test::gpu_context();
+  const std::string what = describe(n, k, dt, dq, bs);
+  const Tensor w = random_weight(dt, n, k, bs, seed);
+  const Nf4Tensor ref = nf4_quantize(Context::cpu(), w, dq, bs);
+  Nf4Tensor got = Nf4Tensor::allocate(n, k, dq, gpu_device(), bs);
+  test::poison(got.codes);
+  test::poison(got.absmax);
+  if (dq) test::poison(got.absmax2);
+  Nf4Weight view = got.view();
+  nf4_quantize(gpu, to_device(w, gpu_device()), view);
+  gpu.synchronize();
+  got.offset = view.offset;
+  expect_same_nf4(got, ref, what);
+  expect_same_dequant(got, ref, what);
+}
+
+TEST(Nf4QuantizeGpu, RaggedShapesMatchCpu) {
+  QMM_REQUIRE_GPU();
+  std::uint64_t seed = 1000;
+  const std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{1, 1}, {7, 100}, {33, 130}, {1000, 1000}};
+  for (const auto& [n, k] : shapes)
+    for (DType dt : {DType::F32, DType::BF16, DType::F16})
+      for (bool dq : {false, true})
+        for (int bs : {64, 128, 256, 512, 4096}) check_random_quantize(n, k, dt, dq, bs, ++seed);
+}
+
+TEST(Nf4QuantizeGpu, LargeMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  std::uint64_t seed = 2000;
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    for (bool dq : {false, true}) check_random_quantize(4096, 4096, dt, dq, 64, ++seed);
+  check_random_quantize(4096, 4096, DType::BF16, true, 128, ++seed);
+}
+
+TEST(Nf4QuantizeGpu, AllZeroWeightMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  for (bool dq : {false, true})
+    for (std::int64_t k : {std::int64_t{1}, std::int64_t{100}, std::int64_t{1000}}) {
+      const Tensor w = test::filled(DType::F32, {7, k}, 0.0f);
+      const Nf4Tensor ref = nf4_quantize(Context::cpu(), w, dq);
+      const Nf4Tensor got = nf4_quantize(gpu, to_device(w, gpu_device()), dq);
+      gpu.synchronize();
+      const std::string what = describe(7, k, DType::F32, dq, 64) + " all zero";
+      expect_same_nf4(got, ref, what);
+      expect_same_dequant(got, ref, what);
+    }
+}
+
+// Input, codes and outputs one element off their alignment: the scalar paths give the same bytes.
+TEST(Nf4QuantizeGpu, MisalignedBuffersMatchCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  std::uint64_t seed = 3000;
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    for (bool dq : {false, true})
+      for (auto [n, k] : {std::pair<std::int64_t, std::int64_t>{33, 130}, {1000, 1000}}) {
+        const std::string what = describe(n, k, dt, dq, 64) + " misaligned";
+        const Tensor w = random_weight(dt, n, k, 64, ++seed);
+        const Nf4Tensor ref = nf4_quantize(Context::cpu(), w, dq);
+        DeviceBuf in = device_copy(w, true);
+        Nf4Tensor got = Nf4Tensor::allocate(n, k, dq, gpu_device());
+        DeviceBuf codes = device_buf(DType::U8, {(n * k + 1) / 2}, true);
+        Nf4Weight view = got.view();
+        view.codes = codes.view;
+        nf4_quantize(gpu, in.view, view);
+        gpu.synchronize();
+        got.offset = view.offset;
+        EXPECT_TRUE(test::bytes_equal(test::host_copy(codes.view), ref.codes)) << what;
+        Nf4Tensor with_codes = got;
+        with_codes.codes = test::host_copy(codes.view);  // expect_same_nf4 compares whole tensors
+        expect_same_nf4(with_codes, ref, what);
+        // Dequantize from the misaligned codes, into aligned and misaligned outputs.
+        for (bool out_misaligned : {false, true})
+          for (DType odt : {DType::F32, DType::BF16}) {
+            Tensor r(odt, {n, k});
+            nf4_dequantize(Context::cpu(), ref, r);
+            DeviceBuf out = device_buf(odt, {n, k}, out_misaligned);
+            test::poison(out.view);
+            nf4_dequantize(gpu, view, out.view);
+            gpu.synchronize();
+            EXPECT_TRUE(test::bytes_equal(test::host_copy(out.view), r))
+                << what << " dequantize to " << dtype_name(odt) << (out_misaligned ? " misaligned" : "");
+          }
+      }
+}
+
+// ---- NF4 GEMMs against the CPU oracle -------------------------------------------------------------------------
+
+struct Weight {
+  Nf4Tensor host, dev;
+};
+Weight make_weight(std::int64_t n, std::int64_t k, bool dq, std::uint64_t seed) {
+  const Tensor w = test::random_tensor(DType::F32, {n, k}, seed, -0.05f, 0.05f);
+  Weight out;
+  out.host = nf4_quantize(Context::cpu(), w, dq);
+  out.dev = nf4_to(out.host, gpu_device());
+  return out;
+}
+
+// Both sides multiply the same bf16 operands; only the summation order (and an output rounding) differs.
+test::Tolerance tolerance_for(DType out, std::int64_t k) {
+  return out == DType::BF16 ? test::bf16_output_tolerance(k) : test::fp32_accum_tolerance(k);
+}
+
+using Mnk = std::tuple<std::int64_t, std::int64_t, std::int64_t>;  // M, N, K
+const std::vector<Mnk> kGemmShapes = {
+    {1, 100, 64},  {7, 100, 64},  {65, 100, 64},  {300, 100, 64},    {1, 130, 33},     {7, 130, 33},
+    {65, 130, 33}, {300, 130, 33}, {1, 1536, 1000}, {7, 1536, 1000}, {65, 1536, 1000}, {300, 1536, 1000}};
+
+TEST(Nf4GemmGpu, DequantGemmMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  std::uint64_t seed = 5000;
+  for (const auto& [m, n, k] : kGemmShapes)
+    for (bool dq : {false, true}) {
+      const Weight w = make_weight(n, k, dq, ++seed);
+      for (DType adt : {DType::F32, DType::BF16})
+        for (DType cdt : {DType::F32, DType::BF16}) {
+          const Tensor a = test::random_tensor(adt, {m, k}, ++seed);
+          const Tensor c0 = test::random_tensor(cdt, {m, n}, ++seed);
+          const Tensor ad = to_device(a, gpu_device());
+          for (auto [alpha, beta] : {std::pair<float, float>{0.75f, 0.0f}, {1.25f, 1.0f}}) {
+            Tensor ref = test::host_copy(c0);
+            nf4_gemm(cpu, a, w.host, ref, {alpha, beta, Nf4Path::Auto});
+            Tensor c = to_device(c0, gpu_device());
+            if (beta == 0.0f) test::poison(c);
+            nf4_gemm(gpu, ad, w.dev, c, {alpha, beta, Nf4Path::DequantGemm});
+            gpu.synchronize();
+            EXPECT_TRUE(test::all_close(test::host_copy(c), ref, tolerance_for(cdt, k)))
+                << "M=" << m << " N=" << n << " K=" << k << " dq=" << dq << " A " << dtype_name(adt) << " C "
+                << dtype_name(cdt) << " alpha=" << alpha << " beta=" << beta;
+          }
+        }
+    }
+}
+
+TEST(Nf4GemmGpu, AutoPathMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  std::uint64_t seed = 6000;
+  for (const auto& [m, n, k] : {Mnk{1, 130, 33}, Mnk{65, 1536, 1000}, Mnk{16, 256, 512}}) {
+    const Weight w = make_weight(n, k, true, ++seed);
+    const Tensor a = test::random_tensor(DType::BF16, {m, k}, ++seed);
+    Tensor ref(DType::F32, {m, n});
+    nf4_gemm(Context::cpu(), a, w.host, ref);
+    Tensor c(DType::F32, {m, n}, gpu_device());
+    test::poison(c);
+    nf4_gemm(gpu, to_device(a, gpu_device()), w.dev, c);
+    gpu.synchronize();
+    EXPECT_TRUE(test::all_close(test::host_copy(c), ref, test::fp32_accum_tolerance(k)))
+        << "M=" << m << " N=" << n << " K=" << k;
+  }
+}
+
+TEST(Nf4GemmGpu, BackwardMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  std::uint64_t seed = 7000;
+  for (const auto& [m, n, k] : kGemmShapes)
+    for (bool dq : {false, true}) {
+      const Weight w = make_weight(n, k, dq, ++seed);
+      for (DType dt : {DType::F32, DType::BF16})
+        for (DType odt : {DType::F32, DType::BF16}) {
+          const Tensor dc = test::random_tensor(dt, {m, n}, ++seed);
+          const Tensor da0 = test::random_tensor(odt, {m, k}, ++seed);
+          const Tensor dcd = to_device(dc, gpu_device());
+          for (auto [alpha, beta] : {std::pair<float, float>{1.0f, 0.0f}, {0.5f, 1.0f}}) {
+            Tensor ref = test::host_copy(da0);
+            nf4_gemm_backward_a(cpu, dc, w.host, ref, {alpha, beta, Nf4Path::Auto});
+            Tensor da = to_device(da0, gpu_device());
+            if (beta == 0.0f) test::poison(da);
+            nf4_gemm_backward_a(gpu, dcd, w.dev, da, {alpha, beta, Nf4Path::DequantGemm});
+            gpu.synchronize();
+            EXPECT_TRUE(test::all_close(test::host_copy(da), ref, tolerance_for(odt, n)))
+                << "M=" << m << " N=" << n << " K=" << k << " dq=" << dq << " dC " << dtype_name(dt) << " dA "
+                << dtype_name(odt) << " alpha=" << alpha << " beta=" << beta;
+          }
+        }
+    }
+}
+
+// Every subset of outputs, mixed output dtypes, f32 and bf16 A: each output matches the CPU's.
+TEST(Nf4GemmGpu, GateUpMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  std::uint64_t seed = 8000;
+  using Dts = std::tuple<DType, DType, DType>;  // gate, up, h
+  const std::vector<Dts> dtype_sets = {{DType::F32, DType::F32, DType::F32},
+                                       {DType::BF16, DType::BF16, DType::BF16},
+                                       {DType::F32, DType::BF16, DType::BF16},
+                                       {DType::BF16, DType::F32, DType::F32}};
+  for (const auto& [m, n, k] : {Mnk{1, 130, 33}, Mnk{7, 100, 64}, Mnk{65, 1536, 1000}, Mnk{300, 130, 33}})
+    for (DType adt : {DType::F32, DType::BF16}) {
+      const bool dq = adt == DType::BF16;
+      const Weight wg = make_weight(n, k, dq, ++seed), wu = make_weight(n, k, dq, ++seed);
+      const Tensor a = test::random_tensor(adt, {m, k}, ++seed);
+      const Tensor ad = to_device(a, gpu_device());
+      for (const auto& [gdt, udt, hdt] : dtype_sets) {
+        Tensor rg(gdt, {m, n}), ru(udt, {m, n}), rh(hdt, {m, n});
+        nf4_gate_up(cpu, a, wg.host, wu.host, {rg, ru, rh}, {0.5f, 0.0f, Nf4Path::Auto});
+        for (int mask = 1; mask < 8; ++mask) {
+          Tensor g(gdt, {m, n}, gpu_device()), u(udt, {m, n}, gpu_device()), h(hdt, {m, n}, gpu_device());
+          test::poison(g);
+          test::poison(u);
+          test::poison(h);
+          const GateUpOutputs out{(mask & 1) ? TensorView(g) : TensorView(), (mask & 2) ? TensorView(u) : TensorView(),
+                                  (mask & 4) ? TensorView(h) : TensorView()};
+          nf4_gate_up(gpu, ad, wg.dev, wu.dev, out, {0.5f, 0.0f, Nf4Path::DequantGemm});
+          gpu.synchronize();
+          std::ostringstream what;
+          what << "M=" << m << " N=" << n << " K=" << k << " A " << dtype_name(adt) << " outputs "
+               << dtype_name(gdt) << "/" << dtype_name(udt) << "/" << dtype_name(hdt) << " mask " << mask;
+          if (mask & 1) {
+            EXPECT_TRUE(test::all_close(test::host_copy(g), rg, tolerance_for(gdt, k))) << "gate, " << what.str();
+          }
+          if (mask & 2) {
+            EXPECT_TRUE(test::all_close(test::host_copy(u), ru, tolerance_for(udt, k))) << "up, " << what.str();
+          }
+          if (mask & 4) {
+            EXPECT_TRUE(test::all_close(test::host_copy(h), rh, tolerance_for(hdt, k))) << "h, " << what.str();
+          }
+        }
+      }
+    }
+}
+
+// Calls back to back without a sync: the second grows the scratch the first is still using (the context waits
+// before freeing it), and each call's regions are its own.
+TEST(Nf4GemmGpu, BackToBackCallsShareScratchSafely) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  const Weight small_g = make_weight(130, 33, false, 9001), small_u = make_weight(130, 33, true, 9002);
+  const Weight big = make_weight(2048, 1536, true, 9003);
+  const Tensor a1 = test::random_tensor(DType::F32, {65, 33}, 9004);
+  const Tensor a2 = test::random_tensor(DType::F32, {300, 1536}, 9005);
+  Tensor r1(DType::F32, {65, 130}), r2(DType::BF16, {300, 2048}), r3(DType::F32, {65, 130});
+  nf4_gate_up(cpu, a1, small_g.host, small_u.host, {TensorView(), TensorView(), r1});
+  nf4_gemm(cpu, a2, big.host, r2);
+  nf4_gemm(cpu, a1, small_u.host, r3);
+  Tensor h1(DType::F32, {65, 130}, gpu_device()), c2(DType::BF16, {300, 2048}, gpu_device()),
+      c3(DType::F32, {65, 130}, gpu_device());
+  test::poison(h1);
+  test::poison(c2);
+  test::poison(c3);
+  const Tensor a1d = to_device(a1, gpu_device()), a2d = to_device(a2, gpu_device());
+  nf4_gate_up(gpu, a1d, small_g.dev, small_u.dev, {TensorView(), TensorView(), h1},
+              {1.0f, 0.0f, Nf4Path::DequantGemm});
+  nf4_gemm(gpu, a2d, big.dev, c2, {1.0f, 0.0f, Nf4Path::DequantGemm});
+  nf4_gemm(gpu, a1d, small_u.dev, c3, {1.0f, 0.0f, Nf4Path::DequantGemm});
+  gpu.synchronize();
+  EXPECT_TRUE(test::all_close(test::host_copy(h1), r1, test::fp32_accum_tolerance(33)));
+  EXPECT_TRUE(test::all_close(test::host_copy(c2), r2, test::bf16_output_tolerance(1536)));
+  EXPECT_TRUE(test::all_close(test::host_copy(c3), r3, test::fp32_accum_tolerance(33)));
+}
+
+TEST(Nf4GemmGpu, UnimplementedPathsRaiseUnsupported) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Weight w = make_weight(64, 96, false, 9100);
+  Tensor a(DType::BF16, {4, 96}, gpu_device()), c(DType::F32, {4, 64}, gpu_device());
+  Tensor dc(DType::BF16, {4, 64}, gpu_device()), da(DType::F32, {4, 96}, gpu_device());
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, w.dev, c, {1, 0, Nf4Path::Fused}); },
+                                 ErrorCode::Unsupported, {"nf4_gemm", "Fused", "not implemented"}));
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, dc, w.dev, da, {1, 0, Nf4Path::Fused}); },
+                                 ErrorCode::Unsupported, {"nf4_gemm_backward_a", "Fused"}));
+  EXPECT_TRUE(test::throws_error(
+      [&] { nf4_gate_up(gpu, a, w.dev, w.dev, {c, TensorView(), TensorView()}, {1, 0, Nf4Path::Fused}); },
+      ErrorCode::Unsupported, {"nf4_gate_up", "Fused"}));
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, w.dev, c, {1, 0, Nf4Path::Reference}); },
+                                 ErrorCode::Unsupported, {"nf4_gemm", "Reference"}));
+}
+
+}  // namespace
+}  // namespace qmm

@@ -1,0 +1,225 @@
+// SwiGLU forward and backward on the GPU against the CPU backend (fp64 math, one rounding to the dtype): ragged
+// lengths through the vector body and the scalar tail, in-place aliasing, misaligned pointers, extreme gates.
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/test_util.h"
+
+namespace qmm {
+namespace {
+
+// Tolerances against the fp64 oracle, and why:
+//  - bf16: the GPU computes in fp32 (a few fp32 ulps of error) and rounds once; the oracle rounds the exact value
+//    (through fp32, then bf16). The two can land on neighbouring bf16 values near a rounding midpoint, never
+//    further: at most 1 bf16 ulp apart.
+//  - f32: expf (2 ulp), the division and the products add up to ~5 fp32 ulps (~6e-7) relative. dgate's factor
+//    1 + g(1 - s) cancels near g = -1.2785 (where silu' = 0): there the error is absolute, a few ulps of the terms,
+//    which are O(1) for the input ranges below, hence the atol.
+constexpr double kF32Rtol = 2e-6;
+constexpr double kF32Atol = 1e-6;
+constexpr int kBf16MaxUlps = 1;
+
+// bf16 bits -> a monotone integer key (sign-magnitude to two's-complement order; +0 and -0 both map to 0).
+int ordered_bf16(std::uint16_t b) { return (b & 0x8000) ? -static_cast<int>(b & 0x7FFF) : static_cast<int>(b); }
+
+::testing::AssertionResult close_to_oracle(const TensorView& got_any, const TensorView& ref) {
+  const Tensor got = test::host_copy(got_any);
+  if (got.numel() != ref.numel() || got.dtype() != ref.dtype())
+    return ::testing::AssertionFailure() << got.view().str() << " vs " << ref.str();
+  std::int64_t bad = 0;
+  std::ostringstream first;
+  first.precision(9);
+  for (std::int64_t i = 0; i < got.numel(); ++i) {
+    bool ok;
+    double g, r;
+    if (got.dtype() == DType::BF16) {
+      const std::uint16_t gb = got.data_as<std::uint16_t>()[i], rb = ref.data_as<std::uint16_t>()[i];
+      g = bf16_to_float(gb);
+      r = bf16_to_float(rb);
+      ok = std::isfinite(g) && std::abs(ordered_bf16(gb) - ordered_bf16(rb)) <= kBf16MaxUlps;
+    } else {
+      g = got.data_as<float>()[i];
+      r = ref.data_as<float>()[i];
+      ok = std::isfinite(g) && std::fabs(g - r) <= kF32Atol + kF32Rtol * std::fabs(r);
+    }
+    if (!ok && bad++ < 5) first << "\n  [" << i << "] got " << g << " ref " << r;
+  }
+  if (bad) return ::testing::AssertionFailure() << bad << " of " << got.numel() << " elements off" << first.str();
+  return ::testing::AssertionSuccess();
+}
+
+// A device tensor of n elements, optionally starting one element past a 16-byte boundary (misaligned for vectors).
+struct DeviceBuf {
+  Tensor storage;
+  TensorView view;
+};
+DeviceBuf device_buf(DType dt, std::int64_t n, bool misaligned) {
+  Context& gpu = *test::gpu_context();
+  DeviceBuf b;
+  b.storage = Tensor(dt, {n + 1}, gpu.device());
+  char* p = static_cast<char*>(b.storage.data()) + (misaligned ? dtype_size(dt) : 0);
+  b.view = TensorView(p, dt, {n}, gpu.device());
+  return b;
+}
+DeviceBuf device_copy(const Tensor& host, bool misaligned = false) {
+  DeviceBuf b = device_buf(host.dtype(), host.numel(), misaligned);
+  copy(b.view, host);
+  return b;
+}
+
+// Inputs: gate over [-6, 6] (both saturations of the sigmoid and silu's minimum), up and dh over [-1, 1].
+struct Inputs {
+  Tensor gate, up, dh;
+};
+Inputs make_inputs(DType dt, std::int64_t n, std::uint64_t seed) {
+  return {test::random_tensor(dt, {n}, seed, -6.0f, 6.0f), test::random_tensor(dt, {n}, seed + 1),
+          test::random_tensor(dt, {n}, seed + 2)};
+}
+
+struct Oracle {
+  Tensor h, dgate, dup;
+};
+Oracle oracle(const Inputs& in) {
+  const Context cpu = Context::cpu();
+  const DType dt = in.gate.dtype();
+  const std::int64_t n = in.gate.numel();
+  Oracle o{Tensor(dt, {n}), Tensor(dt, {n}), Tensor(dt, {n})};
+  swiglu(cpu, in.gate, in.up, o.h);
+  swiglu_backward(cpu, in.gate, in.up, in.dh, o.dgate, o.dup);
+  return o;
+}
+
+// Forward and backward with separate outputs; `misaligned` offsets every pointer, or (mixed) only some.
+void check_out_of_place(DType dt, std::int64_t n, std::uint64_t seed, bool misaligned, bool mixed) {
+  Context& gpu = *test::gpu_context();
+  const Inputs in = make_inputs(dt, n, seed);
+  const Oracle ref = oracle(in);
+  const bool m_all = misaligned && !mixed;
+  DeviceBuf g = device_copy(in.gate, misaligned), u = device_copy(in.up, m_all), d = device_copy(in.dh, m_all);
+  DeviceBuf h = device_buf(dt, n, m_all), dg = device_buf(dt, n, m_all), du = device_buf(dt, n, misaligned);
+  test::poison(h.view);
+  test::poison(dg.view);
+  test::poison(du.view);
+  swiglu(gpu, g.view, u.view, h.view);
+  swiglu_backward(gpu, g.view, u.view, d.view, dg.view, du.view);
+  gpu.synchronize();
+  const std::string what = std::string(dtype_name(dt)) + " n=" + std::to_string(n) +
+                           (misaligned ? (mixed ? " mixed alignment" : " misaligned") : "");
+  EXPECT_TRUE(close_to_oracle(h.view, ref.h)) << "h " << what;
+  EXPECT_TRUE(close_to_oracle(dg.view, ref.dgate)) << "dgate " << what;
+  EXPECT_TRUE(close_to_oracle(du.view, ref.dup)) << "dup " << what;
+  // The inputs are untouched.
+  EXPECT_TRUE(test::bytes_equal(test::host_copy(g.view), in.gate)) << what;
+  EXPECT_TRUE(test::bytes_equal(test::host_copy(u.view), in.up)) << what;
+  EXPECT_TRUE(test::bytes_equal(test::host_copy(d.view), in.dh)) << what;
+}
+
+const std::vector<std::int64_t> kLengths = {1, 7, 63, 65, 1000, 65537};
+
+TEST(SwigluGpu, RaggedLengthsMatchCpu) {
+  QMM_REQUIRE_GPU();
+  std::uint64_t seed = 100;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (std::int64_t n : kLengths) check_out_of_place(dt, n, seed += 3, false, false);
+}
+
+TEST(SwigluGpu, MisalignedPointersMatchCpu) {
+  QMM_REQUIRE_GPU();
+  std::uint64_t seed = 200;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (std::int64_t n : kLengths) {
+      check_out_of_place(dt, n, seed += 3, true, false);
+      check_out_of_place(dt, n, seed += 3, true, true);
+    }
+}
+
+TEST(SwigluGpu, LargeMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  const std::int64_t n = (16LL << 20) + 3;  // many grid-stride rounds, plus a 3-element tail
+  check_out_of_place(DType::F32, n, 300, false, false);
+  check_out_of_place(DType::BF16, n, 303, false, false);
+}
+
+TEST(SwigluGpu, InPlaceMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  std::uint64_t seed = 400;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (std::int64_t n : {std::int64_t{7}, std::int64_t{1000}, std::int64_t{65537}})
+      for (bool misaligned : {false, true}) {
+        const Inputs in = make_inputs(dt, n, seed += 3);
+        const Oracle ref = oracle(in);
+        const std::string what = std::string(dtype_name(dt)) + " n=" + std::to_string(n) +
+                                 (misaligned ? " misaligned" : "");
+        {  // h overwrites gate
+          DeviceBuf g = device_copy(in.gate, misaligned), u = device_copy(in.up, misaligned);
+          swiglu(gpu, g.view, u.view, g.view);
+          gpu.synchronize();
+          EXPECT_TRUE(close_to_oracle(g.view, ref.h)) << "h = gate, " << what;
+          EXPECT_TRUE(test::bytes_equal(test::host_copy(u.view), in.up)) << what;
+        }
+        {  // h overwrites up
+          DeviceBuf g = device_copy(in.gate, misaligned), u = device_copy(in.up, misaligned);
+          swiglu(gpu, g.view, u.view, u.view);
+          gpu.synchronize();
+          EXPECT_TRUE(close_to_oracle(u.view, ref.h)) << "h = up, " << what;
+        }
+        {  // dgate overwrites gate and dup overwrites up
+          DeviceBuf g = device_copy(in.gate, misaligned), u = device_copy(in.up, misaligned),
+                    d = device_copy(in.dh, misaligned);
+          swiglu_backward(gpu, g.view, u.view, d.view, g.view, u.view);
+          gpu.synchronize();
+          EXPECT_TRUE(close_to_oracle(g.view, ref.dgate)) << "dgate = gate, " << what;
+          EXPECT_TRUE(close_to_oracle(u.view, ref.dup)) << "dup = up, " << what;
+        }
+        {  // only dgate in place
+          DeviceBuf g = device_copy(in.gate, misaligned), u = device_copy(in.up, misaligned),
+                    d = device_copy(in.dh, misaligned), du = device_buf(dt, n, misaligned);
+          test::poison(du.view);
+          swiglu_backward(gpu, g.view, u.view, d.view, g.view, du.view);
+          gpu.synchronize();
+          EXPECT_TRUE(close_to_oracle(g.view, ref.dgate)) << "dgate = gate only, " << what;
+          EXPECT_TRUE(close_to_oracle(du.view, ref.dup)) << "dgate = gate only, " << what;
+        }
+      }
+}
+
+// Gates far into both tails, where a naive 1/(1 + e^-x) overflows (x < -88.7): results stay finite and match the
+// oracle, which there is tiny (x * e^x: a normal float down to x = -92, then denormal, then 0; the atol lets only
+// denormals differ) or x itself.
+TEST(SwigluGpu, ExtremeGatesStayFinite) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const std::vector<float> xs = {-3.0e38f, -1.0e30f, -1.0e4f, -1000.0f, -100.0f, -89.0f, -88.0f, -50.0f, -20.0f,
+                                 -1.2785f, -0.0f, 0.0f, 1e-30f, 20.0f, 50.0f, 88.0f, 89.0f, 100.0f, 1.0e4f, 1.0e30f,
+                                 3.0e38f};
+  for (DType dt : {DType::F32, DType::BF16}) {
+    const std::int64_t n = static_cast<std::int64_t>(xs.size()) * 3;  // vector body and scalar tail both see them
+    Tensor gate(dt, {n}), up = test::random_tensor(dt, {n}, 7, 0.25f, 1.0f), dh = test::random_tensor(dt, {n}, 8);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float x = xs[static_cast<std::size_t>(i) % xs.size()];
+      if (dt == DType::F32) gate.data_as<float>()[i] = x;
+      else gate.data_as<std::uint16_t>()[i] = float_to_bf16(x);
+    }
+    const Inputs in{gate, up, dh};
+    const Oracle ref = oracle(in);
+    DeviceBuf g = device_copy(gate), u = device_copy(up), d = device_copy(dh);
+    DeviceBuf h = device_buf(dt, n, false), dg = device_buf(dt, n, false), du = device_buf(dt, n, false);
+    test::poison(h.view);
+    test::poison(dg.view);
+    test::poison(du.view);
+    swiglu(gpu, g.view, u.view, h.view);
+    swiglu_backward(gpu, g.view, u.view, d.view, dg.view, du.view);
+    gpu.synchronize();
+    const test::Tolerance tol{1e-30, dt == DType::BF16 ? 8e-3 : kF32Rtol, dt == DType::BF16 ? 8e-3 : kF32Rtol};
+    EXPECT_TRUE(test::all_close(test::host_copy(h.view), ref.h, tol)) << dtype_name(dt);
+    EXPECT_TRUE(test::all_close(test::host_copy(dg.view), ref.dgate, tol)) << dtype_name(dt);
+    EXPECT_TRUE(test::all_close(test::host_copy(du.view), ref.dup, tol)) << dtype_name(dt);
+  }
+}
+
+}  // namespace
+}  // namespace qmm
