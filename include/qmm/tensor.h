@@ -61,7 +61,8 @@ class TensorView {
   std::int64_t numel() const { return shape_.numel(); }
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
   Device device() const { return device_; }
-  bool empty() const { return data_ == nullptr && numel() == 0; }  // a default-constructed "absent" view
+  // A default-constructed "absent" view (rank 0 with null data: a rank-0 shape otherwise counts one element).
+  bool empty() const { return data_ == nullptr && (shape_.rank == 0 || numel() == 0); }
   std::string str() const;  // "f32[64,32]@cpu"
 
  private:

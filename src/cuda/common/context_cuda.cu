@@ -1,4 +1,5 @@
 // Context creation, memory and copies for the CUDA backend.
+#include <cstdint>
 #include <string>
 
 #include "cuda/common/check.h"
@@ -56,6 +57,13 @@ void init_context(Context::Impl& impl, int device, void* stream) {
   QMM_CUBLAS_CHECK(cublasLtCreate(&s.lt));
   s.workspace_bytes = kLtWorkspaceBytes;
   QMM_CUDA_CHECK(cudaMalloc(&s.workspace, s.workspace_bytes));
+  cudaMemPoolProps pool_props{};
+  pool_props.allocType = cudaMemAllocationTypePinned;
+  pool_props.location.type = cudaMemLocationTypeDevice;
+  pool_props.location.id = device;
+  QMM_CUDA_CHECK(cudaMemPoolCreate(&s.pool, &pool_props));
+  std::uint64_t keep = UINT64_MAX;  // never trim between ops: scratch sizes repeat from call to call
+  QMM_CUDA_CHECK(cudaMemPoolSetAttribute(s.pool, cudaMemPoolAttrReleaseThreshold, &keep));
   impl.name = s.props.name;
 }
 
@@ -65,22 +73,16 @@ void destroy_state(CudaState* s) {
   if (s->stream) cudaStreamSynchronize(s->stream); else cudaDeviceSynchronize();
   if (s->lt) cublasLtDestroy(s->lt);
   cudaFree(s->workspace);
-  cudaFree(s->scratch);
+  if (s->pool) cudaMemPoolDestroy(s->pool);
   delete s;
 }
 
-void* CudaState::scratch_at_least(std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(scratch_mutex);
-  if (bytes > scratch_bytes) {
-    // Work already enqueued may still read the old buffer: wait for it before freeing.
-    QMM_CUDA_CHECK(cudaStreamSynchronize(stream));
-    QMM_CUDA_CHECK(cudaFree(scratch));
-    scratch = nullptr;
-    scratch_bytes = 0;
-    QMM_CUDA_CHECK(cudaMalloc(&scratch, bytes));
-    scratch_bytes = bytes;
-  }
-  return scratch;
+ScratchBuffer::ScratchBuffer(const CudaState& st, std::size_t bytes) : stream_(st.stream) {
+  QMM_CUDA_CHECK(cudaMallocFromPoolAsync(&ptr_, bytes == 0 ? 1 : bytes, st.pool, stream_));
+}
+
+ScratchBuffer::~ScratchBuffer() {
+  if (ptr_) cudaFreeAsync(ptr_, stream_);  // a destructor cannot throw; a failure here resurfaces at the next check
 }
 
 void set_device(const Context& ctx) {

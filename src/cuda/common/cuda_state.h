@@ -19,15 +19,31 @@ struct CudaState {
   void* workspace = nullptr;  // cuBLASLt workspace, used only by work on `stream`, so calls never race on it
   std::size_t workspace_bytes = 0;
 
-  // Scratch memory for ops (e.g. a dequantized weight). Grows on demand; stream-ordered reuse is safe because
-  // every op runs on `stream`. The lock only guards the pointer swap.
-  std::mutex scratch_mutex;
-  void* scratch = nullptr;
-  std::size_t scratch_bytes = 0;
-  void* scratch_at_least(std::size_t bytes);
+  cudaMemPool_t pool = nullptr;  // this context's stream-ordered pool for ScratchBuffer (keeps its memory)
+  // cuBLASLt may enqueue several kernels per matmul that share `workspace`; this lock keeps one matmul's kernels
+  // together on the stream when several host threads use the context.
+  std::mutex lt_mutex;
 
   int sm_count() const { return props.multiProcessorCount; }
   int cc() const { return props.major * 10 + props.minor; }
+};
+
+// Temporary device memory for one op, stream-ordered: taken from the context's pool on its stream and given back
+// on the stream when this object dies, so it is reused only after every kernel enqueued before that has finished.
+// Threads sharing a context never share scratch, and no call needs to synchronize to grow it.
+class ScratchBuffer {
+ public:
+  ScratchBuffer(const CudaState& st, std::size_t bytes);
+  ~ScratchBuffer();
+  ScratchBuffer(const ScratchBuffer&) = delete;
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+  void* data() const { return ptr_; }
+  template <class T>
+  T* at(std::size_t byte_offset) const { return reinterpret_cast<T*>(static_cast<char*>(ptr_) + byte_offset); }
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_;
 };
 
 inline CudaState& state(const Context& ctx) { return *ctx.impl().cuda; }

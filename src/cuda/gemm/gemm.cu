@@ -18,12 +18,9 @@
 // Plans: descriptors, layouts and the heuristic's algorithm are made once per (GemmProblem::key(), pointer
 // alignment class) and kept in the context's PlanCache, so a cached call creates no descriptor.
 //
-// Concurrency: a Context may be used from several host threads, all enqueueing on its one stream. Stream order
-// alone does not make the shared cuBLASLt workspace and scratch safe: two threads' launches can interleave
-// (A's conversion, B's conversion, A's GEMM reading B's operands; or one matmul's split-K kernels around
-// another's). So each call enqueues all of its work while holding CudaState::scratch_mutex, and grows the scratch
-// under that same lock (CudaState::scratch_at_least takes the lock only for the swap, and could free the buffer
-// between our growth and our launches).
+// Concurrency: a Context may be used from several host threads, all enqueueing on its one stream. The truncated
+// operands live in a stream-ordered ScratchBuffer of this call's own, and the matmul is enqueued under
+// CudaState::lt_mutex so that its kernels, which share the cuBLASLt workspace, are not interleaved with another's.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -41,7 +38,6 @@ namespace qmm::cuda {
 namespace {
 
 constexpr std::size_t kScratchAlign = 256;        // offset of the second operand in scratch
-constexpr std::size_t kScratchGranule = 1u << 20; // grow in whole MiB so slowly rising sizes rarely resync
 constexpr int kHeuristicResults = 8;
 
 std::size_t round_up(std::size_t x, std::size_t to) { return (x + to - 1) / to * to; }
@@ -218,25 +214,6 @@ std::shared_ptr<LtPlan> make_plan(const CudaState& st, const GemmProblem& p, con
                                           std::to_string(al.c) + " bytes) on " + st.props.name);
 }
 
-// CudaState::scratch_at_least for a caller that already holds scratch_mutex (see the note at the top).
-void* scratch_locked(CudaState& st, std::size_t bytes) {
-  if (bytes > st.scratch_bytes) {
-    const std::size_t want = round_up(bytes, kScratchGranule);
-    QMM_CUDA_CHECK(cudaStreamSynchronize(st.stream));  // enqueued work may still read the old buffer
-    QMM_CUDA_CHECK(cudaFree(st.scratch));
-    st.scratch = nullptr;
-    st.scratch_bytes = 0;
-    QMM_CUDA_CHECK(cudaMalloc(&st.scratch, want));
-    st.scratch_bytes = want;
-  }
-  return st.scratch;
-}
-
-bool ranges_overlap(const void* p, std::size_t pn, const void* q, std::size_t qn) {
-  const auto a = reinterpret_cast<std::uintptr_t>(p), b = reinterpret_cast<std::uintptr_t>(q);
-  return pn > 0 && qn > 0 && a < b + qn && b < a + pn;
-}
-
 void launch_truncate_bf16(const CudaState& st, const float* a, std::int64_t na, std::uint16_t* a_dst,
                           const float* b, std::int64_t nb, std::uint16_t* b_dst) {
   const auto aligned16 = [](const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; };
@@ -308,27 +285,23 @@ void gemm(const Context& ctx, const GemmProblem& p) {
       ctx.impl().plans.get_or_create<LtPlan>(key, [&] { return make_plan(st, p, r, al); });
 
   const float alpha = p.alpha, beta = p.beta;  // host scalars (cuBLASLt's default pointer mode)
-  std::lock_guard<std::mutex> lock(st.scratch_mutex);  // the whole enqueue: see the note at the top
   const void* a = p.a;
   const void* b = p.b;
+  std::unique_ptr<ScratchBuffer> scratch;
   if (r.convert) {
     const std::int64_t na = span_elems(p.batch, p.stride_a, p.m * p.k);
     const std::int64_t nb = span_elems(p.batch, p.stride_b, p.k * p.n);
     const std::size_t b_off = round_up(static_cast<std::size_t>(na) * 2, kScratchAlign);
     const std::size_t bytes = b_off + static_cast<std::size_t>(nb) * 2;
-    // An operand already living in scratch (another op's staging) would be overwritten by the conversion.
-    if (ranges_overlap(p.a, static_cast<std::size_t>(na) * 4, st.scratch, st.scratch_bytes) ||
-        ranges_overlap(p.b, static_cast<std::size_t>(nb) * 4, st.scratch, st.scratch_bytes))
-      throw Error(ErrorCode::Internal, "gemm: an operand of the BF16-compute path lies in the context's scratch "
-                                       "buffer, which the conversion pass overwrites (" + shape_text(p) + ")");
-    auto* base = static_cast<unsigned char*>(scratch_locked(st, bytes));
-    auto* a16 = reinterpret_cast<std::uint16_t*>(base);
-    auto* b16 = reinterpret_cast<std::uint16_t*>(base + b_off);
+    scratch = std::make_unique<ScratchBuffer>(st, bytes);
+    auto* a16 = scratch->at<std::uint16_t>(0);
+    auto* b16 = scratch->at<std::uint16_t>(b_off);
     launch_truncate_bf16(st, static_cast<const float*>(p.a), na, a16, static_cast<const float*>(p.b), nb, b16);
     a = a16;
     b = b16;
   }
   // cuBLASLt's A is our B and its B our A (see the top). beta == 0: cuBLASLt does not read C.
+  std::lock_guard<std::mutex> lock(st.lt_mutex);
   QMM_CUBLAS_CHECK(cublasLtMatmul(st.lt, plan->desc, &alpha, b, plan->lt_a, a, plan->lt_b, &beta, p.c, plan->lt_c,
                                   p.c, plan->lt_c, &plan->algo, st.workspace, st.workspace_bytes, st.stream));
 }

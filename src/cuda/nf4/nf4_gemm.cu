@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "cuda/common/check.h"
@@ -111,8 +112,8 @@ __global__ void __launch_bounds__(kThreads) gate_up_epilogue_kernel(const float*
 
 // ---- host helpers ---------------------------------------------------------------------------------------------
 
-// Carves one scratch allocation into consecutive 256-byte aligned regions. Sizes are summed first (reserve),
-// then the allocation is taken once (commit), so no region is ever invalidated by a later growth of the scratch.
+// Carves one stream-ordered scratch allocation into consecutive 256-byte aligned regions: sizes are summed
+// first (reserve), then the allocation is taken once (commit) and lives as long as the plan.
 class ScratchPlan {
  public:
   std::size_t reserve(std::size_t bytes) {
@@ -120,15 +121,13 @@ class ScratchPlan {
     total_ += align_up(bytes);
     return at;
   }
-  void commit(const Context& ctx) {
-    base_ = static_cast<char*>(state(ctx).scratch_at_least(std::max<std::size_t>(total_, 1)));
-  }
+  void commit(const Context& ctx) { buffer_ = std::make_unique<ScratchBuffer>(state(ctx), total_); }
   template <class T>
-  T* at(std::size_t offset) const { return reinterpret_cast<T*>(base_ + offset); }
+  T* at(std::size_t offset) const { return buffer_->at<T>(offset); }
 
  private:
   std::size_t total_ = 0;
-  char* base_ = nullptr;
+  std::unique_ptr<ScratchBuffer> buffer_;
 };
 
 void launch_round_to_bf16(const Context& ctx, const TensorView& src, __nv_bfloat16* dst) {

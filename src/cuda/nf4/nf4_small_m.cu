@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
@@ -48,7 +49,8 @@ void launch_reduce(const Context& ctx, const float* partial, int splits, std::in
 // kernel writes C itself; otherwise it writes fp32 partials to scratch, returned for the caller's reduction.
 template <int MT, bool kAF32>
 float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
-                    const TensorView& c, float alpha, float beta, int* splits_out) {
+                    const TensorView& c, float alpha, float beta, std::unique_ptr<ScratchBuffer>& scratch,
+                    int* splits_out) {
   using namespace small_m;
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w0.rows;
   const int splits = static_cast<int>((K + kBlockK - 1) / kBlockK);
@@ -58,9 +60,10 @@ float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0
   auto kernel = nf4_gemm_small_m_kernel<MT, kAF32>;
   QMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   float* partial = nullptr;
-  if (splits > 1 || weights > 1)
-    partial = static_cast<float*>(
-        state(ctx).scratch_at_least(static_cast<std::size_t>(weights) * splits * M * N * sizeof(float)));
+  if (splits > 1 || weights > 1) {
+    scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(weights) * splits * M * N * 4);
+    partial = scratch->at<float>(0);
+  }
   const WeightArgs args0{w0.codes.data_as<std::uint8_t>(), scales_of(w0)};
   const WeightArgs args1{w1.codes.data_as<std::uint8_t>(), scales_of(w1)};
   kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(a.data(), M, N, K, args0, args1, blocks_n, partial,
@@ -73,18 +76,21 @@ float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0
 
 template <bool kAF32>
 float* launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
-                   const TensorView& c, float alpha, float beta, int* splits) {
+                   const TensorView& c, float alpha, float beta, std::unique_ptr<ScratchBuffer>& scratch,
+                   int* splits) {
   const std::int64_t M = a.dim(0);
-  if (M <= 16) return launch_tiles<1, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, splits);
-  if (M <= 32) return launch_tiles<2, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, splits);
-  return launch_tiles<4, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, splits);
+  if (M <= 16) return launch_tiles<1, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
+  if (M <= 32) return launch_tiles<2, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
+  return launch_tiles<4, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
 }
 
+// Returns the partials (in `scratch`) when the caller must reduce them, else nullptr.
 float* launch_forward(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
-                      int weights, const TensorView& c, float alpha, float beta, int* splits) {
+                      int weights, const TensorView& c, float alpha, float beta,
+                      std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
   set_device(ctx);
-  return a.dtype() == DType::F32 ? launch_rows<true>(ctx, a, w0, w1, weights, c, alpha, beta, splits)
-                                 : launch_rows<false>(ctx, a, w0, w1, weights, c, alpha, beta, splits);
+  return a.dtype() == DType::F32 ? launch_rows<true>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits)
+                                 : launch_rows<false>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
 }
 
 template <int MT8, bool kDcF32>
@@ -104,9 +110,12 @@ void launch_backward_tiles(const Context& ctx, const TensorView& dc, const Nf4We
   const int smem = kLutBytes + ((MT8 * 8 * ld_dc * 2 + 15) / 16) * 16 + MT8 * 8 * kBwdBlockK * 4;
   auto kernel = nf4_gemm_backward_small_m_kernel<MT8, kDcF32>;
   QMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  std::unique_ptr<ScratchBuffer> scratch;
   float* partial = nullptr;
-  if (splits > 1)
-    partial = static_cast<float*>(state(ctx).scratch_at_least(static_cast<std::size_t>(splits) * M * K * 4));
+  if (splits > 1) {
+    scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(splits) * M * K * 4);
+    partial = scratch->at<float>(0);
+  }
   const dim3 grid(static_cast<unsigned>(k_blocks), static_cast<unsigned>(splits));
   kernel<<<grid, kBwdThreads, smem, stream_of(ctx)>>>(dc.data(), M, N, K, w.codes.data_as<std::uint8_t>(),
                                                       scales_of(w), groups, partial, da.data(),
@@ -148,14 +157,16 @@ void launch_nf4_gemm_backward_small_m(const Context& ctx, const TensorView& dc, 
 void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
                              float alpha, float beta) {
   int splits = 1;
-  const float* partial = launch_forward(ctx, a, w, w, 1, c, alpha, beta, &splits);
+  std::unique_ptr<ScratchBuffer> scratch;
+  const float* partial = launch_forward(ctx, a, w, w, 1, c, alpha, beta, scratch, &splits);
   if (partial) launch_reduce(ctx, partial, splits, a.dim(0) * w.rows, c, alpha, beta);
 }
 
 void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,
                                 const Nf4Weight& w_up, const GateUpOutputs& out, float alpha) {
   int splits = 1;
-  const float* partial = launch_forward(ctx, a, w_gate, w_up, 2, TensorView(), 1.0f, 0.0f, &splits);
+  std::unique_ptr<ScratchBuffer> scratch;
+  const float* partial = launch_forward(ctx, a, w_gate, w_up, 2, TensorView(), 1.0f, 0.0f, scratch, &splits);
   const std::int64_t mn = a.dim(0) * w_gate.rows;
   auto ptr = [](const TensorView& v) { return v.empty() ? nullptr : v.data(); };
   const small_m::GateUpOut o{ptr(out.gate), ptr(out.up), ptr(out.h), out.gate.dtype() == DType::BF16,

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "cpu/nf4_internal.h"
@@ -102,8 +103,9 @@ void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out) {
     return;
   }
   // Plain: the fp32 absmax goes straight to out.absmax. Double: to scratch, then it is quantized into out.absmax.
-  float* absmax = dq ? static_cast<float*>(state(ctx).scratch_at_least(static_cast<std::size_t>(nblocks) * 4))
-                     : out.absmax.data_as<float>();
+  std::unique_ptr<ScratchBuffer> scratch;
+  if (dq) scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(nblocks) * 4);
+  float* absmax = dq ? scratch->at<float>(0) : out.absmax.data_as<float>();
   std::uint8_t* codes = out.codes.data_as<std::uint8_t>();
   switch (w.dtype()) {
     case DType::F32: launch_quantize<float>(ctx, w, out.block_size, codes, absmax); break;
