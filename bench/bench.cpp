@@ -373,14 +373,23 @@ void Bench::run_nf4() {
         if (gu) hs.emplace_back(DType::BF16, Shape{M, N}, ctx_.device());
       }
       const double flops = 2.0 * M * N * K;
-      if (fwd)
-        record({"nf4_gemm", "bf16/dq", p.label, 1, M, N, K, flops, wbytes + 2.0 * (M * K + M * N),
-                stats_of(time([&](int i) { nf4_gemm(ctx_, as[i % sets], ws[i % sets], cs[i % sets]); }))});
-      if (bwd)
-        record({"nf4_gemm_backward_a", "bf16/dq", p.label, 1, M, K, N, flops, wbytes + 2.0 * (M * K + M * N),
-                stats_of(time([&](int i) { nf4_gemm_backward_a(ctx_, dcs[i % sets], ws[i % sets], das[i % sets]); }))});
+      const double io = wbytes + 2.0 * (M * K + M * N);
+      // Auto, plus each path forced where several could serve (so the dispatcher's thresholds can be checked).
+      std::vector<std::pair<std::string, Nf4Path>> paths = {{"auto", Nf4Path::Auto}};
+      if (M <= 64) paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"small-m", Nf4Path::SmallM}});
+      for (const auto& [pname, path] : paths) {
+        const Nf4GemmOptions po{1.0f, 0.0f, path};
+        if (fwd)
+          record({"nf4_gemm", "dq " + pname, p.label, 1, M, N, K, flops, io,
+                  stats_of(time([&](int i) { nf4_gemm(ctx_, as[i % sets], ws[i % sets], cs[i % sets], po); }))});
+        if (bwd && (path != Nf4Path::SmallM || M <= 16))
+          record({"nf4_gemm_backward_a", "dq " + pname, p.label, 1, M, K, N, flops, io,
+                  stats_of(time([&](int i) {
+                    nf4_gemm_backward_a(ctx_, dcs[i % sets], ws[i % sets], das[i % sets], po);
+                  }))});
+      }
       if (gu) {
-        record({"nf4_gate_up", "bf16/dq h", p.label, 1, M, N, K, 2 * flops, 2 * wbytes + 2.0 * (M * K + M * N),
+        record({"nf4_gate_up", "dq auto h", p.label, 1, M, N, K, 2 * flops, 2 * wbytes + 2.0 * (M * K + M * N),
                 stats_of(time([&](int i) {
                   nf4_gate_up(ctx_, as[i % sets], ws[i % sets], ws2[i % sets], {TensorView(), TensorView(), hs[i % sets]});
                 }))});
@@ -396,7 +405,7 @@ void Bench::add_ratios() {
     if (r.op == "nf4_gemm") base = find("gemm_bt", "bf16", r.m, r.n, r.k), r.baseline = "gemm_bt bf16";
     else if (r.op == "nf4_gemm_backward_a") base = find("gemm", "bf16", r.m, r.n, r.k), r.baseline = "gemm bf16";
     else if (r.op == "nf4_gate_up") {
-      if (const Result* one = find("nf4_gemm", "bf16/dq", r.m, r.n, r.k)) {
+      if (const Result* one = find("nf4_gemm", "dq auto", r.m, r.n, r.k)) {
         r.baseline = "2x nf4_gemm";
         r.ratio = r.t.median_us / (2 * one->t.median_us);
       }

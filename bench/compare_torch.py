@@ -42,7 +42,7 @@ def dense_case(r):
     """Returns (fn(i), sets) for a dense or NF4 GEMM result, or None."""
     op, mode, m, n, k = r["op"], r["mode"], r["m"], r["n"], r["k"]
     torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
-    store = torch.bfloat16 if mode in ("bf16", "bf16/dq") else torch.float32
+    store = torch.bfloat16 if mode == "bf16" or mode.startswith("dq") else torch.float32
     bf16_compute = mode == "f32/bf16"
     # (shape of first operand, second operand, how to multiply) per op, in the qmm bench's storage layout
     if op in ("gemm_bt", "nf4_gemm"):
@@ -107,6 +107,8 @@ def main():
           f" {'torch/qmm':>9}")
     rows = []
     for r in data["results"]:
+        if r["op"].startswith("nf4_gemm") and r["mode"] != "dq auto":
+            continue  # the forced NF4 paths share one torch baseline
         case = swiglu_case(r) if r["op"].startswith("swiglu") else dense_case(r)
         if case is None:
             continue

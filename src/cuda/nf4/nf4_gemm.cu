@@ -1,7 +1,8 @@
 // NF4 GEMMs on the GPU, dispatched by Nf4GemmOptions::path.
-//  DequantGemm (and Auto, for now): dequantize W to bf16 into scratch, round an f32 A to bf16 (nearest even) into
-//  the same scratch allocation, then the dense bf16 GEMM (cuBLASLt, fp32 accumulation).
+//  DequantGemm: dequantize W to bf16 into scratch, round an f32 A to bf16 (nearest even) into the same scratch
+//  allocation, then the dense bf16 GEMM (cuBLASLt, fp32 accumulation).
 //  SmallM: the fused small-M kernels (nf4_small_m.cu) where their preconditions hold, Unsupported otherwise.
+//  Auto: SmallM for few rows where it applies (wants_small_m below), DequantGemm otherwise.
 //  Fused: not implemented yet. Reference: the CPU backend's, not a GPU path.
 #include <cuda_bf16.h>
 
@@ -148,6 +149,15 @@ const void* bf16_operand(const Context& ctx, const TensorView& a, const ScratchP
   return dst;
 }
 
+// The dispatcher: Auto takes the fused small-M kernels up to these row counts (where their preconditions hold),
+// dequantize + cuBLASLt above. Set from `qmm bench` on an H200 (docs/BENCHMARKS.md).
+constexpr std::int64_t kAutoSmallMRows = 64;
+constexpr std::int64_t kAutoSmallMBackwardRows = 16;
+
+bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
+  return path == Nf4Path::SmallM || (path == Nf4Path::Auto && m <= auto_max_rows);
+}
+
 void dequantize_bf16(const Context& ctx, const Nf4Weight& w, void* dst) {
   cuda::nf4_dequantize(ctx, w, TensorView(dst, DType::BF16, {w.rows, w.cols}, Device::cuda(state(ctx).device)));
 }
@@ -176,7 +186,7 @@ void bf16_gemm(const Context& ctx, const void* a, const void* b, bool trans_b, c
 void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
               const Nf4GemmOptions& opts) {
   const char* op = "nf4_gemm";
-  const bool small_m = opts.path == Nf4Path::SmallM && nf4_small_m_supported(a, w);
+  const bool small_m = wants_small_m(opts.path, a.dim(0), kAutoSmallMRows) && nf4_small_m_supported(a, w);
   check_path(op, opts.path, small_m, kSmallMNeeds);
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
   if (M == 0 || N == 0) return;
@@ -198,7 +208,8 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
 void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weight& w, const TensorView& da,
                          const Nf4GemmOptions& opts) {
   const char* op = "nf4_gemm_backward_a";
-  const bool small_m = opts.path == Nf4Path::SmallM && nf4_small_m_backward_supported(dc, w);
+  const bool small_m =
+      wants_small_m(opts.path, dc.dim(0), kAutoSmallMBackwardRows) && nf4_small_m_backward_supported(dc, w);
   check_path(op, opts.path, small_m, kSmallMBackwardNeeds);
   const std::int64_t M = dc.dim(0), N = w.rows, K = w.cols;
   if (M == 0 || K == 0) return;
@@ -218,7 +229,7 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
 void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
                  const GateUpOutputs& out, const Nf4GemmOptions& opts) {
   const char* op = "nf4_gate_up";
-  const bool small_m = opts.path == Nf4Path::SmallM && nf4_small_m_supported(a, w_gate) &&
+  const bool small_m = wants_small_m(opts.path, a.dim(0), kAutoSmallMRows) && nf4_small_m_supported(a, w_gate) &&
                        nf4_small_m_supported(a, w_up) && w_gate.rows == w_up.rows;
   check_path(op, opts.path, small_m, kSmallMNeeds);
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w_gate.rows;
