@@ -1,0 +1,289 @@
+// Public NF4 entry points: validate every argument (shapes against W [N,K], dtypes, devices, every weight field,
+// aliasing), then route to the backend of the context's device. Nothing is written before validation passes.
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/validate.h"
+#include "cpu/cpu_backend.h"
+#include "qmm/ops.h"
+#ifdef QMM_WITH_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+
+namespace qmm {
+
+const char* nf4_path_name(Nf4Path path) {
+  switch (path) {
+    case Nf4Path::Auto: return "auto";
+    case Nf4Path::Reference: return "reference";
+    case Nf4Path::DequantGemm: return "dequant_gemm";
+    case Nf4Path::SmallM: return "small_m";
+    case Nf4Path::Fused: return "fused";
+  }
+  return "?";
+}
+
+namespace {
+
+using detail::fail;
+
+struct Part {
+  std::string name;
+  TensorView t;
+};
+
+std::string dims(std::int64_t r, std::int64_t c) {
+  return std::string("[") + std::to_string(r) + "," + std::to_string(c) + "]";
+}
+
+// The tensors of a (validated) weight, for overlap checks.
+std::vector<Part> weight_parts(const std::string& name, const Nf4Weight& w) {
+  std::vector<Part> parts{{name + ".codes", w.codes}, {name + ".absmax", w.absmax}};
+  if (w.double_quant()) {
+    parts.push_back({name + ".absmax2", w.absmax2});
+    parts.push_back({name + ".code2", w.code2});
+  }
+  return parts;
+}
+
+void require_disjoint(const char* op, const Part& out, const std::vector<Part>& others) {
+  for (const Part& p : others) detail::require_no_overlap(op, out.name.c_str(), out.t, p.name.c_str(), p.t);
+}
+
+// A 2-D activation or output of an NF4 GEMM: f32 or bf16, on the context's device.
+void require_matrix(const Context& ctx, const char* op, const char* name, const TensorView& t) {
+  detail::require_tensor(ctx, op, name, t);
+  detail::require_rank(op, name, t, 2);
+  detail::require_dtype(op, name, t, {DType::F32, DType::BF16});
+}
+
+void require_shape(const char* op, const char* name, const TensorView& t, std::int64_t rows, std::int64_t cols,
+                   const std::string& why) {
+  if (t.dim(0) != rows || t.dim(1) != cols)
+    fail(ErrorCode::ShapeMismatch, op,
+         std::string(name) + " is " + t.shape().str() + " but must be " + dims(rows, cols) + " (" + why + ")");
+}
+
+void require_options(const char* op, const Nf4GemmOptions& opts) {
+  if (!std::isfinite(opts.alpha))
+    fail(ErrorCode::InvalidArgument, op, "alpha is " + std::to_string(opts.alpha) + " but must be finite");
+  if (!std::isfinite(opts.beta))
+    fail(ErrorCode::InvalidArgument, op, "beta is " + std::to_string(opts.beta) + " but must be finite");
+  const int p = static_cast<int>(opts.path);
+  if (p < static_cast<int>(Nf4Path::Auto) || p > static_cast<int>(Nf4Path::Fused))
+    fail(ErrorCode::InvalidArgument, op, "path " + std::to_string(p) + " is unknown");
+}
+
+// The CPU backend is the reference: it serves Auto and Reference, nothing else.
+void require_cpu_path(const char* op, Nf4Path path) {
+  if (path != Nf4Path::Auto && path != Nf4Path::Reference)
+    fail(ErrorCode::Unsupported, op,
+         std::string("path ") + nf4_path_name(path) +
+             " is not available on the CPU backend (it runs only the auto and reference paths)");
+}
+
+// The quantizer's input: a non-empty 2-D f32, bf16 or f16 weight on the context's device.
+void require_quantize_input(const Context& ctx, const char* op, const TensorView& w) {
+  detail::require_tensor(ctx, op, "W", w);
+  detail::require_rank(op, "W", w, 2);
+  detail::require_dtype(op, "W", w, {DType::F32, DType::BF16, DType::F16});
+  if (w.dim(0) < 1 || w.dim(1) < 1)
+    fail(ErrorCode::InvalidArgument, op, "W is " + w.shape().str() + " but must have at least one row and one column");
+}
+
+[[maybe_unused]] [[noreturn]] void no_cuda(const char* op) {
+  detail::fail(ErrorCode::NoDevice, op, "qmm was built without CUDA");
+}
+
+void round_to_bf16(const float* src, std::uint16_t* dst, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
+// gate and up are computed in fp32 (into the caller's f32 outputs where given, else into temporaries); h comes
+// from those fp32 values, never from a rounded bf16 gate or up, as on the GPU; bf16 outputs are rounded once.
+void cpu_gate_up(const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up, const GateUpOutputs& out,
+                 float alpha) {
+  const std::int64_t m = a.dim(0), n = w_gate.rows;
+  const bool want_h = !out.h.empty();
+  struct Side {
+    const TensorView& out;
+    const Nf4Weight& w;
+    Tensor tmp;
+    TensorView f32;
+  };
+  Side sides[2] = {{out.gate, w_gate, {}, {}}, {out.up, w_up, {}, {}}};
+  for (Side& s : sides) {
+    if (s.out.empty() && !want_h) continue;
+    if (!want_h) {  // the output alone: the GEMM rounds once into its dtype
+      cpu::nf4_gemm(a, s.w, s.out, alpha, 0.0f);
+      continue;
+    }
+    if (!s.out.empty() && s.out.dtype() == DType::F32) {
+      s.f32 = s.out;
+    } else {
+      s.tmp = Tensor(DType::F32, {m, n});
+      s.f32 = s.tmp;
+    }
+    cpu::nf4_gemm(a, s.w, s.f32, alpha, 0.0f);
+    if (!s.out.empty() && s.out.dtype() == DType::BF16)
+      round_to_bf16(s.f32.data_as<const float>(), s.out.data_as<std::uint16_t>(), m * n);
+  }
+  if (!want_h) return;
+  if (out.h.dtype() == DType::F32) return cpu::swiglu(sides[0].f32, sides[1].f32, out.h);
+  Tensor h32(DType::F32, {m, n});
+  cpu::swiglu(sides[0].f32, sides[1].f32, h32);
+  round_to_bf16(h32.data_as<const float>(), out.h.data_as<std::uint16_t>(), m * n);
+}
+
+}  // namespace
+
+void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out) {
+  const char* op = "nf4_quantize";
+  require_quantize_input(ctx, op, w);
+  detail::require_nf4_weight(ctx, op, "out", out);
+  if (out.rows != w.dim(0) || out.cols != w.dim(1))
+    fail(ErrorCode::ShapeMismatch, op, "W is " + w.shape().str() + " but out is sized for " + dims(out.rows, out.cols));
+  const std::vector<Part> parts = weight_parts("out", out);
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    require_disjoint(op, parts[i], {{"W", w}});
+    require_disjoint(op, parts[i], std::vector<Part>(parts.begin() + static_cast<std::ptrdiff_t>(i) + 1, parts.end()));
+  }
+  if (ctx.device().is_cpu()) return cpu::nf4_quantize(w, out);
+#ifdef QMM_WITH_CUDA
+  cuda::nf4_quantize(ctx, w, out);
+#else
+  no_cuda(op);
+#endif
+}
+
+Nf4Tensor nf4_quantize(const Context& ctx, const TensorView& w, bool double_quant, int block_size) {
+  const char* op = "nf4_quantize";
+  require_quantize_input(ctx, op, w);
+  // The rule of require_nf4_weight (src/core/nf4.cpp), checked here so the error names this op.
+  if (block_size < 64 || block_size > 4096 || (block_size & (block_size - 1)) != 0)
+    fail(ErrorCode::InvalidArgument, op,
+         "block size " + std::to_string(block_size) + " must be a power of two in [64, 4096] (bitsandbytes' range)");
+  Nf4Tensor t = Nf4Tensor::allocate(w.dim(0), w.dim(1), double_quant, ctx.device(), block_size);
+  Nf4Weight v = t.view();
+  nf4_quantize(ctx, w, v);
+  t.offset = v.offset;
+  return t;
+}
+
+void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& out) {
+  const char* op = "nf4_dequantize";
+  detail::require_nf4_weight(ctx, op, "W", w);
+  require_matrix(ctx, op, "out", out);
+  require_shape(op, "out", out, w.rows, w.cols, "W's shape");
+  require_disjoint(op, {"out", out}, weight_parts("W", w));
+  if (ctx.device().is_cpu()) return cpu::nf4_dequantize(w, out);
+#ifdef QMM_WITH_CUDA
+  cuda::nf4_dequantize(ctx, w, out);
+#else
+  no_cuda(op);
+#endif
+}
+
+void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
+              const Nf4GemmOptions& opts) {
+  const char* op = "nf4_gemm";
+  require_matrix(ctx, op, "A", a);
+  require_matrix(ctx, op, "C", c);
+  detail::require_nf4_weight(ctx, op, "W", w);
+  if (a.dim(1) != w.cols)
+    fail(ErrorCode::ShapeMismatch, op,
+         "A is " + a.shape().str() + " but W is " + dims(w.rows, w.cols) +
+             ": inner dimensions differ (A is [M,K], W is [N,K])");
+  require_shape(op, "C", c, a.dim(0), w.rows, "[M,N] for A [M,K] and W [N,K]");
+  require_options(op, opts);
+  std::vector<Part> inputs = weight_parts("W", w);
+  inputs.push_back({"A", a});
+  require_disjoint(op, {"C", c}, inputs);
+  if (ctx.device().is_cpu()) {
+    require_cpu_path(op, opts.path);
+    if (a.dim(0) == 0) return;
+    return cpu::nf4_gemm(a, w, c, opts.alpha, opts.beta);
+  }
+#ifdef QMM_WITH_CUDA
+  cuda::nf4_gemm(ctx, a, w, c, opts);
+#else
+  no_cuda(op);
+#endif
+}
+
+void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weight& w, const TensorView& da,
+                         const Nf4GemmOptions& opts) {
+  const char* op = "nf4_gemm_backward_a";
+  require_matrix(ctx, op, "dC", dc);
+  require_matrix(ctx, op, "dA", da);
+  detail::require_nf4_weight(ctx, op, "W", w);
+  if (dc.dim(1) != w.rows)
+    fail(ErrorCode::ShapeMismatch, op,
+         "dC is " + dc.shape().str() + " but W is " + dims(w.rows, w.cols) +
+             ": inner dimensions differ (dC is [M,N], W is [N,K])");
+  require_shape(op, "dA", da, dc.dim(0), w.cols, "[M,K] for dC [M,N] and W [N,K]");
+  require_options(op, opts);
+  std::vector<Part> inputs = weight_parts("W", w);
+  inputs.push_back({"dC", dc});
+  require_disjoint(op, {"dA", da}, inputs);
+  if (ctx.device().is_cpu()) {
+    require_cpu_path(op, opts.path);
+    if (dc.dim(0) == 0) return;
+    return cpu::nf4_gemm_backward_a(dc, w, da, opts.alpha, opts.beta);
+  }
+#ifdef QMM_WITH_CUDA
+  cuda::nf4_gemm_backward_a(ctx, dc, w, da, opts);
+#else
+  no_cuda(op);
+#endif
+}
+
+void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
+                 const GateUpOutputs& out, const Nf4GemmOptions& opts) {
+  const char* op = "nf4_gate_up";
+  require_matrix(ctx, op, "A", a);
+  detail::require_nf4_weight(ctx, op, "w_gate", w_gate);
+  detail::require_nf4_weight(ctx, op, "w_up", w_up);
+  if (w_gate.rows != w_up.rows || w_gate.cols != w_up.cols)
+    fail(ErrorCode::ShapeMismatch, op,
+         "w_gate is " + dims(w_gate.rows, w_gate.cols) + " but w_up is " + dims(w_up.rows, w_up.cols) +
+             ": both weights must have the same shape");
+  if (a.dim(1) != w_gate.cols)
+    fail(ErrorCode::ShapeMismatch, op,
+         "A is " + a.shape().str() + " but w_gate is " + dims(w_gate.rows, w_gate.cols) +
+             ": inner dimensions differ (A is [M,K], the weights [N,K])");
+  const std::vector<Part> outs_all{{"gate", out.gate}, {"up", out.up}, {"h", out.h}};
+  std::vector<Part> outs;
+  for (const Part& p : outs_all)
+    if (!p.t.empty()) outs.push_back(p);
+  if (outs.empty()) fail(ErrorCode::InvalidArgument, op, "no output given: at least one of gate, up, h is needed");
+  for (const Part& p : outs) {
+    require_matrix(ctx, op, p.name.c_str(), p.t);
+    require_shape(op, p.name.c_str(), p.t, a.dim(0), w_gate.rows, "[M,N] for A [M,K] and weights [N,K]");
+  }
+  require_options(op, opts);
+  if (opts.beta != 0.0f)
+    fail(ErrorCode::InvalidArgument, op,
+         "beta is " + std::to_string(opts.beta) + " but must be 0 (the outputs are overwritten)");
+  std::vector<Part> inputs = weight_parts("w_gate", w_gate);
+  for (Part& p : weight_parts("w_up", w_up)) inputs.push_back(std::move(p));
+  inputs.push_back({"A", a});
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    require_disjoint(op, outs[i], inputs);
+    require_disjoint(op, outs[i], std::vector<Part>(outs.begin() + static_cast<std::ptrdiff_t>(i) + 1, outs.end()));
+  }
+  if (ctx.device().is_cpu()) {
+    require_cpu_path(op, opts.path);
+    if (a.dim(0) == 0) return;
+    return cpu_gate_up(a, w_gate, w_up, out, opts.alpha);
+  }
+#ifdef QMM_WITH_CUDA
+  cuda::nf4_gate_up(ctx, a, w_gate, w_up, out, opts);
+#else
+  no_cuda(op);
+#endif
+}
+
+}  // namespace qmm
