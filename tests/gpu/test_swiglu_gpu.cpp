@@ -216,7 +216,10 @@ TEST(SwigluGpu, ExtremeGatesStayFinite) {
     gpu.synchronize();
     const test::Tolerance tol{1e-30, dt == DType::BF16 ? 8e-3 : kF32Rtol, dt == DType::BF16 ? 8e-3 : kF32Rtol};
     EXPECT_TRUE(test::all_close(test::host_copy(h.view), ref.h, tol)) << dtype_name(dt);
-    EXPECT_TRUE(test::all_close(test::host_copy(dg.view), ref.dgate, tol)) << dtype_name(dt);
+    // -1.2785 sits next to the zero of silu': there dgate = dh*up*s*(1 + x*(1-s)) cancels, and fp32 leaves an
+    // absolute error of a few ulps of the terms (|dh*up| * O(1) * 2^-23), not of the tiny result.
+    const test::Tolerance dgate_tol{1e-7, tol.rtol, tol.rel_fro};
+    EXPECT_TRUE(test::all_close(test::host_copy(dg.view), ref.dgate, dgate_tol)) << dtype_name(dt);
     EXPECT_TRUE(test::all_close(test::host_copy(du.view), ref.dup, tol)) << dtype_name(dt);
   }
 }

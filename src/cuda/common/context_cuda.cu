@@ -86,9 +86,9 @@ ScratchBuffer::~ScratchBuffer() {
 }
 
 void set_device(const Context& ctx) {
-  int current = -1;
-  QMM_CUDA_CHECK(cudaGetDevice(&current));
-  if (current != state(ctx).device) QMM_CUDA_CHECK(cudaSetDevice(state(ctx).device));
+  // Always set, never skip when cudaGetDevice already answers this device: in a new host thread no context is
+  // current until cudaSetDevice makes the primary one current, and cuBLASLt's driver calls need it.
+  QMM_CUDA_CHECK(cudaSetDevice(state(ctx).device));
 }
 
 void synchronize(const Context& ctx) {
