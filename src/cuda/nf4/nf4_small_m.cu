@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
@@ -47,30 +48,62 @@ void launch_reduce(const Context& ctx, const float* partial, int splits, std::in
 
 // One launch over `weights` (1, or 2 for gate and up) weights of W's shape. With one weight and no split the
 // kernel writes C itself; otherwise it writes fp32 partials to scratch, returned for the caller's reduction.
+// Raises a kernel's dynamic shared-memory limit once per process (it is the same on every GPU we launch on).
+template <class Kernel>
+void allow_shared(Kernel kernel, int bytes) {
+  static int allowed = 0;  // per Kernel type, i.e. per template instance
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (bytes > allowed) {
+    QMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    allowed = bytes;
+  }
+}
+
+// Split-K sizing: about four blocks per SM, but no more splits than keep the fp32 partials (written and read
+// back) under half the weight's bytes, and a staged activation tile that fits kMaxSharedA.
+struct SplitK {
+  int chunks;  // 128-element k chunks per block
+  int splits;
+};
+SplitK split_k(const Context& ctx, std::int64_t M, std::int64_t N, std::int64_t K, int weights, int mt) {
+  using namespace small_m;
+  const std::int64_t total_chunks = (K + kChunkK - 1) / kChunkK;
+  const std::int64_t blocks_n = weights * ((N + kBlockN - 1) / kBlockN);
+  std::int64_t splits = (4LL * state(ctx).sm_count() + blocks_n - 1) / blocks_n;
+  splits = std::min(splits, std::max<std::int64_t>(1, K / (32 * M)));
+  const std::int64_t max_chunks = std::max<std::int64_t>(1, (kMaxSharedA / (mt * 16 * 2) - kPadA) / kChunkK);
+  splits = std::clamp(splits, (total_chunks + max_chunks - 1) / max_chunks, total_chunks);
+  const std::int64_t chunks = (total_chunks + splits - 1) / splits;
+  return {static_cast<int>(chunks), static_cast<int>((total_chunks + chunks - 1) / chunks)};
+}
+
+// One launch over `weights` (1, or 2 for gate and up) weights of W's shape. With one weight and no split the
+// kernel writes C itself; otherwise it writes fp32 partials to scratch, returned for the caller's reduction.
 template <int MT, bool kAF32>
 float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
                     const TensorView& c, float alpha, float beta, std::unique_ptr<ScratchBuffer>& scratch,
                     int* splits_out) {
   using namespace small_m;
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w0.rows;
-  const int splits = static_cast<int>((K + kBlockK - 1) / kBlockK);
+  const SplitK sk = split_k(ctx, M, N, K, weights, MT);
   const int blocks_n = static_cast<int>((N + kBlockN - 1) / kBlockN);
-  const dim3 grid(static_cast<unsigned>(blocks_n * weights), static_cast<unsigned>(splits));
-  const int smem = kLutBytes + MT * 16 * kLdA * 2;
+  const dim3 grid(static_cast<unsigned>(blocks_n * weights), static_cast<unsigned>(sk.splits));
+  const int smem = kCodebookBytes + MT * 16 * (sk.chunks * kChunkK + kPadA) * 2;
   auto kernel = nf4_gemm_small_m_kernel<MT, kAF32>;
-  QMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  allow_shared(kernel, smem);
   float* partial = nullptr;
-  if (splits > 1 || weights > 1) {
-    scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(weights) * splits * M * N * 4);
+  if (sk.splits > 1 || weights > 1) {
+    scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(weights) * sk.splits * M * N * 4);
     partial = scratch->at<float>(0);
   }
   const WeightArgs args0{w0.codes.data_as<std::uint8_t>(), scales_of(w0)};
   const WeightArgs args1{w1.codes.data_as<std::uint8_t>(), scales_of(w1)};
-  kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(a.data(), M, N, K, args0, args1, blocks_n, partial,
+  kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(a.data(), M, N, K, args0, args1, blocks_n, sk.chunks, partial,
                                                    c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16, alpha,
                                                    beta);
   QMM_CUDA_CHECK_LAUNCH("nf4_gemm_small_m_kernel");
-  *splits_out = splits;
+  *splits_out = sk.splits;
   return partial;
 }
 
@@ -107,9 +140,9 @@ void launch_backward_tiles(const Context& ctx, const TensorView& dc, const Nf4We
   const std::int64_t block_n = static_cast<std::int64_t>(kBwdWarps) * kBwdGroupN * groups;
   const int splits = static_cast<int>((N + block_n - 1) / block_n);
   const int ld_dc = static_cast<int>(block_n) + 8;
-  const int smem = kLutBytes + ((MT8 * 8 * ld_dc * 2 + 15) / 16) * 16 + MT8 * 8 * kBwdBlockK * 4;
+  const int smem = kCodebookBytes + ((MT8 * 8 * ld_dc * 2 + 15) / 16) * 16 + MT8 * 8 * kBwdBlockK * 4;
   auto kernel = nf4_gemm_backward_small_m_kernel<MT8, kDcF32>;
-  QMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  allow_shared(kernel, smem);
   std::unique_ptr<ScratchBuffer> scratch;
   float* partial = nullptr;
   if (splits > 1) {

@@ -13,11 +13,9 @@ constexpr int kThreads = 128;                   // 4 warps
 constexpr int kTilesN = 4;                      // n8 tiles per warp: each warp owns 32 weight rows
 constexpr int kBlockN = 4 * 8 * kTilesN;        // 128 weight rows (outputs) per block
 constexpr int kChunkK = 128;                    // k per chunk: 4 threads x 32 codes (one 16-byte load each)
-constexpr int kChunks = 4;                      // chunks per block
-constexpr int kBlockK = kChunkK * kChunks;      // 512: the k range of one block (split-K over blocks)
 constexpr int kPadA = 8;                        // bf16 elements of padding per shared A row
-constexpr int kLdA = kBlockK + kPadA;
-constexpr int kLutBytes = 256 * 8;              // byte -> (codebook[hi], codebook[lo])
+constexpr int kCodebookBytes = 16 * 4;          // the 16 NF4 values: a warp's lookups hit 16 words in 16 banks
+constexpr int kMaxSharedA = 64 * 1024;          // bytes of staged activations per block, at most
 
 // Scales of one weight, plain (absmax) or double-quantized (q, absmax2, code2, offset).
 struct Scales {
@@ -64,11 +62,6 @@ __device__ __forceinline__ void store_out(void* c, bool c_bf16, std::int64_t idx
   }
 }
 
-// Grid: x over blocks of 128 weight rows, y over k ranges of 512 (split-K). MT m16 tiles cover M <= 16*MT.
-// Thread (g = lane/4, t = lane%4) of a warp loads, per chunk and n8 tile, the 16 bytes holding codes
-// k0 + 32t .. k0 + 32t + 31 of weight row g. The reduction order inside an mma is free, so mma step s (of 8 per
-// chunk) uses k = k0 + 32t + 4s + {0,1,2,3} for the fragment slots {2t, 2t+1, 2t+8, 2t+9}; A's fragments are read
-// from shared memory with the same mapping. One scale per 16-byte load (32 codes never straddle a block).
 // Two weights of one shape may share a launch (gate and up): blocks [0, blocks_per_weight) take w0, the rest w1,
 // and the partials of w1 follow those of w0.
 struct WeightArgs {
@@ -76,13 +69,23 @@ struct WeightArgs {
   Scales scales;
 };
 
+// Grid: x over blocks of 128 weight rows (of w0, then of w1), y over k ranges of `chunks` * 128 (split-K).
+// MT m16 tiles cover M <= 16*MT. Thread (g = lane/4, t = lane%4) of a warp loads, per chunk and n8 tile, the
+// 16 bytes holding codes k0 + 32t .. k0 + 32t + 31 of weight row g. The reduction order inside an mma is free, so
+// mma step s (of 8 per chunk) uses k = k0 + 32t + 4s + {0,1,2,3} for the fragment slots {2t, 2t+1, 2t+8, 2t+9};
+// A's fragments are read from shared memory with the same mapping. One scale per 16-byte load (32 codes never
+// straddle a block). Chunks are double-buffered in registers: the next chunk's loads are in flight while the
+// current one is multiplied.
 template <int MT, bool kAF32>
 __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
     const void* __restrict__ a, std::int64_t M, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1,
-    int blocks_per_weight, float* __restrict__ partial, void* __restrict__ c, bool c_bf16, float alpha, float beta) {
+    int blocks_per_weight, int chunks, float* __restrict__ partial, void* __restrict__ c, bool c_bf16, float alpha,
+    float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float2* lut = reinterpret_cast<float2*>(smem);
-  __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + kLutBytes);
+  float* codebook = reinterpret_cast<float*>(smem);
+  __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + kCodebookBytes);
+  const int block_k = chunks * kChunkK;
+  const int lda = block_k + kPadA;
 
   const int which = static_cast<int>(blockIdx.x) >= blocks_per_weight ? 1 : 0;
   const std::uint8_t* __restrict__ codes = which ? w1.codes : w0.codes;
@@ -90,32 +93,34 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
   if (partial) partial += static_cast<std::int64_t>(which) * gridDim.y * M * N;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const std::int64_t n_block = static_cast<std::int64_t>(blockIdx.x - which * blocks_per_weight) * kBlockN;
-  const std::int64_t k_block = static_cast<std::int64_t>(blockIdx.y) * kBlockK;
+  const std::int64_t k_block = static_cast<std::int64_t>(blockIdx.y) * block_k;
+  const int my_chunks = static_cast<int>(min(static_cast<std::int64_t>(chunks), (K - k_block + kChunkK - 1) / kChunkK));
 
-  // 1. The weight bytes first: every load of this thread is in flight before anything waits on one.
-  uint4 w[kChunks][kTilesN];
-  float s[kChunks][kTilesN];
-#pragma unroll
-  for (int ch = 0; ch < kChunks; ++ch)
+  auto load_chunk = [&](int ch, uint4 (&w)[kTilesN], float (&s)[kTilesN]) {
 #pragma unroll
     for (int tile = 0; tile < kTilesN; ++tile) {
       const std::int64_t n = n_block + warp * 32 + tile * 8 + g;
       const std::int64_t k = k_block + ch * kChunkK + 32 * t;
-      if (n < N && k < K) {
+      if (ch < my_chunks && n < N && k < K) {
         const std::int64_t e = n * K + k;
-        w[ch][tile] = __ldg(reinterpret_cast<const uint4*>(codes + (e >> 1)));
-        s[ch][tile] = block_scale(scales, e >> scales.block_shift);
+        w[tile] = __ldg(reinterpret_cast<const uint4*>(codes + (e >> 1)));
+        s[tile] = block_scale(scales, e >> scales.block_shift);
       } else {
-        w[ch][tile] = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);  // code 7 is 0.0
-        s[ch][tile] = 0.0f;
+        w[tile] = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);  // code 7 is 0.0
+        s[tile] = 0.0f;
       }
     }
+  };
+  uint4 wa[kTilesN], wb[kTilesN];
+  float sa[kTilesN], sb[kTilesN];
+  load_chunk(0, wa, sa);
+  load_chunk(1, wb, sb);
 
-  // 2. While they fly: the codebook pair table and the activation tile (bf16, zero outside M and K).
-  for (int i = tid; i < 256; i += kThreads) lut[i] = make_float2(nf4_code_value(i >> 4), nf4_code_value(i & 15));
-  constexpr int kVecPerRow = kBlockK / 8;
-  for (int i = tid; i < MT * 16 * kVecPerRow; i += kThreads) {
-    const int row = i / kVecPerRow, col = (i % kVecPerRow) * 8;
+  // While the first loads fly: the codebook and the activation tile (bf16, zero outside M and K).
+  if (tid < 16) codebook[tid] = nf4_code_value(tid);
+  const int vec_per_row = block_k / 8;
+  for (int i = tid; i < MT * 16 * vec_per_row; i += kThreads) {
+    const int row = i / vec_per_row, col = (i % vec_per_row) * 8;
     const std::int64_t k = k_block + col;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (row < M && k < K) {  // K % 32 == 0, so all 8 are in range
@@ -129,11 +134,10 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
         v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a) + row * K + k));
       }
     }
-    *reinterpret_cast<uint4*>(as + row * kLdA + col) = v;
+    *reinterpret_cast<uint4*>(as + row * lda + col) = v;
   }
   __syncthreads();
 
-  // 3. Dequantize in registers and multiply.
   float acc[MT][kTilesN][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -142,17 +146,15 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][tile][i] = 0.0f;
 
-#pragma unroll
-  for (int ch = 0; ch < kChunks; ++ch) {
-    if (k_block + ch * kChunkK >= K) break;  // uniform across the block
+  auto multiply_chunk = [&](int ch, const uint4 (&w)[kTilesN], const float (&s)[kTilesN]) {
 #pragma unroll
     for (int step = 0; step < 8; ++step) {
       std::uint32_t af[MT][4];
       const int kk = ch * kChunkK + 32 * t + 4 * step;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        const uint2 x0 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g) * kLdA + kk);
-        const uint2 x1 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g + 8) * kLdA + kk);
+        const uint2 x0 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g) * lda + kk);
+        const uint2 x1 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g + 8) * lda + kk);
         af[mt][0] = x0.x;
         af[mt][1] = x1.x;
         af[mt][2] = x0.y;
@@ -160,21 +162,31 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
       }
 #pragma unroll
       for (int tile = 0; tile < kTilesN; ++tile) {
-        const uint4 wv = w[ch][tile];
-        const std::uint32_t word = (step >> 1) == 0 ? wv.x : (step >> 1) == 1 ? wv.y : (step >> 1) == 2 ? wv.z : wv.w;
-        const int shift = (step & 1) * 16;
-        const float2 p = lut[(word >> shift) & 0xFF];
-        const float2 q = lut[(word >> (shift + 8)) & 0xFF];
-        const float sc = s[ch][tile];
-        const std::uint32_t b0 = pack_bf16x2(p.x * sc, p.y * sc);
-        const std::uint32_t b1 = pack_bf16x2(q.x * sc, q.y * sc);
+        const std::uint32_t word = (step >> 1) == 0 ? w[tile].x : (step >> 1) == 1 ? w[tile].y
+                                 : (step >> 1) == 2 ? w[tile].z : w[tile].w;
+        const int shift = (step & 1) * 16;  // bytes 2s (elements 4s, 4s+1) and 2s+1 (4s+2, 4s+3)
+        const float sc = s[tile];
+        const float e0 = codebook[(word >> (shift + 4)) & 15];
+        const float e1 = codebook[(word >> shift) & 15];
+        const float e2 = codebook[(word >> (shift + 12)) & 15];
+        const float e3 = codebook[(word >> (shift + 8)) & 15];
+        const std::uint32_t b0 = pack_bf16x2(e0 * sc, e1 * sc);
+        const std::uint32_t b1 = pack_bf16x2(e2 * sc, e3 * sc);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) mma_bf16_16816(acc[mt][tile], af[mt], b0, b1);
       }
     }
+  };
+  for (int ch = 0; ch < my_chunks; ch += 2) {
+    multiply_chunk(ch, wa, sa);
+    load_chunk(ch + 2, wa, sa);
+    if (ch + 1 < my_chunks) {
+      multiply_chunk(ch + 1, wb, sb);
+      load_chunk(ch + 3, wb, sb);
+    }
   }
 
-  // 4. Rows m of the output are the mma's rows; its columns are weight rows n.
+  // Rows m of the output are the mma's rows; its columns are weight rows n.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -205,17 +217,17 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
     const std::uint8_t* __restrict__ codes, Scales scales, int groups_per_warp, float* __restrict__ partial,
     void* __restrict__ da, bool da_bf16, float alpha, float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float2* lut = reinterpret_cast<float2*>(smem);
+  float* codebook = reinterpret_cast<float*>(smem);
   const int block_n = kBwdWarps * kBwdGroupN * groups_per_warp;  // weight rows (reduction) of this block
   const int ld_dc = block_n + 8;                                  // bf16 elements per shared dC row
-  __nv_bfloat16* dcs = reinterpret_cast<__nv_bfloat16*>(smem + kLutBytes);
-  float* red = reinterpret_cast<float*>(smem + kLutBytes + ((MT8 * 8 * ld_dc * 2 + 15) / 16) * 16);
+  __nv_bfloat16* dcs = reinterpret_cast<__nv_bfloat16*>(smem + kCodebookBytes);
+  float* red = reinterpret_cast<float*>(smem + kCodebookBytes + ((MT8 * 8 * ld_dc * 2 + 15) / 16) * 16);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const std::int64_t k0 = static_cast<std::int64_t>(blockIdx.x) * kBwdBlockK;
   const std::int64_t n_begin = static_cast<std::int64_t>(blockIdx.y) * block_n;
 
-  for (int i = tid; i < 256; i += kBwdThreads) lut[i] = make_float2(nf4_code_value(i >> 4), nf4_code_value(i & 15));
+  if (tid < 16) codebook[tid] = nf4_code_value(tid);
   // dC tile [MT8*8][block_n] as bf16 pairs, zero outside M and N.
   for (int i = tid; i < MT8 * 8 * (block_n / 2); i += kBwdThreads) {
     const int row = i / (block_n / 2), col = (i % (block_n / 2)) * 2;
@@ -271,11 +283,12 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
     }
 #pragma unroll
     for (int p = 0; p < 16; ++p) {
-      float2 l[4];
+      float2 l[4];  // (even element, odd element) of byte p of each of the four rows
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const std::uint32_t word = (p >> 2) == 0 ? w[r].x : (p >> 2) == 1 ? w[r].y : (p >> 2) == 2 ? w[r].z : w[r].w;
-        l[r] = lut[(word >> (8 * (p & 3))) & 0xFF];
+        const int shift = 8 * (p & 3);
+        l[r] = make_float2(codebook[(word >> (shift + 4)) & 15], codebook[(word >> shift) & 15]);
       }
       const std::uint32_t af[4] = {pack_bf16x2(l[0].x * sc[0], l[1].x * sc[1]),
                                    pack_bf16x2(l[0].y * sc[0], l[1].y * sc[1]),
