@@ -27,20 +27,25 @@ QMM_HOST_DEVICE inline float nf4_code_value(int code) {
   return kCodebook[code & 15];
 }
 
-// Nearest code to a value already scaled into [-1, 1]; a value exactly on a midpoint goes to the lower code.
-// NaN (an all-zero block scaled by 1/0) compares false everywhere and gives code 0; its scale is 0, so it
-// dequantizes to 0, never NaN.
-QMM_HOST_DEVICE inline int nf4_nearest_code(float x) {
+// The 15 decision thresholds between neighbouring codes (bitsandbytes' constants), ascending.
+QMM_HOST_DEVICE inline float nf4_threshold(int i) {
   constexpr float kMid[15] = {
       -0.8480964004993439f, -0.6106329262256622f, -0.4599952697753906f, -0.33967943489551544f,
       -0.23460740596055984f, -0.13791173323988914f, -0.045525018125772476f, 0.03979014977812767f,
       0.1202552504837513f, 0.2035212516784668f, 0.2920137718319893f, 0.3893125355243683f,
       0.5016634166240692f, 0.6427869200706482f, 0.8614784181118011f};
+  return kMid[i];
+}
+
+// Nearest code to a value already scaled into [-1, 1]: the number of thresholds strictly below it, so a value
+// exactly on a threshold goes to the lower code. NaN (an all-zero block scaled by 1/0) compares false everywhere
+// and gives code 0; its scale is 0, so it dequantizes to 0, never NaN.
+QMM_HOST_DEVICE inline int nf4_nearest_code(float x) {
   int code = 0;
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int i = 0; i < 15; ++i) code += (x > kMid[i]) ? 1 : 0;
+  for (int i = 0; i < 15; ++i) code += (x > nf4_threshold(i)) ? 1 : 0;
   return code;
 }
 

@@ -116,7 +116,11 @@ const void* bf16_operand(const TensorView& x, std::vector<std::uint16_t>& storag
 
 float nf4_absmax_mean(const float* absmax, std::int64_t nblocks) {
   double sum = 0.0;
-  for (std::int64_t i = 0; i < nblocks; ++i) sum += static_cast<double>(absmax[i]);
+  for (std::int64_t c = 0; c < nblocks; c += kNf4MeanChunk) {
+    double chunk = 0.0;
+    for (std::int64_t i = c; i < std::min(nblocks, c + kNf4MeanChunk); ++i) chunk += static_cast<double>(absmax[i]);
+    sum += chunk;
+  }
   const float inv_count = 1.0f / static_cast<float>(nblocks);
   return static_cast<float>(sum) * inv_count;
 }

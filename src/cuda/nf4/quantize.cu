@@ -70,7 +70,7 @@ template <class T>
 void launch_dequantize(const Context& ctx, const Nf4Weight& w, T* out) {
   const std::int64_t n = w.numel();
   const std::int64_t nchunks = (n + kDequantChunk - 1) / kDequantChunk;
-  const bool vec = aligned(w.codes.data(), 8) && aligned(out, 16);
+  const bool vec = aligned(w.codes.data(), 16) && aligned(out, 16);
   nf4_dequantize_kernel<T><<<grid_for(ctx, nf4_dequantize_kernel<T>, nchunks), kThreads, 0, stream_of(ctx)>>>(
       w.codes.data_as<const std::uint8_t>(), scales_of(w), log2_exact(w.block_size), n, vec, out);
   QMM_CUDA_CHECK_LAUNCH("nf4_dequantize_kernel");
@@ -78,19 +78,27 @@ void launch_dequantize(const Context& ctx, const Nf4Weight& w, T* out) {
 
 }  // namespace
 
-void nf4_double_quantize(const Context& ctx, const float* absmax, std::int64_t nblocks, float offset,
-                         Nf4Weight& out) {
-  set_device(ctx);
+namespace {
+// Double quantization of nblocks device scales; the offset comes from offset_dev (device) or offset_host.
+void launch_double_quantize(const Context& ctx, const float* absmax, std::int64_t nblocks, const float* offset_dev,
+                            float offset_host, Nf4Weight& out) {
   // code2 first: the kernel reads it back from out.code2. (A copy from pageable memory: staged before returning.)
   QMM_CUDA_CHECK(cudaMemcpyAsync(out.code2.data(), nf4_code2_table(), kCode2Size * sizeof(float),
                                  cudaMemcpyHostToDevice, stream_of(ctx)));
-  out.offset = offset;
   if (nblocks == 0) return;
   const std::int64_t groups = (nblocks + kNf4NestedBlockSize - 1) / kNf4NestedBlockSize;
   nf4_double_quant_kernel<<<static_cast<unsigned>(groups), kNf4NestedBlockSize, 0, stream_of(ctx)>>>(
-      absmax, nblocks, offset, out.code2.data_as<const float>(), out.absmax.data_as<std::uint8_t>(),
+      absmax, nblocks, offset_dev, offset_host, out.code2.data_as<const float>(), out.absmax.data_as<std::uint8_t>(),
       out.absmax2.data_as<float>());
   QMM_CUDA_CHECK_LAUNCH("nf4_double_quant_kernel");
+}
+}  // namespace
+
+void nf4_double_quantize(const Context& ctx, const float* absmax, std::int64_t nblocks, float offset,
+                         Nf4Weight& out) {
+  set_device(ctx);
+  out.offset = offset;
+  launch_double_quantize(ctx, absmax, nblocks, nullptr, offset, out);
 }
 
 void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out) {
@@ -115,14 +123,20 @@ void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out) {
   }
   if (!dq) return;
 
-  // The offset is a host float in the weight, and the CPU's summation order is easiest matched on the host:
-  // copy the (small) absmax array back once. Correctness over speed for this step.
-  std::vector<float> host(static_cast<std::size_t>(nblocks));
-  QMM_CUDA_CHECK(cudaMemcpyAsync(host.data(), absmax, host.size() * sizeof(float), cudaMemcpyDeviceToHost,
-                                 stream_of(ctx)));
+  // The offset, summed on the device in the CPU's order (identical bits), then the scales quantized with it.
+  // Nf4Weight::offset is a host float, so the call ends by copying it back.
+  const std::int64_t chunks = (nblocks + cpu::kNf4MeanChunk - 1) / cpu::kNf4MeanChunk;
+  ScratchBuffer sums(state(ctx), static_cast<std::size_t>(chunks) * sizeof(double) + 16);
+  double* chunk_sums = sums.at<double>(0);
+  float* offset_dev = reinterpret_cast<float*>(chunk_sums + chunks);
+  nf4_absmax_chunk_sum_kernel<<<static_cast<unsigned>((chunks + 127) / 128), 128, 0, stream_of(ctx)>>>(
+      absmax, nblocks, chunk_sums);
+  QMM_CUDA_CHECK_LAUNCH("nf4_absmax_chunk_sum_kernel");
+  nf4_absmax_mean_kernel<<<1, 1, 0, stream_of(ctx)>>>(chunk_sums, chunks, nblocks, offset_dev);
+  QMM_CUDA_CHECK_LAUNCH("nf4_absmax_mean_kernel");
+  launch_double_quantize(ctx, absmax, nblocks, offset_dev, 0.0f, out);
+  QMM_CUDA_CHECK(cudaMemcpyAsync(&out.offset, offset_dev, sizeof(float), cudaMemcpyDeviceToHost, stream_of(ctx)));
   QMM_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
-  // The CPU backend's own function: both backends get the same offset, and from it the same bytes.
-  nf4_double_quantize(ctx, absmax, nblocks, cpu::nf4_absmax_mean(host.data(), nblocks), out);
 }
 
 void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& out) {

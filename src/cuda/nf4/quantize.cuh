@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "cpu/nf4_internal.h"
 #include "qmm/nf4.h"
 
 namespace qmm::cuda::nf4_detail {
@@ -15,7 +16,7 @@ namespace qmm::cuda::nf4_detail {
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int kQuantChunk = 8;     // elements per thread per step of quantize: 4 code bytes
-constexpr int kDequantChunk = 16;  // elements per thread per step of dequantize: 8 code bytes
+constexpr int kDequantChunk = 32;  // elements per thread per step of dequantize: one 16-byte code load
 constexpr int kCode2Size = 256;
 
 // ---- input element access -------------------------------------------------------------------------------------
@@ -83,8 +84,16 @@ __device__ __forceinline__ void load_chunk(const T* w, std::int64_t e0, std::int
 
 // The code of one element: x * (1/absmax) to the nearest NF4 value, exactly as the CPU (and bitsandbytes) does.
 // An all-zero block has inv = inf, 0 * inf = NaN, and NaN maps to code 0.
-__device__ __forceinline__ std::uint32_t code_of(float x, float inv) {
-  return static_cast<std::uint32_t>(nf4_nearest_code(__fmul_rn(x, inv)));
+// `mid` is nf4_threshold(0..14) in shared memory plus a +inf sentinel: a four-step binary search counts the
+// thresholds strictly below the value, the same number nf4_nearest_code counts in fifteen steps.
+__device__ __forceinline__ std::uint32_t code_of(float x, float inv, const float* mid) {
+  const float v = __fmul_rn(x, inv);
+  int c = 0;
+  c += (v > mid[c + 7]) ? 8 : 0;
+  c += (v > mid[c + 3]) ? 4 : 0;
+  c += (v > mid[c + 1]) ? 2 : 0;
+  c += (v > mid[c]) ? 1 : 0;
+  return static_cast<std::uint32_t>(c);
 }
 
 // Each block of `block_size` elements is handled by `lanes` (= min(32, block_size / 8)) lanes of one warp; lane l of
@@ -96,6 +105,9 @@ __global__ void __launch_bounds__(kThreads) nf4_quantize_kernel(const T* __restr
                                                                 int block_size, int lanes, int chunks, bool vec,
                                                                 std::uint8_t* __restrict__ codes,
                                                                 float* __restrict__ absmax, std::int64_t nblocks) {
+  __shared__ float mid[16];
+  if (threadIdx.x < 16) mid[threadIdx.x] = threadIdx.x < 15 ? nf4_threshold(static_cast<int>(threadIdx.x)) : INFINITY;
+  __syncthreads();
   const int lane = threadIdx.x & 31;
   const int group = lane / lanes, gl = lane % lanes;
   const int blocks_per_warp = 32 / lanes;
@@ -140,7 +152,7 @@ __global__ void __launch_bounds__(kThreads) nf4_quantize_kernel(const T* __restr
         std::uint32_t word = 0;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const std::uint32_t byte = (code_of(x[2 * j], inv) << 4) | code_of(x[2 * j + 1], inv);
+          const std::uint32_t byte = (code_of(x[2 * j], inv, mid) << 4) | code_of(x[2 * j + 1], inv, mid);
           word |= byte << (8 * j);  // little-endian: byte j of the word is code byte e0/2 + j
         }
         *reinterpret_cast<std::uint32_t*>(codes + (e0 >> 1)) = word;
@@ -149,8 +161,8 @@ __global__ void __launch_bounds__(kThreads) nf4_quantize_kernel(const T* __restr
         for (int j = 0; j < 4; ++j) {
           const std::int64_t e = e0 + 2 * j;
           if ((e >> 1) < code_bytes) {
-            const std::uint32_t hi = code_of(x[2 * j], inv);
-            const std::uint32_t lo = (e + 1 < n) ? code_of(x[2 * j + 1], inv) : kNf4ZeroCode;
+            const std::uint32_t hi = code_of(x[2 * j], inv, mid);
+            const std::uint32_t lo = (e + 1 < n) ? code_of(x[2 * j + 1], inv, mid) : kNf4ZeroCode;
             codes[e >> 1] = static_cast<std::uint8_t>((hi << 4) | lo);
           }
         }
@@ -174,9 +186,31 @@ __device__ __forceinline__ int nearest_code2(const float* __restrict__ mid, floa
 
 // Double quantization of the fp32 absmax values, one thread block per group of 256 blocks (one thread per block).
 // absmax2[g] = max |absmax - offset| over the group; q = nearest code2 index of (absmax - offset) * (1/absmax2).
+// The double-quantization offset, summed in exactly cpu::nf4_absmax_mean's order so both backends agree bit for
+// bit: one thread sums each chunk in double, then one thread sums the chunk sums and forms sum * (1/n) in fp32.
+__global__ void nf4_absmax_chunk_sum_kernel(const float* __restrict__ absmax, std::int64_t nblocks,
+                                            double* __restrict__ chunk_sums) {
+  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t begin = c * cpu::kNf4MeanChunk;
+  if (begin >= nblocks) return;
+  const std::int64_t end = min(nblocks, begin + cpu::kNf4MeanChunk);
+  double s = 0.0;
+  for (std::int64_t i = begin; i < end; ++i) s = __dadd_rn(s, static_cast<double>(absmax[i]));
+  chunk_sums[c] = s;
+}
+
+__global__ void nf4_absmax_mean_kernel(const double* __restrict__ chunk_sums, std::int64_t chunks,
+                                       std::int64_t nblocks, float* __restrict__ offset) {
+  double s = 0.0;
+  for (std::int64_t c = 0; c < chunks; ++c) s = __dadd_rn(s, chunk_sums[c]);
+  *offset = __fmul_rn(__double2float_rn(s), __fdiv_rn(1.0f, static_cast<float>(nblocks)));
+}
+
+// offset_dev, when given, holds the offset (computed on the device); otherwise offset_host is used.
 __global__ void __launch_bounds__(kNf4NestedBlockSize) nf4_double_quant_kernel(
-    const float* __restrict__ absmax, std::int64_t nblocks, float offset, const float* __restrict__ code2_global,
-    std::uint8_t* __restrict__ q, float* __restrict__ absmax2) {
+    const float* __restrict__ absmax, std::int64_t nblocks, const float* __restrict__ offset_dev, float offset_host,
+    const float* __restrict__ code2_global, std::uint8_t* __restrict__ q, float* __restrict__ absmax2) {
+  const float offset = offset_dev ? *offset_dev : offset_host;
   __shared__ float code2[kCode2Size];
   __shared__ float mid[kCode2Size - 1];
   __shared__ float warp_max[kNf4NestedBlockSize / 32];
@@ -251,18 +285,18 @@ struct Out<__nv_bfloat16> {
   }
 };
 
-// Grid-stride over chunks of 16 elements (8 code bytes, one scale: a block holds at least 64 elements and chunks
-// never straddle one). `vec`: codes 8-byte and out 16-byte aligned; chunks past n, or without `vec`, go one by one.
+// Grid-stride over chunks of 32 elements (16 code bytes, one scale: a block holds at least 64 elements and chunks
+// never straddle one). `vec`: codes and out 16-byte aligned; chunks past n, or without `vec`, go one by one.
+// The 16-entry codebook in shared memory makes every lookup conflict-free (16 words in 16 banks).
 template <class T>
 __global__ void __launch_bounds__(kThreads) nf4_dequantize_kernel(const std::uint8_t* __restrict__ codes, Scales s,
                                                                   int block_shift, std::int64_t n, bool vec,
                                                                   T* __restrict__ out) {
-  __shared__ float2 lut[256];  // code byte -> (value of the high nibble, value of the low nibble)
+  __shared__ float codebook[16];
   __shared__ float code2_s[kCode2Size];
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-    lut[i] = make_float2(nf4_code_value(i >> 4), nf4_code_value(i & 15));
+  if (threadIdx.x < 16) codebook[threadIdx.x] = nf4_code_value(static_cast<int>(threadIdx.x));
+  for (int i = threadIdx.x; i < kCode2Size; i += blockDim.x)
     if (!s.absmax) code2_s[i] = s.code2[i];
-  }
   __syncthreads();
 
   const std::int64_t nchunks = (n + kDequantChunk - 1) / kDequantChunk;
@@ -272,21 +306,24 @@ __global__ void __launch_bounds__(kThreads) nf4_dequantize_kernel(const std::uin
     const std::int64_t e0 = c * kDequantChunk;
     const float scale = block_scale(s, code2_s, e0 >> block_shift);
     if (vec && e0 + kDequantChunk <= n) {
-      const uint2 bytes = __ldg(reinterpret_cast<const uint2*>(codes + (e0 >> 1)));
-      const std::uint32_t words[2] = {bytes.x, bytes.y};
-      float v[16];
+      const uint4 bytes = __ldg(reinterpret_cast<const uint4*>(codes + (e0 >> 1)));
+      const std::uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float2 p = lut[(words[j >> 2] >> (8 * (j & 3))) & 0xFFu];
-        v[2 * j] = __fmul_rn(p.x, scale);
-        v[2 * j + 1] = __fmul_rn(p.y, scale);
+      for (int half = 0; half < 2; ++half) {
+        float v[16];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {  // byte j of this half: elements 2j (high nibble) and 2j+1 (low nibble)
+          const std::uint32_t word = words[2 * half + (j >> 2)];
+          const int shift = 8 * (j & 3);
+          v[2 * j] = __fmul_rn(codebook[(word >> (shift + 4)) & 15u], scale);
+          v[2 * j + 1] = __fmul_rn(codebook[(word >> shift) & 15u], scale);
+        }
+        Out<T>::store16(out + e0 + 16 * half, v);
       }
-      Out<T>::store16(out + e0, v);
     } else {
       for (int j = 0; j < kDequantChunk && e0 + j < n; ++j) {
         const std::int64_t e = e0 + j;
-        const float2 p = lut[codes[e >> 1]];
-        Out<T>::store(out, e, __fmul_rn((e & 1) ? p.y : p.x, scale));
+        Out<T>::store(out, e, __fmul_rn(codebook[nf4_unpack(codes, e)], scale));
       }
     }
   }
