@@ -51,6 +51,7 @@ struct Result {
   double floor_us = 0;  // 0: no ceilings (CPU mode)
   std::string baseline;  // what `ratio` divides by
   double ratio = 0;      // this time / baseline time (0: none)
+  std::int64_t tokens = 0;  // the model-level M (rows of activations) where m is not it (gemm_backward_b)
 };
 
 // A pool of random values, generated once, from which every input is copied (so inputs are never zeros and
@@ -146,9 +147,11 @@ class Bench {
   }
 
   const Result* find(const std::string& op, const std::string& mode, std::int64_t m, std::int64_t n,
-                     std::int64_t k) const {
+                     std::int64_t k, std::int64_t tokens = 0) const {
     for (const auto& r : results_)
-      if (r.op == op && r.mode == mode && r.m == m && r.n == n && r.k == k && r.batch == 1) return &r;
+      if (r.op == op && r.mode == mode && r.m == m && r.n == n && r.k == k && r.batch == 1 &&
+          (tokens == 0 || r.tokens == tokens))
+        return &r;
     return nullptr;
   }
 
@@ -254,6 +257,7 @@ void Bench::run_dense() {
             else gemm_backward_b(ctx_, as[s], bs[s], cs[s], o);
           };
           Result r{v.op, mode.name, p.label, 1, v.gm, v.gn, v.gk, 2.0 * v.gm * v.gn * v.gk, bytes, stats_of(time(fn))};
+          r.tokens = m;
           record(r);
         }
       }
@@ -444,6 +448,7 @@ void Bench::write_json(const std::string& path) const {
                         {"p90_us", r.t.p90_us}, {"flops", r.flops},    {"bytes", r.bytes},
                         {"tflops", r.flops / s / 1e12}, {"gbps", r.bytes / s / 1e9}, {"floor_us", r.floor_us}};
     if (r.floor_us > 0) e["roofline_fraction"] = r.floor_us / r.t.median_us;
+    e["tokens"] = r.tokens > 0 ? r.tokens : r.m;
     if (r.ratio > 0) e["ratio"] = {{"vs", r.baseline}, {"value", r.ratio}};
     j["results"].push_back(e);
   }
