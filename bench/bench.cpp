@@ -35,6 +35,7 @@ struct Ceilings {
 
 struct Stats {
   double median_us = 0, p10_us = 0, p90_us = 0;
+  double host_us = 0;  // host time to enqueue one call (when it exceeds the device time, the host is the limit)
 };
 
 Stats stats_of(std::vector<double> ms) {
@@ -113,20 +114,28 @@ class Bench {
     return static_cast<int>(std::clamp(std::ceil(want / std::max(bytes, 1.0)), 1.0, 32.0));
   }
 
-  std::vector<double> time(const std::function<void(int)>& fn) const {
+  Stats time(const std::function<void(int)>& fn) const {
     const int warmup = is_gpu_ ? 5 : 1;
-    return ctx_.time_calls(fn, warmup, opts_.repeats);
+    Stats st = stats_of(ctx_.time_calls(fn, warmup, opts_.repeats));
+    if (is_gpu_) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < opts_.repeats; ++i) fn(i);
+      const auto t1 = std::chrono::steady_clock::now();
+      ctx_.synchronize();
+      st.host_us = std::chrono::duration<double, std::micro>(t1 - t0).count() / opts_.repeats;
+    }
+    return st;
   }
 
   void measure_ceilings() {
     if (!is_gpu_) return;
     const std::int64_t n = 256ll << 20;  // 1 GiB of f32 each way
     Tensor a = pool_.make(ctx_, DType::F32, {n}, 1), b(DType::F32, {n}, ctx_.device());
-    const Stats c = stats_of(time([&](int) { copy(ctx_, b, a); }));
+    const Stats c = time([&](int) { copy(ctx_, b, a); });
     ceil_.copy_gbps = 2.0 * static_cast<double>(a.nbytes()) / (c.median_us * 1e-6) / 1e9;
     auto gemm_rate = [&](DType dt, MathMode math, std::int64_t s) {
       Tensor x = pool_.make(ctx_, dt, {s, s}, 2), y = pool_.make(ctx_, dt, {s, s}, 3), z(dt, {s, s}, ctx_.device());
-      const Stats st = stats_of(time([&](int) { gemm(ctx_, x, y, z, {1, 0, math}); }));
+      const Stats st = time([&](int) { gemm(ctx_, x, y, z, {1, 0, math}); });
       return 2.0 * static_cast<double>(s) * s * s / (st.median_us * 1e-6) / 1e12;
     };
     ceil_.bf16_tflops = gemm_rate(DType::BF16, MathMode::FP32, 8192);
@@ -156,8 +165,8 @@ class Bench {
   }
 
   void print_header() const {
-    std::printf("\n%-17s %-9s %-22s %5s %6s %6s %10s %19s %8s %8s %6s %s\n", "op", "mode", "shape", "M", "N", "K",
-                "median us", "p10-p90 us", "TFLOP/s", "GB/s", "%roof", "ratio");
+    std::printf("\n%-17s %-9s %-22s %5s %6s %6s %10s %19s %7s %8s %8s %6s %s\n", "op", "mode", "shape", "M", "N",
+                "K", "median us", "p10-p90 us", "host us", "TFLOP/s", "GB/s", "%roof", "ratio");
   }
 
   void print_row(const Result& r) const {
@@ -165,9 +174,9 @@ class Bench {
     char roof[16] = "   -", ratio[64] = "";
     if (r.floor_us > 0) std::snprintf(roof, sizeof roof, "%5.0f%%", 100.0 * r.floor_us / r.t.median_us);
     if (r.ratio > 0) std::snprintf(ratio, sizeof ratio, "%.2fx %s", r.ratio, r.baseline.c_str());
-    std::printf("%-17s %-9s %-22s %5lld %6lld %6lld %10.1f %9.1f-%-9.1f %8.1f %8.0f %6s %s\n", r.op.c_str(),
+    std::printf("%-17s %-9s %-22s %5lld %6lld %6lld %10.1f %9.1f-%-9.1f %7.1f %8.1f %8.0f %6s %s\n", r.op.c_str(),
                 r.mode.c_str(), r.shape.c_str(), static_cast<long long>(r.m), static_cast<long long>(r.n),
-                static_cast<long long>(r.k), r.t.median_us, r.t.p10_us, r.t.p90_us, r.flops / s / 1e12,
+                static_cast<long long>(r.k), r.t.median_us, r.t.p10_us, r.t.p90_us, r.t.host_us, r.flops / s / 1e12,
                 r.bytes / s / 1e9, roof, ratio);
     std::fflush(stdout);
   }
@@ -256,7 +265,7 @@ void Bench::run_dense() {
             else if (op == "gemm_backward_a") gemm_backward_a(ctx_, as[s], bs[s], cs[s], o);
             else gemm_backward_b(ctx_, as[s], bs[s], cs[s], o);
           };
-          Result r{v.op, mode.name, p.label, 1, v.gm, v.gn, v.gk, 2.0 * v.gm * v.gn * v.gk, bytes, stats_of(time(fn))};
+          Result r{v.op, mode.name, p.label, 1, v.gm, v.gn, v.gk, 2.0 * v.gm * v.gn * v.gk, bytes, time(fn)};
           r.tokens = m;
           record(r);
         }
@@ -287,7 +296,7 @@ void Bench::run_batched() {
         const GemmOptions o{1, 0, mode.math};
         auto fn = [&](int i) { batched_gemm(ctx_, as[i % sets], bs[i % sets], cs[i % sets], qk, o); };
         const std::int64_t gm = s, gn = qk ? s : d, gk = qk ? d : s;
-        Result r{op, mode.name, a.label, b * h, gm, gn, gk, 2.0 * b * h * gm * gn * gk, bytes, stats_of(time(fn))};
+        Result r{op, mode.name, a.label, b * h, gm, gn, gk, 2.0 * b * h * gm * gn * gk, bytes, time(fn)};
         record(r);
       }
   }
@@ -318,7 +327,7 @@ void Bench::run_swiglu() {
           if (backward) swiglu_backward(ctx_, g[s], u[s], dh[s], o1[s], o2[s]);
           else swiglu(ctx_, g[s], u[s], o1[s]);
         };
-        Result r{op, dtype_name(dt), label, 1, n, 1, 1, 0, bytes, stats_of(time(fn))};
+        Result r{op, dtype_name(dt), label, 1, n, 1, 1, 0, bytes, time(fn)};
         record(r);
       }
 }
@@ -342,14 +351,14 @@ void Bench::run_nf4() {
       if (selected("nf4_dequantize", label)) {
         const double bytes = nf4_bytes(N, K, dq) + 2.0 * N * K;
         record({"nf4_dequantize", mode, label, 1, N, K, 1, 0, bytes,
-                stats_of(time([&](int) { nf4_dequantize(ctx_, q, out); }))});
+                time([&](int) { nf4_dequantize(ctx_, q, out); })});
       }
       if (selected("nf4_quantize", label)) {
         const double bytes = nf4_bytes(N, K, dq) + 2.0 * N * K;
         Nf4Tensor q2 = Nf4Tensor::allocate(N, K, dq, ctx_.device());
         Nf4Weight qv = q2.view();
         record({"nf4_quantize", mode, label, 1, N, K, 1, 0, bytes,
-                stats_of(time([&](int) { nf4_quantize(ctx_, w, qv); }))});
+                time([&](int) { nf4_quantize(ctx_, w, qv); })});
       }
     }
   }
@@ -385,18 +394,18 @@ void Bench::run_nf4() {
         const Nf4GemmOptions po{1.0f, 0.0f, path};
         if (fwd)
           record({"nf4_gemm", "dq " + pname, p.label, 1, M, N, K, flops, io,
-                  stats_of(time([&](int i) { nf4_gemm(ctx_, as[i % sets], ws[i % sets], cs[i % sets], po); }))});
+                  time([&](int i) { nf4_gemm(ctx_, as[i % sets], ws[i % sets], cs[i % sets], po); })});
         if (bwd && (path != Nf4Path::SmallM || M <= 16))
           record({"nf4_gemm_backward_a", "dq " + pname, p.label, 1, M, K, N, flops, io,
-                  stats_of(time([&](int i) {
+                  time([&](int i) {
                     nf4_gemm_backward_a(ctx_, dcs[i % sets], ws[i % sets], das[i % sets], po);
-                  }))});
+                  })});
       }
       if (gu) {
         record({"nf4_gate_up", "dq auto h", p.label, 1, M, N, K, 2 * flops, 2 * wbytes + 2.0 * (M * K + M * N),
-                stats_of(time([&](int i) {
+                time([&](int i) {
                   nf4_gate_up(ctx_, as[i % sets], ws[i % sets], ws2[i % sets], {TensorView(), TensorView(), hs[i % sets]});
-                }))});
+                })});
       }
     }
 }
@@ -445,7 +454,7 @@ void Bench::write_json(const std::string& path) const {
     nlohmann::json e = {{"op", r.op},       {"mode", r.mode},          {"shape", r.shape},
                         {"batch", r.batch}, {"m", r.m},                {"n", r.n},
                         {"k", r.k},         {"median_us", r.t.median_us}, {"p10_us", r.t.p10_us},
-                        {"p90_us", r.t.p90_us}, {"flops", r.flops},    {"bytes", r.bytes},
+                        {"p90_us", r.t.p90_us}, {"host_us", r.t.host_us}, {"flops", r.flops},    {"bytes", r.bytes},
                         {"tflops", r.flops / s / 1e12}, {"gbps", r.bytes / s / 1e9}, {"floor_us", r.floor_us}};
     if (r.floor_us > 0) e["roofline_fraction"] = r.floor_us / r.t.median_us;
     e["tokens"] = r.tokens > 0 ? r.tokens : r.m;

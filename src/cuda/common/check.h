@@ -27,5 +27,6 @@ namespace qmm::cuda {
     if (qmm_st_ != CUBLAS_STATUS_SUCCESS) ::qmm::cuda::throw_cublas(qmm_st_, #expr, __FILE__, __LINE__); \
   } while (0)
 
-// After every kernel launch: a bad configuration shows up here, not later at an unrelated call.
-#define QMM_CUDA_CHECK_LAUNCH(name) QMM_CUDA_CHECK(cudaPeekAtLastError())
+// After every kernel launch: a bad configuration shows up here, not later at an unrelated call. cudaGetLastError
+// (not Peek) clears a launch error, so the next, unrelated launch does not report it again.
+#define QMM_CUDA_CHECK_LAUNCH(name) QMM_CUDA_CHECK(cudaGetLastError())

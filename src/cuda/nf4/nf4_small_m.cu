@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 
@@ -48,15 +49,19 @@ void launch_reduce(const Context& ctx, const float* partial, int splits, std::in
 
 // One launch over `weights` (1, or 2 for gate and up) weights of W's shape. With one weight and no split the
 // kernel writes C itself; otherwise it writes fp32 partials to scratch, returned for the caller's reduction.
-// Raises a kernel's dynamic shared-memory limit once per process (it is the same on every GPU we launch on).
-template <class Kernel>
-void allow_shared(Kernel kernel, int bytes) {
-  static int allowed = 0;  // per Kernel type, i.e. per template instance
+// Raises a kernel's dynamic shared-memory limit when a launch needs more than it was last given, keyed by the
+// kernel itself (instances of one template share a function type, so the key cannot be the type) and the current
+// device (the attribute is per device).
+void allow_shared(const void* kernel, int bytes) {
   static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> allowed;
+  int device = 0;
+  QMM_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mutex);
-  if (bytes > allowed) {
+  int& have = allowed[{kernel, device}];
+  if (bytes > have) {
     QMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    allowed = bytes;
+    have = bytes;
   }
 }
 
@@ -91,7 +96,7 @@ float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0
   const dim3 grid(static_cast<unsigned>(blocks_n * weights), static_cast<unsigned>(sk.splits));
   const int smem = kCodebookBytes + MT * 16 * (sk.chunks * kChunkK + kPadA) * 2;
   auto kernel = nf4_gemm_small_m_kernel<MT, kAF32>;
-  allow_shared(kernel, smem);
+  allow_shared(reinterpret_cast<const void*>(kernel), smem);
   float* partial = nullptr;
   if (sk.splits > 1 || weights > 1) {
     scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(weights) * sk.splits * M * N * 4);
@@ -142,7 +147,7 @@ void launch_backward_tiles(const Context& ctx, const TensorView& dc, const Nf4We
   const int ld_dc = static_cast<int>(block_n) + 8;
   const int smem = kCodebookBytes + ((MT8 * 8 * ld_dc * 2 + 15) / 16) * 16 + MT8 * 8 * kBwdBlockK * 4;
   auto kernel = nf4_gemm_backward_small_m_kernel<MT8, kDcF32>;
-  allow_shared(kernel, smem);
+  allow_shared(reinterpret_cast<const void*>(kernel), smem);
   std::unique_ptr<ScratchBuffer> scratch;
   float* partial = nullptr;
   if (splits > 1) {

@@ -70,7 +70,7 @@ template <class T>
 void launch_dequantize(const Context& ctx, const Nf4Weight& w, T* out) {
   const std::int64_t n = w.numel();
   const std::int64_t nchunks = (n + kDequantChunk - 1) / kDequantChunk;
-  const bool vec = aligned(w.codes.data(), 16) && aligned(out, 16);
+  const bool vec = aligned(w.codes.data(), 4) && aligned(out, 16);
   nf4_dequantize_kernel<T><<<grid_for(ctx, nf4_dequantize_kernel<T>, nchunks), kThreads, 0, stream_of(ctx)>>>(
       w.codes.data_as<const std::uint8_t>(), scales_of(w), log2_exact(w.block_size), n, vec, out);
   QMM_CUDA_CHECK_LAUNCH("nf4_dequantize_kernel");

@@ -16,7 +16,7 @@ namespace qmm::cuda::nf4_detail {
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int kQuantChunk = 8;     // elements per thread per step of quantize: 4 code bytes
-constexpr int kDequantChunk = 32;  // elements per thread per step of dequantize: one 16-byte code load
+constexpr int kDequantChunk = 8;  // elements per thread per step of dequantize: one 4-byte code load
 constexpr int kCode2Size = 256;
 
 // ---- input element access -------------------------------------------------------------------------------------
@@ -259,11 +259,11 @@ struct Out;
 template <>
 struct Out<float> {
   __device__ __forceinline__ static void store(float* p, std::int64_t i, float v) { p[i] = v; }
-  // 16 elements to p (16-byte aligned).
-  __device__ __forceinline__ static void store16(float* p, const float (&v)[16]) {
+  // 8 elements to p (16-byte aligned).
+  __device__ __forceinline__ static void store8(float* p, const float (&v)[8]) {
     float4* q = reinterpret_cast<float4*>(p);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) q[j] = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
+    q[0] = make_float4(v[0], v[1], v[2], v[3]);
+    q[1] = make_float4(v[4], v[5], v[6], v[7]);
   }
 };
 
@@ -272,22 +272,45 @@ struct Out<__nv_bfloat16> {
   __device__ __forceinline__ static void store(__nv_bfloat16* p, std::int64_t i, float v) {
     p[i] = __float2bfloat16_rn(v);
   }
-  __device__ __forceinline__ static void store16(__nv_bfloat16* p, const float (&v)[16]) {
-    std::uint32_t w[8];
+  __device__ __forceinline__ static void store8(__nv_bfloat16* p, const float (&v)[8]) {
+    std::uint32_t w[4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < 4; ++j) {
       const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);  // .x (low half) = lower index
       w[j] = *reinterpret_cast<const std::uint32_t*>(&b);
     }
-    uint4* q = reinterpret_cast<uint4*>(p);
-    q[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    q[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 };
 
-// Grid-stride over chunks of 32 elements (16 code bytes, one scale: a block holds at least 64 elements and chunks
-// never straddle one). `vec`: codes and out 16-byte aligned; chunks past n, or without `vec`, go one by one.
-// The 16-entry codebook in shared memory makes every lookup conflict-free (16 words in 16 banks).
+// Dequantizes chunk c (8 elements: 4 code bytes, one scale; a block holds at least 64 elements, so chunks never
+// straddle one). Consecutive lanes take consecutive chunks, so a warp's loads (4 bytes each) and stores (16 or 32
+// bytes each) are contiguous. `vec`: codes 4-byte and out 16-byte aligned; without it, or past n, one by one.
+template <class T>
+__device__ __forceinline__ void dequantize_chunk(const std::uint8_t* __restrict__ codes, const Scales& s,
+                                                 const float* code2_s, const float* codebook, int block_shift,
+                                                 std::int64_t n, bool vec, std::int64_t c, T* __restrict__ out) {
+  const std::int64_t e0 = c * kDequantChunk;
+  const float scale = block_scale(s, code2_s, e0 >> block_shift);
+  if (vec && e0 + kDequantChunk <= n) {
+    const std::uint32_t word = __ldg(reinterpret_cast<const std::uint32_t*>(codes + (e0 >> 1)));
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // byte j: elements 2j (high nibble) and 2j+1 (low nibble)
+      v[2 * j] = __fmul_rn(codebook[(word >> (8 * j + 4)) & 15u], scale);
+      v[2 * j + 1] = __fmul_rn(codebook[(word >> (8 * j)) & 15u], scale);
+    }
+    Out<T>::store8(out + e0, v);
+  } else {
+    for (int j = 0; j < kDequantChunk && e0 + j < n; ++j) {
+      const std::int64_t e = e0 + j;
+      Out<T>::store(out, e, __fmul_rn(codebook[nf4_unpack(codes, e)], scale));
+    }
+  }
+}
+
+// Grid-stride, four chunks per thread per round (their loads all in flight before the first store). The 16-entry
+// codebook in shared memory makes every lookup conflict-free (16 words in 16 banks).
 template <class T>
 __global__ void __launch_bounds__(kThreads) nf4_dequantize_kernel(const std::uint8_t* __restrict__ codes, Scales s,
                                                                   int block_shift, std::int64_t n, bool vec,
@@ -302,30 +325,11 @@ __global__ void __launch_bounds__(kThreads) nf4_dequantize_kernel(const std::uin
   const std::int64_t nchunks = (n + kDequantChunk - 1) / kDequantChunk;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < nchunks;
-       c += stride) {
-    const std::int64_t e0 = c * kDequantChunk;
-    const float scale = block_scale(s, code2_s, e0 >> block_shift);
-    if (vec && e0 + kDequantChunk <= n) {
-      const uint4 bytes = __ldg(reinterpret_cast<const uint4*>(codes + (e0 >> 1)));
-      const std::uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
+       c += 4 * stride) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float v[16];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {  // byte j of this half: elements 2j (high nibble) and 2j+1 (low nibble)
-          const std::uint32_t word = words[2 * half + (j >> 2)];
-          const int shift = 8 * (j & 3);
-          v[2 * j] = __fmul_rn(codebook[(word >> (shift + 4)) & 15u], scale);
-          v[2 * j + 1] = __fmul_rn(codebook[(word >> shift) & 15u], scale);
-        }
-        Out<T>::store16(out + e0 + 16 * half, v);
-      }
-    } else {
-      for (int j = 0; j < kDequantChunk && e0 + j < n; ++j) {
-        const std::int64_t e = e0 + j;
-        Out<T>::store(out, e, __fmul_rn(codebook[nf4_unpack(codes, e)], scale));
-      }
-    }
+    for (int u = 0; u < 4; ++u)
+      if (c + u * stride < nchunks)
+        dequantize_chunk(codes, s, code2_s, codebook, block_shift, n, vec, c + u * stride, out);
   }
 }
 
