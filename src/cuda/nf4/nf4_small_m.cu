@@ -36,19 +36,26 @@ small_m::Scales scales_of(const Nf4Weight& w) {
   return sc;
 }
 
-int reduce_blocks(const Context& ctx, std::int64_t n) {
-  return static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>((n + 255) / 256, 8LL * state(ctx).sm_count())));
+// Reductions of split-K partials: a warp per output once there are enough splits to keep 32 loads busy.
+constexpr int kWarpReduceSplits = 8;
+
+int reduce_blocks(const Context& ctx, std::int64_t threads) {
+  return static_cast<int>(
+      std::max<std::int64_t>(1, std::min<std::int64_t>((threads + 255) / 256, 8LL * state(ctx).sm_count())));
 }
 
 void launch_reduce(const Context& ctx, const float* partial, int splits, std::int64_t mn, const TensorView& c,
                    float alpha, float beta) {
-  small_m::nf4_split_k_reduce_kernel<<<reduce_blocks(ctx, mn), 256, 0, stream_of(ctx)>>>(partial, splits, mn, c.data(),
-                                                                        c.dtype() == DType::BF16, alpha, beta);
+  const bool bf16 = c.dtype() == DType::BF16;
+  if (splits >= kWarpReduceSplits)
+    small_m::nf4_split_k_reduce_kernel<32><<<reduce_blocks(ctx, 32 * mn), 256, 0, stream_of(ctx)>>>(
+        partial, splits, mn, c.data(), bf16, alpha, beta);
+  else
+    small_m::nf4_split_k_reduce_kernel<1><<<reduce_blocks(ctx, mn), 256, 0, stream_of(ctx)>>>(
+        partial, splits, mn, c.data(), bf16, alpha, beta);
   QMM_CUDA_CHECK_LAUNCH("nf4_split_k_reduce_kernel");
 }
 
-// One launch over `weights` (1, or 2 for gate and up) weights of W's shape. With one weight and no split the
-// kernel writes C itself; otherwise it writes fp32 partials to scratch, returned for the caller's reduction.
 // Raises a kernel's dynamic shared-memory limit when a launch needs more than it was last given, keyed by the
 // kernel itself (instances of one template share a function type, so the key cannot be the type) and the current
 // device (the attribute is per device).
@@ -209,8 +216,12 @@ void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const N
   auto ptr = [](const TensorView& v) { return v.empty() ? nullptr : v.data(); };
   const small_m::GateUpOut o{ptr(out.gate), ptr(out.up), ptr(out.h), out.gate.dtype() == DType::BF16,
                              out.up.dtype() == DType::BF16, out.h.dtype() == DType::BF16};
-  small_m::nf4_gate_up_reduce_kernel<<<reduce_blocks(ctx, mn), 256, 0, stream_of(ctx)>>>(partial, splits, mn, o,
-                                                                                       alpha);
+  if (splits >= kWarpReduceSplits)
+    small_m::nf4_gate_up_reduce_kernel<32><<<reduce_blocks(ctx, 32 * mn), 256, 0, stream_of(ctx)>>>(partial, splits,
+                                                                                                mn, o, alpha);
+  else
+    small_m::nf4_gate_up_reduce_kernel<1><<<reduce_blocks(ctx, mn), 256, 0, stream_of(ctx)>>>(partial, splits, mn, o,
+                                                                                              alpha);
   QMM_CUDA_CHECK_LAUNCH("nf4_gate_up_reduce_kernel");
 }
 

@@ -326,14 +326,29 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
   }
 }
 
-// Sums the split-K partials [splits][M*N] in a fixed order (deterministic) and writes alpha*sum + beta*C.
+// Split-K partials are [splits][mn]. kLanes lanes sum one output (kLanes = 32 when there are many splits, so the
+// loads of one output are in flight together rather than one after another); lane 0's shuffle tree is fixed, so
+// the sum, and the result, is the same on every run.
+template <int kLanes>
+__device__ __forceinline__ float sum_splits(const float* __restrict__ p, int splits, std::int64_t mn,
+                                            std::int64_t i, int lane) {
+  float s = 0.0f;
+  for (int sp = lane; sp < splits; sp += kLanes) s += p[sp * mn + i];
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+  return s;
+}
+
+// Grid-stride over outputs, kLanes threads each; writes alpha*sum + beta*C.
+template <int kLanes>
 __global__ void nf4_split_k_reduce_kernel(const float* __restrict__ partial, int splits, std::int64_t mn,
                                           void* __restrict__ c, bool c_bf16, float alpha, float beta) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < mn;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    float sum = 0.0f;
-    for (int sp = 0; sp < splits; ++sp) sum += partial[sp * mn + i];
-    store_out(c, c_bf16, i, sum, alpha, beta);
+  const std::int64_t first = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / kLanes;
+  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x / kLanes;
+  const int lane = static_cast<int>(threadIdx.x % kLanes);
+  for (std::int64_t i = first; i < mn; i += step) {  // uniform across each group of kLanes (a warp or a lane)
+    const float sum = sum_splits<kLanes>(partial, splits, mn, i, lane);
+    if (lane == 0) store_out(c, c_bf16, i, sum, alpha, beta);
   }
 }
 
@@ -345,18 +360,17 @@ struct GateUpOut {
   bool gate_bf16, up_bf16, h_bf16;
 };
 
+template <int kLanes>
 __global__ void nf4_gate_up_reduce_kernel(const float* __restrict__ partial, int splits, std::int64_t mn,
                                           GateUpOut out, float alpha) {
   const float* pu = partial + static_cast<std::int64_t>(splits) * mn;
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < mn;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    float gs = 0.0f, us = 0.0f;
-    for (int sp = 0; sp < splits; ++sp) {
-      gs += partial[sp * mn + i];
-      us += pu[sp * mn + i];
-    }
-    gs *= alpha;
-    us *= alpha;
+  const std::int64_t first = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / kLanes;
+  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x / kLanes;
+  const int lane = static_cast<int>(threadIdx.x % kLanes);
+  for (std::int64_t i = first; i < mn; i += step) {
+    const float gs = alpha * sum_splits<kLanes>(partial, splits, mn, i, lane);
+    const float us = alpha * sum_splits<kLanes>(pu, splits, mn, i, lane);
+    if (lane != 0) continue;
     if (out.gate) store_out(out.gate, out.gate_bf16, i, gs, 1.0f, 0.0f);
     if (out.up) store_out(out.up, out.up_bf16, i, us, 1.0f, 0.0f);
     if (out.h) store_out(out.h, out.h_bf16, i, gs / (1.0f + __expf(-gs)) * us, 1.0f, 0.0f);
