@@ -7,3 +7,4 @@
 #include "qmm/ops.h"
 #include "qmm/safetensors.h"
 #include "qmm/tensor.h"
+#include "qmm/train_ops.h"

@@ -1,0 +1,68 @@
+// Element-wise and optimizer ops that LoRA layers and trainers need besides the GEMMs. Same rules as ops.h:
+// every entry point validates its arguments before touching any output, throws qmm::Error naming the op and the
+// argument, and runs on the context's device (asynchronously on a CUDA context's stream). Each has a CPU
+// reference (the oracle of the tests) and a CUDA kernel.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "qmm/context.h"
+#include "qmm/tensor.h"
+
+namespace qmm {
+
+// dst = src converted element by element (f32 <-> bf16 or same dtype; to bf16 rounds to nearest even).
+// Same element count; shapes may differ (a flat copy).
+void cast(const Context& ctx, const TensorView& src, const TensorView& dst);
+
+// out = a + alpha * b, all the same shape and dtype (f32 or bf16); out may be a or b (in place).
+void add(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& out, float alpha = 1.0f);
+
+// y[M,N] += bias[N] broadcast over rows; y f32 or bf16, bias f32 or y's dtype.
+void add_bias(const Context& ctx, const TensorView& y, const TensorView& bias);
+
+// Inverted dropout: out[i] = keep(seed, i) ? x[i] / (1 - p) : 0, with keep(seed, i) a counter-based hash of
+// (seed, flat index i) that is the same on every device and every call (so backward re-applies the same mask by
+// calling this again with the same seed on the gradient). 0 <= p < 1; p = 0 copies. out may be x (in place).
+void dropout(const Context& ctx, const TensorView& x, const TensorView& out, float p, std::uint64_t seed);
+// Whether element i is kept: the mask dropout() uses (host function, for tests and oracles).
+bool dropout_keep(std::uint64_t seed, std::int64_t index, float p);
+
+// Mean squared error: loss = mean((y - target)^2) written to `loss` (f32, one element, on the context's device);
+// dy = scale * 2 * (y - target) / numel (dy may alias y; dy has y's dtype). y, target f32 or bf16, same shape.
+void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target, const TensorView& loss,
+              const TensorView& dy, float scale = 1.0f);
+
+// One tensor the optimizer updates: parameter, its gradient and the two moment buffers, all f32, one shape.
+struct AdamWParam {
+  TensorView param;
+  TensorView grad;
+  TensorView m;
+  TensorView v;
+};
+
+struct AdamWOptions {
+  float lr = 1e-4f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;  // decoupled: param -= lr * weight_decay * param
+  float max_grad_norm = 0.0f; // > 0: gradients are scaled by min(1, max_grad_norm / (norm + 1e-6)) first
+};
+
+// The global L2 norm of all gradients, sqrt(sum over every tensor of g^2), into `norm` (f32, one element, on the
+// context's device). Deterministic (fixed reduction order).
+void grad_norm(const Context& ctx, std::span<const TensorView> grads, const TensorView& norm);
+
+// One AdamW step over every tensor in `params` (on a CUDA context: one norm reduction when clipping, then one
+// fused launch over all tensors). `step` counts from 1 (bias correction 1 - beta^step). When `norm` is given it
+// receives the gradient norm before clipping (computed whenever max_grad_norm > 0 or norm is given). Gradients
+// are left unchanged; the caller zeroes them.
+void adamw_step(const Context& ctx, std::span<const AdamWParam> params, const AdamWOptions& opts, int step,
+                const TensorView& norm = {});
+
+// Sets every element of t to zero (any dtype).
+void zero(const Context& ctx, const TensorView& t);
+
+}  // namespace qmm
