@@ -362,8 +362,12 @@ void Bench::run_nf4() {
       }
     }
   }
+  // The usual token counts plus 8 and 32, where the dispatcher's small-M thresholds are decided.
+  std::vector<std::int64_t> nf4_tokens = token_counts();
+  nf4_tokens.insert(nf4_tokens.end(), {8, 32});
+  std::sort(nf4_tokens.begin(), nf4_tokens.end());
   for (const Projection& p : projections())
-    for (std::int64_t m : token_counts()) {
+    for (std::int64_t m : nf4_tokens) {
       const std::int64_t M = m, N = p.n, K = p.k;
       const bool fwd = selected("nf4_gemm", p.label), bwd = selected("nf4_gemm_backward_a", p.label);
       const bool gu = selected("nf4_gate_up", p.label) && p.label.find("gate_up") != std::string::npos &&

@@ -151,7 +151,7 @@ const void* bf16_operand(const Context& ctx, const TensorView& a, const ScratchP
 
 // The dispatcher: Auto takes the fused small-M kernels up to these row counts (where their preconditions hold),
 // dequantize + cuBLASLt above. Set from `qmm bench` on an H200 (docs/BENCHMARKS.md).
-constexpr std::int64_t kAutoSmallMRows = 64;
+constexpr std::int64_t kAutoSmallMRows = 32;
 constexpr std::int64_t kAutoSmallMBackwardRows = 16;
 
 bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {

@@ -101,7 +101,7 @@ float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0
   const SplitK sk = split_k(ctx, M, N, K, weights, MT);
   const int blocks_n = static_cast<int>((N + kBlockN - 1) / kBlockN);
   const dim3 grid(static_cast<unsigned>(blocks_n * weights), static_cast<unsigned>(sk.splits));
-  const int smem = kCodebookBytes + MT * 16 * (sk.chunks * kChunkK + kPadA) * 2;
+  const int smem = kTablesBytes + MT * 16 * (sk.chunks * kChunkK + kPadA) * 2;
   auto kernel = nf4_gemm_small_m_kernel<MT, kAF32>;
   allow_shared(reinterpret_cast<const void*>(kernel), smem);
   float* partial = nullptr;
@@ -151,8 +151,7 @@ void launch_backward_tiles(const Context& ctx, const TensorView& dc, const Nf4We
                                                                     (kBwdWarps * kBwdGroupN)));
   const std::int64_t block_n = static_cast<std::int64_t>(kBwdWarps) * kBwdGroupN * groups;
   const int splits = static_cast<int>((N + block_n - 1) / block_n);
-  const int ld_dc = static_cast<int>(block_n) + 8;
-  const int smem = kCodebookBytes + ((MT8 * 8 * ld_dc * 2 + 15) / 16) * 16 + MT8 * 8 * kBwdBlockK * 4;
+  const int smem = kTablesBytes + bwd_dc_tile_bytes(MT8, static_cast<int>(block_n)) + bwd_red_bytes(MT8);
   auto kernel = nf4_gemm_backward_small_m_kernel<MT8, kDcF32>;
   allow_shared(reinterpret_cast<const void*>(kernel), smem);
   std::unique_ptr<ScratchBuffer> scratch;

@@ -27,11 +27,35 @@ struct Scales {
   int block_shift;  // log2(block size)
 };
 
-// The rebuilt fp32 scale, with the CPU's operation order and roundings (no fused multiply-add).
-__device__ __forceinline__ float block_scale(const Scales& s, std::int64_t block) {
-  if (s.absmax) return __ldg(s.absmax + block);
-  const float c = __ldg(s.code2 + __ldg(s.q + block));
-  return __fadd_rn(__fmul_rn(c, __ldg(s.absmax2 + (block >> 8))), s.offset);
+// A block's scale is fetched in two steps so that no global load waits on another: load_scale issues the loads
+// (absmax, or q and absmax2: independent of each other) together with the codes; finish_scale runs when the
+// chunk is multiplied and looks code2[q] up in shared memory. The fp32 operation order and roundings are the
+// CPU's (no fused multiply-add).
+struct RawScale {
+  float a;        // absmax (plain) or absmax2 of the block's group (double-quantized)
+  std::uint32_t q;  // the block's code2 index (double-quantized)
+};
+
+__device__ __forceinline__ RawScale load_scale(const Scales& s, std::int64_t block) {
+  if (s.absmax) return {__ldg(s.absmax + block), 0u};
+  return {__ldg(s.absmax2 + (block >> 8)), __ldg(s.q + block)};  // 256 blocks per absmax2 group
+}
+
+__device__ __forceinline__ float finish_scale(const Scales& s, RawScale r, const float* code2_shared) {
+  if (s.absmax) return r.a;
+  return __fadd_rn(__fmul_rn(code2_shared[r.q], r.a), s.offset);
+}
+
+// Shared tables at the start of each kernel's shared memory: the 16 NF4 values (a warp's lookups hit 16 words in
+// 16 banks), then code2 (256 floats, filled only for double-quantized weights).
+constexpr int kCode2Bytes = 256 * 4;
+constexpr int kTablesBytes = kCodebookBytes + kCode2Bytes;
+
+__device__ __forceinline__ void fill_tables(float* codebook, float* code2_shared, const Scales& s, int tid,
+                                            int threads) {
+  if (tid < 16) codebook[tid] = nf4_code_value(tid);
+  if (!s.absmax)
+    for (int i = tid; i < 256; i += threads) code2_shared[i] = __ldg(s.code2 + i);
 }
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
@@ -83,7 +107,8 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
     float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* codebook = reinterpret_cast<float*>(smem);
-  __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + kCodebookBytes);
+  float* code2_shared = reinterpret_cast<float*>(smem + kCodebookBytes);
+  __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + kTablesBytes);
   const int block_k = chunks * kChunkK;
   const int lda = block_k + kPadA;
 
@@ -96,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
   const std::int64_t k_block = static_cast<std::int64_t>(blockIdx.y) * block_k;
   const int my_chunks = static_cast<int>(min(static_cast<std::int64_t>(chunks), (K - k_block + kChunkK - 1) / kChunkK));
 
-  auto load_chunk = [&](int ch, uint4 (&w)[kTilesN], float (&s)[kTilesN]) {
+  auto load_chunk = [&](int ch, uint4 (&w)[kTilesN], RawScale (&s)[kTilesN]) {
 #pragma unroll
     for (int tile = 0; tile < kTilesN; ++tile) {
       const std::int64_t n = n_block + warp * 32 + tile * 8 + g;
@@ -104,20 +129,20 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
       if (ch < my_chunks && n < N && k < K) {
         const std::int64_t e = n * K + k;
         w[tile] = __ldg(reinterpret_cast<const uint4*>(codes + (e >> 1)));
-        s[tile] = block_scale(scales, e >> scales.block_shift);
+        s[tile] = load_scale(scales, e >> scales.block_shift);
       } else {
         w[tile] = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);  // code 7 is 0.0
-        s[tile] = 0.0f;
+        s[tile] = {0.0f, 0u};
       }
     }
   };
   uint4 wa[kTilesN], wb[kTilesN];
-  float sa[kTilesN], sb[kTilesN];
+  RawScale sa[kTilesN], sb[kTilesN];
   load_chunk(0, wa, sa);
   load_chunk(1, wb, sb);
 
-  // While the first loads fly: the codebook and the activation tile (bf16, zero outside M and K).
-  if (tid < 16) codebook[tid] = nf4_code_value(tid);
+  // While the first loads fly: the tables and the activation tile (bf16, zero outside M and K).
+  fill_tables(codebook, code2_shared, scales, tid, kThreads);
   const int vec_per_row = block_k / 8;
   for (int i = tid; i < MT * 16 * vec_per_row; i += kThreads) {
     const int row = i / vec_per_row, col = (i % vec_per_row) * 8;
@@ -146,7 +171,10 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][tile][i] = 0.0f;
 
-  auto multiply_chunk = [&](int ch, const uint4 (&w)[kTilesN], const float (&s)[kTilesN]) {
+  auto multiply_chunk = [&](int ch, const uint4 (&w)[kTilesN], const RawScale (&raw)[kTilesN]) {
+    float s[kTilesN];
+#pragma unroll
+    for (int tile = 0; tile < kTilesN; ++tile) s[tile] = finish_scale(scales, raw[tile], code2_shared);
 #pragma unroll
     for (int step = 0; step < 8; ++step) {
       std::uint32_t af[MT][4];
@@ -211,6 +239,17 @@ constexpr int kBwdThreads = kBwdWarps * 32;
 constexpr int kBwdBlockK = 256;   // output columns per block: 8 g x 32 codes
 constexpr int kBwdGroupN = 16;    // weight rows per mma group
 
+// Shared memory after the tables: the dC tile [MT8*8][block_n + 8] bf16, then the reduction tile.
+__host__ __device__ constexpr int bwd_dc_tile_bytes(int mt8, int block_n) {
+  return ((mt8 * 8 * (block_n + 8) * 2 + 15) / 16) * 16;
+}
+// The reduction tile holds output (row m, column 32g + j). Lane (g, t) writes row 2t (+1, +8 per m8 tile) and
+// columns 32g + j for one j at a time: with 33 words per g and 292 (= 4 mod 32) per row, its bank is
+// 8t + g + j (mod 32), different for all 32 lanes.
+constexpr int kBwdRedRowWords = 292;
+__host__ __device__ constexpr int bwd_red_index(int m, int g, int j) { return m * kBwdRedRowWords + g * 33 + j; }
+__host__ __device__ constexpr int bwd_red_bytes(int mt8) { return mt8 * 8 * kBwdRedRowWords * 4; }
+
 template <int MT8, bool kDcF32>
 __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
     const void* __restrict__ dc, std::int64_t M, std::int64_t N, std::int64_t K,
@@ -218,16 +257,17 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
     void* __restrict__ da, bool da_bf16, float alpha, float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* codebook = reinterpret_cast<float*>(smem);
+  float* code2_shared = reinterpret_cast<float*>(smem + kCodebookBytes);
   const int block_n = kBwdWarps * kBwdGroupN * groups_per_warp;  // weight rows (reduction) of this block
   const int ld_dc = block_n + 8;                                  // bf16 elements per shared dC row
-  __nv_bfloat16* dcs = reinterpret_cast<__nv_bfloat16*>(smem + kCodebookBytes);
-  float* red = reinterpret_cast<float*>(smem + kCodebookBytes + ((MT8 * 8 * ld_dc * 2 + 15) / 16) * 16);
+  __nv_bfloat16* dcs = reinterpret_cast<__nv_bfloat16*>(smem + kTablesBytes);
+  float* red = reinterpret_cast<float*>(smem + kTablesBytes + bwd_dc_tile_bytes(MT8, block_n));
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const std::int64_t k0 = static_cast<std::int64_t>(blockIdx.x) * kBwdBlockK;
   const std::int64_t n_begin = static_cast<std::int64_t>(blockIdx.y) * block_n;
 
-  if (tid < 16) codebook[tid] = nf4_code_value(tid);
+  fill_tables(codebook, code2_shared, scales, tid, kBwdThreads);
   // dC tile [MT8*8][block_n] as bf16 pairs, zero outside M and N.
   for (int i = tid; i < MT8 * 8 * (block_n / 2); i += kBwdThreads) {
     const int row = i / (block_n / 2), col = (i % (block_n / 2)) * 2;
@@ -258,22 +298,31 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
 
   const std::int64_t k = k0 + 32 * g;
   const int row_slot[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
-  for (int gi = 0; gi < groups_per_warp; ++gi) {
-    const int nl = (gi * kBwdWarps + warp) * kBwdGroupN;  // first weight row of the group, within the block
-    uint4 w[4];
-    float sc[4];
+  auto load_group = [&](int gi, uint4 (&w)[4], RawScale (&rs)[4]) {
+    const int nl = (gi * kBwdWarps + warp) * kBwdGroupN;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const std::int64_t n = n_begin + nl + row_slot[r];
-      if (n < N && k < K) {
+      if (gi < groups_per_warp && n < N && k < K) {
         const std::int64_t e = n * K + k;
         w[r] = __ldg(reinterpret_cast<const uint4*>(codes + (e >> 1)));
-        sc[r] = block_scale(scales, e >> scales.block_shift);
+        rs[r] = load_scale(scales, e >> scales.block_shift);
       } else {
         w[r] = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);
-        sc[r] = 0.0f;
+        rs[r] = {0.0f, 0u};
       }
     }
+  };
+  // Register double buffering: group gi + 1's loads are in flight while group gi is multiplied.
+  uint4 w[4], w_next[4];
+  RawScale raw[4], raw_next[4];
+  load_group(0, w, raw);
+  for (int gi = 0; gi < groups_per_warp; ++gi) {
+    const int nl = (gi * kBwdWarps + warp) * kBwdGroupN;  // first weight row of the group, within the block
+    load_group(gi + 1, w_next, raw_next);
+    float sc[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) sc[r] = finish_scale(scales, raw[r], code2_shared);
     std::uint32_t bf[MT8][2];
 #pragma unroll
     for (int mt = 0; mt < MT8; ++mt) {
@@ -297,10 +346,15 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
 #pragma unroll
       for (int mt = 0; mt < MT8; ++mt) mma_bf16_16816(acc[p][mt], af, bf[mt][0], bf[mt][1]);
     }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      w[r] = w_next[r];
+      raw[r] = raw_next[r];
+    }
   }
 
-  // Sum the warps' partial tiles in a fixed order (deterministic), in shared memory [MT8*8][256].
-  constexpr int kRedLd = kBwdBlockK;
+  // Sum the warps' partial tiles in a fixed order (deterministic), in shared memory laid out by bwd_red_index so
+  // that the 32 lanes of a warp write 32 different banks.
   for (int wv = 0; wv < kBwdWarps; ++wv) {
     if (warp == wv) {
 #pragma unroll
@@ -310,8 +364,7 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int m = mt * 8 + 2 * t + (i & 1);
-            const int kl = 32 * g + 2 * p + (i >> 1);
-            float& r = red[m * kRedLd + kl];
+            float& r = red[bwd_red_index(m, g, 2 * p + (i >> 1))];
             r = (wv == 0 ? 0.0f : r) + acc[p][mt][i];
           }
     }
@@ -321,8 +374,9 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
     const int m = i / kBwdBlockK, kl = i % kBwdBlockK;
     const std::int64_t kk = k0 + kl;
     if (m >= M || kk >= K) continue;
-    if (partial) partial[(static_cast<std::int64_t>(blockIdx.y) * M + m) * K + kk] = red[i];
-    else store_out(da, da_bf16, m * K + kk, red[i], alpha, beta);
+    const float v = red[bwd_red_index(m, kl / 32, kl % 32)];
+    if (partial) partial[(static_cast<std::int64_t>(blockIdx.y) * M + m) * K + kk] = v;
+    else store_out(da, da_bf16, m * K + kk, v, alpha, beta);
   }
 }
 
