@@ -37,6 +37,19 @@ Context Context::cuda(int device, void* stream) {
 #endif
 }
 
+Context Context::cuda_with_new_stream(int device) {
+#ifdef QMM_WITH_CUDA
+  auto impl = std::make_shared<Impl>();
+  impl->device = Device::cuda(device);
+  cuda::init_context(*impl, device, nullptr);
+  impl->stream = cuda::create_owned_stream(*impl);
+  return Context(std::move(impl));
+#else
+  (void)device;
+  throw Error(ErrorCode::NoDevice, "Context::cuda: qmm was built without CUDA (nvcc was not found at configure time)");
+#endif
+}
+
 int Context::cuda_device_count() {
 #ifdef QMM_WITH_CUDA
   return cuda::device_count();
@@ -80,6 +93,16 @@ std::vector<double> Context::time_calls(const std::function<void(int)>& fn, int 
     if (i >= warmup) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
   }
   return ms;
+}
+
+std::vector<double> Context::time_graph(const std::function<void(int)>& fn, int calls, int replays) const {
+  if (calls < 1 || replays < 1)
+    throw Error(ErrorCode::InvalidArgument, "Context::time_graph: calls and replays must be >= 1");
+#ifdef QMM_WITH_CUDA
+  if (impl_->device.is_cuda()) return cuda::time_graph(*this, fn, calls, replays);
+#endif
+  (void)fn;
+  throw Error(ErrorCode::Unsupported, "Context::time_graph: CUDA graphs need a CUDA context");
 }
 
 void Context::synchronize() const {

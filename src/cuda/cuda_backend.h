@@ -25,6 +25,9 @@ void copy_bytes_async(const Context& ctx, void* dst, const void* src, std::size_
 void synchronize(const Context& ctx);
 DeviceInfo device_info(const Context& ctx);
 std::vector<double> time_calls(const Context& ctx, const std::function<void(int)>& fn, int warmup, int repeats);
+std::vector<double> time_graph(const Context& ctx, const std::function<void(int)>& fn, int calls, int replays);
+// Creates a non-blocking stream for impl (destroyed with its state) and returns it.
+void* create_owned_stream(Context::Impl& impl);
 
 void gemm(const Context& ctx, const GemmProblem& p);                       // gemm/
 void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h);  // swiglu/

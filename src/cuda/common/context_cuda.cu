@@ -67,6 +67,13 @@ void init_context(Context::Impl& impl, int device, void* stream) {
   impl.name = s.props.name;
 }
 
+void* create_owned_stream(Context::Impl& impl) {
+  CudaState& s = *impl.cuda;
+  QMM_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+  s.owns_stream = true;
+  return s.stream;
+}
+
 void destroy_state(CudaState* s) {
   if (!s) return;
   cudaSetDevice(s->device);
@@ -74,6 +81,7 @@ void destroy_state(CudaState* s) {
   if (s->lt) cublasLtDestroy(s->lt);
   cudaFree(s->workspace);
   if (s->pool) cudaMemPoolDestroy(s->pool);
+  if (s->owns_stream) cudaStreamDestroy(s->stream);
   delete s;
 }
 
@@ -136,6 +144,60 @@ std::vector<double> time_calls(const Context& ctx, const std::function<void(int)
     throw;
   }
   for (auto& e : events) cudaEventDestroy(e);
+  return ms;
+}
+
+std::vector<double> time_graph(const Context& ctx, const std::function<void(int)>& fn, int calls, int replays) {
+  set_device(ctx);
+  cudaStream_t s = stream_of(ctx);
+  if (s == nullptr)
+    throw Error(ErrorCode::Unsupported, "Context::time_graph: the legacy default stream cannot be captured "
+                                        "(use Context::cuda_with_new_stream or pass a stream)");
+  // Relaxed mode: the ops' own non-stream calls (cudaFuncSetAttribute, cudaGetDevice) stay legal while capturing.
+  QMM_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+  cudaGraph_t graph = nullptr;
+  try {
+    for (int i = 0; i < calls; ++i) fn(i);
+  } catch (const Error& e) {
+    cudaStreamEndCapture(s, &graph);  // leaves the stream usable; the partial graph is discarded
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    throw Error(ErrorCode::Unsupported, std::string("Context::time_graph: the calls cannot be captured: ") + e.what());
+  }
+  const cudaError_t end = cudaStreamEndCapture(s, &graph);
+  if (end != cudaSuccess || graph == nullptr) {
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    throw Error(ErrorCode::Unsupported, std::string("Context::time_graph: capture failed: ") + cudaGetErrorName(end));
+  }
+  cudaGraphExec_t exec = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  std::vector<double> ms;
+  auto release = [&] {
+    if (exec) cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+  };
+  try {
+    QMM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    QMM_CUDA_CHECK(cudaEventCreate(&start));
+    QMM_CUDA_CHECK(cudaEventCreate(&stop));
+    QMM_CUDA_CHECK(cudaGraphLaunch(exec, s));  // warm-up: first replay pays for uploading the graph
+    for (int r = 0; r < replays; ++r) {
+      QMM_CUDA_CHECK(cudaEventRecord(start, s));
+      QMM_CUDA_CHECK(cudaGraphLaunch(exec, s));
+      QMM_CUDA_CHECK(cudaEventRecord(stop, s));
+      QMM_CUDA_CHECK(cudaEventSynchronize(stop));
+      float t = 0;
+      QMM_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+      ms.push_back(static_cast<double>(t) / calls);
+    }
+  } catch (...) {
+    release();
+    throw;
+  }
+  release();
   return ms;
 }
 

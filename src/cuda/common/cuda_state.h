@@ -14,6 +14,7 @@ namespace qmm::cuda {
 struct CudaState {
   int device = 0;
   cudaStream_t stream = nullptr;
+  bool owns_stream = false;  // created by Context::cuda_with_new_stream, destroyed with this state
   cudaDeviceProp props{};
   cublasLtHandle_t lt = nullptr;
   void* workspace = nullptr;  // cuBLASLt workspace, used only by work on `stream`, so calls never race on it
