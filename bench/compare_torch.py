@@ -4,7 +4,9 @@
 For each qmm result: the same op, mode and shape through torch.matmul (bf16, TF32, FP32; BF16-compute on f32 storage
 as torch users write it: cast to bf16, multiply, cast back), PyTorch's eager SwiGLU (silu(g) * u, and its autograd
 backward), and for NF4 GEMMs torch.matmul on the dequantized bf16 weight. Inputs are rotated over more than 4x the
-L2 size, timed with CUDA events, median of --repeats calls after warm-up.
+L2 size. Both sides are timed the same way: device time per call from CUDA-graph replays (no host gaps; the
+median of 7 replays of one graph of many calls) where the call can be captured, else CUDA events around each of
+--repeats calls after warm-up; torch's eager per-call time is printed beside it.
     python3 bench/compare_torch.py --qmm-json out/bench.json [--json out/compare.json]
 """
 import argparse
@@ -28,6 +30,37 @@ def time_us(fn, sets, repeats, warmup=5):
         ends[r].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def time_graph_us(fn, sets, replays=7):
+    """Device time per call: one CUDA graph of `calls` calls, replayed; None where fn cannot be captured."""
+    calls = max(10, min(30, 2 * sets))
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture wants
+            for i in range(3):
+                fn(i % sets)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(i % sets)
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - not capturable: the caller falls back to eager timing
+        torch.cuda.synchronize()
+        return None
+    per_call = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        per_call.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(per_call)
 
 
 def n_sets(nbytes):
@@ -113,12 +146,18 @@ def main():
         if case is None:
             continue
         fn, sets = case
-        t = time_us(fn, sets, args.repeats)
-        speed = t / r["median_us"]
-        rows.append({**{k: r[k] for k in ("op", "mode", "shape", "m", "n", "k")}, "qmm_us": r["median_us"],
-                     "torch_us": t, "speedup_vs_torch": speed})
+        eager = time_us(fn, sets, args.repeats)
+        graph = time_graph_us(fn, sets) if r.get("graph") else None
+        # Like with like: graph against graph where qmm was timed in a graph, eager against eager otherwise.
+        t = graph if graph is not None else eager
+        q = r["median_us"] if graph is not None or not r.get("graph") else r.get("eager_us", r["median_us"])
+        speed = t / q
+        rows.append({**{k: r[k] for k in ("op", "mode", "shape", "m", "n", "k")}, "qmm_us": q,
+                     "torch_us": t, "torch_eager_us": eager, "qmm_eager_us": r.get("eager_us"),
+                     "timing": "graph" if graph is not None else "eager", "speedup_vs_torch": speed})
         print(f"{r['op']:<20} {r['mode']:<9} {r['shape']:<22} {r['m']:>5} {r['n']:>6} {r['k']:>6}"
-              f" {r['median_us']:>9.1f} {t:>9.1f} {speed:>9.2f}", flush=True)
+              f" {q:>9.1f} {t:>9.1f} {speed:>9.2f} {'graph' if graph is not None else 'eager'}"
+              f" (eager: qmm {r.get('eager_us', 0):.1f}, torch {eager:.1f})", flush=True)
         torch.cuda.empty_cache()
     if rows:
         worst = min(rows, key=lambda x: x["speedup_vs_torch"])
