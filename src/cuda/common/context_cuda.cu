@@ -64,6 +64,8 @@ void init_context(Context::Impl& impl, int device, void* stream) {
   QMM_CUDA_CHECK(cudaMemPoolCreate(&s.pool, &pool_props));
   std::uint64_t keep = UINT64_MAX;  // never trim between ops: scratch sizes repeat from call to call
   QMM_CUDA_CHECK(cudaMemPoolSetAttribute(s.pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  QMM_CUDA_CHECK(cudaMalloc(&s.code2, 256 * sizeof(float)));
+  QMM_CUDA_CHECK(cudaMemcpy(s.code2, nf4_code2_table(), 256 * sizeof(float), cudaMemcpyHostToDevice));
   impl.name = s.props.name;
 }
 
@@ -80,6 +82,7 @@ void destroy_state(CudaState* s) {
   if (s->stream) cudaStreamSynchronize(s->stream); else cudaDeviceSynchronize();
   if (s->lt) cublasLtDestroy(s->lt);
   cudaFree(s->workspace);
+  cudaFree(s->code2);
   if (s->pool) cudaMemPoolDestroy(s->pool);
   if (s->owns_stream) cudaStreamDestroy(s->stream);
   delete s;

@@ -20,6 +20,7 @@ struct CudaState {
   void* workspace = nullptr;  // cuBLASLt workspace, used only by work on `stream`, so calls never race on it
   std::size_t workspace_bytes = 0;
 
+  float* code2 = nullptr;  // the 256 double-quantization values (nf4_code2_table), uploaded once
   cudaMemPool_t pool = nullptr;  // this context's stream-ordered pool for ScratchBuffer (keeps its memory)
   // cuBLASLt may enqueue several kernels per matmul that share `workspace`; this lock keeps one matmul's kernels
   // together on the stream when several host threads use the context.

@@ -82,9 +82,9 @@ namespace {
 // Double quantization of nblocks device scales; the offset comes from offset_dev (device) or offset_host.
 void launch_double_quantize(const Context& ctx, const float* absmax, std::int64_t nblocks, const float* offset_dev,
                             float offset_host, Nf4Weight& out) {
-  // code2 first: the kernel reads it back from out.code2. (A copy from pageable memory: staged before returning.)
-  QMM_CUDA_CHECK(cudaMemcpyAsync(out.code2.data(), nf4_code2_table(), kCode2Size * sizeof(float),
-                                 cudaMemcpyHostToDevice, stream_of(ctx)));
+  // code2 first (from the context's device copy): the kernel reads it back from out.code2.
+  QMM_CUDA_CHECK(cudaMemcpyAsync(out.code2.data(), state(ctx).code2, kCode2Size * sizeof(float),
+                                 cudaMemcpyDeviceToDevice, stream_of(ctx)));
   if (nblocks == 0) return;
   const std::int64_t groups = (nblocks + kNf4NestedBlockSize - 1) / kNf4NestedBlockSize;
   nf4_double_quant_kernel<<<static_cast<unsigned>(groups), kNf4NestedBlockSize, 0, stream_of(ctx)>>>(
@@ -129,10 +129,10 @@ void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out) {
   ScratchBuffer sums(state(ctx), static_cast<std::size_t>(chunks) * sizeof(double) + 16);
   double* chunk_sums = sums.at<double>(0);
   float* offset_dev = reinterpret_cast<float*>(chunk_sums + chunks);
-  nf4_absmax_chunk_sum_kernel<<<static_cast<unsigned>((chunks + 127) / 128), 128, 0, stream_of(ctx)>>>(
-      absmax, nblocks, chunk_sums);
+  nf4_absmax_chunk_sum_kernel<<<static_cast<unsigned>((chunks + kSumWarps - 1) / kSumWarps), kSumWarps * 32, 0,
+                                stream_of(ctx)>>>(absmax, nblocks, chunk_sums);
   QMM_CUDA_CHECK_LAUNCH("nf4_absmax_chunk_sum_kernel");
-  nf4_absmax_mean_kernel<<<1, 1, 0, stream_of(ctx)>>>(chunk_sums, chunks, nblocks, offset_dev);
+  nf4_absmax_mean_kernel<<<1, 32, 0, stream_of(ctx)>>>(chunk_sums, chunks, nblocks, offset_dev);
   QMM_CUDA_CHECK_LAUNCH("nf4_absmax_mean_kernel");
   launch_double_quantize(ctx, absmax, nblocks, offset_dev, 0.0f, out);
   QMM_CUDA_CHECK(cudaMemcpyAsync(&out.offset, offset_dev, sizeof(float), cudaMemcpyDeviceToHost, stream_of(ctx)));

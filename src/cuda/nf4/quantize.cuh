@@ -188,22 +188,44 @@ __device__ __forceinline__ int nearest_code2(const float* __restrict__ mid, floa
 // absmax2[g] = max |absmax - offset| over the group; q = nearest code2 index of (absmax - offset) * (1/absmax2).
 // The double-quantization offset, summed in exactly cpu::nf4_absmax_mean's order so both backends agree bit for
 // bit: one thread sums each chunk in double, then one thread sums the chunk sums and forms sum * (1/n) in fp32.
-__global__ void nf4_absmax_chunk_sum_kernel(const float* __restrict__ absmax, std::int64_t nblocks,
-                                            double* __restrict__ chunk_sums) {
-  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const std::int64_t begin = c * cpu::kNf4MeanChunk;
-  if (begin >= nblocks) return;
-  const std::int64_t end = min(nblocks, begin + cpu::kNf4MeanChunk);
+// The sums must be the CPU's, bit for bit: each chunk summed from its first value to its last in double. A warp
+// per chunk stages the chunk in shared memory with coalesced loads; then one lane adds it up in order (a chain of
+// double adds from shared memory, not of dependent global loads).
+constexpr int kSumWarps = 4;  // chunks per block of the chunk-sum kernel
+
+template <class T>
+__device__ __forceinline__ double ordered_sum(const T* __restrict__ src, std::int64_t n, T* stage, int lane) {
   double s = 0.0;
-  for (std::int64_t i = begin; i < end; ++i) s = __dadd_rn(s, static_cast<double>(absmax[i]));
-  chunk_sums[c] = s;
+  for (std::int64_t done = 0; done < n; done += cpu::kNf4MeanChunk) {
+    const int len = static_cast<int>(min(static_cast<std::int64_t>(cpu::kNf4MeanChunk), n - done));
+    for (int j = lane; j < len; j += 32) stage[j] = src[done + j];
+    __syncwarp();
+    if (lane == 0)
+      for (int j = 0; j < len; ++j) s = __dadd_rn(s, static_cast<double>(stage[j]));
+    __syncwarp();
+  }
+  return s;
 }
 
+__global__ void __launch_bounds__(kSumWarps * 32) nf4_absmax_chunk_sum_kernel(const float* __restrict__ absmax,
+                                                                              std::int64_t nblocks,
+                                                                              double* __restrict__ chunk_sums) {
+  __shared__ float stage[kSumWarps][cpu::kNf4MeanChunk];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * kSumWarps + warp;
+  const std::int64_t begin = c * cpu::kNf4MeanChunk;
+  if (begin >= nblocks) return;  // the whole warp: begin is uniform
+  const double s = ordered_sum(absmax + begin, min(static_cast<std::int64_t>(cpu::kNf4MeanChunk), nblocks - begin), stage[warp],
+                               lane);
+  if (lane == 0) chunk_sums[c] = s;
+}
+
+// One warp: the chunk sums in order, then the mean as the CPU computes it.
 __global__ void nf4_absmax_mean_kernel(const double* __restrict__ chunk_sums, std::int64_t chunks,
                                        std::int64_t nblocks, float* __restrict__ offset) {
-  double s = 0.0;
-  for (std::int64_t c = 0; c < chunks; ++c) s = __dadd_rn(s, chunk_sums[c]);
-  *offset = __fmul_rn(__double2float_rn(s), __fdiv_rn(1.0f, static_cast<float>(nblocks)));
+  __shared__ double stage[cpu::kNf4MeanChunk];
+  const double s = ordered_sum(chunk_sums, chunks, stage, static_cast<int>(threadIdx.x));
+  if (threadIdx.x == 0) *offset = __fmul_rn(__double2float_rn(s), __fdiv_rn(1.0f, static_cast<float>(nblocks)));
 }
 
 // offset_dev, when given, holds the offset (computed on the device); otherwise offset_host is used.
