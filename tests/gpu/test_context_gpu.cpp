@@ -1,4 +1,4 @@
-// The CUDA context: creation, device memory, copies both ways.
+// The CUDA context: creation, device memory, copies both ways, graph timing.
 #include "common/test_util.h"
 
 namespace qmm {
@@ -18,6 +18,45 @@ TEST(GpuContext, CreatesAndCopiesRoundTrip) {
 TEST(GpuContext, BadDeviceIndexRaisesNoDevice) {
   QMM_REQUIRE_GPU();
   EXPECT_TRUE(test::throws_error([] { Context::cuda(1000); }, ErrorCode::NoDevice, {"device 1000"}));
+}
+
+// time_graph replays captured calls: the work really runs (the output is written by the replays, not only by
+// the capture), every replay gives a positive time, and what cannot be captured is refused without harm.
+TEST(GpuContext, TimeGraphRunsTheCapturedCalls) {
+  QMM_REQUIRE_GPU();
+  const Context ctx = Context::cuda_with_new_stream(0);
+  const Tensor g = to_device(test::random_tensor(DType::F32, {4099}, 5), ctx.device());
+  const Tensor u = to_device(test::random_tensor(DType::F32, {4099}, 6), ctx.device());
+  const Tensor h(DType::F32, {4099}, ctx.device());
+  int captured = 0;
+  const std::vector<double> ms = ctx.time_graph([&](int) {
+    ++captured;
+    swiglu(ctx, g, u, h);
+  }, 3, 4);
+  EXPECT_EQ(captured, 3);  // fn runs at capture only; the replays run the graph
+  ASSERT_EQ(ms.size(), 4u);
+  for (double t : ms) EXPECT_GT(t, 0.0);
+  const Tensor ref(DType::F32, {4099});
+  swiglu(Context::cpu(), test::host_copy(g), test::host_copy(u), ref);
+  ctx.synchronize();
+  EXPECT_TRUE(test::all_close(test::host_copy(h), ref, {1e-6, 1e-6, 1e-6}));
+
+  // Double quantization reads its offset back to the host (a synchronization): not capturable, refused, and the
+  // stream works afterwards.
+  const Tensor w = to_device(test::random_tensor(DType::F32, {64, 64}, 7), ctx.device());
+  EXPECT_TRUE(test::throws_error([&] { ctx.time_graph([&](int) { nf4_quantize(ctx, w, true); }, 1, 1); },
+                                 ErrorCode::Unsupported, {"time_graph"}));
+  test::poison(h);
+  swiglu(ctx, g, u, h);
+  ctx.synchronize();
+  EXPECT_TRUE(test::all_close(test::host_copy(h), ref, {1e-6, 1e-6, 1e-6}));
+}
+
+TEST(GpuContext, TimeGraphRefusesTheLegacyStream) {
+  QMM_REQUIRE_GPU();
+  const Context ctx = Context::cuda(0);  // the legacy default stream cannot be captured
+  EXPECT_TRUE(test::throws_error([&] { ctx.time_graph([](int) {}, 1, 1); }, ErrorCode::Unsupported,
+                                 {"legacy default stream"}));
 }
 
 }  // namespace
