@@ -4,6 +4,7 @@
 #include "qmm/context.h"
 #include "qmm/error.h"
 #include "qmm/nf4.h"
+#include "qmm/nn.h"
 #include "qmm/ops.h"
 #include "qmm/safetensors.h"
 #include "qmm/tensor.h"

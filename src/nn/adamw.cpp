@@ -1,0 +1,40 @@
+// AdamW over the adapters of LoRA layers: one adamw_step over all of them, then the bf16 working copies.
+#include <algorithm>
+#include <string>
+
+#include "core/validate.h"
+#include "qmm/nn.h"
+
+namespace qmm {
+
+AdamW::AdamW(const Context& ctx, const AdamWOptions& options) : ctx_(ctx), options_(options) {}
+
+void AdamW::add(LoraLinear& layer) {
+  const char* op = "AdamW::add";
+  detail::require(layer.context().device() == ctx_.device(), ErrorCode::DeviceMismatch, op,
+                  "layer runs on " + layer.context().device().str() + " but the optimizer on " +
+                      ctx_.device().str());
+  detail::require(std::find(layers_.begin(), layers_.end(), &layer) == layers_.end(), ErrorCode::InvalidArgument,
+                  op, "layer was already added (it would be stepped twice)");
+  layers_.push_back(&layer);
+  for (const AdamWParam& p : layer.parameters()) params_.push_back(p);
+}
+
+void AdamW::add(SwiGluMlp& mlp) {
+  add(mlp.gate());
+  add(mlp.up());
+  add(mlp.down());
+}
+
+void AdamW::step(const TensorView& norm) {
+  detail::require(!params_.empty(), ErrorCode::InvalidArgument, "AdamW::step", "no parameters: add layers first");
+  adamw_step(ctx_, params_, options_, steps_ + 1, norm);
+  ++steps_;
+  for (LoraLinear* l : layers_) l->refresh_working_copies();
+}
+
+void AdamW::zero_grad() {
+  for (LoraLinear* l : layers_) l->zero_grad();
+}
+
+}  // namespace qmm
