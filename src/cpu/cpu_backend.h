@@ -5,6 +5,7 @@
 #include "core/gemm_problem.h"
 #include "qmm/nf4.h"
 #include "qmm/ops.h"
+#include "qmm/train_ops.h"
 
 namespace qmm::cpu {
 
@@ -16,5 +17,17 @@ void nf4_quantize(const TensorView& w, Nf4Weight& out);
 void nf4_dequantize(const Nf4Weight& w, const TensorView& out);
 void nf4_gemm(const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha, float beta);
 void nf4_gemm_backward_a(const TensorView& dc, const Nf4Weight& w, const TensorView& da, float alpha, float beta);
+
+// Train ops (train.cpp). Reductions (mse_loss, grad_norm, the clipping norm) sum in fp64 over fixed chunks in a
+// fixed order, so results do not depend on the thread count.
+void cast(const TensorView& src, const TensorView& dst);
+void add(const TensorView& a, const TensorView& b, const TensorView& out, float alpha);
+void add_bias(const TensorView& y, const TensorView& bias);
+void dropout(const TensorView& x, const TensorView& out, float p, std::uint64_t seed);
+void mse_loss(const TensorView& y, const TensorView& target, const TensorView& loss, const TensorView& dy,
+              float scale);
+void grad_norm(std::span<const TensorView> grads, const TensorView& norm);
+void adamw_step(std::span<const AdamWParam> params, const AdamWOptions& opts, int step, const TensorView& norm);
+void zero(const TensorView& t);
 
 }  // namespace qmm::cpu

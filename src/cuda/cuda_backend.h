@@ -11,6 +11,7 @@
 #include "qmm/context.h"
 #include "qmm/nf4.h"
 #include "qmm/ops.h"
+#include "qmm/train_ops.h"
 
 namespace qmm::cuda {
 
@@ -41,5 +42,18 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
                          const Nf4GemmOptions& opts);
 void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
                  const GateUpOutputs& out, const Nf4GemmOptions& opts);
+
+// Train ops (train/). Reductions write per-block fp64 partials into stream-ordered scratch and sum them in one
+// block in a fixed order; adamw_step reads its clip coefficient from device memory (no host round trip).
+void cast(const Context& ctx, const TensorView& src, const TensorView& dst);
+void add(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& out, float alpha);
+void add_bias(const Context& ctx, const TensorView& y, const TensorView& bias);
+void dropout(const Context& ctx, const TensorView& x, const TensorView& out, float p, std::uint64_t seed);
+void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target, const TensorView& loss,
+              const TensorView& dy, float scale);
+void grad_norm(const Context& ctx, std::span<const TensorView> grads, const TensorView& norm);
+void adamw_step(const Context& ctx, std::span<const AdamWParam> params, const AdamWOptions& opts, int step,
+                const TensorView& norm);
+void zero(const Context& ctx, const TensorView& t);
 
 }  // namespace qmm::cuda

@@ -1,0 +1,268 @@
+// Public entry points of the train ops (cast, add, add_bias, dropout, mse_loss, grad_norm, adamw_step, zero):
+// validate every argument before anything is written, then route by the context's device.
+#include "qmm/train_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/train_math.h"
+#include "core/validate.h"
+#include "cpu/cpu_backend.h"
+#ifdef QMM_WITH_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+
+namespace qmm {
+namespace {
+
+using detail::require;
+
+#ifdef QMM_WITH_CUDA
+#define QMM_TRAIN_ROUTE(ctx, op, fn, ...) \
+  ((ctx).device().is_cpu() ? cpu::fn(__VA_ARGS__) : cuda::fn((ctx), __VA_ARGS__))
+#else
+#define QMM_TRAIN_ROUTE(ctx, op, fn, ...) ((ctx).device().is_cpu() ? cpu::fn(__VA_ARGS__) : no_cuda(op))
+[[noreturn]] void no_cuda(const char* op) { detail::fail(ErrorCode::NoDevice, op, "qmm was built without CUDA"); }
+#endif
+
+std::string num(double v) {
+  std::ostringstream s;
+  s.precision(9);
+  s << v;
+  return s.str();
+}
+
+// An output may be exactly the memory of an input (each element is read before it is written), never a part of it.
+void require_exact_alias_or_disjoint(const char* op, const char* out_name, const TensorView& out, const char* in_name,
+                                     const TensorView& in) {
+  const bool exact = out.data() == in.data() && out.nbytes() == in.nbytes();
+  require(exact || !detail::overlaps(out, in), ErrorCode::InvalidArgument, op,
+          std::string(out_name) + " and " + in_name +
+              " overlap in memory without being the same tensor (only an exact in-place alias is allowed)");
+}
+
+// f32 or bf16, on the context's device, non-null.
+void require_float_tensor(const Context& ctx, const char* op, const char* name, const TensorView& t) {
+  detail::require_tensor(ctx, op, name, t);
+  detail::require_dtype(op, name, t, {DType::F32, DType::BF16});
+}
+
+// `like`'s shape and dtype.
+void require_like(const Context& ctx, const char* op, const char* name, const TensorView& t, const char* like_name,
+                  const TensorView& like) {
+  detail::require_tensor(ctx, op, name, t);
+  detail::require_same_shape(op, name, t, like_name, like);
+  detail::require_same_dtype(op, name, t, like_name, like);
+}
+
+// A one-element f32 result (loss, norm) on the context's device.
+void require_scalar_output(const Context& ctx, const char* op, const char* name, const TensorView& t) {
+  detail::require_tensor(ctx, op, name, t);
+  detail::require_dtype(op, name, t, {DType::F32});
+  require(t.numel() == 1, ErrorCode::ShapeMismatch, op,
+          std::string(name) + " must have one element but is " + t.shape().str());
+}
+
+void require_finite(const char* op, const char* name, double v) {
+  require(std::isfinite(v), ErrorCode::InvalidArgument, op,
+          std::string(name) + " is " + num(v) + " but must be finite");
+}
+
+void require_in_range(const char* op, const char* name, double v, double lo, double hi, const char* range) {
+  require(v >= lo && v < hi, ErrorCode::InvalidArgument, op,
+          std::string(name) + " is " + num(v) + " but must be in " + range);
+}
+
+// ---- adamw_step's per-tensor checks -----------------------------------------------------------------------------
+
+constexpr const char* kFieldNames[] = {"param", "grad", "m", "v"};
+const TensorView& field(const AdamWParam& p, int f) { return f == 0 ? p.param : f == 1 ? p.grad : f == 2 ? p.m : p.v; }
+std::string field_name(std::size_t i, int f) { return "params[" + std::to_string(i) + "]." + kFieldNames[f]; }
+
+// A byte range that the step reads (a gradient) or writes (parameter, moments, norm).
+struct Range {
+  std::uintptr_t begin, end;
+  bool written;
+  std::size_t entry;
+  int field;  // 0..3 as kFieldNames; 4 = norm
+};
+
+std::string range_name(const Range& r) { return r.field == 4 ? std::string("norm") : field_name(r.entry, r.field); }
+
+// Every overlap of a written range with any other range, found in one sweep over the ranges sorted by start:
+// a range overlaps an earlier one exactly when it starts before the furthest end seen so far.
+void require_no_write_overlaps(const char* op, std::vector<Range>& ranges) {
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  const Range* far_any = nullptr;      // the range reaching furthest so far
+  const Range* far_written = nullptr;  // the written range reaching furthest so far
+  for (const Range& r : ranges) {
+    const Range* hit = r.written ? far_any : far_written;
+    if (hit && r.begin < hit->end)
+      detail::fail(ErrorCode::InvalidArgument, op,
+                   range_name(*hit) + " and " + range_name(r) + " overlap in memory (the step writes " +
+                       range_name(r.written ? r : *hit) + ")");
+    if (!far_any || r.end > far_any->end) far_any = &r;
+    if (r.written && (!far_written || r.end > far_written->end)) far_written = &r;
+  }
+}
+
+void validate_adamw_options(const char* op, const AdamWOptions& o, int step) {
+  require(step >= 1, ErrorCode::InvalidArgument, op, "step is " + std::to_string(step) + " but counts from 1");
+  require_finite(op, "opts.lr", o.lr);
+  require(o.lr >= 0, ErrorCode::InvalidArgument, op, "opts.lr is " + num(o.lr) + " but must be >= 0");
+  require_in_range(op, "opts.beta1", o.beta1, 0.0, 1.0, "[0, 1)");
+  require_in_range(op, "opts.beta2", o.beta2, 0.0, 1.0, "[0, 1)");
+  require_finite(op, "opts.eps", o.eps);
+  require(o.eps >= 0, ErrorCode::InvalidArgument, op, "opts.eps is " + num(o.eps) + " but must be >= 0");
+  require_finite(op, "opts.weight_decay", o.weight_decay);
+  require(o.weight_decay >= 0, ErrorCode::InvalidArgument, op,
+          "opts.weight_decay is " + num(o.weight_decay) + " but must be >= 0");
+  require_finite(op, "opts.max_grad_norm", o.max_grad_norm);
+  require(o.max_grad_norm >= 0, ErrorCode::InvalidArgument, op,
+          "opts.max_grad_norm is " + num(o.max_grad_norm) + " but must be >= 0 (0: no clipping)");
+}
+
+void validate_adamw_params(const Context& ctx, const char* op, std::span<const AdamWParam> params,
+                           const TensorView& norm) {
+  require(!params.empty(), ErrorCode::InvalidArgument, op, "params is empty");
+  std::vector<Range> ranges;
+  ranges.reserve(params.size() * 4 + 1);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const TensorView& p = params[i].param;
+    for (int f = 0; f < 4; ++f) {
+      const TensorView& t = field(params[i], f);
+      // Names are built only when a check fails: a step over hundreds of tensors validates on every call.
+      if ((t.data() == nullptr && t.numel() != 0) || !(t.device() == ctx.device()) || t.dtype() != DType::F32) {
+        const std::string name = field_name(i, f);
+        detail::require_tensor(ctx, op, name.c_str(), t);
+        detail::require_dtype(op, name.c_str(), t, {DType::F32});
+      }
+      if (!(t.shape() == p.shape()))
+        detail::require_same_shape(op, field_name(i, f).c_str(), t, field_name(i, 0).c_str(), p);
+      if (t.numel() > 0) {
+        const auto b = reinterpret_cast<std::uintptr_t>(t.data());
+        ranges.push_back({b, b + t.nbytes(), f != 1, i, f});
+      }
+    }
+  }
+  if (!norm.empty()) {
+    require_scalar_output(ctx, op, "norm", norm);
+    const auto b = reinterpret_cast<std::uintptr_t>(norm.data());
+    ranges.push_back({b, b + norm.nbytes(), true, 0, 4});
+  }
+  require_no_write_overlaps(op, ranges);
+}
+
+}  // namespace
+
+void cast(const Context& ctx, const TensorView& src, const TensorView& dst) {
+  const char* op = "cast";
+  require_float_tensor(ctx, op, "src", src);
+  require_float_tensor(ctx, op, "dst", dst);
+  require(src.numel() == dst.numel(), ErrorCode::ShapeMismatch, op,
+          "dst is " + dst.shape().str() + " (" + std::to_string(dst.numel()) + " elements) but src is " +
+              src.shape().str() + " (" + std::to_string(src.numel()) + " elements)");
+  require_exact_alias_or_disjoint(op, "dst", dst, "src", src);
+  if (dst.numel() == 0 || (dst.data() == src.data() && dst.dtype() == src.dtype())) return;
+  QMM_TRAIN_ROUTE(ctx, op, cast, src, dst);
+}
+
+void add(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& out, float alpha) {
+  const char* op = "add";
+  require_float_tensor(ctx, op, "a", a);
+  require_like(ctx, op, "b", b, "a", a);
+  require_like(ctx, op, "out", out, "a", a);
+  require_finite(op, "alpha", alpha);
+  require_exact_alias_or_disjoint(op, "out", out, "a", a);
+  require_exact_alias_or_disjoint(op, "out", out, "b", b);
+  if (out.numel() == 0) return;
+  QMM_TRAIN_ROUTE(ctx, op, add, a, b, out, alpha);
+}
+
+void add_bias(const Context& ctx, const TensorView& y, const TensorView& bias) {
+  const char* op = "add_bias";
+  require_float_tensor(ctx, op, "y", y);
+  detail::require_tensor(ctx, op, "bias", bias);
+  detail::require_rank(op, "y", y, 2);
+  detail::require_rank(op, "bias", bias, 1);
+  if (y.dtype() == DType::F32)
+    detail::require_dtype(op, "bias", bias, {DType::F32});
+  else
+    detail::require_dtype(op, "bias", bias, {DType::F32, DType::BF16});
+  require(bias.dim(0) == y.dim(1), ErrorCode::ShapeMismatch, op,
+          "bias is " + bias.shape().str() + " but y is " + y.shape().str() + ": bias must have y's last dimension");
+  detail::require_no_overlap(op, "y", y, "bias", bias);
+  if (y.numel() == 0) return;
+  QMM_TRAIN_ROUTE(ctx, op, add_bias, y, bias);
+}
+
+void dropout(const Context& ctx, const TensorView& x, const TensorView& out, float p, std::uint64_t seed) {
+  const char* op = "dropout";
+  require_float_tensor(ctx, op, "x", x);
+  require_like(ctx, op, "out", out, "x", x);
+  require_in_range(op, "p", p, 0.0, 1.0, "[0, 1)");
+  require_exact_alias_or_disjoint(op, "out", out, "x", x);
+  if (out.numel() == 0) return;
+  QMM_TRAIN_ROUTE(ctx, op, dropout, x, out, p, seed);
+}
+
+bool dropout_keep(std::uint64_t seed, std::int64_t index, float p) {
+  const char* op = "dropout_keep";
+  require_in_range(op, "p", p, 0.0, 1.0, "[0, 1)");
+  require(index >= 0, ErrorCode::InvalidArgument, op, "index is " + std::to_string(index) + " but must be >= 0");
+  return train::dropout_keep_at(train::dropout_key(seed), index, train::dropout_threshold(p));
+}
+
+void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target, const TensorView& loss,
+              const TensorView& dy, float scale) {
+  const char* op = "mse_loss";
+  require_float_tensor(ctx, op, "y", y);
+  require_like(ctx, op, "target", target, "y", y);
+  require_like(ctx, op, "dy", dy, "y", y);
+  require_scalar_output(ctx, op, "loss", loss);
+  require(y.numel() > 0, ErrorCode::InvalidArgument, op, "y is " + y.shape().str() + ": the mean of no elements");
+  require_finite(op, "scale", scale);
+  require_exact_alias_or_disjoint(op, "dy", dy, "y", y);
+  require_exact_alias_or_disjoint(op, "dy", dy, "target", target);
+  detail::require_no_overlap(op, "loss", loss, "y", y);
+  detail::require_no_overlap(op, "loss", loss, "target", target);
+  detail::require_no_overlap(op, "loss", loss, "dy", dy);
+  QMM_TRAIN_ROUTE(ctx, op, mse_loss, y, target, loss, dy, scale);
+}
+
+void grad_norm(const Context& ctx, std::span<const TensorView> grads, const TensorView& norm) {
+  const char* op = "grad_norm";
+  require(!grads.empty(), ErrorCode::InvalidArgument, op, "grads is empty");
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    const std::string name = "grads[" + std::to_string(i) + "]";
+    require_float_tensor(ctx, op, name.c_str(), grads[i]);
+  }
+  require_scalar_output(ctx, op, "norm", norm);
+  for (std::size_t i = 0; i < grads.size(); ++i)
+    if (detail::overlaps(norm, grads[i]))
+      detail::require_no_overlap(op, "norm", norm, ("grads[" + std::to_string(i) + "]").c_str(), grads[i]);
+  QMM_TRAIN_ROUTE(ctx, op, grad_norm, grads, norm);
+}
+
+void adamw_step(const Context& ctx, std::span<const AdamWParam> params, const AdamWOptions& opts, int step,
+                const TensorView& norm) {
+  const char* op = "adamw_step";
+  validate_adamw_options(op, opts, step);
+  validate_adamw_params(ctx, op, params, norm);
+  QMM_TRAIN_ROUTE(ctx, op, adamw_step, params, opts, step, norm);
+}
+
+void zero(const Context& ctx, const TensorView& t) {
+  const char* op = "zero";
+  detail::require_tensor(ctx, op, "t", t);
+  if (t.numel() == 0) return;
+  QMM_TRAIN_ROUTE(ctx, op, zero, t);
+}
+
+#undef QMM_TRAIN_ROUTE
+
+}  // namespace qmm

@@ -1,0 +1,194 @@
+// CPU reference of the train ops. Element-wise ops evaluate in double and round once to the storage dtype;
+// reductions sum in fp64 over fixed chunks, and the chunk sums in index order, so the result is the same for any
+// number of threads. Every element is read before it is written, so exact in-place aliases are safe.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "core/train_math.h"
+#include "cpu/cpu_backend.h"
+#include "qmm/tensor.h"
+
+namespace qmm::cpu {
+namespace {
+
+constexpr std::int64_t kParallelMin = 1 << 15;  // below this a parallel region costs more than it saves
+constexpr std::int64_t kChunk = 1 << 14;        // reduction chunk: the unit of the fixed summation order
+
+// Storage <-> double. bf16 is held as its 16-bit pattern.
+double load(const float* p, std::int64_t i) { return p[i]; }
+double load(const std::uint16_t* p, std::int64_t i) { return bf16_to_float(p[i]); }
+void store(float* p, std::int64_t i, double v) { p[i] = static_cast<float>(v); }
+void store(std::uint16_t* p, std::int64_t i, double v) { p[i] = float_to_bf16(static_cast<float>(v)); }
+
+// Calls fn with a null pointer of the storage type of `dtype` (f32 or bf16), to pick a template instance.
+template <class Fn>
+void with_storage(DType dtype, Fn&& fn) {
+  if (dtype == DType::BF16)
+    fn(static_cast<std::uint16_t*>(nullptr));
+  else
+    fn(static_cast<float*>(nullptr));
+}
+
+// Sum of term(i) for i in [0, n) in fp64: chunk sums in parallel, then added in chunk order.
+template <class Term>
+double fixed_order_sum(std::int64_t n, Term&& term) {
+  const std::int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> part(static_cast<std::size_t>(chunks));
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    double s = 0;
+    const std::int64_t end = std::min(n, (c + 1) * kChunk);
+    for (std::int64_t i = c * kChunk; i < end; ++i) s += term(i);
+    part[static_cast<std::size_t>(c)] = s;
+  }
+  double total = 0;
+  for (double s : part) total += s;
+  return total;
+}
+
+double sum_squares(const TensorView& t) {
+  double s = 0;
+  with_storage(t.dtype(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* x = t.data_as<const T>();
+    s = fixed_order_sum(t.numel(), [&](std::int64_t i) {
+      const double v = load(x, i);
+      return v * v;
+    });
+  });
+  return s;
+}
+
+}  // namespace
+
+void cast(const TensorView& src, const TensorView& dst) {
+  const std::int64_t n = dst.numel();
+  if (src.dtype() == dst.dtype()) {
+    std::memmove(dst.data(), src.data(), dst.nbytes());
+    return;
+  }
+  if (dst.dtype() == DType::BF16) {
+    const float* s = src.data_as<const float>();
+    std::uint16_t* d = dst.data_as<std::uint16_t>();
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+    for (std::int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(s[i]);
+  } else {
+    const std::uint16_t* s = src.data_as<const std::uint16_t>();
+    float* d = dst.data_as<float>();
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+    for (std::int64_t i = 0; i < n; ++i) d[i] = bf16_to_float(s[i]);
+  }
+}
+
+void add(const TensorView& a, const TensorView& b, const TensorView& out, float alpha) {
+  with_storage(out.dtype(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* x = a.data_as<const T>();
+    const T* y = b.data_as<const T>();
+    T* o = out.data_as<T>();
+    const std::int64_t n = out.numel();
+    const double s = alpha;
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+    for (std::int64_t i = 0; i < n; ++i) store(o, i, load(x, i) + s * load(y, i));
+  });
+}
+
+void add_bias(const TensorView& y, const TensorView& bias) {
+  const std::int64_t rows = y.dim(0), cols = y.dim(1);
+  std::vector<double> b(static_cast<std::size_t>(cols));
+  with_storage(bias.dtype(), [&](auto* tag) {
+    using B = std::remove_pointer_t<decltype(tag)>;
+    for (std::int64_t j = 0; j < cols; ++j) b[static_cast<std::size_t>(j)] = load(bias.data_as<const B>(), j);
+  });
+  with_storage(y.dtype(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* out = y.data_as<T>();
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t j = 0; j < cols; ++j) {
+        const std::int64_t i = r * cols + j;
+        store(out, i, load(out, i) + b[static_cast<std::size_t>(j)]);
+      }
+  });
+}
+
+void dropout(const TensorView& x, const TensorView& out, float p, std::uint64_t seed) {
+  const std::uint64_t key = train::dropout_key(seed);
+  const std::uint32_t threshold = train::dropout_threshold(p);
+  const double scale = train::dropout_scale(p);  // an fp32 value; x * scale is exact in double, rounded once
+  with_storage(out.dtype(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* in = x.data_as<const T>();
+    T* o = out.data_as<T>();
+    const std::int64_t n = out.numel();
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+    for (std::int64_t i = 0; i < n; ++i)
+      store(o, i, train::dropout_keep_at(key, i, threshold) ? load(in, i) * scale : 0.0);
+  });
+}
+
+void mse_loss(const TensorView& y, const TensorView& target, const TensorView& loss, const TensorView& dy,
+              float scale) {
+  const std::int64_t n = y.numel();
+  const double coef = train::mse_grad_coef(scale, n);
+  double sum = 0;
+  with_storage(y.dtype(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* py = y.data_as<const T>();
+    const T* pt = target.data_as<const T>();
+    T* pd = dy.data_as<T>();
+    sum = fixed_order_sum(n, [&](std::int64_t i) {
+      const double d = load(py, i) - load(pt, i);
+      store(pd, i, coef * d);  // after both loads: dy may be y or target itself
+      return d * d;
+    });
+  });
+  *loss.data_as<float>() = static_cast<float>(sum / static_cast<double>(n));
+}
+
+void grad_norm(std::span<const TensorView> grads, const TensorView& norm) {
+  double s = 0;
+  for (const TensorView& g : grads) s += sum_squares(g);
+  *norm.data_as<float>() = static_cast<float>(std::sqrt(s));
+}
+
+void adamw_step(std::span<const AdamWParam> params, const AdamWOptions& opts, int step, const TensorView& norm) {
+  const bool clip = opts.max_grad_norm > 0;
+  float coef = 1.0f;
+  if (clip || !norm.empty()) {
+    double s = 0;
+    for (const AdamWParam& p : params) s += sum_squares(p.grad);
+    const float total = static_cast<float>(std::sqrt(s));
+    if (!norm.empty()) *norm.data_as<float>() = total;
+    if (clip) coef = train::clip_coefficient(total, opts.max_grad_norm);
+  }
+  const double lr = opts.lr, wd = opts.weight_decay, b1 = opts.beta1, b2 = opts.beta2, eps = opts.eps;
+  const double bc1 = 1.0 - std::pow(b1, step), bc2 = 1.0 - std::pow(b2, step);
+  for (const AdamWParam& p : params) {
+    float* w = p.param.data_as<float>();
+    const float* g = p.grad.data_as<const float>();
+    float* m = p.m.data_as<float>();
+    float* v = p.v.data_as<float>();
+    const std::int64_t n = p.param.numel();
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+    for (std::int64_t i = 0; i < n; ++i) {
+      const double gi = static_cast<double>(g[i]) * coef;
+      double wi = w[i];
+      wi -= lr * wd * wi;  // decoupled weight decay, before the Adam update
+      const double mi = b1 * m[i] + (1.0 - b1) * gi;
+      const double vi = b2 * v[i] + (1.0 - b2) * gi * gi;
+      wi -= lr * (mi / bc1) / (std::sqrt(vi / bc2) + eps);
+      w[i] = static_cast<float>(wi);
+      m[i] = static_cast<float>(mi);
+      v[i] = static_cast<float>(vi);
+    }
+  }
+}
+
+void zero(const TensorView& t) { std::memset(t.data(), 0, t.nbytes()); }
+
+}  // namespace qmm::cpu

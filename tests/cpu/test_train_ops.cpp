@@ -1,0 +1,861 @@
+// Train ops on the CPU backend (cast, add, add_bias, dropout, mse_loss, grad_norm, adamw_step, zero) against naive
+// loops written here, in-place aliasing, dropout mask statistics, a hand-written fp64 AdamW over several steps, and
+// every validation path (right code, a message naming op and argument, outputs untouched).
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/test_util.h"
+
+namespace qmm {
+namespace {
+
+constexpr std::int64_t kSizes[] = {1, 7, 63, 65, 1000, 4099};
+constexpr DType kDTypes[] = {DType::F32, DType::BF16};
+
+std::string describe(DType dt, std::int64_t n) { return std::string(dtype_name(dt)) + " n=" + std::to_string(n); }
+
+float f32_of(std::uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+std::uint32_t bits_of(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// Round to nearest even at bf16, written independently of the library: pick the nearer of the two bf16 neighbours
+// by comparing distances in double; a tie goes to the even one. Above the largest bf16 the upper neighbour is 2^128
+// (which rounds to infinity, as IEEE rounding does).
+std::uint16_t naive_bf16(float x) {
+  if (std::isnan(x)) return static_cast<std::uint16_t>((bits_of(x) >> 16) | 0x40);
+  if (std::isinf(x)) return static_cast<std::uint16_t>(bits_of(x) >> 16);
+  const std::uint32_t lo = bits_of(x) & 0xFFFF0000u;  // toward zero
+  const std::uint32_t hi = lo + 0x10000u;             // away from zero (may be the infinity pattern)
+  const double vlo = std::fabs(static_cast<double>(f32_of(lo)));
+  const double vhi =
+      (hi & 0x7FFFFFFFu) == 0x7F800000u ? std::ldexp(1.0, 128) : std::fabs(static_cast<double>(f32_of(hi)));
+  const double ax = std::fabs(static_cast<double>(x));
+  const double dlo = ax - vlo, dhi = vhi - ax;
+  const bool up = dhi < dlo || (dhi == dlo && ((lo >> 16) & 1u));
+  return static_cast<std::uint16_t>((up ? hi : lo) >> 16);
+}
+
+// Each value rounded once to the storage dtype (to fp32, then by naive_bf16 for bf16), as a host tensor.
+Tensor from_doubles(DType dt, Shape shape, const std::vector<double>& values) {
+  Tensor t(dt, shape);
+  std::int64_t i = 0;
+  for (double x : values) {
+    const float f = static_cast<float>(x);
+    if (dt == DType::BF16)
+      t.data_as<std::uint16_t>()[i++] = naive_bf16(f);
+    else
+      t.data_as<float>()[i++] = f;
+  }
+  return t;
+}
+
+// The library and these loops evaluate the same value in double and round it once; an evaluation order that differs
+// in the last double bit can move the rounded result by one output ulp, never more.
+test::Tolerance one_ulp(DType dt) {
+  return dt == DType::BF16 ? test::Tolerance{1e-30, 7.9e-3, 4e-3} : test::Tolerance{1e-30, 1.2e-7, 1e-7};
+}
+
+// Runs `fn`, expects qmm::Error with `code` and every needle in the message, and every output byte-for-byte as
+// before the call.
+template <class Fn>
+::testing::AssertionResult rejects(Fn&& fn, ErrorCode code, std::initializer_list<std::string> needles,
+                                   std::initializer_list<TensorView> outputs) {
+  std::vector<Tensor> before;
+  for (const TensorView& o : outputs) before.push_back(test::host_copy(o));
+  ::testing::AssertionResult thrown = test::throws_error(fn, code, needles);
+  if (!thrown) return thrown;
+  std::size_t k = 0;
+  for (const TensorView& o : outputs) {
+    ::testing::AssertionResult same = test::bytes_equal(o, before[k]);
+    if (!same) return ::testing::AssertionFailure() << "output " << k << " was written: " << same.message();
+    ++k;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+const ErrorCode kShape = ErrorCode::ShapeMismatch, kDType = ErrorCode::DTypeMismatch,
+                kDevice = ErrorCode::DeviceMismatch, kInvalid = ErrorCode::InvalidArgument;
+
+// The same memory labelled as another device (never dereferenced: validation rejects it first).
+TensorView on_gpu(const TensorView& t) { return TensorView(t.data(), t.dtype(), t.shape(), Device::cuda(0)); }
+TensorView null_like(const TensorView& t) { return TensorView(nullptr, t.dtype(), t.shape()); }
+// A view of `n` elements of `buf` starting `offset` elements in.
+TensorView part(const Tensor& buf, std::int64_t offset, Shape shape) {
+  return TensorView(static_cast<char*>(buf.data()) + offset * static_cast<std::int64_t>(dtype_size(buf.dtype())),
+                    buf.dtype(), shape);
+}
+
+// ---- cast ---------------------------------------------------------------------------------------------------------
+
+TEST(TrainCast, F32ToBf16RoundsToNearestEven) {
+  const Context ctx = Context::cpu();
+  for (std::int64_t n : kSizes) {
+    const Tensor src = test::random_tensor(DType::F32, {n}, 10 + static_cast<std::uint64_t>(n), -3.0f, 3.0f);
+    Tensor dst(DType::BF16, {1, n});  // shapes may differ: a flat copy
+    test::poison(dst);
+    cast(ctx, src, dst);
+    Tensor want(DType::BF16, {1, n});
+    for (std::int64_t i = 0; i < n; ++i) want.data_as<std::uint16_t>()[i] = naive_bf16(src.data_as<float>()[i]);
+    EXPECT_TRUE(test::bytes_equal(dst, want)) << "n=" << n;
+  }
+}
+
+TEST(TrainCast, SpecialValuesAndTies) {
+  const Context ctx = Context::cpu();
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> xs = {0.0f,
+                                 -0.0f,
+                                 inf,
+                                 -inf,
+                                 std::numeric_limits<float>::max(),
+                                 -std::numeric_limits<float>::max(),
+                                 std::numeric_limits<float>::denorm_min(),
+                                 1e-40f,
+                                 f32_of(0x3F808000u) /* tie, even below */,
+                                 f32_of(0x3F818000u) /* tie, odd below */,
+                                 f32_of(0x3F808001u),
+                                 1.0f,
+                                 -2.5f,
+                                 std::nanf("")};
+  const std::int64_t n = static_cast<std::int64_t>(xs.size());
+  Tensor src(DType::F32, {n}), dst(DType::BF16, {n}), want(DType::BF16, {n});
+  for (std::int64_t i = 0; i < n; ++i) {
+    src.data_as<float>()[i] = xs[static_cast<std::size_t>(i)];
+    want.data_as<std::uint16_t>()[i] = naive_bf16(xs[static_cast<std::size_t>(i)]);
+  }
+  test::poison(dst);
+  cast(ctx, src, dst);
+  EXPECT_TRUE(test::bytes_equal(dst, want));
+  EXPECT_EQ(dst.data_as<std::uint16_t>()[2], 0x7F80);  // inf stays inf
+  EXPECT_EQ(dst.data_as<std::uint16_t>()[4], 0x7F80);  // FLT_MAX rounds up to inf
+  EXPECT_EQ(dst.data_as<std::uint16_t>()[8], 0x3F80);  // tie to even (down)
+  EXPECT_EQ(dst.data_as<std::uint16_t>()[9], 0x3F82);  // tie to even (up)
+  EXPECT_TRUE(std::isnan(bf16_to_float(dst.data_as<std::uint16_t>()[n - 1])));
+}
+
+TEST(TrainCast, Bf16ToF32IsExactAndSameDTypeCopies) {
+  const Context ctx = Context::cpu();
+  for (std::int64_t n : kSizes) {
+    const Tensor b = test::random_tensor(DType::BF16, {n}, 20 + static_cast<std::uint64_t>(n), -5.0f, 5.0f);
+    Tensor f(DType::F32, {n}), want(DType::F32, {n});
+    test::poison(f);
+    cast(ctx, b, f);
+    for (std::int64_t i = 0; i < n; ++i)
+      want.data_as<float>()[i] = f32_of(static_cast<std::uint32_t>(b.data_as<std::uint16_t>()[i]) << 16);
+    EXPECT_TRUE(test::bytes_equal(f, want)) << "bf16->f32 n=" << n;
+    for (DType dt : kDTypes) {
+      const Tensor src = test::random_tensor(dt, {n}, 30 + static_cast<std::uint64_t>(n));
+      Tensor dst(dt, {n, 1});
+      test::poison(dst);
+      cast(ctx, src, dst);
+      EXPECT_EQ(std::memcmp(dst.data(), src.data(), src.nbytes()), 0) << describe(dt, n);
+      Tensor same = test::host_copy(src);
+      cast(ctx, same, same);  // an exact alias of the same dtype: nothing to do
+      EXPECT_TRUE(test::bytes_equal(same, src)) << describe(dt, n);
+    }
+  }
+}
+
+TEST(TrainCast, Validation) {
+  const Context ctx = Context::cpu();
+  const Tensor src = test::random_tensor(DType::F32, {64}, 1);
+  const Tensor dst = test::random_tensor(DType::BF16, {64}, 2), dst_short = test::random_tensor(DType::BF16, {63}, 3);
+  const Tensor f16(DType::F16, {64}), u8(DType::U8, {64});
+  EXPECT_TRUE(rejects([&] { cast(ctx, null_like(src), dst); }, kInvalid, {"cast: src", "null"}, {dst}));
+  EXPECT_TRUE(test::throws_error([&] { cast(ctx, src, null_like(dst)); }, kInvalid, {"cast: dst", "null"}));
+  EXPECT_TRUE(rejects([&] { cast(ctx, on_gpu(src), dst); }, kDevice, {"cast: src", "cuda:0"}, {dst}));
+  EXPECT_TRUE(rejects([&] { cast(ctx, src, on_gpu(dst)); }, kDevice, {"cast: dst", "cuda:0"}, {dst}));
+  EXPECT_TRUE(rejects([&] { cast(ctx, src, f16); }, kDType, {"cast: dst", "f16"}, {f16}));
+  EXPECT_TRUE(rejects([&] { cast(ctx, u8, dst); }, kDType, {"cast: src", "u8"}, {dst}));
+  EXPECT_TRUE(rejects([&] { cast(ctx, src, dst_short); }, kShape, {"cast: dst", "[63]", "[64]"}, {dst_short}));
+  // f32 source and bf16 destination over one buffer: any overlap is rejected (an exact alias cannot convert).
+  const Tensor buf = test::random_tensor(DType::F32, {64}, 4);
+  const TensorView as_bf16(buf.data(), DType::BF16, {64});
+  EXPECT_TRUE(rejects([&] { cast(ctx, buf, as_bf16); }, kInvalid, {"cast: dst and src", "overlap"}, {buf}));
+  const TensorView shifted = part(buf, 1, {32});
+  EXPECT_TRUE(rejects([&] { cast(ctx, part(buf, 0, {32}), shifted); }, kInvalid, {"cast", "overlap"}, {buf}));
+}
+
+// ---- add ----------------------------------------------------------------------------------------------------------
+
+TEST(TrainAdd, MatchesNaive) {
+  const Context ctx = Context::cpu();
+  std::uint64_t seed = 100;
+  for (DType dt : kDTypes)
+    for (std::int64_t n : kSizes)
+      for (float alpha : {1.0f, -0.5f, 0.0f, 3.25f}) {
+        const Tensor a = test::random_tensor(dt, {n}, ++seed), b = test::random_tensor(dt, {n}, ++seed);
+        Tensor out(dt, {n});
+        test::poison(out);
+        add(ctx, a, b, out, alpha);
+        const std::vector<double> x = test::to_doubles(a), y = test::to_doubles(b);
+        std::vector<double> want(x.size());
+        for (std::size_t i = 0; i < x.size(); ++i) want[i] = x[i] + static_cast<double>(alpha) * y[i];
+        EXPECT_TRUE(test::all_close(out, from_doubles(dt, {n}, want), one_ulp(dt)))
+            << describe(dt, n) << " alpha=" << alpha;
+      }
+}
+
+TEST(TrainAdd, InPlaceAndSelf) {
+  const Context ctx = Context::cpu();
+  std::uint64_t seed = 200;
+  for (DType dt : kDTypes)
+    for (std::int64_t n : kSizes) {
+      const Tensor a = test::random_tensor(dt, {n}, ++seed), b = test::random_tensor(dt, {n}, ++seed);
+      Tensor ref(dt, {n}), ref_self(dt, {n});
+      add(ctx, a, b, ref, 0.75f);
+      add(ctx, a, a, ref_self, -2.0f);
+      Tensor x = test::host_copy(a);
+      add(ctx, x, b, x, 0.75f);
+      EXPECT_TRUE(test::bytes_equal(x, ref)) << "out = a, " << describe(dt, n);
+      Tensor y = test::host_copy(b);
+      add(ctx, a, y, y, 0.75f);
+      EXPECT_TRUE(test::bytes_equal(y, ref)) << "out = b, " << describe(dt, n);
+      Tensor z = test::host_copy(a);
+      add(ctx, z, z, z, -2.0f);
+      EXPECT_TRUE(test::bytes_equal(z, ref_self)) << "out = a = b, " << describe(dt, n);
+    }
+}
+
+TEST(TrainAdd, Validation) {
+  const Context ctx = Context::cpu();
+  const Tensor a = test::random_tensor(DType::F32, {8, 8}, 1), b = test::random_tensor(DType::F32, {8, 8}, 2);
+  const Tensor out = test::random_tensor(DType::F32, {8, 8}, 3), flat = test::random_tensor(DType::F32, {64}, 4);
+  const Tensor b16 = test::random_tensor(DType::BF16, {8, 8}, 5), h16(DType::F16, {8, 8});
+  EXPECT_TRUE(rejects([&] { add(ctx, a, flat, out); }, kShape, {"add: b", "[64]", "[8,8]"}, {out}));
+  EXPECT_TRUE(rejects([&] { add(ctx, a, b, flat); }, kShape, {"add: out", "[64]"}, {flat}));
+  EXPECT_TRUE(rejects([&] { add(ctx, a, b16, out); }, kDType, {"add: b", "bf16"}, {out}));
+  EXPECT_TRUE(rejects([&] { add(ctx, a, b, b16); }, kDType, {"add: out", "bf16"}, {b16}));
+  EXPECT_TRUE(rejects([&] { add(ctx, h16, h16, out); }, kDType, {"add: a", "f16"}, {out}));
+  EXPECT_TRUE(rejects([&] { add(ctx, a, b, out, std::nanf("")); }, kInvalid, {"add: alpha", "nan"}, {out}));
+  EXPECT_TRUE(rejects([&] { add(ctx, a, b, out, INFINITY); }, kInvalid, {"add: alpha", "inf"}, {out}));
+  EXPECT_TRUE(rejects([&] { add(ctx, on_gpu(a), b, out); }, kDevice, {"add: a", "cuda:0"}, {out}));
+  EXPECT_TRUE(rejects([&] { add(ctx, a, null_like(b), out); }, kInvalid, {"add: b", "null"}, {out}));
+  const Tensor buf = test::random_tensor(DType::F32, {65}, 6);
+  const TensorView lo = part(buf, 0, {8, 8}), hi = part(buf, 1, {8, 8});
+  EXPECT_TRUE(rejects([&] { add(ctx, lo, b, hi); }, kInvalid, {"add: out and a", "overlap"}, {buf}));
+  EXPECT_TRUE(rejects([&] { add(ctx, a, lo, hi); }, kInvalid, {"add: out and b", "overlap"}, {buf}));
+}
+
+// ---- add_bias -----------------------------------------------------------------------------------------------------
+
+TEST(TrainAddBias, MatchesNaive) {
+  const Context ctx = Context::cpu();
+  struct Combo {
+    DType y, bias;
+  };
+  const Combo combos[] = {{DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}};
+  const std::pair<std::int64_t, std::int64_t> shapes[] = {{1, 1},    {7, 63},  {65, 7}, {3, 1000},
+                                                          {2, 4099}, {63, 65}, {4, 1}};
+  std::uint64_t seed = 300;
+  for (const Combo& c : combos)
+    for (const auto& [rows, cols] : shapes) {
+      const Tensor y0 = test::random_tensor(c.y, {rows, cols}, ++seed);
+      const Tensor bias = test::random_tensor(c.bias, {cols}, ++seed, -4.0f, 4.0f);
+      Tensor y = test::host_copy(y0);
+      add_bias(ctx, y, bias);
+      const std::vector<double> x = test::to_doubles(y0), b = test::to_doubles(bias);
+      std::vector<double> want(x.size());
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t j = 0; j < cols; ++j) {
+          const auto i = static_cast<std::size_t>(r * cols + j);
+          want[i] = x[i] + b[static_cast<std::size_t>(j)];
+        }
+      EXPECT_TRUE(test::all_close(y, from_doubles(c.y, {rows, cols}, want), one_ulp(c.y)))
+          << dtype_name(c.y) << " y, " << dtype_name(c.bias) << " bias, " << rows << "x" << cols;
+    }
+}
+
+TEST(TrainAddBias, Validation) {
+  const Context ctx = Context::cpu();
+  const Tensor y = test::random_tensor(DType::F32, {7, 64}, 1), bias = test::random_tensor(DType::F32, {64}, 2);
+  const Tensor y1 = test::random_tensor(DType::F32, {64}, 3), y3 = test::random_tensor(DType::F32, {1, 7, 64}, 4);
+  const Tensor bias2 = test::random_tensor(DType::F32, {1, 64}, 5), bias65 = test::random_tensor(DType::F32, {65}, 6);
+  const Tensor bias16 = test::random_tensor(DType::BF16, {64}, 7), yh(DType::F16, {7, 64});
+  const Tensor y16 = test::random_tensor(DType::BF16, {7, 64}, 8), bias_h(DType::F16, {64});
+  EXPECT_TRUE(rejects([&] { add_bias(ctx, y1, bias); }, kShape, {"add_bias: y", "rank 2", "[64]"}, {y1}));
+  EXPECT_TRUE(rejects([&] { add_bias(ctx, y3, bias); }, kShape, {"add_bias: y", "rank 2", "[1,7,64]"}, {y3}));
+  EXPECT_TRUE(rejects([&] { add_bias(ctx, y, bias2); }, kShape, {"add_bias: bias", "rank 1"}, {y}));
+  EXPECT_TRUE(rejects([&] { add_bias(ctx, y, bias65); }, kShape, {"add_bias: bias is [65] but y is [7,64]"}, {y}));
+  EXPECT_TRUE(rejects([&] { add_bias(ctx, y, bias16); }, kDType, {"add_bias: bias", "bf16", "f32"}, {y}));
+  EXPECT_TRUE(rejects([&] { add_bias(ctx, y16, bias_h); }, kDType, {"add_bias: bias", "f16"}, {y16}));
+  EXPECT_TRUE(rejects([&] { add_bias(ctx, yh, bias); }, kDType, {"add_bias: y", "f16"}, {yh}));
+  EXPECT_TRUE(rejects([&] { add_bias(ctx, on_gpu(y), bias); }, kDevice, {"add_bias: y", "cuda:0"}, {y}));
+  EXPECT_TRUE(rejects([&] { add_bias(ctx, y, on_gpu(bias)); }, kDevice, {"add_bias: bias", "cuda:0"}, {y}));
+  EXPECT_TRUE(rejects([&] { add_bias(ctx, y, null_like(bias)); }, kInvalid, {"add_bias: bias", "null"}, {y}));
+  const Tensor buf = test::random_tensor(DType::F32, {8 * 64}, 9);
+  EXPECT_TRUE(rejects(
+      [&] {
+        add_bias(ctx, part(buf, 0, {7, 64}), part(buf, 7 * 64 - 1, {64}));
+      },
+      kInvalid, {"add_bias: y and bias", "overlap"}, {buf}));
+}
+
+// ---- dropout ------------------------------------------------------------------------------------------------------
+
+TEST(TrainDropout, MatchesMaskDefinition) {
+  // Kept elements are x times the fp32 scale 1/(1-p), rounded once; dropped ones are +0.
+  const Context ctx = Context::cpu();
+  std::uint64_t seed = 400;
+  for (DType dt : kDTypes)
+    for (std::int64_t n : kSizes)
+      for (float p : {0.1f, 0.5f, 0.875f}) {
+        const Tensor x = test::random_tensor(dt, {n}, ++seed);
+        Tensor out(dt, {n});
+        test::poison(out);
+        const std::uint64_t mask_seed = 0xC0FFEE + seed;
+        dropout(ctx, x, out, p, mask_seed);
+        const double scale = 1.0f / (1.0f - p);
+        const std::vector<double> v = test::to_doubles(x);
+        std::vector<double> want(v.size());
+        for (std::size_t i = 0; i < v.size(); ++i)
+          want[i] = dropout_keep(mask_seed, static_cast<std::int64_t>(i), p) ? v[i] * scale : 0.0;
+        EXPECT_TRUE(test::bytes_equal(out, from_doubles(dt, {n}, want))) << describe(dt, n) << " p=" << p;
+      }
+}
+
+TEST(TrainDropout, MaskStatistics) {
+  // The mask of all-ones input is visible directly: out != 0 exactly where dropout_keep says so. Its statistics:
+  // the kept fraction (overall, on even and on odd indices: the two halves of one hash), neighbours kept together,
+  // and agreement with the mask of the next seed, each within 5 standard deviations of independent draws.
+  const Context ctx = Context::cpu();
+  const std::int64_t n = 200003;
+  const Tensor ones = test::filled(DType::F32, {n}, 1.0f);
+  for (float p : {0.1f, 0.5f, 0.9f}) {
+    const std::uint64_t seed = 1234;
+    Tensor out(DType::F32, {n}), next(DType::F32, {n});
+    dropout(ctx, ones, out, p, seed);
+    dropout(ctx, ones, next, p, seed + 1);
+    std::int64_t kept = 0, kept_even = 0, both_adjacent = 0, agree = 0, mismatches = 0;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const bool k = out.data_as<float>()[i] != 0.0f;
+      mismatches += k != dropout_keep(seed, i, p);
+      kept += k;
+      kept_even += k && i % 2 == 0;
+      if (i + 1 < n) both_adjacent += k && out.data_as<float>()[i + 1] != 0.0f;
+      agree += k == (next.data_as<float>()[i] != 0.0f);
+    }
+    EXPECT_EQ(mismatches, 0) << "p=" << p;
+    const double q = 1.0 - p;
+    auto within = [](double count, double trials, double prob) {
+      const double sd = std::sqrt(trials * prob * (1.0 - prob));
+      return std::fabs(count - trials * prob) <= 5.0 * sd;
+    };
+    const double halfn = static_cast<double>((n + 1) / 2);
+    EXPECT_TRUE(within(static_cast<double>(kept), static_cast<double>(n), q)) << "kept " << kept << " p=" << p;
+    EXPECT_TRUE(within(static_cast<double>(kept_even), halfn, q)) << "kept on even indices, p=" << p;
+    EXPECT_TRUE(within(static_cast<double>(kept - kept_even), static_cast<double>(n) - halfn, q)) << "odd, p=" << p;
+    // Adjacent pairs overlap, so their count varies a little more than independent trials; 5 sd still bounds it.
+    EXPECT_TRUE(within(static_cast<double>(both_adjacent), static_cast<double>(n - 1), q * q)) << "pairs, p=" << p;
+    EXPECT_TRUE(within(static_cast<double>(agree), static_cast<double>(n), q * q + p * p)) << "seed+1, p=" << p;
+  }
+}
+
+TEST(TrainDropout, DeterministicInPlaceAndZeroP) {
+  const Context ctx = Context::cpu();
+  std::uint64_t seed = 500;
+  for (DType dt : kDTypes)
+    for (std::int64_t n : kSizes) {
+      const Tensor x = test::random_tensor(dt, {n}, ++seed);
+      Tensor a(dt, {n}), b(dt, {n});
+      dropout(ctx, x, a, 0.3f, 77);
+      dropout(ctx, x, b, 0.3f, 77);
+      EXPECT_TRUE(test::bytes_equal(a, b)) << "same seed twice, " << describe(dt, n);
+      Tensor y = test::host_copy(x);
+      dropout(ctx, y, y, 0.3f, 77);
+      EXPECT_TRUE(test::bytes_equal(y, a)) << "in place, " << describe(dt, n);
+      Tensor c(dt, {n});
+      test::poison(c);
+      dropout(ctx, x, c, 0.0f, 77);
+      EXPECT_TRUE(test::bytes_equal(c, x)) << "p = 0 copies, " << describe(dt, n);
+    }
+  // Backward re-applies the forward's mask: the gradient is zero exactly where the activation was dropped.
+  const std::int64_t n = 4099;
+  const Tensor x = test::random_tensor(DType::F32, {n}, 9, 0.5f, 1.0f),
+               g = test::random_tensor(DType::F32, {n}, 10, 0.5f, 1.0f);
+  Tensor fx(DType::F32, {n}), fg(DType::F32, {n});
+  dropout(ctx, x, fx, 0.5f, 4242);
+  dropout(ctx, g, fg, 0.5f, 4242);
+  std::int64_t differ = 0;
+  for (std::int64_t i = 0; i < n; ++i) differ += (fx.data_as<float>()[i] == 0.0f) != (fg.data_as<float>()[i] == 0.0f);
+  EXPECT_EQ(differ, 0);
+}
+
+TEST(TrainDropout, Validation) {
+  const Context ctx = Context::cpu();
+  const Tensor x = test::random_tensor(DType::F32, {64}, 1), out = test::random_tensor(DType::F32, {64}, 2);
+  const Tensor out63 = test::random_tensor(DType::F32, {63}, 3), out16 = test::random_tensor(DType::BF16, {64}, 4);
+  EXPECT_TRUE(rejects([&] { dropout(ctx, x, out, 1.0f, 1); }, kInvalid, {"dropout: p", "1", "[0, 1)"}, {out}));
+  EXPECT_TRUE(rejects([&] { dropout(ctx, x, out, -0.25f, 1); }, kInvalid, {"dropout: p", "-0.25"}, {out}));
+  EXPECT_TRUE(rejects([&] { dropout(ctx, x, out, std::nanf(""), 1); }, kInvalid, {"dropout: p", "nan"}, {out}));
+  EXPECT_TRUE(rejects([&] { dropout(ctx, x, out63, 0.5f, 1); }, kShape, {"dropout: out", "[63]"}, {out63}));
+  EXPECT_TRUE(rejects([&] { dropout(ctx, x, out16, 0.5f, 1); }, kDType, {"dropout: out", "bf16"}, {out16}));
+  EXPECT_TRUE(rejects([&] { dropout(ctx, on_gpu(x), out, 0.5f, 1); }, kDevice, {"dropout: x", "cuda:0"}, {out}));
+  EXPECT_TRUE(rejects([&] { dropout(ctx, null_like(x), out, 0.5f, 1); }, kInvalid, {"dropout: x", "null"}, {out}));
+  const Tensor buf = test::random_tensor(DType::F32, {65}, 5);
+  EXPECT_TRUE(rejects([&] { dropout(ctx, part(buf, 1, {64}), part(buf, 0, {64}), 0.5f, 1); }, kInvalid,
+                      {"dropout: out and x", "overlap"}, {buf}));
+  EXPECT_TRUE(test::throws_error([] { dropout_keep(1, 0, 1.0f); }, kInvalid, {"dropout_keep: p"}));
+  EXPECT_TRUE(test::throws_error([] { dropout_keep(1, -1, 0.5f); }, kInvalid, {"dropout_keep: index", "-1"}));
+}
+
+// ---- mse_loss -----------------------------------------------------------------------------------------------------
+
+TEST(TrainMseLoss, MatchesNaive) {
+  const Context ctx = Context::cpu();
+  std::uint64_t seed = 600;
+  for (DType dt : kDTypes)
+    for (std::int64_t n : kSizes)
+      for (float scale : {1.0f, 0.125f}) {
+        const Tensor y = test::random_tensor(dt, {n}, ++seed, -2.0f, 2.0f), t = test::random_tensor(dt, {n}, ++seed);
+        Tensor loss(DType::F32, {1}), dy(dt, {n});
+        test::poison(loss);
+        test::poison(dy);
+        mse_loss(ctx, y, t, loss, dy, scale);
+        const std::vector<double> a = test::to_doubles(y), b = test::to_doubles(t);
+        double sum = 0;
+        std::vector<double> grad(a.size());
+        for (std::size_t i = 0; i < a.size(); ++i) {
+          sum += (a[i] - b[i]) * (a[i] - b[i]);
+          grad[i] = scale * 2.0 * (a[i] - b[i]) / static_cast<double>(n);
+        }
+        // fp64 sums in another order differ far below fp32's resolution: the loss agrees to one fp32 rounding.
+        const double want = sum / static_cast<double>(n);
+        EXPECT_NEAR(loss.data_as<float>()[0], want, 1.2e-7 * want) << describe(dt, n);
+        EXPECT_TRUE(test::all_close(dy, from_doubles(dt, {n}, grad), one_ulp(dt)))
+            << describe(dt, n) << " scale=" << scale;
+      }
+}
+
+TEST(TrainMseLoss, InPlaceGradientAndRank) {
+  const Context ctx = Context::cpu();
+  for (DType dt : kDTypes) {
+    const Shape s{3, 7, 65};
+    const Tensor y = test::random_tensor(dt, s, 1), t = test::random_tensor(dt, s, 2);
+    Tensor loss(DType::F32, {}), dy(dt, s);  // a rank-0 loss holds its one element
+    mse_loss(ctx, y, t, loss, dy);
+    Tensor y2 = test::host_copy(y), loss2(DType::F32, {1, 1});
+    mse_loss(ctx, y2, t, loss2, y2);
+    EXPECT_TRUE(test::bytes_equal(y2, dy)) << "dy = y, " << dtype_name(dt);
+    EXPECT_EQ(loss2.data_as<float>()[0], loss.data_as<float>()[0]) << dtype_name(dt);
+    Tensor t2 = test::host_copy(t);
+    mse_loss(ctx, y, t2, loss2, t2);
+    EXPECT_TRUE(test::bytes_equal(t2, dy)) << "dy = target, " << dtype_name(dt);
+  }
+}
+
+TEST(TrainMseLoss, Validation) {
+  const Context ctx = Context::cpu();
+  const Tensor y = test::random_tensor(DType::F32, {64}, 1), t = test::random_tensor(DType::F32, {64}, 2);
+  const Tensor loss = test::random_tensor(DType::F32, {1}, 3), dy = test::random_tensor(DType::F32, {64}, 4);
+  const Tensor t63 = test::random_tensor(DType::F32, {63}, 5), dy16 = test::random_tensor(DType::BF16, {64}, 6);
+  const Tensor loss16 = test::random_tensor(DType::BF16, {1}, 7), loss2 = test::random_tensor(DType::F32, {2}, 8);
+  const Tensor empty(DType::F32, {0});
+  const char* op = "mse_loss";
+  EXPECT_TRUE(rejects([&] { mse_loss(ctx, y, t63, loss, dy); }, kShape, {op, "target", "[63]"}, {loss, dy}));
+  EXPECT_TRUE(rejects([&] { mse_loss(ctx, y, t, loss, dy16); }, kDType, {op, "dy", "bf16"}, {loss, dy16}));
+  EXPECT_TRUE(rejects([&] { mse_loss(ctx, y, t, loss16, dy); }, kDType, {op, "loss", "bf16"}, {loss16, dy}));
+  EXPECT_TRUE(
+      rejects([&] { mse_loss(ctx, y, t, loss2, dy); }, kShape, {op, "loss", "one element", "[2]"}, {loss2, dy}));
+  EXPECT_TRUE(rejects([&] { mse_loss(ctx, empty, empty, loss, empty); }, kInvalid, {op, "y", "[0]"}, {loss}));
+  EXPECT_TRUE(rejects([&] { mse_loss(ctx, y, t, loss, dy, INFINITY); }, kInvalid, {op, "scale", "inf"}, {loss, dy}));
+  EXPECT_TRUE(rejects([&] { mse_loss(ctx, y, t, on_gpu(loss), dy); }, kDevice, {op, "loss", "cuda:0"}, {loss, dy}));
+  EXPECT_TRUE(rejects([&] { mse_loss(ctx, y, t, null_like(loss), dy); }, kInvalid, {op, "loss", "null"}, {dy}));
+  const Tensor buf = test::random_tensor(DType::F32, {66}, 9);
+  const TensorView lo = part(buf, 0, {64}), hi = part(buf, 1, {64});
+  EXPECT_TRUE(rejects([&] { mse_loss(ctx, lo, t, loss, hi); }, kInvalid, {op, "dy and y", "overlap"}, {buf, loss}));
+  EXPECT_TRUE(
+      rejects([&] { mse_loss(ctx, y, lo, loss, hi); }, kInvalid, {op, "dy and target", "overlap"}, {buf, loss}));
+  EXPECT_TRUE(rejects([&] { mse_loss(ctx, lo, t, part(buf, 63, {1}), dy); }, kInvalid, {op, "loss and y", "overlap"},
+                      {buf, dy}));
+  EXPECT_TRUE(rejects([&] { mse_loss(ctx, y, lo, part(buf, 10, {1}), dy); }, kInvalid,
+                      {op, "loss and target", "overlap"}, {buf, dy}));
+  EXPECT_TRUE(
+      rejects([&] { mse_loss(ctx, y, t, part(buf, 10, {1}), lo); }, kInvalid, {op, "loss and dy", "overlap"}, {buf}));
+}
+
+// ---- grad_norm ----------------------------------------------------------------------------------------------------
+
+double naive_norm(const std::vector<Tensor>& grads) {
+  double s = 0;
+  for (const Tensor& g : grads)
+    for (double x : test::to_doubles(g)) s += x * x;
+  return std::sqrt(s);
+}
+
+std::vector<Tensor> ragged_grads(std::uint64_t seed, bool mixed_dtypes) {
+  std::vector<Tensor> grads;
+  for (std::int64_t n : kSizes) {
+    const DType dt = mixed_dtypes && n % 2 == 1 && n > 7 ? DType::BF16 : DType::F32;
+    grads.push_back(test::random_tensor(dt, {n}, seed + static_cast<std::uint64_t>(n), -0.1f, 0.1f));
+  }
+  grads.emplace_back(DType::F32, Shape{0});  // an empty tensor contributes nothing
+  grads.push_back(test::random_tensor(DType::F32, {16, 65}, seed + 7));
+  return grads;
+}
+
+TEST(TrainGradNorm, MatchesNaive) {
+  const Context ctx = Context::cpu();
+  for (bool mixed : {false, true}) {
+    const std::vector<Tensor> grads = ragged_grads(700, mixed);
+    const std::vector<TensorView> views(grads.begin(), grads.end());
+    Tensor norm(DType::F32, {1});
+    test::poison(norm);
+    grad_norm(ctx, views, norm);
+    const double want = naive_norm(grads);
+    EXPECT_NEAR(norm.data_as<float>()[0], want, 1.2e-7 * want) << (mixed ? "mixed dtypes" : "f32");
+    for (const Tensor& g : grads) {  // one tensor alone
+      const TensorView one[] = {g};
+      grad_norm(ctx, one, norm);
+      const double w = naive_norm({g});
+      EXPECT_NEAR(norm.data_as<float>()[0], w, 1.2e-7 * w) << g.view().str();
+    }
+  }
+}
+
+TEST(TrainGradNorm, SameResultForAnyThreadCount) {
+  // The fp64 sum runs over fixed chunks in a fixed order, so one thread and two give the same bits.
+  const Context ctx = Context::cpu();
+  const Tensor g = test::random_tensor(DType::F32, {300007}, 71);
+  const TensorView views[] = {g};
+  Tensor one(DType::F32, {1}), two(DType::F32, {1});
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  grad_norm(ctx, views, one);
+  omp_set_num_threads(2);
+  grad_norm(ctx, views, two);
+  omp_set_num_threads(saved);
+  EXPECT_TRUE(test::bytes_equal(one, two));
+}
+
+TEST(TrainGradNorm, Validation) {
+  const Context ctx = Context::cpu();
+  const Tensor g0 = test::random_tensor(DType::F32, {64}, 1), g1 = test::random_tensor(DType::BF16, {7}, 2);
+  const Tensor h16(DType::F16, {5}), norm = test::random_tensor(DType::F32, {1}, 3);
+  const Tensor norm2 = test::random_tensor(DType::F32, {2}, 4), norm16 = test::random_tensor(DType::BF16, {1}, 5);
+  const char* op = "grad_norm";
+  const std::vector<TensorView> ok = {g0, g1};
+  EXPECT_TRUE(rejects([&] { grad_norm(ctx, {}, norm); }, kInvalid, {op, "grads is empty"}, {norm}));
+  const std::vector<TensorView> bad_dtype = {g0, g1, h16};
+  EXPECT_TRUE(rejects([&] { grad_norm(ctx, bad_dtype, norm); }, kDType, {op, "grads[2]", "f16"}, {norm}));
+  const std::vector<TensorView> bad_null = {g0, null_like(g1)};
+  EXPECT_TRUE(rejects([&] { grad_norm(ctx, bad_null, norm); }, kInvalid, {op, "grads[1]", "null"}, {norm}));
+  const std::vector<TensorView> bad_device = {g0, on_gpu(g1)};
+  EXPECT_TRUE(rejects([&] { grad_norm(ctx, bad_device, norm); }, kDevice, {op, "grads[1]", "cuda:0"}, {norm}));
+  EXPECT_TRUE(rejects([&] { grad_norm(ctx, ok, norm2); }, kShape, {op, "norm", "one element"}, {norm2}));
+  EXPECT_TRUE(rejects([&] { grad_norm(ctx, ok, norm16); }, kDType, {op, "norm", "bf16"}, {norm16}));
+  EXPECT_TRUE(rejects([&] { grad_norm(ctx, ok, on_gpu(norm)); }, kDevice, {op, "norm", "cuda:0"}, {norm}));
+  const Tensor buf = test::random_tensor(DType::F32, {64}, 6);
+  const std::vector<TensorView> over = {g0, buf};
+  EXPECT_TRUE(
+      rejects([&] { grad_norm(ctx, over, part(buf, 5, {1})); }, kInvalid, {op, "norm and grads[1]", "overlap"}, {buf}));
+}
+
+// ---- adamw_step ---------------------------------------------------------------------------------------------------
+
+// One tensor's optimizer state as tensors (for the library) and the hand-written reference's copy.
+struct Slot {
+  Tensor param, grad, m, v;
+  std::vector<double> ref_p, ref_m, ref_v;  // held at fp32 precision, like the library's storage
+};
+
+std::vector<Slot> make_slots(std::uint64_t seed, bool warm_moments) {
+  std::vector<Slot> slots;
+  std::vector<Shape> shapes;
+  for (std::int64_t n : kSizes) shapes.push_back(Shape{n});
+  shapes.push_back(Shape{16, 65});
+  for (const Shape& s : shapes) {
+    Slot sl;
+    sl.param = test::random_tensor(DType::F32, s, ++seed);
+    sl.grad = Tensor(DType::F32, s);
+    sl.m = warm_moments ? test::random_tensor(DType::F32, s, ++seed, -0.01f, 0.01f) : test::filled(DType::F32, s, 0.0f);
+    sl.v = warm_moments ? test::random_tensor(DType::F32, s, ++seed, 0.0f, 1e-4f) : test::filled(DType::F32, s, 0.0f);
+    sl.ref_p = test::to_doubles(sl.param);
+    sl.ref_m = test::to_doubles(sl.m);
+    sl.ref_v = test::to_doubles(sl.v);
+    slots.push_back(std::move(sl));
+  }
+  return slots;
+}
+
+// AdamW as torch.optim.AdamW writes it (decay by a factor, the update by addcdiv with sqrt(bc2) pulled out), in
+// double, rounding the state to fp32 after each step as fp32 storage does. Returns the norm before clipping.
+double reference_adamw(std::vector<Slot>& slots, const AdamWOptions& o, int step) {
+  double ss = 0;
+  for (const Slot& s : slots)
+    for (double g : test::to_doubles(s.grad)) ss += g * g;
+  const double norm = std::sqrt(ss);
+  double clip = 1.0;
+  if (o.max_grad_norm > 0) clip = std::min(1.0, o.max_grad_norm / (norm + 1e-6));
+  const double bc1 = 1.0 - std::pow(static_cast<double>(o.beta1), step);
+  const double bc2 = 1.0 - std::pow(static_cast<double>(o.beta2), step);
+  const double lr = o.lr, b1 = o.beta1, b2 = o.beta2;
+  for (Slot& s : slots) {
+    const std::vector<double> g = test::to_doubles(s.grad);
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      const double gi = g[i] * clip;
+      double p = s.ref_p[i] * (1.0 - lr * o.weight_decay);
+      const double m = b1 * s.ref_m[i] + (1.0 - b1) * gi;
+      const double v = b2 * s.ref_v[i] + (1.0 - b2) * gi * gi;
+      const double denom = std::sqrt(v) / std::sqrt(bc2) + o.eps;
+      p -= (lr / bc1) * m / denom;
+      s.ref_p[i] = static_cast<float>(p);
+      s.ref_m[i] = static_cast<float>(m);
+      s.ref_v[i] = static_cast<float>(v);
+    }
+  }
+  return norm;
+}
+
+// Library vs reference after several steps: both compute in double and store fp32, so each step may leave them a
+// rounding apart (2^-24 relative), and the clip factor (fp32 in the library) another 2^-24; a few steps stay well
+// within 1e-6 relative. m can cancel to near zero (b1*m and (1-b1)*g of opposite signs), where the clip factor's
+// 2^-24 difference leaves an absolute error of about 2^-24 * |g| (|g| <= 0.05 here): hence m's atol of 1e-8.
+void expect_state_matches(const std::vector<Slot>& slots, const std::string& what) {
+  for (std::size_t k = 0; k < slots.size(); ++k) {
+    const Slot& s = slots[k];
+    const Shape sh = s.param.shape();
+    const std::string at = what + " slot " + std::to_string(k) + " " + sh.str();
+    EXPECT_TRUE(test::all_close(s.param, from_doubles(DType::F32, sh, s.ref_p), {1e-9, 1e-6, 1e-6})) << at << " param";
+    EXPECT_TRUE(test::all_close(s.m, from_doubles(DType::F32, sh, s.ref_m), {1e-8, 1e-6, 1e-6})) << at << " m";
+    EXPECT_TRUE(test::all_close(s.v, from_doubles(DType::F32, sh, s.ref_v), {1e-14, 1e-6, 1e-6})) << at << " v";
+  }
+}
+
+std::vector<AdamWParam> params_of(const std::vector<Slot>& slots) {
+  std::vector<AdamWParam> ps;
+  for (const Slot& s : slots) ps.push_back({s.param, s.grad, s.m, s.v});
+  return ps;
+}
+
+void fill_grads(std::vector<Slot>& slots, std::uint64_t seed) {
+  for (Slot& s : slots) {
+    const Tensor g = test::random_tensor(DType::F32, s.grad.shape(), ++seed, -0.05f, 0.05f);
+    std::memcpy(s.grad.data(), g.data(), g.nbytes());
+  }
+}
+
+TEST(TrainAdamW, MatchesHandWrittenAdamWOverSeveralSteps) {
+  const Context ctx = Context::cpu();
+  // The gradients' norm is about 0.05/sqrt(3) * sqrt(7258) ~ 1.4: max_grad_norm 0.5 clips every step, 10 never does.
+  struct Config {
+    const char* name;
+    AdamWOptions opts;
+    bool warm;  // moments carried over from earlier steps
+    int first_step;
+    bool want_norm;
+  };
+  const Config configs[] = {
+      {"plain", {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 0.0f}, false, 1, false},
+      {"decay + clipping active", {2e-3f, 0.9f, 0.95f, 1e-6f, 0.1f, 0.5f}, false, 1, true},
+      {"decay + clipping inactive", {1e-3f, 0.8f, 0.99f, 1e-8f, 0.01f, 10.0f}, true, 11, true},
+      {"norm only", {5e-4f, 0.9f, 0.999f, 1e-8f, 0.05f, 0.0f}, true, 3, true},
+  };
+  std::uint64_t seed = 800;
+  for (const Config& c : configs) {
+    std::vector<Slot> slots = make_slots(seed += 50, c.warm);
+    const std::vector<AdamWParam> ps = params_of(slots);
+    for (int step = c.first_step; step < c.first_step + 4; ++step) {
+      fill_grads(slots, seed += 20);
+      std::vector<Tensor> grads_before;
+      for (const Slot& s : slots) grads_before.push_back(test::host_copy(s.grad));
+      Tensor norm(DType::F32, {1});
+      test::poison(norm);
+      adamw_step(ctx, ps, c.opts, step, c.want_norm ? norm.view() : TensorView());
+      const double want_norm = reference_adamw(slots, c.opts, step);
+      const std::string what = std::string(c.name) + " step " + std::to_string(step);
+      if (c.want_norm) EXPECT_NEAR(norm.data_as<float>()[0], want_norm, 1.2e-7 * want_norm) << what;
+      if (c.opts.max_grad_norm > 0)
+        EXPECT_EQ(want_norm > c.opts.max_grad_norm, c.opts.max_grad_norm < 1.0f) << what << ": clipping as intended";
+      for (std::size_t k = 0; k < slots.size(); ++k)
+        EXPECT_TRUE(test::bytes_equal(slots[k].grad, grads_before[k])) << what << ": gradients are left unchanged";
+      expect_state_matches(slots, what);
+    }
+  }
+}
+
+TEST(TrainAdamW, InactiveClippingChangesNothing) {
+  // With the norm below max_grad_norm the coefficient is exactly 1: the same bytes as without clipping.
+  const Context ctx = Context::cpu();
+  std::vector<Slot> a = make_slots(900, true), b = make_slots(900, true);
+  fill_grads(a, 950);
+  fill_grads(b, 950);
+  AdamWOptions o{1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 0.0f};
+  adamw_step(ctx, params_of(a), o, 5);
+  o.max_grad_norm = 100.0f;
+  adamw_step(ctx, params_of(b), o, 5);
+  for (std::size_t k = 0; k < a.size(); ++k) {
+    EXPECT_TRUE(test::bytes_equal(a[k].param, b[k].param)) << k;
+    EXPECT_TRUE(test::bytes_equal(a[k].m, b[k].m)) << k;
+    EXPECT_TRUE(test::bytes_equal(a[k].v, b[k].v)) << k;
+  }
+}
+
+TEST(TrainAdamW, SharedGradientIsAllowed) {
+  // Two parameters reading one gradient buffer: only written tensors must be disjoint.
+  const Context ctx = Context::cpu();
+  const Tensor g = test::random_tensor(DType::F32, {33}, 1);
+  Tensor p1 = test::random_tensor(DType::F32, {33}, 2), p2 = test::host_copy(p1);
+  Tensor m1 = test::filled(DType::F32, {33}, 0), v1 = test::filled(DType::F32, {33}, 0);
+  Tensor m2 = test::filled(DType::F32, {33}, 0), v2 = test::filled(DType::F32, {33}, 0);
+  const AdamWParam ps[] = {{p1, g, m1, v1}, {p2, g, m2, v2}};
+  ASSERT_NO_THROW(adamw_step(ctx, ps, {}, 1));
+  EXPECT_TRUE(test::bytes_equal(p1, p2));
+}
+
+TEST(TrainAdamW, Validation) {
+  const Context ctx = Context::cpu();
+  std::vector<Slot> slots = make_slots(1000, true);
+  std::vector<AdamWParam> ps = params_of(slots);
+  Tensor norm = test::random_tensor(DType::F32, {1}, 1);
+  // Every tensor the step could write, plus the norm, must come through each rejected call untouched.
+  auto outputs = [&] {
+    std::vector<Tensor> snap;
+    for (const Slot& s : slots)
+      for (const Tensor* t : {&s.param, &s.m, &s.v, &s.grad}) snap.push_back(test::host_copy(*t));
+    snap.push_back(test::host_copy(norm));
+    return snap;
+  };
+  const std::vector<Tensor> before = outputs();
+  auto expect = [&](const char* what, auto&& fn, ErrorCode code, std::initializer_list<std::string> needles) {
+    EXPECT_TRUE(test::throws_error(fn, code, needles)) << what;
+    const std::vector<Tensor> after = outputs();
+    for (std::size_t i = 0; i < after.size(); ++i)
+      EXPECT_TRUE(test::bytes_equal(after[i], before[i])) << what << " " << i;
+  };
+  const char* op = "adamw_step";
+  const AdamWOptions good{};
+  auto with = [&](auto change) {
+    AdamWOptions o = good;
+    change(o);
+    return o;
+  };
+  expect("empty", [&] { adamw_step(ctx, {}, good, 1); }, kInvalid, {op, "params is empty"});
+  expect("step 0", [&] { adamw_step(ctx, ps, good, 0); }, kInvalid, {op, "step is 0"});
+  expect("step -3", [&] { adamw_step(ctx, ps, good, -3); }, kInvalid, {op, "step is -3"});
+  expect("lr nan", [&] { adamw_step(ctx, ps, with([](auto& o) { o.lr = NAN; }), 1); }, kInvalid,
+         {op, "opts.lr", "nan"});
+  expect("lr < 0", [&] { adamw_step(ctx, ps, with([](auto& o) { o.lr = -1e-3f; }), 1); }, kInvalid, {op, "opts.lr"});
+  expect("beta1 1", [&] { adamw_step(ctx, ps, with([](auto& o) { o.beta1 = 1.0f; }), 1); }, kInvalid,
+         {op, "opts.beta1 is 1", "[0, 1)"});
+  expect("beta2 < 0", [&] { adamw_step(ctx, ps, with([](auto& o) { o.beta2 = -0.5f; }), 1); }, kInvalid,
+         {op, "opts.beta2 is -0.5"});
+  expect("eps < 0", [&] { adamw_step(ctx, ps, with([](auto& o) { o.eps = -1e-8f; }), 1); }, kInvalid, {op, "opts.eps"});
+  expect("eps inf", [&] { adamw_step(ctx, ps, with([](auto& o) { o.eps = INFINITY; }), 1); }, kInvalid,
+         {op, "opts.eps", "inf"});
+  expect("wd < 0", [&] { adamw_step(ctx, ps, with([](auto& o) { o.weight_decay = -0.1f; }), 1); }, kInvalid,
+         {op, "opts.weight_decay"});
+  expect("clip < 0", [&] { adamw_step(ctx, ps, with([](auto& o) { o.max_grad_norm = -1.0f; }), 1); }, kInvalid,
+         {op, "opts.max_grad_norm"});
+  expect("clip nan", [&] { adamw_step(ctx, ps, with([](auto& o) { o.max_grad_norm = NAN; }), 1); }, kInvalid,
+         {op, "opts.max_grad_norm", "nan"});
+
+  // Per-tensor fields: the message names params[i].field.
+  Tensor p_wide = test::random_tensor(DType::F32, {16, 65}, 2), m_narrow = test::random_tensor(DType::F32, {16, 64}, 3);
+  {
+    std::vector<AdamWParam> bad = ps;
+    bad[2] = {p_wide, test::random_tensor(DType::F32, {16, 65}, 4), m_narrow,
+              test::random_tensor(DType::F32, {16, 65}, 5)};
+    expect("m shape", [&] { adamw_step(ctx, bad, good, 1); }, kShape,
+           {"adamw_step: params[2].m is [16,64] but params[2].param is [16,65]"});
+  }
+  const Tensor v16 = test::random_tensor(DType::BF16, slots[1].v.shape(), 6);
+  auto replaced = [&](std::size_t i, int f, const TensorView& t) {
+    std::vector<AdamWParam> bad = ps;
+    TensorView* fields[] = {&bad[i].param, &bad[i].grad, &bad[i].m, &bad[i].v};
+    *fields[f] = t;
+    return bad;
+  };
+  expect("v bf16", [&] { adamw_step(ctx, replaced(1, 3, v16), good, 1); }, kDType, {op, "params[1].v", "bf16"});
+  expect("grad null", [&] { adamw_step(ctx, replaced(0, 1, null_like(slots[0].grad)), good, 1); }, kInvalid,
+         {op, "params[0].grad", "null"});
+  expect("param device", [&] { adamw_step(ctx, replaced(3, 0, on_gpu(slots[3].param)), good, 1); }, kDevice,
+         {op, "params[3].param", "cuda:0"});
+  expect("grad shape", [&] { adamw_step(ctx, replaced(4, 1, slots[5].grad), good, 1); }, kShape,
+         {op, "params[4].grad", "params[4].param"});
+
+  // Aliasing among written tensors, and of a gradient with a written tensor.
+  std::vector<Slot> twins = make_slots(1100, true);
+  std::vector<AdamWParam> tw = params_of(twins);
+  tw[1].m = tw[1].v;  // two moments in one buffer
+  expect("m = v", [&] { adamw_step(ctx, tw, good, 1); }, kInvalid, {op, "params[1].m", "params[1].v", "overlap"});
+  tw = params_of(twins);
+  tw[0].grad = tw[0].param;
+  expect("grad = param", [&] { adamw_step(ctx, tw, good, 1); }, kInvalid,
+         {op, "params[0].grad", "params[0].param", "overlap"});
+  tw = params_of(twins);
+  tw[5].param = TensorView(twins[5].m.data_as<float>() + 1, DType::F32, twins[5].param.shape());  // one into m
+  expect("param inside m", [&] { adamw_step(ctx, tw, good, 1); }, kInvalid,
+         {op, "params[5].param", "params[5].m", "overlap"});
+
+  // The norm output.
+  const Tensor norm2 = test::random_tensor(DType::F32, {2}, 7), norm16 = test::random_tensor(DType::BF16, {1}, 8);
+  expect("norm 2", [&] { adamw_step(ctx, ps, good, 1, norm2); }, kShape, {op, "norm", "one element"});
+  expect("norm bf16", [&] { adamw_step(ctx, ps, good, 1, norm16); }, kDType, {op, "norm", "bf16"});
+  expect("norm device", [&] { adamw_step(ctx, ps, good, 1, on_gpu(norm)); }, kDevice, {op, "norm", "cuda:0"});
+  const TensorView norm_in_v(slots[4].v.data_as<float>() + 3, DType::F32, {1});
+  expect("norm in v", [&] { adamw_step(ctx, ps, good, 1, norm_in_v); }, kInvalid,
+         {op, "norm", "params[4].v", "overlap"});
+  const TensorView norm_in_grad(slots[4].grad.data_as<float>() + 3, DType::F32, {1});
+  expect("norm in grad", [&] { adamw_step(ctx, ps, good, 1, norm_in_grad); }, kInvalid,
+         {op, "norm", "params[4].grad", "overlap"});
+}
+
+// ---- zero ---------------------------------------------------------------------------------------------------------
+
+TEST(TrainZero, EveryDTypeAndSize) {
+  const Context ctx = Context::cpu();
+  for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::U8})
+    for (std::int64_t n : kSizes) {
+      Tensor t(dt, {n});
+      test::poison(t);
+      zero(ctx, t);
+      std::int64_t nonzero = 0;
+      for (std::size_t i = 0; i < t.nbytes(); ++i) nonzero += t.data_as<std::uint8_t>()[i] != 0;
+      EXPECT_EQ(nonzero, 0) << describe(dt, n);
+    }
+  Tensor scalar(DType::F32, {});
+  test::poison(scalar);
+  zero(ctx, scalar);
+  EXPECT_EQ(scalar.data_as<float>()[0], 0.0f);
+  EXPECT_NO_THROW(zero(ctx, Tensor(DType::F32, {0})));
+}
+
+TEST(TrainZero, Validation) {
+  const Context ctx = Context::cpu();
+  const Tensor t = test::random_tensor(DType::F32, {9}, 1);
+  EXPECT_TRUE(rejects([&] { zero(ctx, null_like(t)); }, kInvalid, {"zero: t", "null"}, {t}));
+  EXPECT_TRUE(rejects([&] { zero(ctx, on_gpu(t)); }, kDevice, {"zero: t", "cuda:0"}, {t}));
+}
+
+TEST(TrainOps, EmptyTensorsAreANoOp) {
+  const Context ctx = Context::cpu();
+  const Tensor e(DType::F32, {0}), e16(DType::BF16, {0}), y(DType::F32, {0, 5}),
+      b = test::random_tensor(DType::F32, {5}, 1);
+  EXPECT_NO_THROW(cast(ctx, e, e16));
+  EXPECT_NO_THROW(add(ctx, e, e, e));
+  EXPECT_NO_THROW(add_bias(ctx, y, b));
+  EXPECT_NO_THROW(dropout(ctx, e, e, 0.5f, 1));
+  const AdamWParam ps[] = {{e, e, e, e}};
+  Tensor norm(DType::F32, {1});
+  test::poison(norm);
+  EXPECT_NO_THROW(adamw_step(ctx, ps, {}, 1, norm));
+  EXPECT_EQ(norm.data_as<float>()[0], 0.0f);
+}
+
+}  // namespace
+}  // namespace qmm

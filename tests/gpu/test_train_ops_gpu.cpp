@@ -1,0 +1,448 @@
+// Train ops on the GPU against the CPU backend: ragged lengths through the vector body and the scalar tail,
+// misaligned pointers, in-place aliases, many-tensor batches (several launches), and outputs poisoned first.
+//
+// What must agree how, and why:
+//  - cast, dropout (mask and values), zero, mse_loss's dy: bit for bit. Both sides run the same IEEE operations on
+//    the same values (the mask hash and scale are one shared host/device function; dy is coef * (y - t) in fp64,
+//    rounded once to fp32 and then to bf16).
+//  - add, add_bias: at most 1 ulp of the output dtype. The GPU rounds a + alpha*b once (fma in fp32); the oracle
+//    rounds the double sum to fp32, which can differ from the once-rounded result in the last bit when the double
+//    sum was itself rounded (operands far apart in magnitude). bf16 rounds that fp32 value again on both sides.
+//  - grad_norm, mse_loss's loss: at most 1 fp32 ulp (relative 2.4e-7): both sum fp64 squares, in different orders
+//    (fp64 differences ~1e-16 relative), then round to fp32 once.
+//  - adamw_step: fp32 arithmetic on the GPU against the oracle's fp64 with one rounding; see kAdamW* below.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/test_util.h"
+
+namespace qmm {
+namespace {
+
+constexpr std::int64_t kLarge = (1 << 22) + 3;  // many grid-stride rounds and a 3-element tail
+const std::vector<std::int64_t> kLengths = {1, 7, 63, 65, 1000, 4099, 65537};
+const std::vector<std::int64_t> kLengthsAndLarge = {1, 7, 63, 65, 1000, 4099, 65537, kLarge};
+
+// A device tensor, optionally starting one element past a 16-byte boundary (then only the scalar path can run).
+struct Dev {
+  Tensor storage;
+  TensorView view;
+};
+Dev device_tensor(DType dt, Shape shape, bool misaligned) {
+  Context& gpu = *test::gpu_context();
+  Dev d;
+  d.storage = Tensor(dt, {shape.numel() + 1}, gpu.device());
+  d.view =
+      TensorView(static_cast<char*>(d.storage.data()) + (misaligned ? dtype_size(dt) : 0), dt, shape, gpu.device());
+  test::poison(d.view);
+  return d;
+}
+Dev on_device(const Tensor& host, bool misaligned = false) {
+  Dev d = device_tensor(host.dtype(), host.shape(), misaligned);
+  copy(d.view, host);
+  return d;
+}
+
+// Monotone integer of a float's (or bf16's) bits: neighbouring values differ by one.
+std::int64_t ordered(DType dt, std::uint32_t bits) {
+  const std::uint32_t sign = dt == DType::BF16 ? 0x8000u : 0x80000000u;
+  return (bits & sign) ? -static_cast<std::int64_t>(bits & (sign - 1)) : static_cast<std::int64_t>(bits);
+}
+
+::testing::AssertionResult within_ulps(const TensorView& got_any, const TensorView& ref, std::int64_t max_ulps) {
+  const Tensor got = test::host_copy(got_any);
+  if (got.numel() != ref.numel() || got.dtype() != ref.dtype())
+    return ::testing::AssertionFailure() << got.view().str() << " vs " << ref.str();
+  const bool bf16 = got.dtype() == DType::BF16;
+  std::int64_t bad = 0;
+  std::ostringstream first;
+  for (std::int64_t i = 0; i < got.numel(); ++i) {
+    std::uint32_t g, r;
+    if (bf16) {
+      g = got.data_as<std::uint16_t>()[i];
+      r = ref.data_as<std::uint16_t>()[i];
+    } else {
+      std::memcpy(&g, got.data_as<float>() + i, 4);
+      std::memcpy(&r, ref.data_as<float>() + i, 4);
+    }
+    const double gv = bf16 ? bf16_to_float(static_cast<std::uint16_t>(g)) : got.data_as<float>()[i];
+    const bool ok = std::isfinite(gv) && std::llabs(ordered(got.dtype(), g) - ordered(got.dtype(), r)) <= max_ulps;
+    if (!ok && bad++ < 5) {
+      const double rv = bf16 ? bf16_to_float(static_cast<std::uint16_t>(r)) : ref.data_as<float>()[i];
+      first << "\n  [" << i << "] got " << gv << " ref " << rv;
+    }
+  }
+  if (bad) return ::testing::AssertionFailure() << bad << " of " << got.numel() << " elements off" << first.str();
+  return ::testing::AssertionSuccess();
+}
+
+std::string what(DType dt, std::int64_t n, bool misaligned) {
+  return std::string(dtype_name(dt)) + " n=" + std::to_string(n) + (misaligned ? " misaligned" : "");
+}
+
+TEST(TrainOpsGpu, CastMatchesCpuBitForBit) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  std::uint64_t seed = 10;
+  for (std::int64_t n : kLengthsAndLarge)
+    for (bool misaligned : {false, true}) {
+      Tensor f = test::random_tensor(DType::F32, {n}, ++seed, -3.0f, 3.0f);
+      // Values the rounding treats specially, where there is room: infinities, NaN, ties, the largest float.
+      const float specials[] = {INFINITY, -INFINITY, std::nanf(""), 1.00390625f, 1.01171875f, 3.4028235e38f, -0.0f};
+      for (std::size_t k = 0; k < std::size(specials) && static_cast<std::int64_t>(k) < n; ++k)
+        f.data_as<float>()[static_cast<std::int64_t>(k) * (n / static_cast<std::int64_t>(std::size(specials)) + 1) %
+                           n] = specials[k];
+      Tensor want_b(DType::BF16, {n});
+      cast(cpu, f, want_b);
+      Dev df = on_device(f, misaligned), db = device_tensor(DType::BF16, {n}, misaligned);
+      cast(gpu, df.view, db.view);
+      Dev back = device_tensor(DType::F32, {n}, misaligned);
+      cast(gpu, db.view, back.view);
+      Dev same = device_tensor(DType::F32, {n}, !misaligned);
+      cast(gpu, df.view, same.view);  // same dtype: a device copy
+      gpu.synchronize();
+      Tensor want_f(DType::F32, {n});
+      cast(cpu, want_b, want_f);
+      EXPECT_TRUE(test::bytes_equal(db.view, want_b)) << "f32->bf16 " << what(DType::F32, n, misaligned);
+      EXPECT_TRUE(test::bytes_equal(back.view, want_f)) << "bf16->f32 " << what(DType::F32, n, misaligned);
+      EXPECT_TRUE(test::bytes_equal(same.view, f)) << "f32->f32 " << what(DType::F32, n, misaligned);
+    }
+}
+
+TEST(TrainOpsGpu, AddMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  std::uint64_t seed = 100;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (std::int64_t n : kLengths)
+      for (bool misaligned : {false, true}) {
+        const float alpha = misaligned ? -0.375f : 1.0f;
+        const Tensor a = test::random_tensor(dt, {n}, ++seed), b = test::random_tensor(dt, {n}, ++seed, -8.0f, 8.0f);
+        Tensor ref(dt, {n});
+        add(cpu, a, b, ref, alpha);
+        Dev da = on_device(a, misaligned), db = on_device(b), out = device_tensor(dt, {n}, false);
+        add(gpu, da.view, db.view, out.view, alpha);
+        gpu.synchronize();
+        EXPECT_TRUE(within_ulps(out.view, ref, 1)) << what(dt, n, misaligned);
+        Dev da2 = on_device(a, misaligned);
+        add(gpu, da.view, db.view, da.view, alpha);   // out = a
+        add(gpu, da2.view, db.view, db.view, alpha);  // out = b
+        gpu.synchronize();
+        EXPECT_TRUE(within_ulps(da.view, ref, 1)) << "out = a, " << what(dt, n, misaligned);
+        EXPECT_TRUE(within_ulps(db.view, ref, 1)) << "out = b, " << what(dt, n, misaligned);
+      }
+  const Tensor a = test::random_tensor(DType::BF16, {kLarge}, 7), b = test::random_tensor(DType::BF16, {kLarge}, 8);
+  Tensor ref(DType::BF16, {kLarge});
+  add(cpu, a, b, ref, 0.5f);
+  Dev da = on_device(a), db = on_device(b), out = device_tensor(DType::BF16, {kLarge}, false);
+  add(gpu, da.view, db.view, out.view, 0.5f);
+  gpu.synchronize();
+  EXPECT_TRUE(within_ulps(out.view, ref, 1)) << "large";
+}
+
+TEST(TrainOpsGpu, AddBiasMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  struct Combo {
+    DType y, bias;
+  };
+  const Combo combos[] = {{DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}};
+  // Rows narrower than a vector (1, 3, 7 columns) wrap several times inside one vector.
+  const std::pair<std::int64_t, std::int64_t> shapes[] = {{1, 1},    {5, 3},    {9, 7},   {7, 63},      {65, 7},
+                                                          {3, 1000}, {2, 4099}, {63, 65}, {2048, 1536}, {17, 8960}};
+  std::uint64_t seed = 200;
+  for (const Combo& c : combos)
+    for (const auto& [rows, cols] : shapes)
+      for (bool misaligned : {false, true}) {
+        const Tensor y = test::random_tensor(c.y, {rows, cols}, ++seed);
+        const Tensor bias = test::random_tensor(c.bias, {cols}, ++seed, -4.0f, 4.0f);
+        Tensor ref = test::host_copy(y);
+        add_bias(cpu, ref, bias);
+        Dev dy = on_device(y, misaligned), dbias = on_device(bias, misaligned);
+        add_bias(gpu, dy.view, dbias.view);
+        gpu.synchronize();
+        EXPECT_TRUE(within_ulps(dy.view, ref, 1)) << dtype_name(c.y) << " y, " << dtype_name(c.bias) << " bias, "
+                                                  << rows << "x" << cols << (misaligned ? " misaligned" : "");
+      }
+}
+
+TEST(TrainOpsGpu, DropoutMatchesCpuBitForBit) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  std::uint64_t seed = 300;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (std::int64_t n : kLengthsAndLarge)
+      for (float p : {0.0f, 0.1f, 0.5f, 0.9f})
+        for (bool misaligned : {false, true}) {
+          if (n == kLarge && (misaligned || p == 0.0f)) continue;
+          const Tensor x = test::random_tensor(dt, {n}, ++seed);
+          const std::uint64_t mask_seed = 0x5EED0000u + seed;
+          Tensor ref(dt, {n});
+          dropout(cpu, x, ref, p, mask_seed);
+          Dev dx = on_device(x, misaligned), out = device_tensor(dt, {n}, false);
+          dropout(gpu, dx.view, out.view, p, mask_seed);
+          dropout(gpu, dx.view, dx.view, p, mask_seed);  // in place
+          gpu.synchronize();
+          const std::string w = what(dt, n, misaligned) + " p=" + std::to_string(p);
+          EXPECT_TRUE(test::bytes_equal(out.view, ref)) << w;
+          EXPECT_TRUE(test::bytes_equal(dx.view, ref)) << "in place, " << w;
+        }
+}
+
+TEST(TrainOpsGpu, MseLossMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  std::uint64_t seed = 400;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (std::int64_t n : kLengthsAndLarge)
+      for (bool misaligned : {false, true}) {
+        const float scale = misaligned ? 0.25f : 1.0f;
+        const Tensor y = test::random_tensor(dt, {n}, ++seed, -2.0f, 2.0f), t = test::random_tensor(dt, {n}, ++seed);
+        Tensor loss(DType::F32, {1}), dy(dt, {n});
+        mse_loss(cpu, y, t, loss, dy, scale);
+        Dev gy = on_device(y, misaligned), gt = on_device(t), gdy = device_tensor(dt, {n}, misaligned);
+        Dev gloss = device_tensor(DType::F32, {1}, false);
+        mse_loss(gpu, gy.view, gt.view, gloss.view, gdy.view, scale);
+        Dev gloss2 = device_tensor(DType::F32, {1}, false);
+        mse_loss(gpu, gy.view, gt.view, gloss2.view, gy.view, scale);  // dy = y
+        gpu.synchronize();
+        const std::string w = what(dt, n, misaligned);
+        EXPECT_TRUE(test::bytes_equal(gdy.view, dy)) << "dy " << w;
+        EXPECT_TRUE(test::bytes_equal(gy.view, dy)) << "dy = y, " << w;
+        EXPECT_TRUE(within_ulps(gloss.view, loss, 1)) << "loss " << w;
+        EXPECT_TRUE(test::bytes_equal(gloss2.view, gloss.view)) << "loss with dy = y, " << w;
+      }
+}
+
+// ---- grad_norm ----------------------------------------------------------------------------------------------------
+
+// `count` tensors of ragged sizes (some empty, some bf16, some misaligned) as host tensors and device copies.
+struct GradSet {
+  std::vector<Tensor> host;
+  std::vector<Dev> dev;
+  std::vector<TensorView> host_views() const { return {host.begin(), host.end()}; }
+  std::vector<TensorView> dev_views() const {
+    std::vector<TensorView> v;
+    for (const Dev& d : dev) v.push_back(d.view);
+    return v;
+  }
+};
+GradSet grad_set(int count, std::uint64_t seed, bool with_bf16) {
+  GradSet s;
+  for (int i = 0; i < count; ++i) {
+    const std::int64_t n = kLengths[static_cast<std::size_t>(i) % kLengths.size()] + (i % 5 == 4 ? 0 : i % 3);
+    const DType dt = with_bf16 && i % 3 == 1 ? DType::BF16 : DType::F32;
+    s.host.push_back(i % 11 == 10 ? Tensor(dt, {0})
+                                  : test::random_tensor(dt, {n}, seed + static_cast<std::uint64_t>(i), -0.1f, 0.1f));
+    s.dev.push_back(on_device(s.host.back(), i % 4 == 3));
+  }
+  return s;
+}
+
+TEST(TrainOpsGpu, GradNormMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  // 1 and 6 tensors take one launch; 150 take three (64 per launch).
+  for (int count : {1, 6, 64, 65, 150})
+    for (bool with_bf16 : {false, true}) {
+      const GradSet s = grad_set(count, 500 + static_cast<std::uint64_t>(count), with_bf16);
+      Tensor ref(DType::F32, {1});
+      grad_norm(cpu, s.host_views(), ref);
+      Dev a = device_tensor(DType::F32, {1}, false), b = device_tensor(DType::F32, {1}, false);
+      grad_norm(gpu, s.dev_views(), a.view);
+      grad_norm(gpu, s.dev_views(), b.view);
+      gpu.synchronize();
+      const std::string w = std::to_string(count) + " tensors" + (with_bf16 ? " with bf16" : "");
+      EXPECT_TRUE(within_ulps(a.view, ref, 1)) << w;
+      EXPECT_TRUE(test::bytes_equal(a.view, b.view)) << "deterministic, " << w;
+    }
+  const Tensor big = test::random_tensor(DType::F32, {kLarge}, 9);
+  const TensorView one[] = {big};
+  Tensor ref(DType::F32, {1});
+  grad_norm(cpu, one, ref);
+  Dev g = on_device(big), norm = device_tensor(DType::F32, {1}, false);
+  const TensorView dev_one[] = {g.view};
+  grad_norm(gpu, dev_one, norm.view);
+  gpu.synchronize();
+  EXPECT_TRUE(within_ulps(norm.view, ref, 1)) << "large";
+}
+
+// ---- adamw_step ---------------------------------------------------------------------------------------------------
+
+// GPU (fp32 arithmetic) against the CPU (fp64, one rounding per stored value), after each of several steps:
+//  - m = b1*m + (1-b1)*g: a few fp32 roundings of terms of size |g| <= 0.05; where the two terms cancel the error
+//    is absolute, ~2^-23 * 0.05: kAdamWMAtol. v has no cancellation (both terms >= 0).
+//  - the update lr * m_hat / (sqrt(v_hat) + eps) carries ~10 fp32 roundings (~1e-6 relative) of a value of size
+//    ~lr, and p itself one rounding per step: kAdamWPRtol relative plus lr * 1e-5 per step absolute.
+//  - with clipping the coefficient comes from each side's own fp32 norm (1 ulp apart), which moves g by ~2^-23.
+constexpr double kAdamWRtol = 1e-6;
+constexpr double kAdamWMAtol = 2e-8;
+constexpr double kAdamWVAtol = 1e-14;
+constexpr double kAdamWPRtol = 1e-6;
+
+struct OptState {
+  std::vector<Tensor> p, g, m, v;   // host (the CPU oracle's own state)
+  std::vector<Dev> dp, dg, dm, dv;  // device
+  std::vector<AdamWParam> host_params() const {
+    std::vector<AdamWParam> r;
+    for (std::size_t i = 0; i < p.size(); ++i) r.push_back({p[i], g[i], m[i], v[i]});
+    return r;
+  }
+  std::vector<AdamWParam> dev_params() const {
+    std::vector<AdamWParam> r;
+    for (std::size_t i = 0; i < p.size(); ++i) r.push_back({dp[i].view, dg[i].view, dm[i].view, dv[i].view});
+    return r;
+  }
+};
+
+// Fresh moments (zeros, as an optimizer starts), or warm ones as a resumed run has them: v in [1e-6, 1e-4] and
+// |m| <= sqrt(v) / 2 (a real m never outgrows sqrt(v) by much), so m_hat / sqrt(v_hat) stays O(1) and the update
+// ~lr, which the tolerances below assume.
+OptState opt_state(const std::vector<Shape>& shapes, std::uint64_t seed, bool warm) {
+  OptState s;
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    const bool misaligned = i % 5 == 2;
+    s.p.push_back(test::random_tensor(DType::F32, shapes[i], ++seed));
+    s.g.emplace_back(DType::F32, shapes[i]);
+    s.m.push_back(test::filled(DType::F32, shapes[i], 0.0f));
+    s.v.push_back(test::filled(DType::F32, shapes[i], 0.0f));
+    if (warm) {
+      const Tensor u = test::random_tensor(DType::F32, shapes[i], ++seed, -0.5f, 0.5f);
+      const Tensor w = test::random_tensor(DType::F32, shapes[i], ++seed, 1e-6f, 1e-4f);
+      for (std::int64_t k = 0; k < u.numel(); ++k) {
+        s.v.back().data_as<float>()[k] = w.data_as<float>()[k];
+        s.m.back().data_as<float>()[k] = u.data_as<float>()[k] * std::sqrt(w.data_as<float>()[k]);
+      }
+    }
+    s.dp.push_back(on_device(s.p.back(), misaligned));
+    s.dg.push_back(device_tensor(DType::F32, shapes[i], misaligned));
+    s.dm.push_back(on_device(s.m.back(), misaligned));
+    s.dv.push_back(on_device(s.v.back(), misaligned));
+  }
+  return s;
+}
+
+void new_grads(OptState& s, std::uint64_t seed) {
+  for (std::size_t i = 0; i < s.g.size(); ++i) {
+    s.g[i] = test::random_tensor(DType::F32, s.g[i].shape(), seed + i, -0.05f, 0.05f);
+    copy(s.dg[i].view, s.g[i]);
+  }
+}
+
+// Three steps from `first_step` (fresh moments when it is 1, warm ones otherwise), compared after each.
+void check_adamw(const std::vector<Shape>& shapes, const AdamWOptions& o, bool want_norm, int first_step,
+                 const std::string& name) {
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  OptState s = opt_state(shapes, 600, first_step > 1);
+  for (int step = first_step; step < first_step + 3; ++step) {
+    new_grads(s, 700 + static_cast<std::uint64_t>(step) * 1000);
+    Tensor norm(DType::F32, {1});
+    Dev dnorm = device_tensor(DType::F32, {1}, false);
+    adamw_step(cpu, s.host_params(), o, step, want_norm ? norm.view() : TensorView());
+    adamw_step(gpu, s.dev_params(), o, step, want_norm ? dnorm.view : TensorView());
+    gpu.synchronize();
+    const std::string w = name + " step " + std::to_string(step);
+    if (want_norm) EXPECT_TRUE(within_ulps(dnorm.view, norm, 1)) << "norm, " << w;
+    const test::Tolerance tol_p{1e-5 * o.lr * (step - first_step + 1), kAdamWPRtol, kAdamWPRtol};
+    const test::Tolerance tol_m{kAdamWMAtol, kAdamWRtol, kAdamWRtol}, tol_v{kAdamWVAtol, kAdamWRtol, kAdamWRtol};
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      const std::string at = w + " tensor " + std::to_string(i) + " " + shapes[i].str();
+      EXPECT_TRUE(test::all_close(test::host_copy(s.dp[i].view), s.p[i], tol_p)) << "param, " << at;
+      EXPECT_TRUE(test::all_close(test::host_copy(s.dm[i].view), s.m[i], tol_m)) << "m, " << at;
+      EXPECT_TRUE(test::all_close(test::host_copy(s.dv[i].view), s.v[i], tol_v)) << "v, " << at;
+      EXPECT_TRUE(test::bytes_equal(s.dg[i].view, s.g[i])) << "grad unchanged, " << at;
+    }
+  }
+}
+
+std::vector<Shape> ragged_shapes(int count) {
+  std::vector<Shape> shapes;
+  for (int i = 0; i < count; ++i)
+    shapes.push_back(Shape{kLengths[static_cast<std::size_t>(i) % kLengths.size()] + i % 3});
+  return shapes;
+}
+
+// Rank-16 LoRA factors of gate, up and down at Qwen2.5-1.5B's sizes (hidden 1536, intermediate 8960).
+std::vector<Shape> mlp_adapter_shapes() {
+  return {{16, 1536}, {8960, 16}, {16, 1536}, {8960, 16}, {16, 8960}, {1536, 16}};
+}
+
+TEST(TrainOpsGpu, AdamWMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  // The gradients' norm: |g| ~ 0.05/sqrt(3) per element, so ~0.029 * sqrt(numel): max_grad_norm 0.1 always clips
+  // these sets, 1e4 never does.
+  const AdamWOptions plain{1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 0.0f};
+  const AdamWOptions clipped{2e-3f, 0.9f, 0.95f, 1e-6f, 0.1f, 0.1f};
+  const AdamWOptions unclipped{1e-3f, 0.8f, 0.99f, 1e-8f, 0.01f, 1e4f};
+  check_adamw(ragged_shapes(7), plain, false, 1, "ragged, plain");
+  check_adamw(ragged_shapes(7), clipped, true, 1, "ragged, clipping active");
+  check_adamw(ragged_shapes(7), unclipped, true, 101, "ragged, clipping inactive, resumed");
+  check_adamw(ragged_shapes(7), plain, true, 7, "ragged, norm only, resumed");
+  check_adamw(mlp_adapter_shapes(), clipped, true, 1, "MLP adapters, clipping active");
+  check_adamw(mlp_adapter_shapes(), plain, false, 50, "MLP adapters, plain, resumed");
+}
+
+TEST(TrainOpsGpu, AdamWManyTensorsSeveralLaunches) {
+  QMM_REQUIRE_GPU();
+  // 150 tensors: three update launches and three partial-sum launches feeding one clip coefficient.
+  const AdamWOptions clipped{1e-3f, 0.9f, 0.999f, 1e-8f, 0.05f, 0.5f};
+  check_adamw(ragged_shapes(150), clipped, true, 1, "150 tensors, clipping active");
+  check_adamw(ragged_shapes(65), AdamWOptions{}, false, 20, "65 tensors, defaults, resumed");
+}
+
+TEST(TrainOpsGpu, ZeroWritesOnlyTheView) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::U8})
+    for (std::int64_t n : kLengths)
+      for (bool misaligned : {false, true}) {
+        Dev d = device_tensor(dt, {n}, misaligned);  // the view poisoned, plus one guard element before or after
+        const Tensor before = test::host_copy(d.storage);
+        zero(gpu, d.view);
+        gpu.synchronize();
+        const Tensor after = test::host_copy(d.storage);
+        const auto* was = before.data_as<std::uint8_t>();
+        const auto* now = after.data_as<std::uint8_t>();
+        const std::size_t es = dtype_size(dt), begin = misaligned ? es : 0,
+                          end = begin + static_cast<std::size_t>(n) * es;
+        std::int64_t wrong = 0;
+        for (std::size_t i = 0; i < after.nbytes(); ++i)
+          wrong += (i >= begin && i < end) ? now[i] != 0 : now[i] != was[i];
+        EXPECT_EQ(wrong, 0) << what(dt, n, misaligned);
+      }
+}
+
+TEST(TrainOpsGpu, HostTensorsAreRejected) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Tensor host = test::random_tensor(DType::F32, {8}, 1);
+  Dev dev = on_device(host);
+  EXPECT_TRUE(test::throws_error([&] { cast(gpu, host, dev.view); }, ErrorCode::DeviceMismatch, {"cast: src", "cpu"}));
+  // The norm (and the loss) live on the context's device: a host scalar is rejected, nothing is enqueued.
+  Dev g = on_device(host), m = on_device(host), v = on_device(host);
+  Tensor norm(DType::F32, {1});
+  const AdamWParam ps[] = {{dev.view, g.view, m.view, v.view}};
+  EXPECT_TRUE(test::throws_error([&] { adamw_step(gpu, ps, {}, 1, norm); }, ErrorCode::DeviceMismatch,
+                                 {"adamw_step: norm", "cpu"}));
+  Tensor loss(DType::F32, {1});
+  EXPECT_TRUE(test::throws_error([&] { mse_loss(gpu, dev.view, g.view, loss, m.view); }, ErrorCode::DeviceMismatch,
+                                 {"mse_loss: loss", "cpu"}));
+  gpu.synchronize();
+  EXPECT_TRUE(test::bytes_equal(dev.view, host));
+}
+
+}  // namespace
+}  // namespace qmm
