@@ -1,6 +1,7 @@
 // qmm check: every op on every available device against an oracle, at a few realistic sizes.
 // On the GPU the oracle is the CPU backend; the CPU backend itself is checked against naive loops written here,
 // independent of src/cpu/, with the same rounding contracts.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -331,6 +332,154 @@ void add_nf4_cases(std::vector<Case>& cases, std::int64_t m, std::int64_t k, std
                    1e-6, 1e-5});
 }
 
+// Train ops. n elements for the element-wise ops; AdamW over rank-16 adapter factors of a [hidden, inter] MLP.
+void add_train_cases(std::vector<Case>& cases, std::int64_t n, std::int64_t hidden, std::int64_t inter) {
+  const std::string len = std::to_string(n);
+  auto X = std::make_shared<Tensor>(random(DType::F32, {n}, 51));
+  auto Y = std::make_shared<Tensor>(random(DType::F32, {n}, 52));
+  auto Xb = std::make_shared<Tensor>(random(DType::BF16, {n}, 53));
+  auto each = [](std::int64_t count, const std::function<double(std::int64_t)>& f) {
+    std::vector<double> v(static_cast<std::size_t>(count));
+    for (std::int64_t i = 0; i < count; ++i) v[static_cast<std::size_t>(i)] = f(i);
+    return v;
+  };
+  cases.push_back({"cast f32->bf16", len,
+                   [=](const Context& ctx) {
+                     Tensor out = poisoned(ctx, DType::BF16, {n});
+                     cast(ctx, on(ctx, *X), out);
+                     return Outputs{out};
+                   },
+                   [=] { return Reference{each(n, [&](auto i) { return round_to_bf16(value_at(*X, i)); })}; }, 0.0,
+                   0.0});
+  cases.push_back({"add f32 (alpha -0.5)", len,
+                   [=](const Context& ctx) {
+                     Tensor out = poisoned(ctx, DType::F32, {n});
+                     add(ctx, on(ctx, *X), on(ctx, *Y), out, -0.5f);
+                     return Outputs{out};
+                   },
+                   [=] {
+                     return Reference{each(n, [&](auto i) {
+                       return static_cast<double>(static_cast<float>(value_at(*X, i) - 0.5 * value_at(*Y, i)));
+                     })};
+                   },
+                   1e-7, 1e-7});
+  const std::int64_t cols = 1000, rows = n / cols;
+  auto Bias = std::make_shared<Tensor>(random(DType::F32, {cols}, 54));
+  cases.push_back({"add_bias bf16 + f32 bias", std::to_string(rows) + "x" + std::to_string(cols),
+                   [=](const Context& ctx) {
+                     Tensor y = on(ctx, TensorView(Xb->data(), DType::BF16, {rows, cols}));
+                     add_bias(ctx, y, on(ctx, *Bias));
+                     return Outputs{y};
+                   },
+                   [=] {
+                     return Reference{each(rows * cols, [&](auto i) {
+                       return round_to_bf16(value_at(*Xb, i) + value_at(*Bias, i % cols));
+                     })};
+                   },
+                   1e-3, 1e-3});  // one bf16 rounding of the same sum; differs at most by a rare last-bit tie
+  cases.push_back({"dropout bf16 p=0.1", len,
+                   [=](const Context& ctx) {
+                     Tensor out = poisoned(ctx, DType::BF16, {n});
+                     dropout(ctx, on(ctx, *Xb), out, 0.1f, 2024);
+                     return Outputs{out};
+                   },
+                   [=] {
+                     const double scale = 1.0f / 0.9f;  // the fp32 scale the contract multiplies by
+                     return Reference{each(n, [&](auto i) {
+                       return dropout_keep(2024, i, 0.1f) ? round_to_bf16(value_at(*Xb, i) * scale) : 0.0;
+                     })};
+                   },
+                   0.0, 0.0});  // one mask definition, one rounding: identical everywhere
+  cases.push_back({"mse_loss f32 (loss, dy)", len,
+                   [=](const Context& ctx) {
+                     Tensor loss = poisoned(ctx, DType::F32, {1}), dy = poisoned(ctx, DType::F32, {n});
+                     mse_loss(ctx, on(ctx, *X), on(ctx, *Y), loss, dy);
+                     return Outputs{loss, dy};
+                   },
+                   [=] {
+                     double sum = 0;
+                     for (std::int64_t i = 0; i < n; ++i) sum += std::pow(value_at(*X, i) - value_at(*Y, i), 2);
+                     return Reference{{static_cast<float>(sum / n)}, each(n, [&](auto i) {
+                                        return static_cast<double>(
+                                            static_cast<float>(2.0 * (value_at(*X, i) - value_at(*Y, i)) / n));
+                                      })};
+                   },
+                   1e-6, 1e-6});
+  cases.push_back({"grad_norm f32 + bf16", len + "+" + len,
+                   [=](const Context& ctx) {
+                     Tensor norm = poisoned(ctx, DType::F32, {1});
+                     const Tensor a = on(ctx, *X), b = on(ctx, *Xb);
+                     const TensorView grads[] = {a, b};
+                     grad_norm(ctx, grads, norm);
+                     return Outputs{norm};
+                   },
+                   [=] {
+                     double sum = 0;
+                     for (std::int64_t i = 0; i < n; ++i) sum += value_at(*X, i) * value_at(*X, i);
+                     for (std::int64_t i = 0; i < n; ++i) sum += value_at(*Xb, i) * value_at(*Xb, i);
+                     return Reference{{static_cast<float>(std::sqrt(sum))}};
+                   },
+                   1e-6, 1e-6});
+  // AdamW, one step from zero moments with weight decay and active clipping (the gradients' norm is ~sqrt(numel)
+  // times 0.01); outputs the norm, then every parameter and both moments.
+  const std::vector<Shape> shapes = {{16, hidden}, {inter, 16}, {16, hidden}, {inter, 16}, {16, inter}, {hidden, 16}};
+  auto P = std::make_shared<std::vector<Tensor>>(), G = std::make_shared<std::vector<Tensor>>();
+  for (std::size_t k = 0; k < shapes.size(); ++k) {
+    P->push_back(random(DType::F32, shapes[k], 60 + k, 0.02f));
+    G->push_back(random(DType::F32, shapes[k], 70 + k, 0.01f));
+  }
+  const AdamWOptions opts{1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1.0f};
+  std::int64_t params = 0;
+  for (const Shape& sh : shapes) params += sh.numel();
+  cases.push_back({"adamw_step clip+decay (6 tensors)", std::to_string(params),
+                   [=](const Context& ctx) {
+                     Outputs out{poisoned(ctx, DType::F32, {1})};
+                     std::vector<AdamWParam> ps;
+                     std::vector<Tensor> grads;  // alive until the step is enqueued (views do not own memory)
+                     for (std::size_t k = 0; k < shapes.size(); ++k) {
+                       Tensor p = on(ctx, (*P)[k]), g = on(ctx, (*G)[k]);
+                       Tensor m = on(ctx, Tensor(DType::F32, shapes[k])), v = on(ctx, Tensor(DType::F32, shapes[k]));
+                       zero(ctx, m);
+                       zero(ctx, v);
+                       ps.push_back({p, g, m, v});
+                       out.insert(out.end(), {p, m, v});
+                       grads.push_back(g);
+                     }
+                     adamw_step(ctx, ps, opts, 1, out[0]);
+                     return out;
+                   },
+                   [=] {
+                     double sum = 0;
+                     for (const Tensor& g : *G)
+                       for (std::int64_t i = 0; i < g.numel(); ++i) sum += value_at(g, i) * value_at(g, i);
+                     const double norm = std::sqrt(sum), clip = std::min(1.0, opts.max_grad_norm / (norm + 1e-6));
+                     const double lr = opts.lr, b1 = opts.beta1, b2 = opts.beta2, wd = opts.weight_decay;
+                     Reference ref{{static_cast<float>(norm)}};
+                     for (std::size_t k = 0; k < shapes.size(); ++k) {
+                       std::vector<double> p, m, v;
+                       for (std::int64_t i = 0; i < (*P)[k].numel(); ++i) {
+                         const double g = value_at((*G)[k], i) * clip;
+                         const double mk = (1 - b1) * g, vk = (1 - b2) * g * g;
+                         const double w = value_at((*P)[k], i) * (1 - lr * wd);
+                         // Step 1: the bias corrections divide by exactly the (1 - beta) factors.
+                         p.push_back(static_cast<float>(w - lr * (mk / (1 - b1)) / (std::sqrt(vk / (1 - b2)) + opts.eps)));
+                         m.push_back(static_cast<float>(mk));
+                         v.push_back(static_cast<float>(vk));
+                       }
+                       ref.insert(ref.end(), {p, m, v});
+                     }
+                     return ref;
+                   },
+                   1e-6, 1e-5});  // fp64 with one rounding vs the GPU's fp32 chain (~10 roundings in the update)
+  cases.push_back({"zero bf16", len,
+                   [=](const Context& ctx) {
+                     Tensor t = on(ctx, *Xb);
+                     zero(ctx, t);
+                     return Outputs{t};
+                   },
+                   [=] { return Reference{std::vector<double>(static_cast<std::size_t>(n), 0.0)}; }, 0.0, 0.0});
+}
+
 struct Result {
   double rel = 0;
   bool finite = true;
@@ -376,12 +525,14 @@ int run_check(const CheckOptions& opts) {
   add_batched_case(cpu_cases, 1, 2, 63 * s, 64);
   add_swiglu_cases(cpu_cases, 100003 * s);
   add_nf4_cases(cpu_cases, 17 * s, 512 * s, 192 * s);
+  add_train_cases(cpu_cases, 100003 * s, 256 * s, 1000 * s);
   if (gpus > 0) {
     add_dense_cases(gpu_cases, 256 * s, 1536, 1000 * s);
     add_batched_case(gpu_cases, 2, 4, 255 * s, 128);
     add_swiglu_cases(gpu_cases, (1 << 22) + 3);
     add_nf4_cases(gpu_cases, 65 * s, 1536, 2048 * s);
     add_nf4_cases(gpu_cases, 1, 4096, 1536);
+    add_train_cases(gpu_cases, (1 << 22) + 3, 1536, 8960);
   }
 
   int failures = 0, rows = 0;
