@@ -209,6 +209,7 @@ class Bench {
   void run_dense();
   void run_batched();
   void run_swiglu();
+  void run_train();
   void run_nf4();
   void add_ratios();
   void write_json(const std::string& path) const;
@@ -348,6 +349,44 @@ void Bench::run_swiglu() {
         Result r{op, dtype_name(dt), label, 1, n, 1, 1, 0, bytes, time(fn)};
         record(r);
       }
+}
+
+void Bench::run_train() {
+  // adamw_step over the rank-16 LoRA factors (A [16, in], B [out, 16]) of an MLP block's gate, up and down: per
+  // parameter it reads p, g, m, v and writes p, m, v (28 bytes), and reads g once more for the clipping norm.
+  struct AdapterSet {
+    std::string label;
+    std::int64_t hidden, inter;
+  };
+  const AdapterSet sets[] = {{"qwen2.5-1.5b mlp r16", 1536, 8960}};
+  for (const AdapterSet& a : sets)
+    for (bool clip : {false, true}) {
+      if (!selected("adamw_step", a.label)) continue;
+      const std::vector<Shape> shapes = {{16, a.hidden}, {a.inter, 16}, {16, a.hidden},
+                                         {a.inter, 16},  {16, a.inter}, {a.hidden, 16}};
+      std::int64_t params = 0;
+      for (const Shape& s : shapes) params += s.numel();
+      const double bytes = (clip ? 32.0 : 28.0) * static_cast<double>(params);
+      const int nsets = sets_for(bytes);
+      std::vector<Tensor> buffers;  // owns what the views in `groups` point at
+      std::vector<std::vector<AdamWParam>> groups(static_cast<std::size_t>(nsets));
+      for (int k = 0; k < nsets; ++k)
+        for (std::size_t t = 0; t < shapes.size(); ++t) {
+          const Tensor p = pool_.make(ctx_, DType::F32, shapes[t], 700 + t);
+          const Tensor g = pool_.make(ctx_, DType::F32, shapes[t], 710 + t);
+          const Tensor m = pool_.make(ctx_, DType::F32, shapes[t], 720 + t), v(DType::F32, shapes[t], ctx_.device());
+          zero(ctx_, v);  // second moments must not be negative
+          groups[static_cast<std::size_t>(k)].push_back({p, g, m, v});
+          buffers.insert(buffers.end(), {p, g, m, v});
+        }
+      AdamWOptions o;
+      o.weight_decay = 0.01f;
+      o.max_grad_norm = clip ? 1.0f : 0.0f;
+      int step = 0;
+      const auto step_once = [&](int i) { adamw_step(ctx_, groups[static_cast<std::size_t>(i % nsets)], o, ++step); };
+      record({"adamw_step", clip ? "clip" : "plain", a.label, 1, params, static_cast<std::int64_t>(shapes.size()), 1,
+              0, bytes, time(step_once)});
+    }
 }
 
 double nf4_bytes(std::int64_t n, std::int64_t k, bool dq) {
@@ -504,6 +543,7 @@ int run_bench(const BenchOptions& opts) {
   b.run_dense();
   b.run_batched();
   b.run_swiglu();
+  b.run_train();
   b.run_nf4();
   b.add_ratios();
   b.print_ratios();
