@@ -211,6 +211,7 @@ class Bench {
   void run_swiglu();
   void run_train();
   void run_nf4();
+  void run_mlp();
   void add_ratios();
   void write_json(const std::string& path) const;
 
@@ -471,6 +472,54 @@ void Bench::run_nf4() {
     }
 }
 
+void Bench::run_mlp() {
+  // The SwiGLU MLP block with LoRA (rank 16, alpha 32, no dropout) on gate, up and down, bf16 activations:
+  // forward + backward (dx and every adapter gradient), with an NF4 (double-quantized) or a bf16 frozen base.
+  struct Block {
+    std::string label;
+    std::int64_t h, i, m;
+  };
+  std::vector<Block> blocks = {{"qwen2.5-1.5b mlp", 1536, 8960, 2048}, {"llama3-8b mlp", 4096, 14336, 4096}};
+  if (!is_gpu_) blocks = {{"tiny mlp", 64, 160, 16}};
+  for (const Block& b : blocks)
+    for (bool nf4 : {false, true}) {
+      const std::string mode = nf4 ? "nf4" : "bf16";
+      if (!selected("mlp_block", b.label)) continue;
+      const Tensor wg = pool_.make(ctx_, DType::BF16, {b.i, b.h}, 600), wu = pool_.make(ctx_, DType::BF16, {b.i, b.h}, 601),
+                   wd = pool_.make(ctx_, DType::BF16, {b.h, b.i}, 602);
+      Nf4Tensor qg, qu, qd;
+      if (nf4) {
+        qg = nf4_quantize(ctx_, wg, true);
+        qu = nf4_quantize(ctx_, wu, true);
+        qd = nf4_quantize(ctx_, wd, true);
+      }
+      auto base = [&](const Tensor& w, const Nf4Tensor& q) { return nf4 ? BaseWeight(q) : BaseWeight(w); };
+      LoraConfig cfg;
+      cfg.rank = 16;
+      cfg.alpha = 32.0f;
+      cfg.activations = DType::BF16;
+      SwiGluMlp mlp(ctx_, base(wg, qg), base(wu, qu), base(wd, qd), cfg);
+      for (LoraLinear* l : {&mlp.gate(), &mlp.up(), &mlp.down()}) {  // nonzero adapters, as after some training
+        const std::int64_t r = cfg.rank, k = l->in_features(), n = l->out_features();
+        l->load_adapters(pool_.make(ctx_, DType::F32, {r, k}, 610), pool_.make(ctx_, DType::F32, {n, r}, 611));
+      }
+      mlp.reserve(b.m);
+      const Tensor x = pool_.make(ctx_, DType::BF16, {b.m, b.h}, 620), dy = pool_.make(ctx_, DType::BF16, {b.m, b.h}, 621);
+      const Tensor y(DType::BF16, {b.m, b.h}, ctx_.device()), dx(DType::BF16, {b.m, b.h}, ctx_.device());
+      // Base GEMMs: 3 forward + 3 input-gradient, 2*M*H*I each; the rank-16 adapters add about 3% more.
+      const double flops = 12.0 * b.m * b.h * b.i;
+      const double bytes = static_cast<double>(mlp.frozen_bytes()) + 2.0 * 4 * b.m * b.h + 2.0 * 4 * b.m * b.i;
+      Result r{"mlp_block", mode, b.label, 1, b.m, b.i, b.h, flops, bytes, time([&](int) {
+                 mlp.forward(x, y);
+                 mlp.backward(x, dy, dx);
+               })};
+      std::printf("  %s %s base: frozen weights %.1f MB = %.3f of bf16\n", b.label.c_str(), mode.c_str(),
+                  static_cast<double>(mlp.frozen_bytes()) / 1e6,
+                  static_cast<double>(mlp.frozen_bytes()) / static_cast<double>(mlp.frozen_bf16_bytes()));
+      record(r);
+    }
+}
+
 void Bench::add_ratios() {
   // NF4 GEMMs against the bf16 GEMM on the dequantized weight (same shape, same run); BF16-compute against
   // bf16 storage and TF32; gate+up against two nf4_gemm calls.
@@ -478,7 +527,9 @@ void Bench::add_ratios() {
     const Result* base = nullptr;
     if (r.op == "nf4_gemm") base = find("gemm_bt", "bf16", r.m, r.n, r.k), r.baseline = "gemm_bt bf16";
     else if (r.op == "nf4_gemm_backward_a") base = find("gemm", "bf16", r.m, r.n, r.k), r.baseline = "gemm bf16";
-    else if (r.op == "nf4_gate_up") {
+    else if (r.op == "mlp_block") {
+      if (r.mode != "bf16") base = find("mlp_block", "bf16", r.m, r.n, r.k), r.baseline = "bf16 base";
+    } else if (r.op == "nf4_gate_up") {
       if (const Result* one = find("nf4_gemm", "dq auto", r.m, r.n, r.k)) {
         r.baseline = "2x nf4_gemm";
         r.ratio = r.t.median_us / (2 * one->t.median_us);
@@ -545,6 +596,7 @@ int run_bench(const BenchOptions& opts) {
   b.run_swiglu();
   b.run_train();
   b.run_nf4();
+  b.run_mlp();
   b.add_ratios();
   b.print_ratios();
   if (!o.json_path.empty()) b.write_json(o.json_path);

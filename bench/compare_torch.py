@@ -127,6 +127,27 @@ def swiglu_case(r):
     return (lambda i: torch.autograd.grad(hs[i], (gs[i], us[i]), dhs[i], retain_graph=True)), sets
 
 
+def mlp_case(r):
+    """The bf16-base LoRA SwiGLU MLP block as PyTorch users write it (eager; rank 16, alpha 32, no dropout):
+    forward, then backward for x and every adapter. qmm's NF4 and bf16 blocks are both compared against it."""
+    m, i, h, rank, scale = r["m"], r["n"], r["k"], 16, 32 / 16
+    dt = torch.bfloat16
+    wg, wu, wd = rand((i, h), dt) * 0.02, rand((i, h), dt) * 0.02, rand((h, i), dt) * 0.02
+    adapters = [(rand((rank, k), dt).mul_(0.02).requires_grad_(), rand((n, rank), dt).mul_(0.02).requires_grad_())
+                for k, n in ((h, i), (h, i), (i, h))]
+    x = rand((m, h), dt).requires_grad_()
+    dy = rand((m, h), dt)
+
+    def lora(inp, w, ab):
+        return F.linear(inp, w) + scale * F.linear(F.linear(inp, ab[0]), ab[1])
+
+    def fn(_):
+        y = lora(F.silu(lora(x, wg, adapters[0])) * lora(x, wu, adapters[1]), wd, adapters[2])
+        torch.autograd.backward(y, dy)
+
+    return fn, 1
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--qmm-json", required=True)
@@ -142,7 +163,12 @@ def main():
     for r in data["results"]:
         if r["op"].startswith("nf4_gemm") and r["mode"] != "dq auto":
             continue  # the forced NF4 paths share one torch baseline
-        case = swiglu_case(r) if r["op"].startswith("swiglu") else dense_case(r)
+        if r["op"] == "mlp_block":
+            case = mlp_case(r)
+        elif r["op"].startswith("swiglu"):
+            case = swiglu_case(r)
+        else:
+            case = dense_case(r)
         if case is None:
             continue
         fn, sets = case

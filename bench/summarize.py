@@ -52,14 +52,33 @@ def main(bench_path, compare_path=None):
     print()
 
     print("### NF4 GEMMs (double-quantized weights, bf16 activations) against cuBLAS bf16 on the dequantized weight\n")
-    print("| op | path | shape | M | µs | GB/s | % roof | × bf16 cuBLAS |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("µs: device time (CUDA-graph replays); eager µs: one call at a time as a program issues it.\n")
+    print("| op | path | shape | M | µs | eager µs | GB/s | % roof | × bf16 cuBLAS |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in res:
         if not r["op"].startswith("nf4_gemm") and r["op"] != "nf4_gate_up":
             continue
         ratio = r.get("ratio", {})
         roof = f"{100 * r['roofline_fraction']:.0f}%" if "roofline_fraction" in r else "-"
-        print(f"| {r['op']} | {r['mode']} | {r['shape']} | {r['m']} | {r['median_us']:.1f} | {r['gbps']:.0f} | {roof} | "
-              f"{ratio.get('value', 0):.2f} {ratio.get('vs', '')} |")
+        print(f"| {r['op']} | {r['mode']} | {r['shape']} | {r['m']} | {r['median_us']:.1f} | {r.get('eager_us', 0):.1f} | "
+              f"{r['gbps']:.0f} | {roof} | {ratio.get('value', 0):.2f} {ratio.get('vs', '')} |")
+    print()
+
+    mlp = [r for r in res if r["op"] == "mlp_block"]
+    if mlp:
+        torch_eager = {}
+        if compare_path:
+            for x in json.load(open(compare_path)):
+                if x["op"] == "mlp_block":
+                    torch_eager[(x["shape"], x["mode"])] = x.get("torch_eager_us")
+        print("### LoRA MLP block, forward + backward (rank 16, bf16 activations)\n")
+        print("| block | base | tokens | device µs | eager µs | torch eager µs (bf16 base) | torch / qmm eager |\n"
+              "| --- | --- | --- | --- | --- | --- | --- |")
+        for r in mlp:
+            te = torch_eager.get((r["shape"], r["mode"]))
+            vs = f"{te / r['eager_us']:.2f}" if te else "-"
+            print(f"| {r['shape']} | {r['mode']} | {r['m']} | {r['median_us']:.1f} | {r.get('eager_us', 0):.1f} | "
+                  f"{te or 0:.1f} | {vs} |")
 
 
 if __name__ == "__main__":
