@@ -1,6 +1,8 @@
 // The qmm tool's subcommands. Each returns the process exit code.
 #pragma once
 
+#include <cstdint>
+#include <iosfwd>
 #include <string>
 #include <vector>
 
@@ -20,5 +22,30 @@ struct BenchOptions {
   bool cpu = false;  // force the CPU backend
 };
 int run_bench(const BenchOptions& opts);
+
+// qmm finetune: QLoRA adapters trained on a frozen NF4 base to learn a hidden low-rank change of it.
+// Zero or empty fields take the device's defaults (tools/qmm/finetune.cpp).
+struct FinetuneOptions {
+  std::string path;               // empty: the embedded seeded MLP; else a safetensors file of base weights
+  int steps = 0;                  // GPU 300, CPU 200
+  std::int64_t tokens = 0;        // rows per step; GPU 2048, CPU 64
+  std::int64_t hidden = 0;        // embedded MLP sizes: GPU 1024 x 2816, CPU 128 x 352
+  std::int64_t intermediate = 0;
+  int rank = 16;                  // LoRA rank (alpha = 2 rank); the hidden change has rank max(1, rank/2)
+  float lr = 3e-3f;               // AdamW peak learning rate (linear warmup, cosine decay)
+  std::uint64_t seed = 0;
+  bool cpu = false;               // force the CPU backend
+  int log_every = 10;             // steps between loss read-backs (each one synchronizes)
+};
+// Mean losses over held-out batches (not trained on).
+struct FinetuneResult {
+  double start_loss = 0;  // the untrained student: the NF4 base alone
+  double final_loss = 0;  // after training
+  double floor_loss = 0;  // the NF4 base with the exact hidden change as adapters: what the adapters can reach
+};
+// Runs the job, printing to `out` (a progress bar when `tty`); throws qmm::Error on bad options or files.
+FinetuneResult finetune(const FinetuneOptions& opts, std::ostream& out, bool tty = false);
+// The command: 0 when the final loss fell below the start loss, 1 otherwise.
+int run_finetune(const FinetuneOptions& opts);
 
 }  // namespace qmm::tool

@@ -1,4 +1,4 @@
-// qmm: the command-line front end (check, bench).
+// qmm: the command-line front end (check, bench, finetune).
 #include <CLI/CLI.hpp>
 #include <iostream>
 
@@ -22,10 +22,34 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--repeats", bench.repeats, "Timed repetitions per case")->check(CLI::Range(1, 100000));
   bench_cmd->add_flag("--cpu", bench.cpu, "Benchmark the CPU backend even where a GPU is present");
 
+  qmm::tool::FinetuneOptions ft;
+  auto* ft_cmd = app.add_subcommand("finetune", "Train QLoRA adapters on a frozen NF4 base (an embedded model, or "
+                                                "the base weights of a safetensors file)");
+  ft_cmd->add_option("path", ft.path, "safetensors file: a bitsandbytes 4-bit layer, an MLP (gate/up/down_proj) "
+                                      "or one 2-D weight; none: the embedded model");
+  ft_cmd->add_option("--steps", ft.steps, "Optimizer steps (default: GPU 300, CPU 200)")->check(CLI::Range(1, 1000000));
+  ft_cmd->add_option("--tokens", ft.tokens, "Tokens per step (default: GPU 2048, CPU 64)")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 24));
+  ft_cmd->add_option("--hidden", ft.hidden, "Embedded MLP hidden size (default: GPU 1024, CPU 128)")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
+  ft_cmd->add_option("--intermediate", ft.intermediate, "Embedded MLP intermediate size (default: GPU 2816, CPU 352)")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
+  ft_cmd->add_option("--rank", ft.rank, "LoRA rank (alpha = 2 rank)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  ft_cmd->add_option("--lr", ft.lr, "AdamW peak learning rate")->capture_default_str()->check(CLI::PositiveNumber);
+  ft_cmd->add_option("--seed", ft.seed, "Seed of the weights, the hidden change, the data and the adapters")
+      ->capture_default_str();
+  ft_cmd->add_flag("--cpu", ft.cpu, "Use the CPU backend even where a GPU is present");
+  ft_cmd->add_option("--log-every", ft.log_every, "Steps between loss read-backs (each one waits for the device)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000000));
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (*check_cmd) return qmm::tool::run_check(check);
     if (*bench_cmd) return qmm::tool::run_bench(bench);
+    if (*ft_cmd) return qmm::tool::run_finetune(ft);
   } catch (const qmm::Error& e) {
     std::cerr << "qmm: error (" << qmm::error_code_name(e.code()) << "): " << e.what() << "\n";
     return 2;
