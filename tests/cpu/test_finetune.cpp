@@ -16,9 +16,9 @@
 #include "common/test_util.h"
 #include "qmm/checkpoint.h"
 
-// The job lives in the tool (tools/qmm/finetune.cpp, built into the qmm binary); compiling it into this test binary
-// too lets the test call it directly, with no subprocess.
-#include "../../tools/qmm/finetune.cpp"
+// The job lives in the tool (tools/qmm/finetune.cpp, built into the qmm binary and, by tests/CMakeLists.txt, into
+// this test binary too), so the test calls it directly, with no subprocess.
+#include "commands.h"
 
 namespace qmm {
 namespace {
