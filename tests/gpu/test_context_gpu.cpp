@@ -41,11 +41,20 @@ TEST(GpuContext, TimeGraphRunsTheCapturedCalls) {
   ctx.synchronize();
   EXPECT_TRUE(test::all_close(test::host_copy(h), ref, {1e-6, 1e-6, 1e-6}));
 
-  // Double quantization reads its offset back to the host (a synchronization): not capturable, refused, and the
-  // stream works afterwards.
-  const Tensor w = to_device(test::random_tensor(DType::F32, {64, 64}, 7), ctx.device());
-  EXPECT_TRUE(test::throws_error([&] { ctx.time_graph([&](int) { nf4_quantize(ctx, w, true); }, 1, 1); },
-                                 ErrorCode::Unsupported, {"time_graph"}));
+  // A call that fails while being captured (here a validation error after one captured op; a call that
+  // synchronizes, like double quantization, fails the same way, but also trips compute-sanitizer's API-error
+  // report, so it is left to the bench) is refused with Unsupported, and the stream works afterwards.
+  const Tensor bad(DType::F32, {7}, ctx.device());
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ctx.time_graph(
+            [&](int) {
+              swiglu(ctx, g, u, h);
+              swiglu(ctx, g, u, bad);
+            },
+            1, 1);
+      },
+      ErrorCode::Unsupported, {"time_graph", "swiglu"}));
   test::poison(h);
   swiglu(ctx, g, u, h);
   ctx.synchronize();

