@@ -10,11 +10,11 @@
 #include <cstdint>
 
 #include "core/train_math.h"
-#include "cuda/swiglu/swiglu.cuh"  // Elem<T>: scalar and 16-byte vector access to f32 and bf16 storage
+#include "cuda/common/elem.cuh"
 
 namespace qmm::cuda::train_detail {
 
-using swiglu_detail::Elem;
+using common::Elem;
 
 constexpr int kThreads = 256;
 // Tensors per multi-tensor launch. The batch travels as a kernel parameter by value; 64 AdamW slots (48 bytes
