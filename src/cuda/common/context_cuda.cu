@@ -166,6 +166,11 @@ std::vector<double> time_graph(const Context& ctx, const std::function<void(int)
     if (graph) cudaGraphDestroy(graph);
     cudaGetLastError();
     throw Error(ErrorCode::Unsupported, std::string("Context::time_graph: the calls cannot be captured: ") + e.what());
+  } catch (...) {  // anything else fn throws: still end the capture so the stream stays usable
+    cudaStreamEndCapture(s, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    throw;
   }
   const cudaError_t end = cudaStreamEndCapture(s, &graph);
   if (end != cudaSuccess || graph == nullptr) {
