@@ -15,6 +15,7 @@ namespace qmm {
 
 constexpr int kNf4DefaultBlockSize = 64;
 constexpr int kNf4NestedBlockSize = 256;  // blocks per absmax2 group when double-quantized
+constexpr int kNf4Code2Size = 256;        // values in the double-quantization map code2
 constexpr std::uint8_t kNf4ZeroCode = 7;  // code of 0.0, fills the unused low nibble of an odd tail
 
 // The 16 NF4 values, ascending.
@@ -90,7 +91,7 @@ struct Nf4Tensor {
   operator Nf4Weight() const { return view(); }  // NOLINT
 };
 
-// The 256 values of bitsandbytes' signed "dynamic" 8-bit map, ascending, used by double quantization.
+// The kNf4Code2Size (256) values of bitsandbytes' signed "dynamic" 8-bit map, ascending, used by double quantization.
 const float* nf4_code2_table();
 
 // The rebuilt fp32 scale of block i: absmax[i] (plain) or code2[q[i]]*absmax2[i/256] + offset (double). Host memory.

@@ -38,16 +38,11 @@ Context Context::cuda(int device, void* stream) {
 }
 
 Context Context::cuda_with_new_stream(int device) {
+  Context ctx = cuda(device);  // throws NoDevice where there is no CUDA
 #ifdef QMM_WITH_CUDA
-  auto impl = std::make_shared<Impl>();
-  impl->device = Device::cuda(device);
-  cuda::init_context(*impl, device, nullptr);
-  impl->stream = cuda::create_owned_stream(*impl);
-  return Context(std::move(impl));
-#else
-  (void)device;
-  throw Error(ErrorCode::NoDevice, "Context::cuda: qmm was built without CUDA (nvcc was not found at configure time)");
+  ctx.impl_->stream = cuda::create_owned_stream(*ctx.impl_);
 #endif
+  return ctx;
 }
 
 int Context::cuda_device_count() {

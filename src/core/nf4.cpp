@@ -14,7 +14,7 @@
 namespace qmm {
 namespace {
 
-constexpr int kCode2Size = 256;
+constexpr int kCode2Size = kNf4Code2Size;
 constexpr int kMinBlockSize = 64;  // bitsandbytes' 4-bit block sizes: powers of two in [64, 4096]
 constexpr int kMaxBlockSize = 4096;
 

@@ -64,8 +64,8 @@ void init_context(Context::Impl& impl, int device, void* stream) {
   QMM_CUDA_CHECK(cudaMemPoolCreate(&s.pool, &pool_props));
   std::uint64_t keep = UINT64_MAX;  // never trim between ops: scratch sizes repeat from call to call
   QMM_CUDA_CHECK(cudaMemPoolSetAttribute(s.pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  QMM_CUDA_CHECK(cudaMalloc(&s.code2, 256 * sizeof(float)));
-  QMM_CUDA_CHECK(cudaMemcpy(s.code2, nf4_code2_table(), 256 * sizeof(float), cudaMemcpyHostToDevice));
+  QMM_CUDA_CHECK(cudaMalloc(&s.code2, kNf4Code2Size * sizeof(float)));
+  QMM_CUDA_CHECK(cudaMemcpy(s.code2, nf4_code2_table(), kNf4Code2Size * sizeof(float), cudaMemcpyHostToDevice));
   impl.name = s.props.name;
 }
 
@@ -159,17 +159,19 @@ std::vector<double> time_graph(const Context& ctx, const std::function<void(int)
   // Relaxed mode: the ops' own non-stream calls (cudaFuncSetAttribute, cudaGetDevice) stay legal while capturing.
   QMM_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
   cudaGraph_t graph = nullptr;
-  try {
-    for (int i = 0; i < calls; ++i) fn(i);
-  } catch (const Error& e) {
-    cudaStreamEndCapture(s, &graph);  // leaves the stream usable; the partial graph is discarded
-    if (graph) cudaGraphDestroy(graph);
-    cudaGetLastError();
-    throw Error(ErrorCode::Unsupported, std::string("Context::time_graph: the calls cannot be captured: ") + e.what());
-  } catch (...) {  // anything else fn throws: still end the capture so the stream stays usable
+  // When fn throws: end the capture so the stream is usable again, and drop the partial graph.
+  auto abandon_capture = [&] {
     cudaStreamEndCapture(s, &graph);
     if (graph) cudaGraphDestroy(graph);
     cudaGetLastError();
+  };
+  try {
+    for (int i = 0; i < calls; ++i) fn(i);
+  } catch (const Error& e) {
+    abandon_capture();
+    throw Error(ErrorCode::Unsupported, std::string("Context::time_graph: the calls cannot be captured: ") + e.what());
+  } catch (...) {
+    abandon_capture();
     throw;
   }
   const cudaError_t end = cudaStreamEndCapture(s, &graph);

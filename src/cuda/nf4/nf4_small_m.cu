@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
@@ -39,20 +40,27 @@ small_m::Scales scales_of(const Nf4Weight& w) {
 // Reductions of split-K partials: a warp per output once there are enough splits to keep 32 loads busy.
 constexpr int kWarpReduceSplits = 8;
 
-int reduce_blocks(const Context& ctx, std::int64_t threads) {
-  return static_cast<int>(
-      std::max<std::int64_t>(1, std::min<std::int64_t>((threads + 255) / 256, 8LL * state(ctx).sm_count())));
+constexpr int kReduceThreads = 256;
+
+// Calls launch(lanes, blocks) with lanes a std::integral_constant (32 or 1) for the reduce kernel's template and
+// the grid size for mn outputs.
+template <class Launch>
+void launch_by_lanes(const Context& ctx, int splits, std::int64_t mn, Launch launch) {
+  auto blocks = [&](std::int64_t threads) {
+    return static_cast<unsigned>(std::max<std::int64_t>(
+        1, std::min<std::int64_t>((threads + kReduceThreads - 1) / kReduceThreads, 8LL * state(ctx).sm_count())));
+  };
+  if (splits >= kWarpReduceSplits) launch(std::integral_constant<int, 32>{}, blocks(32 * mn));
+  else launch(std::integral_constant<int, 1>{}, blocks(mn));
 }
 
 void launch_reduce(const Context& ctx, const float* partial, int splits, std::int64_t mn, const TensorView& c,
                    float alpha, float beta) {
   const bool bf16 = c.dtype() == DType::BF16;
-  if (splits >= kWarpReduceSplits)
-    small_m::nf4_split_k_reduce_kernel<32><<<reduce_blocks(ctx, 32 * mn), 256, 0, stream_of(ctx)>>>(
+  launch_by_lanes(ctx, splits, mn, [&](auto lanes, unsigned blocks) {
+    small_m::nf4_split_k_reduce_kernel<decltype(lanes)::value><<<blocks, kReduceThreads, 0, stream_of(ctx)>>>(
         partial, splits, mn, c.data(), bf16, alpha, beta);
-  else
-    small_m::nf4_split_k_reduce_kernel<1><<<reduce_blocks(ctx, mn), 256, 0, stream_of(ctx)>>>(
-        partial, splits, mn, c.data(), bf16, alpha, beta);
+  });
   QMM_CUDA_CHECK_LAUNCH("nf4_split_k_reduce_kernel");
 }
 
@@ -215,12 +223,10 @@ void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const N
   auto ptr = [](const TensorView& v) { return v.empty() ? nullptr : v.data(); };
   const small_m::GateUpOut o{ptr(out.gate), ptr(out.up), ptr(out.h), out.gate.dtype() == DType::BF16,
                              out.up.dtype() == DType::BF16, out.h.dtype() == DType::BF16};
-  if (splits >= kWarpReduceSplits)
-    small_m::nf4_gate_up_reduce_kernel<32><<<reduce_blocks(ctx, 32 * mn), 256, 0, stream_of(ctx)>>>(partial, splits,
-                                                                                                mn, o, alpha);
-  else
-    small_m::nf4_gate_up_reduce_kernel<1><<<reduce_blocks(ctx, mn), 256, 0, stream_of(ctx)>>>(partial, splits, mn, o,
-                                                                                              alpha);
+  launch_by_lanes(ctx, splits, mn, [&](auto lanes, unsigned blocks) {
+    small_m::nf4_gate_up_reduce_kernel<decltype(lanes)::value><<<blocks, kReduceThreads, 0, stream_of(ctx)>>>(
+        partial, splits, mn, o, alpha);
+  });
   QMM_CUDA_CHECK_LAUNCH("nf4_gate_up_reduce_kernel");
 }
 

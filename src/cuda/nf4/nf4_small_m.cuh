@@ -47,15 +47,15 @@ __device__ __forceinline__ float finish_scale(const Scales& s, RawScale r, const
 }
 
 // Shared tables at the start of each kernel's shared memory: the 16 NF4 values (a warp's lookups hit 16 words in
-// 16 banks), then code2 (256 floats, filled only for double-quantized weights).
-constexpr int kCode2Bytes = 256 * 4;
+// 16 banks), then code2 (filled only for double-quantized weights).
+constexpr int kCode2Bytes = kNf4Code2Size * 4;
 constexpr int kTablesBytes = kCodebookBytes + kCode2Bytes;
 
 __device__ __forceinline__ void fill_tables(float* codebook, float* code2_shared, const Scales& s, int tid,
                                             int threads) {
   if (tid < 16) codebook[tid] = nf4_code_value(tid);
   if (!s.absmax)
-    for (int i = tid; i < 256; i += threads) code2_shared[i] = __ldg(s.code2 + i);
+    for (int i = tid; i < kNf4Code2Size; i += threads) code2_shared[i] = __ldg(s.code2 + i);
 }
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
@@ -393,14 +393,25 @@ __device__ __forceinline__ float sum_splits(const float* __restrict__ p, int spl
   return s;
 }
 
-// Grid-stride over outputs, kLanes threads each; writes alpha*sum + beta*C.
+// A grid-stride walk over outputs with kLanes threads per output: this thread's first output, the stride, and its
+// lane in the group. The walk is uniform across each group (a warp or a single thread).
+template <int kLanes>
+struct LaneGroups {
+  std::int64_t first, step;
+  int lane;
+  __device__ LaneGroups()
+      : first((blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / kLanes),
+        step(static_cast<std::int64_t>(gridDim.x) * blockDim.x / kLanes),
+        lane(static_cast<int>(threadIdx.x % kLanes)) {}
+};
+
+// Writes alpha*sum + beta*C.
 template <int kLanes>
 __global__ void nf4_split_k_reduce_kernel(const float* __restrict__ partial, int splits, std::int64_t mn,
                                           void* __restrict__ c, bool c_bf16, float alpha, float beta) {
-  const std::int64_t first = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / kLanes;
-  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x / kLanes;
-  const int lane = static_cast<int>(threadIdx.x % kLanes);
-  for (std::int64_t i = first; i < mn; i += step) {  // uniform across each group of kLanes (a warp or a lane)
+  const LaneGroups<kLanes> w;
+  const int lane = w.lane;
+  for (std::int64_t i = w.first; i < mn; i += w.step) {
     const float sum = sum_splits<kLanes>(partial, splits, mn, i, lane);
     if (lane == 0) store_out(c, c_bf16, i, sum, alpha, beta);
   }
@@ -418,10 +429,9 @@ template <int kLanes>
 __global__ void nf4_gate_up_reduce_kernel(const float* __restrict__ partial, int splits, std::int64_t mn,
                                           GateUpOut out, float alpha) {
   const float* pu = partial + static_cast<std::int64_t>(splits) * mn;
-  const std::int64_t first = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / kLanes;
-  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x / kLanes;
-  const int lane = static_cast<int>(threadIdx.x % kLanes);
-  for (std::int64_t i = first; i < mn; i += step) {
+  const LaneGroups<kLanes> w;
+  const int lane = w.lane;
+  for (std::int64_t i = w.first; i < mn; i += w.step) {
     const float gs = alpha * sum_splits<kLanes>(partial, splits, mn, i, lane);
     const float us = alpha * sum_splits<kLanes>(pu, splits, mn, i, lane);
     if (lane != 0) continue;

@@ -17,7 +17,7 @@ constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int kQuantChunk = 8;     // elements per thread per step of quantize: 4 code bytes
 constexpr int kDequantChunk = 8;  // elements per thread per step of dequantize: one 4-byte code load
-constexpr int kCode2Size = 256;
+constexpr int kCode2Size = kNf4Code2Size;
 
 // ---- input element access -------------------------------------------------------------------------------------
 
