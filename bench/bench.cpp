@@ -422,6 +422,18 @@ void Bench::run_nf4() {
       }
     }
   }
+  // Whether this build and GPU run the fused kernel (sm_90a on Hopper): a forced Fused path raises Unsupported.
+  bool fused_ok = is_gpu_;
+  if (fused_ok) {
+    try {
+      Nf4Tensor w = nf4_quantize(ctx_, pool_.make(ctx_, DType::BF16, {64, 64}, 399), false);
+      Tensor a(DType::BF16, {1, 64}, ctx_.device()), c(DType::BF16, {1, 64}, ctx_.device());
+      nf4_gemm(ctx_, a, w, c, {1.0f, 0.0f, Nf4Path::Fused});
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::Unsupported) throw;
+      fused_ok = false;
+    }
+  }
   // The usual token counts plus 8 and 32, where the dispatcher's small-M thresholds are decided.
   std::vector<std::int64_t> nf4_tokens = token_counts();
   nf4_tokens.insert(nf4_tokens.end(), {8, 32});
@@ -454,12 +466,13 @@ void Bench::run_nf4() {
       // Auto, plus each path forced where several could serve (so the dispatcher's thresholds can be checked).
       std::vector<std::pair<std::string, Nf4Path>> paths = {{"auto", Nf4Path::Auto}};
       if (M <= 64) paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"small-m", Nf4Path::SmallM}});
+      if (M >= 256 && fused_ok) paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"fused", Nf4Path::Fused}});
       for (const auto& [pname, path] : paths) {
         const Nf4GemmOptions po{1.0f, 0.0f, path};
         if (fwd)
           record({"nf4_gemm", "dq " + pname, p.label, 1, M, N, K, flops, io,
                   time([&](int i) { nf4_gemm(ctx_, as[i % sets], ws[i % sets], cs[i % sets], po); })});
-        if (bwd && (path != Nf4Path::SmallM || M <= 16))
+        if (bwd && (path != Nf4Path::SmallM || M <= 16) && path != Nf4Path::Fused)
           record({"nf4_gemm_backward_a", "dq " + pname, p.label, 1, M, K, N, flops, io,
                   time([&](int i) {
                     nf4_gemm_backward_a(ctx_, dcs[i % sets], ws[i % sets], das[i % sets], po);

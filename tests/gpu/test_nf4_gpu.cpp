@@ -544,16 +544,12 @@ TEST(Nf4GemmGpu, BackToBackCallsShareScratchSafely) {
   EXPECT_TRUE(test::all_close(test::host_copy(c3), r3, test::fp32_accum_tolerance(33)));
 }
 
-TEST(Nf4GemmGpu, UnimplementedPathsRaiseUnsupported) {
+TEST(Nf4GemmGpu, UnavailablePathsRaiseUnsupported) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();
   const Weight w = make_weight(64, 96, false, 9100);
   Tensor a(DType::BF16, {4, 96}, gpu_device()), c(DType::F32, {4, 64}, gpu_device());
-  Tensor dc(DType::BF16, {4, 64}, gpu_device()), da(DType::F32, {4, 96}, gpu_device());
-  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, w.dev, c, {1, 0, Nf4Path::Fused}); },
-                                 ErrorCode::Unsupported, {"nf4_gemm", "Fused", "not implemented"}));
-  EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, dc, w.dev, da, {1, 0, Nf4Path::Fused}); },
-                                 ErrorCode::Unsupported, {"nf4_gemm_backward_a", "Fused"}));
+  // The forward and input-gradient Fused paths: FusedPath.* in test_nf4_fast_paths_gpu.cpp.
   EXPECT_TRUE(test::throws_error(
       [&] { nf4_gate_up(gpu, a, w.dev, w.dev, {c, TensorView(), TensorView()}, {1, 0, Nf4Path::Fused}); },
       ErrorCode::Unsupported, {"nf4_gate_up", "Fused"}));

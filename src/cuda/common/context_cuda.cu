@@ -1,6 +1,9 @@
 // Context creation, memory and copies for the CUDA backend.
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
@@ -229,6 +232,22 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
   // cudaMemcpy with cudaMemcpyDefault infers the direction (unified addressing) and is ordered against the
   // legacy default stream; contexts on other streams must synchronize before reading results on the host.
   QMM_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+}
+
+// Raises a kernel's dynamic shared-memory limit when a launch needs more than it was last given, keyed by the
+// kernel itself (instances of one template share a function type, so the key cannot be the type) and the current
+// device (the attribute is per device).
+void allow_dynamic_shared(const void* kernel, int bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> allowed;
+  int device = 0;
+  QMM_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  int& have = allowed[{kernel, device}];
+  if (bytes > have) {
+    QMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    have = bytes;
+  }
 }
 
 }  // namespace qmm::cuda

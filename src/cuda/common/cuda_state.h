@@ -54,4 +54,7 @@ inline cudaStream_t stream_of(const Context& ctx) { return ctx.impl().cuda->stre
 // Makes ctx's device current for the calling thread (cheap when it already is).
 void set_device(const Context& ctx);
 
+// Lets `kernel` launch with `bytes` of dynamic shared memory on the current device (raised once, then cached).
+void allow_dynamic_shared(const void* kernel, int bytes);
+
 }  // namespace qmm::cuda

@@ -3,7 +3,8 @@
 //  allocation, then the dense bf16 GEMM (cuBLASLt, fp32 accumulation).
 //  SmallM: the fused small-M kernels (nf4_small_m.cu) where their preconditions hold, Unsupported otherwise.
 //  Auto: SmallM for few rows where it applies (wants_small_m below), DequantGemm otherwise.
-//  Fused: not implemented yet. Reference: the CPU backend's, not a GPU path.
+//  Fused: the fused tensor-core kernel (nf4_fused.cu, sm_90a) for the forward where it applies, Unsupported
+//  otherwise. Reference: the CPU backend's, not a GPU path.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/nf4/nf4_fused.h"
 #include "cuda/nf4/nf4_small_m.h"
 #include "cuda/swiglu/swiglu.cuh"
 #include "qmm/error.h"
@@ -53,18 +55,34 @@ const char* path_label(Nf4Path p) {
   throw Error(ErrorCode::Unsupported, std::string(op) + ": path " + path_label(p) + " " + why);
 }
 
-// Paths other than Auto, DequantGemm and (where `small_m_ok`) SmallM end here.
-void check_path(const char* op, Nf4Path p, bool small_m_ok, const char* small_m_needs) {
+// Whether a forced (or chosen) fast path can serve the problem, and what it needs when it cannot.
+struct PathFit {
+  bool ok = false;
+  std::string needs;
+};
+
+// Paths other than Auto, DequantGemm and the fast paths that fit end here.
+void check_path(const char* op, Nf4Path p, const PathFit& small_m, const PathFit& fused) {
   switch (p) {
     case Nf4Path::Auto:
     case Nf4Path::DequantGemm: return;
     case Nf4Path::SmallM:
-      if (small_m_ok) return;
-      unsupported(op, p, std::string("does not support this problem (it needs ") + small_m_needs + ")");
-    case Nf4Path::Fused: unsupported(op, p, "is not implemented yet");
+      if (small_m.ok) return;
+      unsupported(op, p, "does not support this problem (it needs " + small_m.needs + ")");
+    case Nf4Path::Fused:
+      if (fused.ok) return;
+      unsupported(op, p, "does not support this problem (it needs " + fused.needs + ")");
     case Nf4Path::Reference: unsupported(op, p, "runs on the CPU backend only (use a CPU context)");
   }
   unsupported(op, p, "is unknown");
+}
+
+PathFit fused_fit(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
+  const char* why = nullptr;
+  PathFit f;
+  f.ok = nf4_fused_supported(ctx, a, w, &why);
+  if (!f.ok) f.needs = why;
+  return f;
 }
 
 constexpr const char* kSmallMNeeds =
@@ -198,11 +216,18 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
               const Nf4GemmOptions& opts) {
   const char* op = "nf4_gemm";
   const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w, false)) && nf4_small_m_supported(a, w);
-  check_path(op, opts.path, small_m, kSmallMNeeds);
+  const PathFit fused = opts.path == Nf4Path::Fused ? fused_fit(ctx, a, w) : PathFit{};
+  check_path(op, opts.path, {small_m, kSmallMNeeds}, fused);
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
   if (M == 0 || N == 0) return;
   set_device(ctx);
   if (small_m) return launch_nf4_gemm_small_m(ctx, a, w, c, opts.alpha, opts.beta);
+  if (fused.ok) {
+    ScratchPlan plan;
+    const std::size_t a_at = a.dtype() == DType::F32 ? plan.reserve(static_cast<std::size_t>(M * K) * 2) : 0;
+    if (a.dtype() == DType::F32) plan.commit(ctx);
+    return launch_nf4_gemm_fused(ctx, bf16_operand(ctx, a, plan, a_at), M, w, c, opts.alpha, opts.beta);
+  }
 
   // Scratch use inside this call: [bf16 A (when A is f32)] [bf16 W], regions of one allocation. The dense GEMM
   // takes bf16 operands as they are and needs no scratch of its own.
@@ -221,7 +246,7 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
   const char* op = "nf4_gemm_backward_a";
   const bool small_m =
       wants_small_m(opts.path, dc.dim(0), auto_small_m_rows(w, true)) && nf4_small_m_backward_supported(dc, w);
-  check_path(op, opts.path, small_m, kSmallMBackwardNeeds);
+  check_path(op, opts.path, {small_m, kSmallMBackwardNeeds}, {false, "a forward GEMM: the fused input gradient is not implemented yet"});
   const std::int64_t M = dc.dim(0), N = w.rows, K = w.cols;
   if (M == 0 || K == 0) return;
   set_device(ctx);
@@ -243,7 +268,7 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w_gate, false)) &&
                        nf4_small_m_supported(a, w_gate) &&
                        nf4_small_m_supported(a, w_up) && w_gate.rows == w_up.rows;
-  check_path(op, opts.path, small_m, kSmallMNeeds);
+  check_path(op, opts.path, {small_m, kSmallMNeeds}, {false, "nf4_gemm: the fused gate+up is not implemented yet"});
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w_gate.rows;
   if (M == 0 || N == 0) return;
   set_device(ctx);

@@ -17,26 +17,6 @@ namespace qmm::cuda {
 namespace {
 bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
-int log2_exact(int v) {
-  int s = 0;
-  while ((1 << s) < v) ++s;
-  return s;
-}
-
-small_m::Scales scales_of(const Nf4Weight& w) {
-  small_m::Scales sc{};
-  if (w.double_quant()) {
-    sc.q = w.absmax.data_as<std::uint8_t>();
-    sc.absmax2 = w.absmax2.data_as<float>();
-    sc.code2 = w.code2.data_as<float>();
-    sc.offset = w.offset;
-  } else {
-    sc.absmax = w.absmax.data_as<float>();
-  }
-  sc.block_shift = log2_exact(w.block_size);
-  return sc;
-}
-
 // Reductions of split-K partials: a warp per output once there are enough splits to keep 32 loads busy.
 constexpr int kWarpReduceSplits = 8;
 
@@ -54,8 +34,10 @@ void launch_by_lanes(const Context& ctx, int splits, std::int64_t mn, Launch lau
   else launch(std::integral_constant<int, 1>{}, blocks(mn));
 }
 
-void launch_reduce(const Context& ctx, const float* partial, int splits, std::int64_t mn, const TensorView& c,
-                   float alpha, float beta) {
+}  // namespace
+
+void launch_nf4_split_k_reduce(const Context& ctx, const float* partial, int splits, std::int64_t mn,
+                               const TensorView& c, float alpha, float beta) {
   const bool bf16 = c.dtype() == DType::BF16;
   launch_by_lanes(ctx, splits, mn, [&](auto lanes, unsigned blocks) {
     small_m::nf4_split_k_reduce_kernel<decltype(lanes)::value><<<blocks, kReduceThreads, 0, stream_of(ctx)>>>(
@@ -64,21 +46,7 @@ void launch_reduce(const Context& ctx, const float* partial, int splits, std::in
   QMM_CUDA_CHECK_LAUNCH("nf4_split_k_reduce_kernel");
 }
 
-// Raises a kernel's dynamic shared-memory limit when a launch needs more than it was last given, keyed by the
-// kernel itself (instances of one template share a function type, so the key cannot be the type) and the current
-// device (the attribute is per device).
-void allow_shared(const void* kernel, int bytes) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int> allowed;
-  int device = 0;
-  QMM_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mutex);
-  int& have = allowed[{kernel, device}];
-  if (bytes > have) {
-    QMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    have = bytes;
-  }
-}
+namespace {
 
 // Split-K sizing: about four blocks per SM, but no more splits than keep the fp32 partials (written and read
 // back) under half the weight's bytes, and a staged activation tile that fits kMaxSharedA.
@@ -111,14 +79,14 @@ float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0
   const dim3 grid(static_cast<unsigned>(blocks_n * weights), static_cast<unsigned>(sk.splits));
   const int smem = kTablesBytes + MT * 16 * (sk.chunks * kChunkK + kPadA) * 2;
   auto kernel = nf4_gemm_small_m_kernel<MT, kAF32>;
-  allow_shared(reinterpret_cast<const void*>(kernel), smem);
+  allow_dynamic_shared(reinterpret_cast<const void*>(kernel), smem);
   float* partial = nullptr;
   if (sk.splits > 1 || weights > 1) {
     scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(weights) * sk.splits * M * N * 4);
     partial = scratch->at<float>(0);
   }
-  const WeightArgs args0{w0.codes.data_as<std::uint8_t>(), scales_of(w0)};
-  const WeightArgs args1{w1.codes.data_as<std::uint8_t>(), scales_of(w1)};
+  const WeightArgs args0{w0.codes.data_as<std::uint8_t>(), small_m::scales_of(w0)};
+  const WeightArgs args1{w1.codes.data_as<std::uint8_t>(), small_m::scales_of(w1)};
   kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(a.data(), M, N, K, args0, args1, blocks_n, sk.chunks, partial,
                                                    c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16, alpha,
                                                    beta);
@@ -161,7 +129,7 @@ void launch_backward_tiles(const Context& ctx, const TensorView& dc, const Nf4We
   const int splits = static_cast<int>((N + block_n - 1) / block_n);
   const int smem = kTablesBytes + bwd_dc_tile_bytes(MT8, static_cast<int>(block_n)) + bwd_red_bytes(MT8);
   auto kernel = nf4_gemm_backward_small_m_kernel<MT8, kDcF32>;
-  allow_shared(reinterpret_cast<const void*>(kernel), smem);
+  allow_dynamic_shared(reinterpret_cast<const void*>(kernel), smem);
   std::unique_ptr<ScratchBuffer> scratch;
   float* partial = nullptr;
   if (splits > 1) {
@@ -170,10 +138,10 @@ void launch_backward_tiles(const Context& ctx, const TensorView& dc, const Nf4We
   }
   const dim3 grid(static_cast<unsigned>(k_blocks), static_cast<unsigned>(splits));
   kernel<<<grid, kBwdThreads, smem, stream_of(ctx)>>>(dc.data(), M, N, K, w.codes.data_as<std::uint8_t>(),
-                                                      scales_of(w), groups, partial, da.data(),
+                                                      small_m::scales_of(w), groups, partial, da.data(),
                                                       da.dtype() == DType::BF16, alpha, beta);
   QMM_CUDA_CHECK_LAUNCH("nf4_gemm_backward_small_m_kernel");
-  if (splits > 1) launch_reduce(ctx, partial, splits, M * K, da, alpha, beta);
+  if (splits > 1) launch_nf4_split_k_reduce(ctx, partial, splits, M * K, da, alpha, beta);
 }
 
 template <int MT>
@@ -211,7 +179,7 @@ void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4W
   int splits = 1;
   std::unique_ptr<ScratchBuffer> scratch;
   const float* partial = launch_forward(ctx, a, w, w, 1, c, alpha, beta, scratch, &splits);
-  if (partial) launch_reduce(ctx, partial, splits, a.dim(0) * w.rows, c, alpha, beta);
+  if (partial) launch_nf4_split_k_reduce(ctx, partial, splits, a.dim(0) * w.rows, c, alpha, beta);
 }
 
 void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,

@@ -36,6 +36,21 @@ struct RawScale {
   std::uint32_t q;  // the block's code2 index (double-quantized)
 };
 
+// The Scales of w (device pointers), for a launch.
+inline Scales scales_of(const Nf4Weight& w) {
+  Scales sc{};
+  if (w.double_quant()) {
+    sc.q = w.absmax.data_as<std::uint8_t>();
+    sc.absmax2 = w.absmax2.data_as<float>();
+    sc.code2 = w.code2.data_as<float>();
+    sc.offset = w.offset;
+  } else {
+    sc.absmax = w.absmax.data_as<float>();
+  }
+  while ((1 << sc.block_shift) < w.block_size) ++sc.block_shift;
+  return sc;
+}
+
 __device__ __forceinline__ RawScale load_scale(const Scales& s, std::int64_t block) {
   if (s.absmax) return {__ldg(s.absmax + block), 0u};
   return {__ldg(s.absmax2 + (block >> 8)), __ldg(s.q + block)};  // 256 blocks per absmax2 group

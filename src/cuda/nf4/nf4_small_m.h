@@ -28,4 +28,9 @@ bool nf4_small_m_backward_supported(const TensorView& dc, const Nf4Weight& w);
 void launch_nf4_gemm_backward_small_m(const Context& ctx, const TensorView& dc, const Nf4Weight& w,
                                       const TensorView& da, float alpha, float beta);
 
+// C = alpha * (sum over splits of partial[split][mn]) + beta * C: the split-K reduction (fixed order, so
+// deterministic), shared with the fused kernel.
+void launch_nf4_split_k_reduce(const Context& ctx, const float* partial, int splits, std::int64_t mn,
+                               const TensorView& c, float alpha, float beta);
+
 }  // namespace qmm::cuda

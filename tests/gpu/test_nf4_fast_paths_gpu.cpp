@@ -1,4 +1,5 @@
-// The fused small-M NF4 kernels (forward, input gradient, gate+up) against the CPU oracle, forced by path.
+// The NF4 GEMM fast paths against the CPU oracle, forced by path: the small-M kernels (forward, input gradient,
+// gate+up) and the fused tensor-core forward (sm_90a).
 #include <tuple>
 
 #include "common/test_util.h"
@@ -20,11 +21,12 @@ Nf4Tensor nf4_to_device(const Nf4Tensor& h, Device d) {
   return out;
 }
 
-Problem make_weight(std::int64_t n, std::int64_t k, bool dq, std::uint64_t seed) {
+Problem make_weight(std::int64_t n, std::int64_t k, bool dq, std::uint64_t seed,
+                    int block_size = kNf4DefaultBlockSize) {
   const Context cpu = Context::cpu();
   Tensor w = test::random_tensor(DType::BF16, {n, k}, seed, -0.05f, 0.05f);
   Problem p;
-  p.w_host = nf4_quantize(cpu, w, dq);
+  p.w_host = nf4_quantize(cpu, w, dq, block_size);
   p.w_dev = nf4_to_device(p.w_host, test::gpu_context()->device());
   return p;
 }
@@ -36,22 +38,19 @@ test::Tolerance tolerance_for(DType out, std::int64_t k) {
 
 using Shape3 = std::tuple<std::int64_t, std::int64_t, std::int64_t>;  // M, N, K
 
-class SmallMForward : public ::testing::TestWithParam<Shape3> {};
-
-TEST_P(SmallMForward, MatchesCpuOracle) {
-  QMM_REQUIRE_GPU();
+// Every scale format, A and C dtype, and beta in {0, 1} (C poisoned when beta is 0).
+void expect_forward_matches(Nf4Path path, std::int64_t m, std::int64_t n, std::int64_t k, int block_size) {
   Context& gpu = *test::gpu_context();
   const Context cpu = Context::cpu();
-  const auto [m, n, k] = GetParam();
   std::uint64_t seed = static_cast<std::uint64_t>(m * 1000003 + n * 1009 + k);
   for (bool dq : {false, true})
     for (DType adt : {DType::BF16, DType::F32})
       for (DType cdt : {DType::F32, DType::BF16}) {
-        Problem p = make_weight(n, k, dq, ++seed);
+        Problem p = make_weight(n, k, dq, ++seed, block_size);
         Tensor a = test::random_tensor(adt, {m, k}, ++seed);
         Tensor c0 = test::random_tensor(cdt, {m, n}, ++seed);
         for (float beta : {0.0f, 1.0f}) {
-          const Nf4GemmOptions opts{0.75f, beta, Nf4Path::SmallM};
+          const Nf4GemmOptions opts{0.75f, beta, path};
           Tensor ref = test::host_copy(c0);
           nf4_gemm(cpu, a, p.w_host, ref, {0.75f, beta, Nf4Path::Auto});
           Tensor c = to_device(c0, gpu.device());
@@ -59,10 +58,18 @@ TEST_P(SmallMForward, MatchesCpuOracle) {
           nf4_gemm(gpu, to_device(a, gpu.device()), p.w_dev, c, opts);
           gpu.synchronize();
           EXPECT_TRUE(test::all_close(test::host_copy(c), ref, tolerance_for(cdt, k)))
-              << "M=" << m << " N=" << n << " K=" << k << " dq=" << dq << " a=" << dtype_name(adt)
-              << " c=" << dtype_name(cdt) << " beta=" << beta;
+              << nf4_path_name(path) << " M=" << m << " N=" << n << " K=" << k << " block=" << block_size
+              << " dq=" << dq << " a=" << dtype_name(adt) << " c=" << dtype_name(cdt) << " beta=" << beta;
         }
       }
+}
+
+class SmallMForward : public ::testing::TestWithParam<Shape3> {};
+
+TEST_P(SmallMForward, MatchesCpuOracle) {
+  QMM_REQUIRE_GPU();
+  const auto [m, n, k] = GetParam();
+  expect_forward_matches(Nf4Path::SmallM, m, n, k, kNf4DefaultBlockSize);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, SmallMForward,
@@ -125,6 +132,50 @@ TEST(SmallMGateUp, AllOutputCombinationsMatchCpu) {
     if (mask & 2) EXPECT_TRUE(test::all_close(test::host_copy(du), ru, test::fp32_accum_tolerance(k))) << mask;
     if (mask & 4) EXPECT_TRUE(test::all_close(test::host_copy(dh), rh, test::bf16_output_tolerance(k))) << mask;
   }
+}
+
+// The fused kernel runs on sm_90a builds on Hopper; elsewhere forcing it raises Unsupported (tested below).
+bool fused_available() {
+  Context& gpu = *test::gpu_context();
+  Problem p = make_weight(64, 64, false, 1);
+  Tensor a(DType::BF16, {1, 64}, gpu.device()), c(DType::F32, {1, 64}, gpu.device());
+  try {
+    nf4_gemm(gpu, a, p.w_dev, c, {1, 0, Nf4Path::Fused});
+  } catch (const Error& e) {
+    if (e.code() == ErrorCode::Unsupported) return false;
+    throw;
+  }
+  return true;
+}
+
+using FusedShape = std::tuple<std::int64_t, std::int64_t, std::int64_t, int>;  // M, N, K, block size
+
+class FusedForward : public ::testing::TestWithParam<FusedShape> {};
+
+TEST_P(FusedForward, MatchesCpuOracle) {
+  QMM_REQUIRE_GPU();
+  if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
+  const auto [m, n, k, block] = GetParam();
+  expect_forward_matches(Nf4Path::Fused, m, n, k, block);
+}
+
+// Ragged M and N around the 256 x 128 tile, one and many k steps, block sizes 64 and 256.
+INSTANTIATE_TEST_SUITE_P(Shapes, FusedForward,
+                         ::testing::Values(FusedShape{1, 1, 64, 64}, FusedShape{7, 130, 128, 64},
+                                           FusedShape{65, 257, 576, 64}, FusedShape{256, 128, 320, 64},
+                                           FusedShape{300, 1000, 1536, 64}, FusedShape{513, 129, 64, 64},
+                                           FusedShape{257, 200, 1024, 256}, FusedShape{1000, 63, 2048, 64}));
+
+TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  Problem p = make_weight(64, 96, false, 5);  // K = 96 is not a multiple of 64
+  Tensor a(DType::BF16, {300, 96}, gpu.device()), c(DType::F32, {300, 64}, gpu.device());
+  const std::string why = fused_available() ? "K a multiple of 64" : "needs";
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, p.w_dev, c, {1, 0, Nf4Path::Fused}); },
+                                 ErrorCode::Unsupported, {"nf4_gemm", "Fused", why}));
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, c, p.w_dev, a, {1, 0, Nf4Path::Fused}); },
+                                 ErrorCode::Unsupported, {"nf4_gemm_backward_a", "Fused"}));
 }
 
 TEST(SmallMPath, ForcedOnUnsupportedShapeRaisesUnsupported) {

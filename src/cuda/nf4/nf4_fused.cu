@@ -1,0 +1,406 @@
+// The fused NF4 GEMM on Hopper (sm_90a): C[M,N] = alpha * A[M,K] * dequant(W)^T + beta * C, W [N,K] NF4.
+//
+// Computed transposed, C^T = dequant(W) * A^T, so that a CTA's weight tile is the wgmma's 64-row A operand and
+// the wider activation tile its 256-column B operand: per k step the CTA dequantizes 128 x 64 weight elements
+// (not 256 x 64) for 128 x 256 x 64 multiply-adds.
+//
+// A CTA is three warpgroups. Warpgroup 0 produces: its thread 0 loads the activation tile [256 rows][64 k] with
+// TMA (128-byte swizzle, zero fill past M), and each of its 128 threads dequantizes one weight row's 64 codes
+// (32 bytes, one NF4 block of 64) into bf16 in the same swizzled layout. Warpgroups 1 and 2 consume: each runs
+// wgmma m64n256k16 over its 64 weight rows of the stage, both operands from shared memory. kStages stages, with
+// one "full" (producer -> consumers) and one "empty" (consumers -> producer) mbarrier each.
+//
+// Dequantization is exactly nf4_dequantize's (fp32 code * fp32 scale, rounded to bf16), so the result is the bf16
+// GEMM on the dequantized weight up to fp32 summation order.
+#include "cuda/nf4/nf4_fused.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "cuda/common/check.h"
+#include "cuda/common/cuda_state.h"
+#include "cuda/nf4/nf4_small_m.h"    // launch_nf4_split_k_reduce
+#include "cuda/nf4/nf4_small_m.cuh"  // Scales, load_scale, finish_scale, fill_tables, pack_bf16x2, store_out
+#include "qmm/error.h"
+
+namespace qmm::cuda {
+
+namespace fused {
+
+using small_m::RawScale;
+using small_m::Scales;
+
+constexpr int kBlockW = 128;  // weight rows (outputs n) per CTA: two consumer warpgroups of m64
+constexpr int kBlockA = 256;  // activation rows (outputs m) per CTA: wgmma n256
+constexpr int kBlockK = 64;   // k per stage: one NF4 block, one 128-byte swizzle row of bf16
+constexpr int kStages = 4;
+constexpr int kThreads = 384;
+constexpr int kWTileBytes = kBlockW * kBlockK * 2;  // 16 KB
+constexpr int kATileBytes = kBlockA * kBlockK * 2;  // 32 KB
+constexpr int kStageBytes = kWTileBytes + kATileBytes;
+constexpr int kTablesOffset = kStages * kStageBytes;
+constexpr int kBarriersOffset = kTablesOffset + small_m::kTablesBytes;
+constexpr int kCPitch = kBlockW + 4;  // floats per row of the staged output tile [kBlockA][kCPitch]
+static_assert(kBlockA * kCPitch * 4 <= kTablesOffset, "the output tile is staged in the pipeline's shared memory");
+constexpr int kSmemBytes = kBarriersOffset + 2 * kStages * 8 + 1024;  // + slack to align the base to 1024
+[[maybe_unused]] constexpr int kProducerRegs = 96;   // setmaxnreg: the producer needs few registers (56 spilled),
+[[maybe_unused]] constexpr int kConsumerRegs = 208;  // the consumers 128 accumulators each (128*96 + 256*208 <= 65536)
+
+__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(std::uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(std::uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parity) {
+  std::uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// TMA: a [rows][64] bf16 box at (k, row) of the tensor map into shared memory, completing `bytes` on `bar`.
+__device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap* map, int k, int row,
+                                            std::uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
+          "r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(k), "r"(row), "r"(bar)
+      : "memory");
+}
+
+// wgmma shared-memory descriptor of a K-major tile with 128-byte rows and the 128-byte swizzle: 8-row core
+// groups 1024 bytes apart (stride byte offset); the leading byte offset is unused for this layout. Moving 16
+// elements along k is +32 bytes on the start address (the swizzle is applied to absolute address bits, hence the
+// 1024-byte aligned tiles).
+__device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t addr) {
+  return static_cast<std::uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<std::uint64_t>(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+
+// Byte offset of the 16-byte chunk `chunk` (8 bf16 along k) of row `row` in a 128-byte-swizzled tile.
+__device__ __forceinline__ int sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+// One weight row's 64 codes (32 bytes) and the raw scale of their block.
+struct RowCodes {
+  uint4 lo, hi;
+  RawScale scale;
+};
+
+__device__ __forceinline__ RowCodes load_row(const std::uint8_t* __restrict__ codes, const Scales& scales,
+                                             std::int64_t n, std::int64_t N, std::int64_t K, int kt) {
+  RowCodes r;
+  if (n < N) {
+    const std::int64_t e = n * K + static_cast<std::int64_t>(kt) * kBlockK;
+    const uint4* p = reinterpret_cast<const uint4*>(codes + (e >> 1));
+    r.lo = __ldg(p);
+    r.hi = __ldg(p + 1);
+    r.scale = small_m::load_scale(scales, e >> scales.block_shift);
+  } else {
+    r.lo = r.hi = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);  // code 7 is 0.0
+    r.scale = {0.0f, 0u};
+  }
+  return r;
+}
+
+// 8 codes (one 32-bit word; the first element in the high nibble of the first byte) -> 8 bf16, as nf4_dequantize.
+__device__ __forceinline__ uint4 dequant_word(std::uint32_t w, float s, const float* codebook) {
+  std::uint32_t out[4];
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    const float e0 = codebook[(w >> (8 * b + 4)) & 15], e1 = codebook[(w >> (8 * b)) & 15];
+    out[b] = small_m::pack_bf16x2(e0 * s, e1 * s);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// D[64x256] += A[64x16] * B[16x256]^T, both operands K-major in shared memory (descriptors), fp32 accumulators.
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t desc_a, std::uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// Grid: x over 128-row weight tiles, y over 256-row activation tiles, z over k ranges (split-K). With `partial`
+// the CTA writes its raw fp32 sums to partial[z][M][N] for a reduction; otherwise alpha * sum + beta * C to C.
+template <bool kCBf16>
+__global__ void __launch_bounds__(kThreads, 1)
+    nf4_fused_gemm_kernel(const __grid_constant__ CUtensorMap a_map, std::int64_t M, std::int64_t N, std::int64_t K,
+                          const std::uint8_t* __restrict__ codes, Scales scales, int k_tiles_per_split,
+                          float* __restrict__ partial, void* __restrict__ c, float alpha, float beta) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
+  float* codebook = reinterpret_cast<float*>(smem + kTablesOffset);
+  float* code2_shared = reinterpret_cast<float*>(smem + kTablesOffset + small_m::kCodebookBytes);
+  const std::uint32_t tiles = smem_addr(smem);
+  const std::uint32_t bars = smem_addr(smem + kBarriersOffset);
+  auto w_tile = [&](int s) { return tiles + s * kStageBytes; };
+  auto a_tile = [&](int s) { return tiles + s * kStageBytes + kWTileBytes; };
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (kStages + s); };
+
+  const int tid = threadIdx.x, wg = tid / 128;
+  const std::int64_t n0 = static_cast<std::int64_t>(blockIdx.x) * kBlockW;
+  const int m0 = static_cast<int>(blockIdx.y) * kBlockA;
+  const int kt_begin = static_cast<int>(blockIdx.z) * k_tiles_per_split;
+  const int k_tiles = min(k_tiles_per_split, static_cast<int>(K / kBlockK) - kt_begin);  // >= 1 (host sizing)
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(s), 128 + 1);  // the producer's 128 threads + the TMA's expect_tx arrival
+      mbar_init(empty(s), 8);       // the 8 consumer warps
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&a_map)) : "memory");
+  }
+  small_m::fill_tables(codebook, code2_shared, scales, tid, kThreads);
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---- producer: thread tid dequantizes weight row n0 + tid; codes are loaded two stages ahead ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    const std::int64_t n = n0 + tid;
+    RowCodes ahead1 = load_row(codes, scales, n, N, K, kt_begin);
+    RowCodes ahead2 = load_row(codes, scales, n, N, K, kt_begin + min(1, k_tiles - 1));
+    for (int i = 0; i < k_tiles; ++i) {
+      const int s = i % kStages;
+      const RowCodes cur = ahead1;
+      ahead1 = ahead2;
+      if (i + 2 < k_tiles) ahead2 = load_row(codes, scales, n, N, K, kt_begin + i + 2);
+      mbar_wait(empty(s), ((i / kStages) & 1) ^ 1);  // passes at once on the first round
+      if (tid == 0) {
+        mbar_arrive_expect_tx(full(s), kATileBytes);
+        tma_load_2d(a_tile(s), &a_map, (kt_begin + i) * kBlockK, m0, full(s));
+      }
+      const float sc = small_m::finish_scale(scales, cur.scale, code2_shared);
+      unsigned char* wt = smem + s * kStageBytes;  // the stage's weight tile; this thread writes row tid
+      const std::uint32_t words[8] = {cur.lo.x, cur.lo.y, cur.lo.z, cur.lo.w, cur.hi.x, cur.hi.y, cur.hi.z, cur.hi.w};
+#pragma unroll
+      for (int chunk = 0; chunk < 8; ++chunk)
+        *reinterpret_cast<uint4*>(wt + sw128_offset(tid, chunk)) = dequant_word(words[chunk], sc, codebook);
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic-proxy writes -> wgmma reads
+      mbar_arrive(full(s));
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  const int cw = wg - 1;  // weight rows 64*cw .. 64*cw + 63 of the tile
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  const int warp = (tid % 128) / 32, lane = tid % 32;
+  for (int i = 0; i < k_tiles; ++i) {
+    const int s = i % kStages;
+    mbar_wait(full(s), (i / kStages) & 1);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    const std::uint64_t dw = sw128_desc(w_tile(s) + cw * 64 * 128), da = sw128_desc(a_tile(s));
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16(acc, dw + 2 * kk, da + 2 * kk);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    // The previous stage's wgmmas have finished reading shared memory once at most this one is pending.
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    if (i > 0 && lane == 0) mbar_arrive(empty((i - 1) % kStages));
+  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+
+  // Epilogue: the fp32 tile goes through shared memory (the pipeline's, now idle) as [256 m][128 n], so that
+  // global stores are 16-byte vectors along n. Accumulator d[4j + i] holds weight row 16*warp + g + 8*(i >> 1)
+  // of this warpgroup's 64 and activation row 8j + 2t + (i & 1); the row pitch makes those writes conflict-free.
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's wgmmas are done with the stages
+  float* tile = reinterpret_cast<float*>(smem);
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < 32; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      tile[(8 * j + 2 * t + (i & 1)) * kCPitch + cw * 64 + warp * 16 + g + 8 * (i >> 1)] = acc[4 * j + i];
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+
+  float* out_f32 = partial ? partial + static_cast<std::int64_t>(blockIdx.z) * M * N : static_cast<float*>(c);
+  const float a_mul = partial ? 1.0f : alpha, b_mul = partial ? 0.0f : beta;
+  const bool bf16_out = !partial && kCBf16;
+  const bool vec = N % 4 == 0 && (reinterpret_cast<std::uintptr_t>(partial ? static_cast<void*>(partial) : c) & 15u) == 0;
+  for (int idx = tid - 128; idx < kBlockA * (kBlockW / 4); idx += 256) {
+    const int ml = idx / (kBlockW / 4), q = idx % (kBlockW / 4);
+    const std::int64_t m = m0 + ml, n = n0 + 4 * q;
+    if (m >= M || n >= N) continue;
+    const float4 v = *reinterpret_cast<const float4*>(tile + ml * kCPitch + 4 * q);
+    const std::int64_t at = m * N + n;
+    if (vec) {
+      if (bf16_out) {
+        auto* p = static_cast<__nv_bfloat16*>(c) + at;
+        float r[4] = {a_mul * v.x, a_mul * v.y, a_mul * v.z, a_mul * v.w};
+        if (b_mul != 0.0f) {
+          const uint2 old = *reinterpret_cast<const uint2*>(p);
+          const __nv_bfloat162 o0 = *reinterpret_cast<const __nv_bfloat162*>(&old.x);
+          const __nv_bfloat162 o1 = *reinterpret_cast<const __nv_bfloat162*>(&old.y);
+          r[0] += b_mul * __low2float(o0);
+          r[1] += b_mul * __high2float(o0);
+          r[2] += b_mul * __low2float(o1);
+          r[3] += b_mul * __high2float(o1);
+        }
+        *reinterpret_cast<uint2*>(p) = make_uint2(small_m::pack_bf16x2(r[0], r[1]), small_m::pack_bf16x2(r[2], r[3]));
+      } else {
+        float* p = out_f32 + at;
+        float4 r = make_float4(a_mul * v.x, a_mul * v.y, a_mul * v.z, a_mul * v.w);
+        if (b_mul != 0.0f) {
+          const float4 o = *reinterpret_cast<const float4*>(p);
+          r.x += b_mul * o.x;
+          r.y += b_mul * o.y;
+          r.z += b_mul * o.z;
+          r.w += b_mul * o.w;
+        }
+        *reinterpret_cast<float4*>(p) = r;
+      }
+    } else {
+      const float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (n + u >= N) break;
+        if (bf16_out) small_m::store_out(c, true, at + u, e[u], a_mul, b_mul);
+        else small_m::store_out(out_f32, false, at + u, e[u], a_mul, b_mul);
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace fused
+
+namespace {
+
+bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    QMM_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || p == nullptr)
+      throw Error(ErrorCode::Unsupported, "nf4_gemm: path Fused needs cuTensorMapEncodeTiled from the CUDA driver");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// The activation operand as a TMA tensor map: bf16 [M][K] row-major, boxes of [kBlockA rows][64 k], 128-byte
+// swizzle, zeros past M.
+CUtensorMap activation_map(const void* a16, std::int64_t M, std::int64_t K) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(M)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K) * 2};
+  const cuuint32_t box[2] = {fused::kBlockK, fused::kBlockA};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(a16), dims, strides,
+                                    box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error(ErrorCode::Cuda, "nf4_gemm: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(r)) + ")");
+  return map;
+}
+
+}  // namespace
+
+bool nf4_fused_supported(const Context& ctx, const TensorView& a, const Nf4Weight& w, const char** why) {
+  auto no = [&](const char* reason) {
+    if (why) *why = reason;
+    return false;
+  };
+#if !defined(QMM_HAVE_SM90A)
+  (void)ctx;
+  (void)a;
+  (void)w;
+  return no("a build with sm_90a (QMM_CUDA_ARCHS containing 90a)");
+#else
+  if (state(ctx).cc() != 90) return no("a compute capability 9.0 GPU (Hopper)");
+  if (w.cols % fused::kBlockK != 0) return no("K a multiple of 64");
+  if (w.block_size % fused::kBlockK != 0) return no("a block size that is a multiple of 64");
+  if ((a.dtype() == DType::BF16 && !aligned16(a.data())) || !aligned16(w.codes.data()))
+    return no("16-byte aligned A (bf16) and codes");
+  return true;
+#endif
+}
+
+void launch_nf4_gemm_fused(const Context& ctx, const void* a16, std::int64_t M, const Nf4Weight& w,
+                           const TensorView& c, float alpha, float beta) {
+  const std::int64_t N = w.rows, K = w.cols;
+  const CUtensorMap map = activation_map(a16, M, K);
+  const small_m::Scales scales = small_m::scales_of(w);
+  const std::int64_t tiles_n = (N + fused::kBlockW - 1) / fused::kBlockW;
+  const std::int64_t tiles_m = (M + fused::kBlockA - 1) / fused::kBlockA;
+  // Split K only when the tiles fill less than half the GPU, and only as far as one wave: each split adds an
+  // fp32 partial of C written and read back.
+  const std::int64_t tiles = tiles_n * tiles_m, sms = state(ctx).sm_count(), k_tiles = K / fused::kBlockK;
+  std::int64_t splits = 1;
+  if (2 * tiles <= sms) splits = std::clamp<std::int64_t>(sms / tiles, 1, std::max<std::int64_t>(1, k_tiles / 4));
+  const std::int64_t per_split = (k_tiles + splits - 1) / splits;
+  splits = (k_tiles + per_split - 1) / per_split;
+  std::unique_ptr<ScratchBuffer> scratch;
+  float* partial = nullptr;
+  if (splits > 1) {
+    scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(splits * M * N) * 4);
+    partial = scratch->at<float>(0);
+  }
+  const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m), static_cast<unsigned>(splits));
+  auto launch = [&](auto kernel) {
+    allow_dynamic_shared(reinterpret_cast<const void*>(kernel), fused::kSmemBytes);
+    kernel<<<grid, fused::kThreads, fused::kSmemBytes, stream_of(ctx)>>>(map, M, N, K, w.codes.data_as<std::uint8_t>(),
+                                                                         scales, static_cast<int>(per_split), partial,
+                                                                         c.data(), alpha, beta);
+  };
+  if (c.dtype() == DType::BF16) launch(fused::nf4_fused_gemm_kernel<true>);
+  else launch(fused::nf4_fused_gemm_kernel<false>);
+  QMM_CUDA_CHECK_LAUNCH("nf4_fused_gemm_kernel");
+  if (partial) launch_nf4_split_k_reduce(ctx, partial, static_cast<int>(splits), M * N, c, alpha, beta);
+}
+
+}  // namespace qmm::cuda
