@@ -61,7 +61,11 @@ Nf4Tensor nf4_quantize(const Context& ctx, const TensorView& w, bool double_quan
 // out [N,K] (f32 or bf16) = codebook[code] * scale, computed in fp32, rounded to nearest even for bf16.
 void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& out);
 
-// Which NF4 GEMM implementation to run; Auto lets the dispatcher choose by shape and device.
+// Which NF4 GEMM implementation to run; Auto lets the dispatcher choose by shape and device. DequantGemm:
+// dequantize into scratch + cuBLASLt (any shape). SmallM: fused mma.sync kernels for few rows. Fused: the
+// tensor-core kernel that dequantizes inside its main loop (nf4_gemm forward only, sm_90a builds on Hopper, K and
+// block size multiples of 64). Reference: CPU only. A forced path that cannot serve the problem throws
+// Unsupported, naming what it needs.
 enum class Nf4Path { Auto, Reference, DequantGemm, SmallM, Fused };
 const char* nf4_path_name(Nf4Path path);
 

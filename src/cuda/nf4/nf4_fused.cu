@@ -40,7 +40,9 @@ constexpr int kBlockW = 128;  // weight rows (outputs n) per CTA: two consumer w
 constexpr int kBlockA = 256;  // activation rows (outputs m) per CTA: wgmma n256
 constexpr int kBlockK = 64;   // k per stage: one NF4 block, one 128-byte swizzle row of bf16
 constexpr int kStages = 4;
-constexpr int kThreads = 384;
+constexpr int kProducerThreads = 128;  // one warpgroup; a second one would cap every thread at 128 registers,
+                                       // fewer than a 128-accumulator wgmma needs (ptxas: 154)
+constexpr int kThreads = kProducerThreads + 256;
 constexpr int kWTileBytes = kBlockW * kBlockK * 2;  // 16 KB
 constexpr int kATileBytes = kBlockA * kBlockK * 2;  // 32 KB
 constexpr int kStageBytes = kWTileBytes + kATileBytes;
@@ -49,8 +51,11 @@ constexpr int kBarriersOffset = kTablesOffset + small_m::kTablesBytes;
 constexpr int kCPitch = kBlockW + 4;  // floats per row of the staged output tile [kBlockA][kCPitch]
 static_assert(kBlockA * kCPitch * 4 <= kTablesOffset, "the output tile is staged in the pipeline's shared memory");
 constexpr int kSmemBytes = kBarriersOffset + 2 * kStages * 8 + 1024;  // + slack to align the base to 1024
-[[maybe_unused]] constexpr int kProducerRegs = 96;   // setmaxnreg: the producer needs few registers (56 spilled),
-[[maybe_unused]] constexpr int kConsumerRegs = 208;  // the consumers 128 accumulators each (128*96 + 256*208 <= 65536)
+// setmaxnreg: the producer needs few registers (at 56 it spilled), the consumers 128 accumulators each; the
+// totals fill the 64K-register file.
+[[maybe_unused]] constexpr int kProducerRegs = 96;
+[[maybe_unused]] constexpr int kConsumerRegs = 208;
+static_assert(kProducerThreads * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
 
 __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
@@ -99,9 +104,9 @@ __device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t addr) {
 // Byte offset of the 16-byte chunk `chunk` (8 bf16 along k) of row `row` in a 128-byte-swizzled tile.
 __device__ __forceinline__ int sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
-// One weight row's 64 codes (32 bytes) and the raw scale of their block.
+// One weight row's 64 codes (8 words of 8 codes) and the raw scale of their block.
 struct RowCodes {
-  uint4 lo, hi;
+  std::uint32_t words[8];
   RawScale scale;
 };
 
@@ -111,22 +116,34 @@ __device__ __forceinline__ RowCodes load_row(const std::uint8_t* __restrict__ co
   if (n < N) {
     const std::int64_t e = n * K + static_cast<std::int64_t>(kt) * kBlockK;
     const uint4* p = reinterpret_cast<const uint4*>(codes + (e >> 1));
-    r.lo = __ldg(p);
-    r.hi = __ldg(p + 1);
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      const uint4 q = __ldg(p + v);
+      r.words[4 * v] = q.x;
+      r.words[4 * v + 1] = q.y;
+      r.words[4 * v + 2] = q.z;
+      r.words[4 * v + 3] = q.w;
+    }
     r.scale = small_m::load_scale(scales, e >> scales.block_shift);
   } else {
-    r.lo = r.hi = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);  // code 7 is 0.0
+#pragma unroll
+    for (int v = 0; v < 8; ++v) r.words[v] = 0x77777777u;  // code 7 is 0.0
     r.scale = {0.0f, 0u};
   }
   return r;
 }
 
 // 8 codes (one 32-bit word; the first element in the high nibble of the first byte) -> 8 bf16, as nf4_dequantize.
+// The nibbles come out pre-multiplied by 4 (byte offsets into the fp32 codebook), two masks per word and one byte
+// permute per element; the codebook is static shared memory, so each lookup is one load at [offset + symbol].
 __device__ __forceinline__ uint4 dequant_word(std::uint32_t w, float s, const float* codebook) {
+  const std::uint32_t even4 = (w >> 2) & 0x3C3C3C3Cu, odd4 = (w << 2) & 0x3C3C3C3Cu;
+  const char* base = reinterpret_cast<const char*>(codebook);
   std::uint32_t out[4];
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
-    const float e0 = codebook[(w >> (8 * b + 4)) & 15], e1 = codebook[(w >> (8 * b)) & 15];
+    const float e0 = *reinterpret_cast<const float*>(base + __byte_perm(even4, 0, 0x4440 | b));
+    const float e1 = *reinterpret_cast<const float*>(base + __byte_perm(odd4, 0, 0x4440 | b));
     out[b] = small_m::pack_bf16x2(e0 * s, e1 * s);
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
@@ -177,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem =
       reinterpret_cast<unsigned char*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
-  float* codebook = reinterpret_cast<float*>(smem + kTablesOffset);
+  __shared__ float codebook[16];
   float* code2_shared = reinterpret_cast<float*>(smem + kTablesOffset + small_m::kCodebookBytes);
   const std::uint32_t tiles = smem_addr(smem);
   const std::uint32_t bars = smem_addr(smem + kBarriersOffset);
@@ -194,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), 128 + 1);  // the producer's 128 threads + the TMA's expect_tx arrival
+      mbar_init(full(s), kProducerThreads + 1);  // the producer threads + the TMA's expect_tx arrival
       mbar_init(empty(s), 8);       // the 8 consumer warps
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -206,7 +223,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     // ---- producer: thread tid dequantizes weight row n0 + tid; codes are loaded two stages ahead ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    const std::int64_t n = n0 + tid;
+    const int row = tid;  // this thread dequantizes weight row n0 + row
+    const std::int64_t n = n0 + row;
     RowCodes ahead1 = load_row(codes, scales, n, N, K, kt_begin);
     RowCodes ahead2 = load_row(codes, scales, n, N, K, kt_begin + min(1, k_tiles - 1));
     for (int i = 0; i < k_tiles; ++i) {
@@ -221,10 +239,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       const float sc = small_m::finish_scale(scales, cur.scale, code2_shared);
       unsigned char* wt = smem + s * kStageBytes;  // the stage's weight tile; this thread writes row tid
-      const std::uint32_t words[8] = {cur.lo.x, cur.lo.y, cur.lo.z, cur.lo.w, cur.hi.x, cur.hi.y, cur.hi.z, cur.hi.w};
 #pragma unroll
-      for (int chunk = 0; chunk < 8; ++chunk)
-        *reinterpret_cast<uint4*>(wt + sw128_offset(tid, chunk)) = dequant_word(words[chunk], sc, codebook);
+      for (int ch = 0; ch < 8; ++ch)
+        *reinterpret_cast<uint4*>(wt + sw128_offset(row, ch)) = dequant_word(cur.words[ch], sc, codebook);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic-proxy writes -> wgmma reads
       mbar_arrive(full(s));
     }
@@ -269,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float a_mul = partial ? 1.0f : alpha, b_mul = partial ? 0.0f : beta;
   const bool bf16_out = !partial && kCBf16;
   const bool vec = N % 4 == 0 && (reinterpret_cast<std::uintptr_t>(partial ? static_cast<void*>(partial) : c) & 15u) == 0;
-  for (int idx = tid - 128; idx < kBlockA * (kBlockW / 4); idx += 256) {
+  for (int idx = tid - kProducerThreads; idx < kBlockA * (kBlockW / 4); idx += 256) {
     const int ml = idx / (kBlockW / 4), q = idx % (kBlockW / 4);
     const std::int64_t m = m0 + ml, n = n0 + 4 * q;
     if (m >= M || n >= N) continue;
