@@ -472,7 +472,7 @@ void Bench::run_nf4() {
         if (fwd)
           record({"nf4_gemm", "dq " + pname, p.label, 1, M, N, K, flops, io,
                   time([&](int i) { nf4_gemm(ctx_, as[i % sets], ws[i % sets], cs[i % sets], po); })});
-        if (bwd && (path != Nf4Path::SmallM || M <= 16) && path != Nf4Path::Fused)
+        if (bwd && (path != Nf4Path::SmallM || M <= 16))
           record({"nf4_gemm_backward_a", "dq " + pname, p.label, 1, M, K, N, flops, io,
                   time([&](int i) {
                     nf4_gemm_backward_a(ctx_, dcs[i % sets], ws[i % sets], das[i % sets], po);

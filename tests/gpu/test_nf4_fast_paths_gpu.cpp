@@ -77,17 +77,14 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SmallMForward,
                                            Shape3{16, 129, 1536}, Shape3{17, 257, 512}, Shape3{33, 64, 160},
                                            Shape3{64, 300, 1024}, Shape3{5, 14336 / 16, 4096}));
 
-class SmallMBackward : public ::testing::TestWithParam<Shape3> {};
-
-TEST_P(SmallMBackward, MatchesCpuOracle) {
-  QMM_REQUIRE_GPU();
+// Both scale formats and dC/dA dtypes, beta in {0, 1} (dA poisoned when beta is 0).
+void expect_backward_matches(Nf4Path path, std::int64_t m, std::int64_t n, std::int64_t k, int block_size) {
   Context& gpu = *test::gpu_context();
   const Context cpu = Context::cpu();
-  const auto [m, n, k] = GetParam();
   std::uint64_t seed = static_cast<std::uint64_t>(m * 7919 + n * 31 + k);
   for (bool dq : {false, true})
     for (DType dt : {DType::BF16, DType::F32}) {
-      Problem p = make_weight(n, k, dq, ++seed);
+      Problem p = make_weight(n, k, dq, ++seed, block_size);
       Tensor dc = test::random_tensor(dt, {m, n}, ++seed);
       Tensor da0 = test::random_tensor(dt, {m, k}, ++seed);
       for (float beta : {0.0f, 1.0f}) {
@@ -95,13 +92,21 @@ TEST_P(SmallMBackward, MatchesCpuOracle) {
         nf4_gemm_backward_a(cpu, dc, p.w_host, ref, {1.25f, beta, Nf4Path::Auto});
         Tensor da = to_device(da0, gpu.device());
         if (beta == 0.0f) test::poison(da);
-        nf4_gemm_backward_a(gpu, to_device(dc, gpu.device()), p.w_dev, da, {1.25f, beta, Nf4Path::SmallM});
+        nf4_gemm_backward_a(gpu, to_device(dc, gpu.device()), p.w_dev, da, {1.25f, beta, path});
         gpu.synchronize();
         EXPECT_TRUE(test::all_close(test::host_copy(da), ref, tolerance_for(dt, n)))
-            << "M=" << m << " N=" << n << " K=" << k << " dq=" << dq << " dtype=" << dtype_name(dt)
-            << " beta=" << beta;
+            << nf4_path_name(path) << " M=" << m << " N=" << n << " K=" << k << " block=" << block_size
+            << " dq=" << dq << " dtype=" << dtype_name(dt) << " beta=" << beta;
       }
     }
+}
+
+class SmallMBackward : public ::testing::TestWithParam<Shape3> {};
+
+TEST_P(SmallMBackward, MatchesCpuOracle) {
+  QMM_REQUIRE_GPU();
+  const auto [m, n, k] = GetParam();
+  expect_backward_matches(Nf4Path::SmallM, m, n, k, kNf4DefaultBlockSize);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, SmallMBackward,
@@ -166,6 +171,21 @@ INSTANTIATE_TEST_SUITE_P(Shapes, FusedForward,
                                            FusedShape{300, 1000, 1536, 64}, FusedShape{513, 129, 64, 64},
                                            FusedShape{257, 200, 1024, 256}, FusedShape{1000, 63, 2048, 64}));
 
+class FusedBackward : public ::testing::TestWithParam<FusedShape> {};
+
+TEST_P(FusedBackward, MatchesCpuOracle) {
+  QMM_REQUIRE_GPU();
+  if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
+  const auto [m, n, k, block] = GetParam();
+  expect_backward_matches(Nf4Path::Fused, m, n, k, block);
+}
+
+// N (the reduction) ragged against the 64-row stage, K not a multiple of the 128-column tile, ragged M.
+INSTANTIATE_TEST_SUITE_P(Shapes, FusedBackward,
+                         ::testing::Values(FusedShape{1, 8, 64, 64}, FusedShape{7, 200, 192, 64},
+                                           FusedShape{300, 520, 320, 64}, FusedShape{257, 64, 1024, 64},
+                                           FusedShape{65, 256, 512, 256}, FusedShape{1000, 1536, 256, 64}));
+
 TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();
@@ -175,7 +195,12 @@ TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, p.w_dev, c, {1, 0, Nf4Path::Fused}); },
                                  ErrorCode::Unsupported, {"nf4_gemm", "Fused", why}));
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, c, p.w_dev, a, {1, 0, Nf4Path::Fused}); },
-                                 ErrorCode::Unsupported, {"nf4_gemm_backward_a", "Fused"}));
+                                 ErrorCode::Unsupported, {"nf4_gemm_backward_a", "Fused", why}));
+  Problem q = make_weight(60, 128, false, 6);  // N = 60: dC rows of 120 bytes cannot be TMA rows
+  Tensor dc(DType::BF16, {300, 60}, gpu.device()), da(DType::F32, {300, 128}, gpu.device());
+  const std::string why_n = fused_available() ? "N a multiple of 8" : "needs";
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, dc, q.w_dev, da, {1, 0, Nf4Path::Fused}); },
+                                 ErrorCode::Unsupported, {"nf4_gemm_backward_a", "Fused", why_n}));
 }
 
 TEST(SmallMPath, ForcedOnUnsupportedShapeRaisesUnsupported) {

@@ -104,32 +104,53 @@ __device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t addr) {
 // Byte offset of the 16-byte chunk `chunk` (8 bf16 along k) of row `row` in a 128-byte-swizzled tile.
 __device__ __forceinline__ int sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
-// One weight row's 64 codes (8 words of 8 codes) and the raw scale of their block.
-struct RowCodes {
+// A producer thread's work for one stage: 64 weight codes (8 words of 8) and the raw scales of their blocks.
+struct StageCodes {
   std::uint32_t words[8];
-  RawScale scale;
+  RawScale s0, s1;
 };
 
-__device__ __forceinline__ RowCodes load_row(const std::uint8_t* __restrict__ codes, const Scales& scales,
-                                             std::int64_t n, std::int64_t N, std::int64_t K, int kt) {
-  RowCodes r;
-  if (n < N) {
-    const std::int64_t e = n * K + static_cast<std::int64_t>(kt) * kBlockK;
-    const uint4* p = reinterpret_cast<const uint4*>(codes + (e >> 1));
-#pragma unroll
-    for (int v = 0; v < 2; ++v) {
-      const uint4 q = __ldg(p + v);
-      r.words[4 * v] = q.x;
-      r.words[4 * v + 1] = q.y;
-      r.words[4 * v + 2] = q.z;
-      r.words[4 * v + 3] = q.w;
-    }
-    r.scale = small_m::load_scale(scales, e >> scales.block_shift);
-  } else {
-#pragma unroll
-    for (int v = 0; v < 8; ++v) r.words[v] = 0x77777777u;  // code 7 is 0.0
-    r.scale = {0.0f, 0u};
-  }
+// 16 codes at element e (a multiple of 32) as 4 words, or zeros (code 7 is 0.0) for a row past the weight.
+__device__ __forceinline__ void load_codes(const std::uint8_t* __restrict__ codes, bool valid, std::int64_t e,
+                                           std::uint32_t* words) {
+  const uint4 q = valid ? __ldg(reinterpret_cast<const uint4*>(codes + (e >> 1)))
+                        : make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);
+  words[0] = q.x;
+  words[1] = q.y;
+  words[2] = q.z;
+  words[3] = q.w;
+}
+
+__device__ __forceinline__ RawScale load_scale_or_zero(const Scales& scales, bool valid, std::int64_t e) {
+  return valid ? small_m::load_scale(scales, e >> scales.block_shift) : RawScale{0.0f, 0u};
+}
+
+// Forward stage kt: the thread owns weight row n, codes [64 kt, 64 kt + 64) (one block, scale s0).
+__device__ __forceinline__ StageCodes load_forward(const std::uint8_t* __restrict__ codes, const Scales& scales,
+                                                   std::int64_t n, std::int64_t rows, std::int64_t cols, int kt) {
+  StageCodes r;
+  const bool valid = n < rows;
+  const std::int64_t e = n * cols + static_cast<std::int64_t>(kt) * kBlockK;
+  load_codes(codes, valid, e, r.words);
+  load_codes(codes, valid, e + 32, r.words + 4);
+  r.s0 = load_scale_or_zero(scales, valid, e);
+  r.s1 = r.s0;
+  return r;
+}
+
+// Input-gradient stage kt: the thread owns weight rows n and n + 1 (n = 64 kt + 2 pair), codes [k, k + 32) of each
+// (within one block: k is a multiple of 32 and blocks are multiples of 64): words 0-3 and scale s0 of row n,
+// words 4-7 and s1 of row n + 1.
+__device__ __forceinline__ StageCodes load_backward(const std::uint8_t* __restrict__ codes, const Scales& scales,
+                                                    std::int64_t n, std::int64_t rows, std::int64_t cols,
+                                                    std::int64_t k) {
+  StageCodes r;
+  const std::int64_t e0 = n * cols + k, e1 = e0 + cols;
+  const bool valid0 = n < rows && k < cols, valid1 = n + 1 < rows && k < cols;
+  load_codes(codes, valid0, e0, r.words);
+  load_codes(codes, valid1, e1, r.words + 4);
+  r.s0 = load_scale_or_zero(scales, valid0, e0);
+  r.s1 = load_scale_or_zero(scales, valid1, e1);
   return r;
 }
 
@@ -183,13 +204,18 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t 
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-// Grid: x over 128-row weight tiles, y over 256-row activation tiles, z over k ranges (split-K). With `partial`
-// the CTA writes its raw fp32 sums to partial[z][M][N] for a reduction; otherwise alpha * sum + beta * C to C.
-template <bool kCBf16>
+// Both directions are one GEMM shape for the consumers: out[M][n_out] = B[M][k_red] * T^T with T the dequantized
+// tile operand [n_out][k_red], K-major in shared memory.
+//  forward:        T = W [N][K] as stored (n_out = N, k_red = K), B = A.
+//  input gradient: T = W^T (n_out = K, k_red = N), B = dC; the producer writes the tile transposed.
+// Grid: x over 128-row tiles of n_out, y over 256-row tiles of M, z over k_red ranges (split-K). With `partial`
+// the CTA writes its raw fp32 sums to partial[z][M][n_out] for a reduction; otherwise alpha * sum + beta * out.
+template <bool kBackward, bool kCBf16>
 __global__ void __launch_bounds__(kThreads, 1)
-    nf4_fused_gemm_kernel(const __grid_constant__ CUtensorMap a_map, std::int64_t M, std::int64_t N, std::int64_t K,
-                          const std::uint8_t* __restrict__ codes, Scales scales, int k_tiles_per_split,
-                          float* __restrict__ partial, void* __restrict__ c, float alpha, float beta) {
+    nf4_fused_gemm_kernel(const __grid_constant__ CUtensorMap b_map, std::int64_t M, std::int64_t rows,
+                          std::int64_t cols, const std::uint8_t* __restrict__ codes, Scales scales,
+                          int k_tiles_per_split, float* __restrict__ partial, void* __restrict__ c, float alpha,
+                          float beta) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem =
@@ -203,45 +229,71 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (kStages + s); };
 
+  const std::int64_t n_out = kBackward ? cols : rows, k_red = kBackward ? rows : cols;
   const int tid = threadIdx.x, wg = tid / 128;
   const std::int64_t n0 = static_cast<std::int64_t>(blockIdx.x) * kBlockW;
   const int m0 = static_cast<int>(blockIdx.y) * kBlockA;
   const int kt_begin = static_cast<int>(blockIdx.z) * k_tiles_per_split;
-  const int k_tiles = min(k_tiles_per_split, static_cast<int>(K / kBlockK) - kt_begin);  // >= 1 (host sizing)
+  const int k_tiles = min(k_tiles_per_split, static_cast<int>((k_red + kBlockK - 1) / kBlockK) - kt_begin);
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), kProducerThreads + 1);  // the producer threads + the TMA's expect_tx arrival
-      mbar_init(empty(s), 8);       // the 8 consumer warps
+      mbar_init(empty(s), 8);                    // the 8 consumer warps
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&a_map)) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&b_map)) : "memory");
   }
   small_m::fill_tables(codebook, code2_shared, scales, tid, kThreads);
   __syncthreads();
 
   if (wg == 0) {
-    // ---- producer: thread tid dequantizes weight row n0 + tid; codes are loaded two stages ahead ----
+    // ---- producer: 64 elements per thread and stage, codes loaded two stages ahead ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    const int row = tid;  // this thread dequantizes weight row n0 + row
-    const std::int64_t n = n0 + row;
-    RowCodes ahead1 = load_row(codes, scales, n, N, K, kt_begin);
-    RowCodes ahead2 = load_row(codes, scales, n, N, K, kt_begin + min(1, k_tiles - 1));
+    // forward: weight row n0 + tid. Input gradient: weight rows 2 pair, 2 pair + 1 of the stage's 64, and the 32
+    // columns n0 + 32 q ... of the tile (pair = lane, q = warp: a warp's stores fill whole 128-byte tile rows).
+    const int pair = tid % 32, q = tid / 32;
+    auto load = [&](int kt) {
+      if constexpr (kBackward)
+        return load_backward(codes, scales, static_cast<std::int64_t>(kt) * kBlockK + 2 * pair, rows, cols,
+                             n0 + 32 * q);
+      else
+        return load_forward(codes, scales, n0 + tid, rows, cols, kt);
+    };
+    StageCodes ahead1 = load(kt_begin);
+    StageCodes ahead2 = load(kt_begin + min(1, k_tiles - 1));
     for (int i = 0; i < k_tiles; ++i) {
       const int s = i % kStages;
-      const RowCodes cur = ahead1;
+      const StageCodes cur = ahead1;
       ahead1 = ahead2;
-      if (i + 2 < k_tiles) ahead2 = load_row(codes, scales, n, N, K, kt_begin + i + 2);
+      if (i + 2 < k_tiles) ahead2 = load(kt_begin + i + 2);
       mbar_wait(empty(s), ((i / kStages) & 1) ^ 1);  // passes at once on the first round
       if (tid == 0) {
         mbar_arrive_expect_tx(full(s), kATileBytes);
-        tma_load_2d(a_tile(s), &a_map, (kt_begin + i) * kBlockK, m0, full(s));
+        tma_load_2d(a_tile(s), &b_map, (kt_begin + i) * kBlockK, m0, full(s));
       }
-      const float sc = small_m::finish_scale(scales, cur.scale, code2_shared);
-      unsigned char* wt = smem + s * kStageBytes;  // the stage's weight tile; this thread writes row tid
+      unsigned char* wt = smem + s * kStageBytes;  // the stage's tile [128 n_out][64 k_red], swizzled
+      const float s0 = small_m::finish_scale(scales, cur.s0, code2_shared);
+      if constexpr (kBackward) {
+        // Element (k_red = 2 pair + r, n_out = 32 q + 8 j + e) goes to tile row 32 q + 8 j + e, column 2 pair + r:
+        // the two rows' values of one column pair into a 32-bit store.
+        const float s1 = small_m::finish_scale(scales, cur.s1, code2_shared);
 #pragma unroll
-      for (int ch = 0; ch < 8; ++ch)
-        *reinterpret_cast<uint4*>(wt + sw128_offset(row, ch)) = dequant_word(cur.words[ch], sc, codebook);
+        for (int j = 0; j < 4; ++j) {
+          const uint4 ra = dequant_word(cur.words[j], s0, codebook), rb = dequant_word(cur.words[4 + j], s1, codebook);
+          const std::uint32_t a[4] = {ra.x, ra.y, ra.z, ra.w}, b[4] = {rb.x, rb.y, rb.z, rb.w};
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const int row = 32 * q + 8 * j + e;
+            *reinterpret_cast<std::uint32_t*>(wt + sw128_offset(row, pair >> 2) + (pair & 3) * 4) =
+                __byte_perm(a[e / 2], b[e / 2], (e & 1) ? 0x7632 : 0x5410);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int ch = 0; ch < 8; ++ch)
+          *reinterpret_cast<uint4*>(wt + sw128_offset(tid, ch)) = dequant_word(cur.words[ch], s0, codebook);
+      }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic-proxy writes -> wgmma reads
       mbar_arrive(full(s));
     }
@@ -282,16 +334,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       tile[(8 * j + 2 * t + (i & 1)) * kCPitch + cw * 64 + warp * 16 + g + 8 * (i >> 1)] = acc[4 * j + i];
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
 
-  float* out_f32 = partial ? partial + static_cast<std::int64_t>(blockIdx.z) * M * N : static_cast<float*>(c);
+  float* out_f32 = partial ? partial + static_cast<std::int64_t>(blockIdx.z) * M * n_out : static_cast<float*>(c);
   const float a_mul = partial ? 1.0f : alpha, b_mul = partial ? 0.0f : beta;
   const bool bf16_out = !partial && kCBf16;
-  const bool vec = N % 4 == 0 && (reinterpret_cast<std::uintptr_t>(partial ? static_cast<void*>(partial) : c) & 15u) == 0;
+  const bool vec = n_out % 4 == 0 && (reinterpret_cast<std::uintptr_t>(partial ? static_cast<void*>(partial) : c) & 15u) == 0;
   for (int idx = tid - kProducerThreads; idx < kBlockA * (kBlockW / 4); idx += 256) {
     const int ml = idx / (kBlockW / 4), q = idx % (kBlockW / 4);
     const std::int64_t m = m0 + ml, n = n0 + 4 * q;
-    if (m >= M || n >= N) continue;
+    if (m >= M || n >= n_out) continue;
     const float4 v = *reinterpret_cast<const float4*>(tile + ml * kCPitch + 4 * q);
-    const std::int64_t at = m * N + n;
+    const std::int64_t at = m * n_out + n;
     if (vec) {
       if (bf16_out) {
         auto* p = static_cast<__nv_bfloat16*>(c) + at;
@@ -322,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float e[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        if (n + u >= N) break;
+        if (n + u >= n_out) break;
         if (bf16_out) small_m::store_out(c, true, at + u, e[u], a_mul, b_mul);
         else small_m::store_out(out_f32, false, at + u, e[u], a_mul, b_mul);
       }
@@ -349,8 +401,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return fn;
 }
 
-// The activation operand as a TMA tensor map: bf16 [M][K] row-major, boxes of [kBlockA rows][64 k], 128-byte
-// swizzle, zeros past M.
+// The activation operand (A, or dC for the input gradient) as a TMA tensor map: bf16 [M][K] row-major, boxes of
+// [kBlockA rows][64 k], 128-byte swizzle, zeros past M and K.
 CUtensorMap activation_map(const void* a16, std::int64_t M, std::int64_t K) {
   CUtensorMap map{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(M)};
@@ -367,36 +419,43 @@ CUtensorMap activation_map(const void* a16, std::int64_t M, std::int64_t K) {
 
 }  // namespace
 
-bool nf4_fused_supported(const Context& ctx, const TensorView& a, const Nf4Weight& w, const char** why) {
+bool nf4_fused_supported(const Context& ctx, const TensorView& b, const Nf4Weight& w, bool backward,
+                         const char** why) {
   auto no = [&](const char* reason) {
     if (why) *why = reason;
     return false;
   };
 #if !defined(QMM_HAVE_SM90A)
   (void)ctx;
-  (void)a;
+  (void)b;
   (void)w;
+  (void)backward;
   return no("a build with sm_90a (QMM_CUDA_ARCHS containing 90a)");
 #else
   if (state(ctx).cc() != 90) return no("a compute capability 9.0 GPU (Hopper)");
   if (w.cols % fused::kBlockK != 0) return no("K a multiple of 64");
+  if (backward && w.rows % 8 != 0) return no("N a multiple of 8 (16-byte dC rows for TMA)");
   if (w.block_size % fused::kBlockK != 0) return no("a block size that is a multiple of 64");
-  if ((a.dtype() == DType::BF16 && !aligned16(a.data())) || !aligned16(w.codes.data()))
-    return no("16-byte aligned A (bf16) and codes");
+  if ((b.dtype() == DType::BF16 && !aligned16(b.data())) || !aligned16(w.codes.data()))
+    return no("16-byte aligned bf16 activations and codes");
   return true;
 #endif
 }
 
-void launch_nf4_gemm_fused(const Context& ctx, const void* a16, std::int64_t M, const Nf4Weight& w,
-                           const TensorView& c, float alpha, float beta) {
-  const std::int64_t N = w.rows, K = w.cols;
-  const CUtensorMap map = activation_map(a16, M, K);
+namespace {
+
+template <bool kBackward>
+void launch_fused(const Context& ctx, const void* b16, std::int64_t M, const Nf4Weight& w, const TensorView& out,
+                  float alpha, float beta) {
+  const std::int64_t n_out = kBackward ? w.cols : w.rows, k_red = kBackward ? w.rows : w.cols;
+  const CUtensorMap map = activation_map(b16, M, k_red);
   const small_m::Scales scales = small_m::scales_of(w);
-  const std::int64_t tiles_n = (N + fused::kBlockW - 1) / fused::kBlockW;
+  const std::int64_t tiles_n = (n_out + fused::kBlockW - 1) / fused::kBlockW;
   const std::int64_t tiles_m = (M + fused::kBlockA - 1) / fused::kBlockA;
-  // Split K only when the tiles fill less than half the GPU, and only as far as one wave: each split adds an
-  // fp32 partial of C written and read back.
-  const std::int64_t tiles = tiles_n * tiles_m, sms = state(ctx).sm_count(), k_tiles = K / fused::kBlockK;
+  // Split k_red only when the tiles fill less than half the GPU, and only as far as one wave: each split adds an
+  // fp32 partial of the output written and read back.
+  const std::int64_t tiles = tiles_n * tiles_m, sms = state(ctx).sm_count();
+  const std::int64_t k_tiles = (k_red + fused::kBlockK - 1) / fused::kBlockK;
   std::int64_t splits = 1;
   if (2 * tiles <= sms) splits = std::clamp<std::int64_t>(sms / tiles, 1, std::max<std::int64_t>(1, k_tiles / 4));
   const std::int64_t per_split = (k_tiles + splits - 1) / splits;
@@ -404,20 +463,32 @@ void launch_nf4_gemm_fused(const Context& ctx, const void* a16, std::int64_t M, 
   std::unique_ptr<ScratchBuffer> scratch;
   float* partial = nullptr;
   if (splits > 1) {
-    scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(splits * M * N) * 4);
+    scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(splits * M * n_out) * 4);
     partial = scratch->at<float>(0);
   }
   const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m), static_cast<unsigned>(splits));
   auto launch = [&](auto kernel) {
     allow_dynamic_shared(reinterpret_cast<const void*>(kernel), fused::kSmemBytes);
-    kernel<<<grid, fused::kThreads, fused::kSmemBytes, stream_of(ctx)>>>(map, M, N, K, w.codes.data_as<std::uint8_t>(),
-                                                                         scales, static_cast<int>(per_split), partial,
-                                                                         c.data(), alpha, beta);
+    kernel<<<grid, fused::kThreads, fused::kSmemBytes, stream_of(ctx)>>>(
+        map, M, w.rows, w.cols, w.codes.data_as<std::uint8_t>(), scales, static_cast<int>(per_split), partial,
+        out.data(), alpha, beta);
   };
-  if (c.dtype() == DType::BF16) launch(fused::nf4_fused_gemm_kernel<true>);
-  else launch(fused::nf4_fused_gemm_kernel<false>);
+  if (out.dtype() == DType::BF16) launch(fused::nf4_fused_gemm_kernel<kBackward, true>);
+  else launch(fused::nf4_fused_gemm_kernel<kBackward, false>);
   QMM_CUDA_CHECK_LAUNCH("nf4_fused_gemm_kernel");
-  if (partial) launch_nf4_split_k_reduce(ctx, partial, static_cast<int>(splits), M * N, c, alpha, beta);
+  if (partial) launch_nf4_split_k_reduce(ctx, partial, static_cast<int>(splits), M * n_out, out, alpha, beta);
+}
+
+}  // namespace
+
+void launch_nf4_gemm_fused(const Context& ctx, const void* a16, std::int64_t M, const Nf4Weight& w,
+                           const TensorView& c, float alpha, float beta) {
+  launch_fused<false>(ctx, a16, M, w, c, alpha, beta);
+}
+
+void launch_nf4_gemm_backward_fused(const Context& ctx, const void* dc16, std::int64_t M, const Nf4Weight& w,
+                                    const TensorView& da, float alpha, float beta) {
+  launch_fused<true>(ctx, dc16, M, w, da, alpha, beta);
 }
 
 }  // namespace qmm::cuda

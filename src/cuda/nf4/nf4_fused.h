@@ -1,5 +1,6 @@
-// The fused NF4 tensor-core GEMM for training-sized M (Hopper, sm_90a): C = A * dequant(W)^T without a bf16 copy
-// of W. The weight's NF4 tiles are dequantized into shared memory inside the main loop and fed to wgmma.
+// The fused NF4 tensor-core GEMMs for training-sized M (Hopper, sm_90a): C = A * dequant(W)^T and
+// dA = dC * dequant(W) without a bf16 copy of W. The weight's NF4 tiles are dequantized into shared memory inside
+// the main loop and fed to wgmma.
 #pragma once
 
 #include "qmm/context.h"
@@ -9,12 +10,18 @@
 namespace qmm::cuda {
 
 // Whether the fused kernel can take this problem on ctx's device: an sm_90a build on a compute capability 9.0
-// GPU, K a multiple of 64, a block size that is a multiple of 64, 16-byte aligned A and codes. Callers fall back
-// to dequantize + GEMM otherwise. `why` (when not null) gets the first unmet condition.
-bool nf4_fused_supported(const Context& ctx, const TensorView& a, const Nf4Weight& w, const char** why = nullptr);
+// GPU, K a multiple of 64, a block size that is a multiple of 64, 16-byte aligned bf16 activations (A, or dC for
+// the input gradient) and codes, and for the input gradient N a multiple of 8. Callers fall back to
+// dequantize + GEMM otherwise. `why` (when not null) gets the first unmet condition.
+bool nf4_fused_supported(const Context& ctx, const TensorView& activations, const Nf4Weight& w, bool backward,
+                         const char** why = nullptr);
 
 // C[M,N] = alpha * A16[M,K] * dequant(W)^T + beta * C, A16 bf16 (row-major, 16-byte aligned), C f32 or bf16.
 void launch_nf4_gemm_fused(const Context& ctx, const void* a16, std::int64_t M, const Nf4Weight& w,
                            const TensorView& c, float alpha, float beta);
+
+// dA[M,K] = alpha * dC16[M,N] * dequant(W) + beta * dA, dC16 bf16, dA f32 or bf16.
+void launch_nf4_gemm_backward_fused(const Context& ctx, const void* dc16, std::int64_t M, const Nf4Weight& w,
+                                    const TensorView& da, float alpha, float beta);
 
 }  // namespace qmm::cuda

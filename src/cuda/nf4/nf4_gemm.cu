@@ -3,8 +3,8 @@
 //  allocation, then the dense bf16 GEMM (cuBLASLt, fp32 accumulation).
 //  SmallM: the fused small-M kernels (nf4_small_m.cu) where their preconditions hold, Unsupported otherwise.
 //  Auto: SmallM for few rows where it applies (wants_small_m below), DequantGemm otherwise.
-//  Fused: the fused tensor-core kernel (nf4_fused.cu, sm_90a) for the forward where it applies, Unsupported
-//  otherwise. Reference: the CPU backend's, not a GPU path.
+//  Fused: the fused tensor-core kernels (nf4_fused.cu, sm_90a) for the forward and the input gradient where they
+//  apply, Unsupported otherwise. Reference: the CPU backend's, not a GPU path.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -77,10 +77,10 @@ void check_path(const char* op, Nf4Path p, const PathFit& small_m, const PathFit
   unsupported(op, p, "is unknown");
 }
 
-PathFit fused_fit(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
+PathFit fused_fit(const Context& ctx, const TensorView& activations, const Nf4Weight& w, bool backward) {
   const char* why = nullptr;
   PathFit f;
-  f.ok = nf4_fused_supported(ctx, a, w, &why);
+  f.ok = nf4_fused_supported(ctx, activations, w, backward, &why);
   if (!f.ok) f.needs = why;
   return f;
 }
@@ -216,7 +216,7 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
               const Nf4GemmOptions& opts) {
   const char* op = "nf4_gemm";
   const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w, false)) && nf4_small_m_supported(a, w);
-  const PathFit fused = opts.path == Nf4Path::Fused ? fused_fit(ctx, a, w) : PathFit{};
+  const PathFit fused = opts.path == Nf4Path::Fused ? fused_fit(ctx, a, w, false) : PathFit{};
   check_path(op, opts.path, {small_m, kSmallMNeeds}, fused);
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
   if (M == 0 || N == 0) return;
@@ -246,11 +246,18 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
   const char* op = "nf4_gemm_backward_a";
   const bool small_m =
       wants_small_m(opts.path, dc.dim(0), auto_small_m_rows(w, true)) && nf4_small_m_backward_supported(dc, w);
-  check_path(op, opts.path, {small_m, kSmallMBackwardNeeds}, {false, "a forward GEMM: the fused input gradient is not implemented yet"});
+  const PathFit fused = opts.path == Nf4Path::Fused ? fused_fit(ctx, dc, w, true) : PathFit{};
+  check_path(op, opts.path, {small_m, kSmallMBackwardNeeds}, fused);
   const std::int64_t M = dc.dim(0), N = w.rows, K = w.cols;
   if (M == 0 || K == 0) return;
   set_device(ctx);
   if (small_m) return launch_nf4_gemm_backward_small_m(ctx, dc, w, da, opts.alpha, opts.beta);
+  if (fused.ok) {
+    ScratchPlan plan;
+    const std::size_t dc_at = dc.dtype() == DType::F32 ? plan.reserve(static_cast<std::size_t>(M * N) * 2) : 0;
+    if (dc.dtype() == DType::F32) plan.commit(ctx);
+    return launch_nf4_gemm_backward_fused(ctx, bf16_operand(ctx, dc, plan, dc_at), M, w, da, opts.alpha, opts.beta);
+  }
 
   ScratchPlan plan;
   const std::size_t a_at = dc.dtype() == DType::F32 ? plan.reserve(static_cast<std::size_t>(M * N) * 2) : 0;
