@@ -51,11 +51,14 @@ constexpr int kBarriersOffset = kTablesOffset + small_m::kTablesBytes;
 constexpr int kCPitch = kBlockW + 4;  // floats per row of the staged output tile [kBlockA][kCPitch]
 static_assert(kBlockA * kCPitch * 4 <= kTablesOffset, "the output tile is staged in the pipeline's shared memory");
 constexpr int kSmemBytes = kBarriersOffset + 2 * kStages * 8 + 1024;  // + slack to align the base to 1024
-// setmaxnreg: the producer needs few registers (at 56 it spilled), the consumers 128 accumulators each; the
-// totals fill the 64K-register file.
+// setmaxnreg moves registers between warpgroups within the CTA's launch allocation (kThreads x kLaunchRegs, the
+// cap __launch_bounds__ gives ptxas): the producer gives some up (at 56 it spilled), the consumers take them. An
+// increase that the pool cannot cover never returns (a hang: 96 + 208 did that).
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
 [[maybe_unused]] constexpr int kProducerRegs = 96;
-[[maybe_unused]] constexpr int kConsumerRegs = 208;
-static_assert(kProducerThreads * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
+[[maybe_unused]] constexpr int kConsumerRegs = 200;
+static_assert(kProducerThreads * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs,
+              "setmaxnreg must stay within the CTA's register allocation");
 
 __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
