@@ -1,14 +1,17 @@
-// The fused NF4 GEMM on Hopper (sm_90a): C[M,N] = alpha * A[M,K] * dequant(W)^T + beta * C, W [N,K] NF4.
+// The fused NF4 GEMMs on Hopper (sm_90a), W [N,K] NF4:
+//   forward         C[M,N]  = alpha * A[M,K] * dequant(W)^T + beta * C
+//   input gradient  dA[M,K] = alpha * dC[M,N] * dequant(W) + beta * dA
 //
-// Computed transposed, C^T = dequant(W) * A^T, so that a CTA's weight tile is the wgmma's 64-row A operand and
-// the wider activation tile its 256-column B operand: per k step the CTA dequantizes 128 x 64 weight elements
-// (not 256 x 64) for 128 x 256 x 64 multiply-adds.
+// Both are computed transposed, out^T = T * B^T with T the dequantized weight tile (W, or W^T for the input
+// gradient) as the wgmma's 64-row A operand and the wider activation tile (A, or dC) its 256-column B operand:
+// per k step the CTA dequantizes 128 x 64 weight elements (not 256 x 64) for 128 x 256 x 64 multiply-adds.
 //
 // A CTA is three warpgroups. Warpgroup 0 produces: its thread 0 loads the activation tile [256 rows][64 k] with
-// TMA (128-byte swizzle, zero fill past M), and each of its 128 threads dequantizes one weight row's 64 codes
-// (32 bytes, one NF4 block of 64) into bf16 in the same swizzled layout. Warpgroups 1 and 2 consume: each runs
-// wgmma m64n256k16 over its 64 weight rows of the stage, both operands from shared memory. kStages stages, with
-// one "full" (producer -> consumers) and one "empty" (consumers -> producer) mbarrier each.
+// TMA (128-byte swizzle, zero fill past the edges), and its 128 threads dequantize 64 weight elements each into
+// bf16 in the same swizzled layout (forward: one row's 64 codes, one NF4 block; input gradient: 32 codes of two
+// rows, written transposed). Warpgroups 1 and 2 consume: each runs wgmma m64n256k16 over its 64 rows of the tile,
+// both operands from shared memory. kStages stages, with one "full" (producer -> consumers) and one "empty"
+// (consumers -> producer) mbarrier each.
 //
 // Dequantization is exactly nf4_dequantize's (fp32 code * fp32 scale, rounded to bf16), so the result is the bf16
 // GEMM on the dequantized weight up to fp32 summation order.
