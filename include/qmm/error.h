@@ -16,6 +16,7 @@ enum class ErrorCode {
   Cuda,             // a CUDA runtime call failed
   Cublas,           // a cuBLASLt call failed
   Io,               // file missing, unreadable or malformed
+  Distributed,      // a rank of a multi-process job failed, or a collective (NCCL) failed
   Internal,         // a bug in qmm
 };
 

@@ -15,6 +15,7 @@ const char* error_code_name(ErrorCode code) {
     case ErrorCode::Cuda: return "Cuda";
     case ErrorCode::Cublas: return "Cublas";
     case ErrorCode::Io: return "Io";
+    case ErrorCode::Distributed: return "Distributed";
     case ErrorCode::Internal: return "Internal";
   }
   return "Unknown";
