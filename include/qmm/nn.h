@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "qmm/context.h"
+#include "qmm/dist.h"
 #include "qmm/nf4.h"
 #include "qmm/ops.h"
 #include "qmm/tensor.h"
@@ -261,6 +262,9 @@ class AdamW {
   // given, receives the gradient norm before clipping (f32, one element, on the device; not read back here).
   void step(const TensorView& norm = {});
   void zero_grad();
+  // Data parallelism: from now on every step first replaces each gradient by its mean over comm's ranks (comm
+  // must outlive the optimizer's steps; nullptr detaches). Clipping then sees the global gradient.
+  void all_reduce_with(Communicator* comm);
   int steps() const { return steps_; }
   AdamWOptions& options() { return options_; }  // e.g. for a learning-rate schedule
   const AdamWOptions& options() const { return options_; }
@@ -270,6 +274,7 @@ class AdamW {
   AdamWOptions options_;
   std::vector<LoraLinear*> layers_;
   std::vector<AdamWParam> params_;
+  Communicator* comm_ = nullptr;
   int steps_ = 0;
 };
 

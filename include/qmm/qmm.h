@@ -2,6 +2,7 @@
 #pragma once
 
 #include "qmm/context.h"
+#include "qmm/dist.h"
 #include "qmm/error.h"
 #include "qmm/nf4.h"
 #include "qmm/nn.h"

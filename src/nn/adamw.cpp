@@ -28,9 +28,20 @@ void AdamW::add(SwiGluMlp& mlp) {
 
 void AdamW::step(const TensorView& norm) {
   detail::require(!params_.empty(), ErrorCode::InvalidArgument, "AdamW::step", "no parameters: add layers first");
+  if (comm_) {
+    std::vector<TensorView> grads;
+    for (const AdamWParam& p : params_) grads.push_back(p.grad);
+    comm_->all_reduce_mean(grads);
+  }
   adamw_step(ctx_, params_, options_, steps_ + 1, norm);
   ++steps_;
   for (LoraLinear* l : layers_) l->refresh_working_copies();
+}
+
+void AdamW::all_reduce_with(Communicator* comm) {
+  detail::require(!comm || comm->context().device() == ctx_.device(), ErrorCode::DeviceMismatch,
+                  "AdamW::all_reduce_with", "the communicator is not on the optimizer's device");
+  comm_ = comm;
 }
 
 void AdamW::zero_grad() {

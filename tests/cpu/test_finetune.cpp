@@ -310,6 +310,23 @@ TEST(Finetune, DenseMlpAndLinearFiles) {
   EXPECT_LT(r.final_loss, 0.25 * r.start_loss) << log;
 }
 
+TEST(Finetune, DataParallelOptionsAreChecked) {
+  tool::FinetuneOptions o;
+  o.gpus = 2;
+  // In process, without the supervisor's rank variables: the job refuses rather than training alone.
+  EXPECT_TRUE(test::throws_error([&] { run(o); }, ErrorCode::InvalidArgument, {"--gpus 2", "1 ranks"}));
+  // The command on the CPU backend: no GPUs to start ranks on.
+  o.cpu = true;
+  EXPECT_TRUE(test::throws_error([&] { tool::run_finetune(o, {"qmm", "finetune", "--gpus", "2", "--cpu"}); },
+                                 ErrorCode::Unsupported, {"--gpus 2", "GPUs"}));
+  // A rank of a CPU job (world size 2) is refused with the same reason.
+  setenv("QMM_RANK", "1", 1);
+  setenv("QMM_WORLD_SIZE", "2", 1);
+  EXPECT_TRUE(test::throws_error([&] { run(o); }, ErrorCode::Unsupported, {"--gpus 2", "GPUs"}));
+  unsetenv("QMM_RANK");
+  unsetenv("QMM_WORLD_SIZE");
+}
+
 TEST(Finetune, ClearErrors) {
   tool::FinetuneOptions o;
   o.path = temp_path("does_not_exist");

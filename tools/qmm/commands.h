@@ -36,6 +36,7 @@ struct FinetuneOptions {
   std::uint64_t seed = 0;
   bool cpu = false;               // force the CPU backend
   int log_every = 10;             // steps between loss read-backs (each one synchronizes)
+  int gpus = 1;                   // > 1: data parallel, one process per GPU (tools/qmm/ranks.h)
 };
 // Mean losses over held-out batches (not trained on).
 struct FinetuneResult {
@@ -45,7 +46,9 @@ struct FinetuneResult {
 };
 // Runs the job, printing to `out` (a progress bar when `tty`); throws qmm::Error on bad options or files.
 FinetuneResult finetune(const FinetuneOptions& opts, std::ostream& out, bool tty = false);
-// The command: 0 when the final loss fell below the start loss, 1 otherwise.
-int run_finetune(const FinetuneOptions& opts);
+// The command: 0 when the final loss fell below the start loss, 1 otherwise. With opts.gpus > 1 in a process
+// that is not yet a rank, starts and supervises the ranks (this program again, `argv`) and returns 0 when all
+// succeed; inside a rank (QMM_RANK / QMM_WORLD_SIZE set) it trains its share of each batch.
+int run_finetune(const FinetuneOptions& opts, const std::vector<std::string>& argv);
 
 }  // namespace qmm::tool

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <numbers>
 #include <optional>
@@ -19,6 +20,7 @@
 #include "commands.h"
 #include "qmm/checkpoint.h"
 #include "qmm/qmm.h"
+#include "ranks.h"
 
 namespace qmm::tool {
 namespace {
@@ -267,6 +269,12 @@ Data make_data(const Context& ctx, Net& teacher, int batches, Shape x_shape, Sha
   return d;
 }
 
+// Rows [r0, r0 + n) of a row-major 2-D tensor: a rank's share of a batch.
+TensorView rows(const Tensor& t, std::int64_t r0, std::int64_t n) {
+  return TensorView(static_cast<char*>(t.data()) + r0 * t.dim(1) * static_cast<std::int64_t>(dtype_size(t.dtype())),
+                    t.dtype(), {n, t.dim(1)}, t.device());
+}
+
 TensorView slot(const Tensor& losses, std::int64_t i, std::int64_t n = 1) {
   return TensorView(f32(losses) + i, DType::F32, {n}, losses.device());
 }
@@ -305,14 +313,28 @@ std::string bar(int done, int total) {
 
 }  // namespace
 
-FinetuneResult finetune(const FinetuneOptions& o, std::ostream& out, bool tty) {
+FinetuneResult finetune(const FinetuneOptions& o, std::ostream& out_rank0, bool tty) {
   if (o.rank < 1) fail(ErrorCode::InvalidArgument, "--rank is " + std::to_string(o.rank) + " but must be >= 1");
   if (!(o.lr > 0.0f) || !std::isfinite(o.lr)) fail(ErrorCode::InvalidArgument, "--lr must be finite and > 0");
   if (o.steps < 0 || o.tokens < 0 || o.hidden < 0 || o.intermediate < 0 || o.log_every < 1)
     fail(ErrorCode::InvalidArgument, "--steps, --tokens and the sizes must be >= 0 (0: default), --log-every >= 1");
 
+  if (o.gpus < 1) fail(ErrorCode::InvalidArgument, "--gpus must be >= 1");
+  // Data parallel: this process is rank re.rank of re.world (set by run_finetune's supervisor), on GPU re.rank,
+  // training rows [rank * local, (rank + 1) * local) of every batch; only rank 0 prints.
+  const RankEnv re = rank_env();
+  const int world = re.world;
+  if (world != o.gpus)
+    fail(ErrorCode::InvalidArgument, "--gpus " + std::to_string(o.gpus) + " but this process is one of " +
+                                         std::to_string(world) + " ranks (QMM_WORLD_SIZE); run the qmm command, "
+                                         "which starts the ranks");
   const bool gpu = !o.cpu && Context::cuda_device_count() > 0;
-  const Context ctx = gpu ? Context::cuda(0) : Context::cpu();
+  if (world > 1 && (!gpu || Context::cuda_device_count() < world))
+    fail(ErrorCode::Unsupported, "--gpus " + std::to_string(world) + " needs that many GPUs (this machine has " +
+                                     std::to_string(o.cpu ? 0 : Context::cuda_device_count()) + " usable)");
+  const Context ctx = gpu ? Context::cuda(re.rank) : Context::cpu();
+  std::ostream silent(nullptr);
+  std::ostream& out = re.rank == 0 ? out_rank0 : silent;
   const DType act = gpu ? DType::BF16 : DType::F32;  // the CPU reference backend runs exact f32
   const int steps = o.steps > 0 ? o.steps : (gpu ? 300 : 200);
   const std::int64_t tokens = o.tokens > 0 ? o.tokens : (gpu ? 2048 : 64);
@@ -322,6 +344,16 @@ FinetuneResult finetune(const FinetuneOptions& o, std::ostream& out, bool tty) {
   const LoraConfig cfg{o.rank, 2.0f * static_cast<float>(o.rank), 0.0f, act, gpu ? MathMode::BF16 : MathMode::FP32,
                        o.seed};
   const int r_true = std::max(1, o.rank / 2);
+  if (tokens % world != 0)
+    fail(ErrorCode::InvalidArgument, "--tokens " + std::to_string(tokens) + " is not a multiple of --gpus " +
+                                         std::to_string(world) + " (each GPU takes an equal share of a batch)");
+  const std::int64_t local = tokens / world, row0 = re.rank * local;
+  std::optional<Communicator> comm;
+  if (world > 1) {
+    const char* rendezvous = std::getenv("QMM_RENDEZVOUS");
+    if (!rendezvous || !*rendezvous) fail(ErrorCode::InvalidArgument, "QMM_RENDEZVOUS is not set for the ranks");
+    comm.emplace(ctx, re.rank, world, rendezvous);
+  }
 
   std::mt19937_64 rng(o.seed ^ 0x5EEDC0DEull);
   std::vector<Projection> proj;
@@ -344,7 +376,7 @@ FinetuneResult finetune(const FinetuneOptions& o, std::ostream& out, bool tty) {
   std::mt19937_64 data_rng(o.seed ^ 0xDA7Aull);
   const Data train = make_data(ctx, teacher, batches, {tokens, in}, {tokens, out_f}, act, data_rng);
   const Data held_out = make_data(ctx, teacher, kEvalBatches, {tokens, in}, {tokens, out_f}, act, data_rng);
-  const Tensor y(act, {tokens, out_f}, ctx.device());
+  const Tensor y(act, {tokens, out_f}, ctx.device()), y_local(act, {local, out_f}, ctx.device());
   const Tensor losses(DType::F32, {std::max(steps, kEvalBatches)}, ctx.device());
   student.reserve(tokens);
   const double start = eval_loss(ctx, student, held_out, y, losses);
@@ -371,6 +403,9 @@ FinetuneResult finetune(const FinetuneOptions& o, std::ostream& out, bool tty) {
       << fmt("  training   %d steps of %lld tokens (%d fixed batches, %d held out), AdamW lr %g (warmup, cosine), "
              "seed %llu\n", steps, static_cast<long long>(tokens), batches, kEvalBatches, o.lr,
              static_cast<unsigned long long>(o.seed))
+      << (world > 1 ? fmt("  parallel   data parallel on %d GPUs (one process each, NCCL all-reduce of the adapter "
+                          "gradients), %lld tokens per GPU per step\n", world, static_cast<long long>(local))
+                    : std::string())
       << "  memory     " << total_memory() << " = " << bytes_str(frozen) << " frozen + " << bytes_str(adapters)
       << " adapters/optimizer + " << bytes_str(student.saved_bytes()) << " saved activations + "
       << bytes_str(student.scratch_bytes()) << " scratch\n"
@@ -382,18 +417,29 @@ FinetuneResult finetune(const FinetuneOptions& o, std::ostream& out, bool tty) {
   adamw.lr = o.lr;
   AdamW opt(ctx, adamw);
   student.add_to(opt);
+  if (comm) opt.all_reduce_with(&*comm);
+  std::vector<TensorView> masters;  // the fp32 adapters, compared across the ranks
+  for (LoraLinear* l : student.layers())
+    for (const AdamWParam& p : l->parameters()) masters.push_back(p.param);
   int logged = 0;  // steps whose loss has been read back
   auto t0 = std::chrono::steady_clock::now();
   for (int step = 0; step < steps; ++step) {
     const std::size_t b = static_cast<std::size_t>(step % batches);
     opt.options().lr = lr_at(step, steps, o.lr);
-    student.forward(train.x[b], y, ForwardMode::Train);
-    mse_loss(ctx, y, train.target[b], slot(losses, step), y);  // y becomes dy
-    student.backward(train.x[b], y);
+    const TensorView x = rows(train.x[b], row0, local), target = rows(train.target[b], row0, local);
+    student.forward(x, y_local, ForwardMode::Train);
+    mse_loss(ctx, y_local, target, slot(losses, step), y_local);  // y_local becomes dy
+    student.backward(x, y_local);
     opt.step();
     opt.zero_grad();
     if ((step + 1) % o.log_every != 0 && step + 1 != steps) continue;
-    // The only read-back: it waits for the device, which is also what makes tokens/s honest.
+    // The only read-back: it waits for the device, which is also what makes tokens/s honest. With several ranks
+    // the losses are first averaged over them (the global batch's loss), and the adapters are checked identical.
+    if (comm) {
+      comm->all_reduce_mean({slot(losses, logged, step + 1 - logged)});
+      if (!comm->same_on_all_ranks(masters))
+        fail(ErrorCode::Distributed, fmt("the adapters differ between the ranks after step %d", step + 1));
+    }
     const double loss = mean_loss(ctx, losses, logged, step + 1 - logged);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const std::string line = fmt("step %5d/%d  loss %-10.6g %9.0f tokens/s  mem ", step + 1, steps, loss,
@@ -411,8 +457,28 @@ FinetuneResult finetune(const FinetuneOptions& o, std::ostream& out, bool tty) {
   return r;
 }
 
-int run_finetune(const FinetuneOptions& opts) {
-  const FinetuneResult r = finetune(opts, std::cout, isatty(STDOUT_FILENO) != 0);
+int run_finetune(const FinetuneOptions& opts, const std::vector<std::string>& argv) {
+  if (opts.gpus > 1 && std::getenv("QMM_WORLD_SIZE") == nullptr) {  // the supervisor: start the ranks
+    const int have = opts.cpu ? 0 : Context::cuda_device_count();
+    if (have < opts.gpus)
+      fail(ErrorCode::Unsupported, "--gpus " + std::to_string(opts.gpus) + " needs that many GPUs (this machine "
+                                   "has " + std::to_string(have) + " usable)");
+    const std::string rendezvous = "/tmp/qmm-rendezvous-" + std::to_string(getpid());
+    std::remove(rendezvous.c_str());
+    setenv("QMM_RENDEZVOUS", rendezvous.c_str(), 1);
+    std::vector<std::string> args = argv;
+    args.at(0) = "/proc/self/exe";  // this very program, wherever it was started from
+    try {
+      run_ranks(args, opts.gpus);
+    } catch (...) {
+      std::remove(rendezvous.c_str());
+      throw;
+    }
+    std::remove(rendezvous.c_str());
+    return 0;
+  }
+  const bool rank0 = rank_env().rank == 0;
+  const FinetuneResult r = finetune(opts, std::cout, rank0 && isatty(STDOUT_FILENO) != 0);
   if (std::isfinite(r.final_loss) && r.final_loss < r.start_loss) return 0;
   std::cerr << "qmm finetune: the loss did not fall (start " << r.start_loss << ", final " << r.final_loss << ")\n";
   return 1;

@@ -44,12 +44,16 @@ int main(int argc, char** argv) {
   ft_cmd->add_option("--log-every", ft.log_every, "Steps between loss read-backs (each one waits for the device)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000000));
+  ft_cmd->add_option("--gpus", ft.gpus, "Data parallel over this many GPUs: one process each, gradients averaged "
+                                        "with NCCL; the batch (--tokens) is split evenly")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
 
   CLI11_PARSE(app, argc, argv);
   try {
     if (*check_cmd) return qmm::tool::run_check(check);
     if (*bench_cmd) return qmm::tool::run_bench(bench);
-    if (*ft_cmd) return qmm::tool::run_finetune(ft);
+    if (*ft_cmd) return qmm::tool::run_finetune(ft, std::vector<std::string>(argv, argv + argc));
   } catch (const qmm::Error& e) {
     std::cerr << "qmm: error (" << qmm::error_code_name(e.code()) << "): " << e.what() << "\n";
     return 2;
