@@ -187,6 +187,14 @@ bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
   return path == Nf4Path::SmallM || (path == Nf4Path::Auto && m <= auto_max_rows);
 }
 
+// The bf16 activations for a fused launch: x itself, or its rounded copy in plan's scratch (f32 x).
+const void* fused_operand(const Context& ctx, const TensorView& x, ScratchPlan& plan) {
+  if (x.dtype() == DType::BF16) return x.data();
+  const std::size_t at = plan.reserve(static_cast<std::size_t>(x.numel()) * 2);
+  plan.commit(ctx);
+  return bf16_operand(ctx, x, plan, at);
+}
+
 void dequantize_bf16(const Context& ctx, const Nf4Weight& w, void* dst) {
   cuda::nf4_dequantize(ctx, w, TensorView(dst, DType::BF16, {w.rows, w.cols}, Device::cuda(state(ctx).device)));
 }
@@ -224,9 +232,7 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
   if (small_m) return launch_nf4_gemm_small_m(ctx, a, w, c, opts.alpha, opts.beta);
   if (fused.ok) {
     ScratchPlan plan;
-    const std::size_t a_at = a.dtype() == DType::F32 ? plan.reserve(static_cast<std::size_t>(M * K) * 2) : 0;
-    if (a.dtype() == DType::F32) plan.commit(ctx);
-    return launch_nf4_gemm_fused(ctx, bf16_operand(ctx, a, plan, a_at), M, w, c, opts.alpha, opts.beta);
+    return launch_nf4_gemm_fused(ctx, fused_operand(ctx, a, plan), M, w, c, opts.alpha, opts.beta);
   }
 
   // Scratch use inside this call: [bf16 A (when A is f32)] [bf16 W], regions of one allocation. The dense GEMM
@@ -254,9 +260,7 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
   if (small_m) return launch_nf4_gemm_backward_small_m(ctx, dc, w, da, opts.alpha, opts.beta);
   if (fused.ok) {
     ScratchPlan plan;
-    const std::size_t dc_at = dc.dtype() == DType::F32 ? plan.reserve(static_cast<std::size_t>(M * N) * 2) : 0;
-    if (dc.dtype() == DType::F32) plan.commit(ctx);
-    return launch_nf4_gemm_backward_fused(ctx, bf16_operand(ctx, dc, plan, dc_at), M, w, da, opts.alpha, opts.beta);
+    return launch_nf4_gemm_backward_fused(ctx, fused_operand(ctx, dc, plan), M, w, da, opts.alpha, opts.beta);
   }
 
   ScratchPlan plan;
@@ -275,7 +279,7 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w_gate, false)) &&
                        nf4_small_m_supported(a, w_gate) &&
                        nf4_small_m_supported(a, w_up) && w_gate.rows == w_up.rows;
-  check_path(op, opts.path, {small_m, kSmallMNeeds}, {false, "nf4_gemm: the fused gate+up is not implemented yet"});
+  check_path(op, opts.path, {small_m, kSmallMNeeds}, {false, "two nf4_gemm calls: there is no fused gate+up kernel yet"});
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w_gate.rows;
   if (M == 0 || N == 0) return;
   set_device(ctx);
