@@ -22,15 +22,18 @@ namespace {
 
 [[noreturn]] void fail(const std::string& what) { throw Error(ErrorCode::Distributed, "Communicator: " + what); }
 
-// FNV-1a over the bytes of each tensor (copied to the host).
+// FNV-1a over the bytes of the tensors, copied to the host (one wait for all the copies).
 std::uint64_t hash_tensors(const Context& ctx, const std::vector<TensorView>& tensors) {
-  std::uint64_t h = 1469598103934665603ull;
+  std::vector<Tensor> host;
   for (const TensorView& t : tensors) {
-    Tensor host(t.dtype(), t.shape());
-    copy(ctx, host, t);
-    ctx.synchronize();
-    const auto* p = static_cast<const unsigned char*>(host.data());
-    for (std::size_t i = 0; i < host.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
+    host.emplace_back(t.dtype(), t.shape());
+    copy(ctx, host.back(), t);
+  }
+  ctx.synchronize();
+  std::uint64_t h = 1469598103934665603ull;
+  for (const Tensor& t : host) {
+    const auto* p = static_cast<const unsigned char*>(t.data());
+    for (std::size_t i = 0; i < t.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
   }
   return h;
 }

@@ -3,6 +3,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "cuda/common/check.h"
@@ -248,6 +249,26 @@ void allow_dynamic_shared(const void* kernel, int bytes) {
     QMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     have = bytes;
   }
+}
+
+std::int64_t wave_blocks(const Context& ctx, const void* kernel, int threads) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int>, int> per_sm_cache;
+  const int device = state(ctx).device;
+  int per_sm = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto it = per_sm_cache.find({kernel, threads, device});
+    if (it != per_sm_cache.end()) per_sm = it->second;
+  }
+  if (per_sm == 0) {
+    set_device(ctx);
+    QMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+    per_sm = std::max(1, per_sm);
+    std::lock_guard<std::mutex> lock(mutex);
+    per_sm_cache[{kernel, threads, device}] = per_sm;
+  }
+  return static_cast<std::int64_t>(state(ctx).sm_count()) * per_sm;
 }
 
 }  // namespace qmm::cuda

@@ -4,7 +4,9 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <mutex>
 
 #include "core/context_impl.h"
@@ -56,5 +58,24 @@ void set_device(const Context& ctx);
 
 // Lets `kernel` launch with `bytes` of dynamic shared memory on the current device (raised once, then cached).
 void allow_dynamic_shared(const void* kernel, int bytes);
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+// Blocks of `kernel` (`threads` each, no dynamic shared memory) resident at once across ctx's GPU, from its
+// occupancy (queried once per kernel, block size and device): a grid-stride kernel given more would run them as a
+// partial second wave.
+std::int64_t wave_blocks(const Context& ctx, const void* kernel, int threads);
+template <class Kernel>
+std::int64_t wave_blocks(const Context& ctx, Kernel kernel, int threads) {
+  return wave_blocks(ctx, reinterpret_cast<const void*>(kernel), threads);
+}
+
+// Grid size of a grid-stride launch over `items` (one per thread): one wave at most, never more blocks than the
+// work needs, at least one.
+template <class Kernel>
+unsigned grid_for(const Context& ctx, Kernel kernel, int threads, std::int64_t items) {
+  const std::int64_t need = (items + threads - 1) / threads;
+  return static_cast<unsigned>(std::max<std::int64_t>(1, std::min(need, wave_blocks(ctx, kernel, threads))));
+}
 
 }  // namespace qmm::cuda

@@ -393,8 +393,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 namespace {
 
-[[maybe_unused]] bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
-
 PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* p = nullptr;

@@ -29,17 +29,6 @@ constexpr std::size_t kScratchAlign = 256;  // every scratch region starts 256-b
 
 std::size_t align_up(std::size_t v) { return (v + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }
 
-// Grid-stride launches: one full wave of resident blocks (from the kernel's occupancy), never more than the work
-// needs. More blocks than fit at once would run as a second, partial wave and leave SMs idle at the end.
-template <class Kernel>
-unsigned grid_for(const Context& ctx, Kernel kernel, std::int64_t threads_needed) {
-  int per_sm = 0;
-  QMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  const std::int64_t cap = static_cast<std::int64_t>(state(ctx).sm_count()) * std::max(1, per_sm);
-  const std::int64_t need = (threads_needed + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(std::max<std::int64_t>(1, std::min(cap, need)));
-}
-
 const char* path_label(Nf4Path p) {
   switch (p) {
     case Nf4Path::Auto: return "Auto";
@@ -152,9 +141,9 @@ class ScratchPlan {
 void launch_round_to_bf16(const Context& ctx, const TensorView& src, __nv_bfloat16* dst) {
   const std::int64_t n = src.numel();
   if (n == 0) return;
-  const bool vec = (reinterpret_cast<std::uintptr_t>(src.data()) & 15u) == 0;
+  const bool vec = aligned16(src.data());
   const std::int64_t nvec = vec ? n / 8 : 0;
-  round_to_bf16_kernel<<<grid_for(ctx, round_to_bf16_kernel, nvec + (n - nvec * 8)), kThreads, 0, stream_of(ctx)>>>(
+  round_to_bf16_kernel<<<grid_for(ctx, round_to_bf16_kernel, kThreads, nvec + (n - nvec * 8)), kThreads, 0, stream_of(ctx)>>>(
       src.data_as<const float>(), dst, n, nvec);
   QMM_CUDA_CHECK_LAUNCH("round_to_bf16_kernel");
 }
@@ -318,7 +307,7 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   auto bf16_out = [](const TensorView& v) {
     return !v.empty() && v.dtype() == DType::BF16 ? v.data_as<__nv_bfloat16>() : nullptr;
   };
-  const unsigned grid = grid_for(ctx, gate_up_epilogue_kernel, static_cast<std::int64_t>(mn));
+  const unsigned grid = grid_for(ctx, gate_up_epilogue_kernel, kThreads, static_cast<std::int64_t>(mn));
   gate_up_epilogue_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
       g_dst.data_as<const float>(), u_dst.data_as<const float>(), bf16_out(out.gate), bf16_out(out.up),
       out.h.data(), out.h.dtype() == DType::BF16, static_cast<std::int64_t>(mn));

@@ -15,7 +15,6 @@
 namespace qmm::cuda {
 
 namespace {
-bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
 // Reductions of split-K partials: a warp per output once there are enough splits to keep 32 loads busy.
 constexpr int kWarpReduceSplits = 8;

@@ -27,17 +27,6 @@ int log2_exact(int v) {
   return s;
 }
 
-// Grid-stride launches: one full wave of resident blocks (from the kernel's occupancy), never more than the work
-// needs. More blocks than fit at once would run as a second, partial wave and leave SMs idle at the end.
-template <class Kernel>
-unsigned grid_for(const Context& ctx, Kernel kernel, std::int64_t threads_needed) {
-  int per_sm = 0;
-  QMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  const std::int64_t cap = static_cast<std::int64_t>(state(ctx).sm_count()) * std::max(1, per_sm);
-  const std::int64_t need = (threads_needed + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(std::max<std::int64_t>(1, std::min(cap, need)));
-}
-
 template <class T>
 void launch_quantize(const Context& ctx, const TensorView& w, int block_size, std::uint8_t* codes, float* absmax) {
   const std::int64_t n = w.numel();
@@ -48,7 +37,7 @@ void launch_quantize(const Context& ctx, const TensorView& w, int block_size, st
   const bool vec = aligned(w.data(), 16) && aligned(codes, 4);
   const T* src = w.data_as<const T>();
   auto kernel = chunks == 1 ? nf4_quantize_kernel<T, true> : nf4_quantize_kernel<T, false>;
-  kernel<<<grid_for(ctx, kernel, tasks * 32), kThreads, 0, stream_of(ctx)>>>(src, n, block_size, lanes, chunks, vec,
+  kernel<<<grid_for(ctx, kernel, kThreads, tasks * 32), kThreads, 0, stream_of(ctx)>>>(src, n, block_size, lanes, chunks, vec,
                                                                              codes, absmax, nblocks);
   QMM_CUDA_CHECK_LAUNCH("nf4_quantize_kernel");
 }
@@ -71,7 +60,7 @@ void launch_dequantize(const Context& ctx, const Nf4Weight& w, T* out) {
   const std::int64_t n = w.numel();
   const std::int64_t nchunks = (n + kDequantChunk - 1) / kDequantChunk;
   const bool vec = aligned(w.codes.data(), 4) && aligned(out, 16);
-  nf4_dequantize_kernel<T><<<grid_for(ctx, nf4_dequantize_kernel<T>, nchunks), kThreads, 0, stream_of(ctx)>>>(
+  nf4_dequantize_kernel<T><<<grid_for(ctx, nf4_dequantize_kernel<T>, kThreads, nchunks), kThreads, 0, stream_of(ctx)>>>(
       w.codes.data_as<const std::uint8_t>(), scales_of(w), log2_exact(w.block_size), n, vec, out);
   QMM_CUDA_CHECK_LAUNCH("nf4_dequantize_kernel");
 }

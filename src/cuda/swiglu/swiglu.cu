@@ -17,19 +17,8 @@ using namespace swiglu_detail;
 
 bool all_aligned16(std::initializer_list<const void*> ptrs) {
   for (const void* p : ptrs)
-    if ((reinterpret_cast<std::uintptr_t>(p) & 15u) != 0) return false;
+    if (!aligned16(p)) return false;
   return true;
-}
-
-// Grid-stride launches: one full wave of resident blocks (from the kernel's occupancy), never more than the work
-// needs. More blocks than fit at once would run as a second, partial wave and leave SMs idle at the end.
-template <class Kernel>
-unsigned grid_for(const Context& ctx, Kernel kernel, std::int64_t threads_needed) {
-  int per_sm = 0;
-  QMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  const std::int64_t cap = static_cast<std::int64_t>(state(ctx).sm_count()) * std::max(1, per_sm);
-  const std::int64_t need = (threads_needed + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(std::max<std::int64_t>(1, std::min(cap, need)));
 }
 
 template <class T>
@@ -38,7 +27,7 @@ void launch_swiglu(const Context& ctx, const TensorView& gate, const TensorView&
   constexpr int V = Elem<T>::kVec;
   const std::int64_t nvec = all_aligned16({gate.data(), up.data(), h.data()}) ? n / V : 0;
   const std::int64_t items = nvec + (n - nvec * V);  // vectors plus scalar elements
-  swiglu_kernel<T><<<grid_for(ctx, swiglu_kernel<T>, items), kThreads, 0, stream_of(ctx)>>>(
+  swiglu_kernel<T><<<grid_for(ctx, swiglu_kernel<T>, kThreads, items), kThreads, 0, stream_of(ctx)>>>(
       gate.data_as<const T>(), up.data_as<const T>(), h.data_as<T>(), n, nvec);
   QMM_CUDA_CHECK_LAUNCH("swiglu_kernel");
 }
@@ -51,7 +40,7 @@ void launch_swiglu_backward(const Context& ctx, const TensorView& gate, const Te
   const std::int64_t nvec =
       all_aligned16({gate.data(), up.data(), dh.data(), dgate.data(), dup.data()}) ? n / V : 0;
   const std::int64_t items = nvec + (n - nvec * V);
-  swiglu_backward_kernel<T><<<grid_for(ctx, swiglu_backward_kernel<T>, items), kThreads, 0, stream_of(ctx)>>>(
+  swiglu_backward_kernel<T><<<grid_for(ctx, swiglu_backward_kernel<T>, kThreads, items), kThreads, 0, stream_of(ctx)>>>(
       gate.data_as<const T>(), up.data_as<const T>(), dh.data_as<const T>(), dgate.data_as<T>(), dup.data_as<T>(),
       n, nvec);
   QMM_CUDA_CHECK_LAUNCH("swiglu_backward_kernel");

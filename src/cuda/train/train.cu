@@ -21,25 +21,6 @@ using namespace train_detail;
 static_assert(sizeof(Batch<AdamWSlot>) + sizeof(AdamWScalars) + sizeof(const float*) <= 4096,
               "adamw_kernel's parameters must fit the 4 KiB kernel parameter space");
 
-bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
-
-// Blocks of `kernel` (kThreads each) resident at once across the GPU, from its occupancy (registers, shared
-// memory): a grid-stride kernel given more would run them as a partial second wave.
-template <class Kernel>
-std::int64_t wave_blocks(const Context& ctx, Kernel kernel) {
-  int per_sm = 0;
-  QMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  return static_cast<std::int64_t>(state(ctx).sm_count()) * std::max(1, per_sm);
-}
-
-// Grid-stride launches over `items` work items (vectors plus tail elements): one wave at most, never more blocks
-// than the work needs.
-template <class Kernel>
-unsigned blocks_for(const Context& ctx, Kernel kernel, std::int64_t items) {
-  const std::int64_t need = (items + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(std::clamp<std::int64_t>(need, 1, wave_blocks(ctx, kernel)));
-}
-
 template <class T, int kIn, class F>
 void launch_map(const Context& ctx, const std::array<const void*, kIn>& in, void* out, std::int64_t n, F f) {
   constexpr int V = Elem<T>::kVec;
@@ -54,7 +35,7 @@ void launch_map(const Context& ctx, const std::array<const void*, kIn>& in, void
   a.nvec = vec ? n / V : 0;
   const std::int64_t items = a.nvec + (n - a.nvec * V);
   auto kernel = map_kernel<T, kIn, F>;
-  kernel<<<blocks_for(ctx, kernel, items), kThreads, 0, stream_of(ctx)>>>(a, f);
+  kernel<<<grid_for(ctx, kernel, kThreads, items), kThreads, 0, stream_of(ctx)>>>(a, f);
   QMM_CUDA_CHECK_LAUNCH("map_kernel");
 }
 
@@ -107,7 +88,7 @@ void reduce_norm(const Context& ctx, const std::vector<NormSlot>& grads, float* 
                  float max_norm) {
   std::vector<std::int64_t> sizes;
   for (const NormSlot& g : grads) sizes.push_back(g.n);
-  const std::vector<int> blocks = share_blocks(wave_blocks(ctx, sum_squares_kernel), sizes);
+  const std::vector<int> blocks = share_blocks(wave_blocks(ctx, sum_squares_kernel, kThreads), sizes);
   int total = 0;
   for (int b : blocks) total += b;
   ScratchBuffer partials(state(ctx), static_cast<std::size_t>(std::max(total, 1)) * sizeof(double));
@@ -131,7 +112,7 @@ void launch_mse(const Context& ctx, const TensorView& y, const TensorView& targe
   const std::int64_t n = y.numel();
   const bool vec = aligned16(y.data()) && aligned16(target.data()) && aligned16(dy.data());
   const std::int64_t nvec = vec ? n / V : 0;
-  const unsigned blocks = blocks_for(ctx, mse_loss_kernel<T>, nvec + (n - nvec * V));
+  const unsigned blocks = grid_for(ctx, mse_loss_kernel<T>, kThreads, nvec + (n - nvec * V));
   ScratchBuffer partials(state(ctx), blocks * sizeof(double));
   mse_loss_kernel<T><<<blocks, kThreads, 0, stream_of(ctx)>>>(y.data_as<const T>(), target.data_as<const T>(),
                                                               dy.data_as<T>(), n, nvec, train::mse_grad_coef(scale, n),
@@ -152,12 +133,12 @@ void cast(const Context& ctx, const TensorView& src, const TensorView& dst) {
   const std::int64_t nvec8 = aligned16(src.data()) && aligned16(dst.data()) ? n / 8 : 0;
   const std::int64_t items = nvec8 + (n - nvec8 * 8);
   if (dst.dtype() == DType::BF16) {
-    const unsigned blocks = blocks_for(ctx, cast_f32_to_bf16_kernel, items);
+    const unsigned blocks = grid_for(ctx, cast_f32_to_bf16_kernel, kThreads, items);
     cast_f32_to_bf16_kernel<<<blocks, kThreads, 0, stream_of(ctx)>>>(src.data_as<const float>(),
                                                                      dst.data_as<std::uint16_t>(), n, nvec8);
     QMM_CUDA_CHECK_LAUNCH("cast_f32_to_bf16_kernel");
   } else {
-    const unsigned blocks = blocks_for(ctx, cast_bf16_to_f32_kernel, items);
+    const unsigned blocks = grid_for(ctx, cast_bf16_to_f32_kernel, kThreads, items);
     cast_bf16_to_f32_kernel<<<blocks, kThreads, 0, stream_of(ctx)>>>(src.data_as<const std::uint16_t>(),
                                                                      dst.data_as<float>(), n, nvec8);
     QMM_CUDA_CHECK_LAUNCH("cast_bf16_to_f32_kernel");
@@ -253,7 +234,7 @@ void adamw_step(const Context& ctx, std::span<const AdamWParam> params, const Ad
   s.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
   s.eps = opts.eps;
   const float* clip_ptr = clip ? coef->at<float>(0) : nullptr;
-  const std::vector<int> blocks = share_blocks(wave_blocks(ctx, adamw_kernel), sizes);
+  const std::vector<int> blocks = share_blocks(wave_blocks(ctx, adamw_kernel, kThreads), sizes);
   for_each_batch(slots, blocks, [&](const Batch<AdamWSlot>& b, int nblocks, int) {
     adamw_kernel<<<static_cast<unsigned>(nblocks), kThreads, 0, stream_of(ctx)>>>(b, s, clip_ptr);
     QMM_CUDA_CHECK_LAUNCH("adamw_kernel");
