@@ -218,8 +218,16 @@ class Bench {
   void write_json(const std::string& path) const;
 
   std::vector<std::int64_t> token_counts() const {
-    if (is_gpu_) return bench::token_counts();
-    return {1, 16};  // the CPU reference is slow: keep CPU mode to seconds
+    // The CPU reference is slow: keep CPU mode to seconds.
+    return only_selected_tokens(is_gpu_ ? bench::token_counts() : std::vector<std::int64_t>{1, 16});
+  }
+  // The token counts that --tokens selects (all without it).
+  std::vector<std::int64_t> only_selected_tokens(std::vector<std::int64_t> ms) const {
+    if (opts_.tokens.empty()) return ms;
+    std::erase_if(ms, [&](std::int64_t m) {
+      return std::find(opts_.tokens.begin(), opts_.tokens.end(), m) == opts_.tokens.end();
+    });
+    return ms;
   }
   std::vector<Projection> projections() const {
     auto p = bench::projections();
@@ -435,9 +443,10 @@ void Bench::run_nf4() {
     }
   }
   // The usual token counts plus 8 and 32, where the dispatcher's small-M thresholds are decided.
-  std::vector<std::int64_t> nf4_tokens = token_counts();
+  std::vector<std::int64_t> nf4_tokens = is_gpu_ ? bench::token_counts() : std::vector<std::int64_t>{1, 16};
   nf4_tokens.insert(nf4_tokens.end(), {8, 32});
   std::sort(nf4_tokens.begin(), nf4_tokens.end());
+  nf4_tokens = only_selected_tokens(nf4_tokens);
   for (const Projection& p : projections())
     for (std::int64_t m : nf4_tokens) {
       const std::int64_t M = m, N = p.n, K = p.k;
@@ -465,7 +474,8 @@ void Bench::run_nf4() {
       const double io = wbytes + 2.0 * (M * K + M * N);
       // Auto, plus each path forced where several could serve (so the dispatcher's thresholds can be checked).
       std::vector<std::pair<std::string, Nf4Path>> paths = {{"auto", Nf4Path::Auto}};
-      if (M <= 64) paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"small-m", Nf4Path::SmallM}});
+      // (The CPU backend runs Auto only.)
+      if (M <= 64 && is_gpu_) paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"small-m", Nf4Path::SmallM}});
       if (M >= 256 && fused_ok) paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"fused", Nf4Path::Fused}});
       for (const auto& [pname, path] : paths) {
         const Nf4GemmOptions po{1.0f, 0.0f, path};

@@ -17,6 +17,7 @@ int run_check(const CheckOptions& opts);
 struct BenchOptions {
   std::vector<std::string> ops;     // empty: all
   std::vector<std::string> shapes;  // empty: all
+  std::vector<std::int64_t> tokens;  // empty: all token counts (M) of the shape list
   std::string json_path;
   int repeats = 50;
   bool cpu = false;  // force the CPU backend
