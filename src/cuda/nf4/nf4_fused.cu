@@ -160,18 +160,45 @@ __device__ __forceinline__ StageCodes load_backward(const std::uint8_t* __restri
   return r;
 }
 
-// 8 codes (one 32-bit word; the first element in the high nibble of the first byte) -> 8 bf16, as nf4_dequantize.
-// The nibbles come out pre-multiplied by 4 (byte offsets into the fp32 codebook), two masks per word and one byte
-// permute per element; the codebook is static shared memory, so each lookup is one load at [offset + symbol].
-__device__ __forceinline__ uint4 dequant_word(std::uint32_t w, float s, const float* codebook) {
-  const std::uint32_t even4 = (w >> 2) & 0x3C3C3C3Cu, odd4 = (w << 2) & 0x3C3C3C3Cu;
-  const char* base = reinterpret_cast<const char*>(codebook);
+// The 16 values of one NF4 block, bf16(code value * scale) rounded as nf4_dequantize does, as byte planes for
+// register lookups with byte permutes (no shared-memory codebook): lo[j] holds the low bytes of values 4j..4j+3,
+// hi[j] their high bytes. 16 multiplies per block instead of one per element.
+struct BlockTable {
+  std::uint32_t lo[4], hi[4];
+};
+
+__device__ __forceinline__ BlockTable block_table(float s) {
+  BlockTable t;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const std::uint32_t p0 = small_m::pack_bf16x2(nf4_code_value(4 * j) * s, nf4_code_value(4 * j + 1) * s);
+    const std::uint32_t p1 = small_m::pack_bf16x2(nf4_code_value(4 * j + 2) * s, nf4_code_value(4 * j + 3) * s);
+    t.lo[j] = __byte_perm(p0, p1, 0x6420);
+    t.hi[j] = __byte_perm(p0, p1, 0x7531);
+  }
+  return t;
+}
+
+// One plane's bytes at four 4-bit codes: sel7 holds the codes' low 3 bits (one nibble each, output byte i from
+// nibble i), merge picks per byte from the lookup in entries 0-7 or 8-15 (nibble i = i, + 4 where bit 3 is set).
+__device__ __forceinline__ std::uint32_t plane_lookup(const std::uint32_t (&p)[4], std::uint32_t sel7,
+                                                      std::uint32_t merge) {
+  return __byte_perm(__byte_perm(p[0], p[1], sel7), __byte_perm(p[2], p[3], sel7), merge);
+}
+
+// 8 codes (one 32-bit word; the first element in the high nibble of the first byte) -> 8 bf16 as 4 bf16 pairs
+// (element 2i in the low half of word i). A word's low 16 bits, read as four selector nibbles, are the codes of
+// elements 1, 0, 3, 2; its high 16 bits those of 5, 4, 7, 6.
+__device__ __forceinline__ uint4 dequant_word(std::uint32_t w, const BlockTable& t) {
+  const std::uint32_t sel7 = w & 0x77777777u;
+  const std::uint32_t merge = ((w >> 1) & 0x44444444u) | 0x32103210u;
   std::uint32_t out[4];
 #pragma unroll
-  for (int b = 0; b < 4; ++b) {
-    const float e0 = *reinterpret_cast<const float*>(base + __byte_perm(even4, 0, 0x4440 | b));
-    const float e1 = *reinterpret_cast<const float*>(base + __byte_perm(odd4, 0, 0x4440 | b));
-    out[b] = small_m::pack_bf16x2(e0 * s, e1 * s);
+  for (int h = 0; h < 2; ++h) {
+    const std::uint32_t s7 = h ? sel7 >> 16 : sel7, m = h ? merge >> 16 : merge;
+    const std::uint32_t lo = plane_lookup(t.lo, s7, m), hi = plane_lookup(t.hi, s7, m);  // bytes of e1, e0, e3, e2
+    out[2 * h] = __byte_perm(lo, hi, 0x4051);      // e0 | e1 << 16
+    out[2 * h + 1] = __byte_perm(lo, hi, 0x6273);  // e2 | e3 << 16
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
@@ -226,7 +253,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem =
       reinterpret_cast<unsigned char*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
-  __shared__ float codebook[16];
   float* code2_shared = reinterpret_cast<float*>(smem + kTablesOffset + small_m::kCodebookBytes);
   const std::uint32_t tiles = smem_addr(smem);
   const std::uint32_t bars = smem_addr(smem + kBarriersOffset);
@@ -250,7 +276,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&b_map)) : "memory");
   }
-  small_m::fill_tables(codebook, code2_shared, scales, tid, kThreads);
+  if (!scales.absmax)  // code2 for double-quantized scales (the NF4 values are registers: block_table)
+    for (int i = tid; i < kNf4Code2Size; i += kThreads) code2_shared[i] = __ldg(scales.code2 + i);
   __syncthreads();
 
   if (wg == 0) {
@@ -279,26 +306,33 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_load_2d(a_tile(s), &b_map, (kt_begin + i) * kBlockK, m0, full(s));
       }
       unsigned char* wt = smem + s * kStageBytes;  // the stage's tile [128 n_out][64 k_red], swizzled
-      const float s0 = small_m::finish_scale(scales, cur.s0, code2_shared);
+      const BlockTable t0 = block_table(small_m::finish_scale(scales, cur.s0, code2_shared));
       if constexpr (kBackward) {
         // Element (k_red = 2 pair + r, n_out = 32 q + 8 j + e) goes to tile row 32 q + 8 j + e, column 2 pair + r:
-        // the two rows' values of one column pair into a 32-bit store.
-        const float s1 = small_m::finish_scale(scales, cur.s1, code2_shared);
+        // the two rows' values of one column pair into a 32-bit store. Row n's values first, so that only one
+        // block table is live at a time.
+        std::uint32_t a[16];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint4 ra = dequant_word(cur.words[j], s0, codebook), rb = dequant_word(cur.words[4 + j], s1, codebook);
-          const std::uint32_t a[4] = {ra.x, ra.y, ra.z, ra.w}, b[4] = {rb.x, rb.y, rb.z, rb.w};
+          const uint4 ra = dequant_word(cur.words[j], t0);
+          a[4 * j] = ra.x, a[4 * j + 1] = ra.y, a[4 * j + 2] = ra.z, a[4 * j + 3] = ra.w;
+        }
+        const BlockTable t1 = block_table(small_m::finish_scale(scales, cur.s1, code2_shared));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint4 rb = dequant_word(cur.words[4 + j], t1);
+          const std::uint32_t b[4] = {rb.x, rb.y, rb.z, rb.w};
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             const int row = 32 * q + 8 * j + e;
             *reinterpret_cast<std::uint32_t*>(wt + sw128_offset(row, pair >> 2) + (pair & 3) * 4) =
-                __byte_perm(a[e / 2], b[e / 2], (e & 1) ? 0x7632 : 0x5410);
+                __byte_perm(a[4 * j + e / 2], b[e / 2], (e & 1) ? 0x7632 : 0x5410);
           }
         }
       } else {
 #pragma unroll
         for (int ch = 0; ch < 8; ++ch)
-          *reinterpret_cast<uint4*>(wt + sw128_offset(tid, ch)) = dequant_word(cur.words[ch], s0, codebook);
+          *reinterpret_cast<uint4*>(wt + sw128_offset(tid, ch)) = dequant_word(cur.words[ch], t0);
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic-proxy writes -> wgmma reads
       mbar_arrive(full(s));
