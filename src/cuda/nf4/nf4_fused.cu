@@ -49,11 +49,18 @@ constexpr int kThreads = kProducerThreads + 256;
 constexpr int kWTileBytes = kBlockW * kBlockK * 2;  // 16 KB
 constexpr int kATileBytes = kBlockA * kBlockK * 2;  // 32 KB
 constexpr int kStageBytes = kWTileBytes + kATileBytes;
-constexpr int kTablesOffset = kStages * kStageBytes;
+// The weight codes of a stage come by TMA into their own ring, kCodeStages loads ahead of the producer: 128 rows x
+// 32 bytes (forward) or 64 rows x 64 bytes (input gradient). (Each thread loading its own row's codes from global
+// memory made every warp load touch 32 lines: the L1 was the limiter.)
+constexpr int kCodeStages = 4;
+constexpr int kCodeTileBytes = kBlockW * kBlockK / 2;  // 4 KB
+constexpr int kCodesOffset = kStages * kStageBytes;
+constexpr int kTablesOffset = kCodesOffset + kCodeStages * kCodeTileBytes;
 constexpr int kBarriersOffset = kTablesOffset + small_m::kTablesBytes;
+constexpr int kBarriers = 2 * kStages + kCodeStages;
 constexpr int kCPitch = kBlockW + 4;  // floats per row of the staged output tile [kBlockA][kCPitch]
-static_assert(kBlockA * kCPitch * 4 <= kTablesOffset, "the output tile is staged in the pipeline's shared memory");
-constexpr int kSmemBytes = kBarriersOffset + 2 * kStages * 8 + 1024;  // + slack to align the base to 1024
+static_assert(kBlockA * kCPitch * 4 <= kCodesOffset, "the output tile is staged in the pipeline's shared memory");
+constexpr int kSmemBytes = kBarriersOffset + kBarriers * 8 + 1024;  // + slack to align the base to 1024
 // setmaxnreg moves registers between warpgroups within the CTA's launch allocation (kThreads x kLaunchRegs, the
 // cap __launch_bounds__ gives ptxas): the producer gives some up (at 56 it spilled), the consumers take them. An
 // increase that the pool cannot cover never returns (a hang: 96 + 208 did that).
@@ -110,54 +117,30 @@ __device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t addr) {
 // Byte offset of the 16-byte chunk `chunk` (8 bf16 along k) of row `row` in a 128-byte-swizzled tile.
 __device__ __forceinline__ int sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
-// A producer thread's work for one stage: 64 weight codes (8 words of 8) and the raw scales of their blocks.
-struct StageCodes {
-  std::uint32_t words[8];
+// The scales of a producer thread's weight rows for one stage (loaded two stages ahead: global latency).
+struct StageScales {
   RawScale s0, s1;
 };
-
-// 16 codes at element e (a multiple of 32) as 4 words, or zeros (code 7 is 0.0) for a row past the weight.
-__device__ __forceinline__ void load_codes(const std::uint8_t* __restrict__ codes, bool valid, std::int64_t e,
-                                           std::uint32_t* words) {
-  const uint4 q = valid ? __ldg(reinterpret_cast<const uint4*>(codes + (e >> 1)))
-                        : make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);
-  words[0] = q.x;
-  words[1] = q.y;
-  words[2] = q.z;
-  words[3] = q.w;
-}
 
 __device__ __forceinline__ RawScale load_scale_or_zero(const Scales& scales, bool valid, std::int64_t e) {
   return valid ? small_m::load_scale(scales, e >> scales.block_shift) : RawScale{0.0f, 0u};
 }
 
 // Forward stage kt: the thread owns weight row n, codes [64 kt, 64 kt + 64) (one block, scale s0).
-__device__ __forceinline__ StageCodes load_forward(const std::uint8_t* __restrict__ codes, const Scales& scales,
-                                                   std::int64_t n, std::int64_t rows, std::int64_t cols, int kt) {
-  StageCodes r;
-  const bool valid = n < rows;
-  const std::int64_t e = n * cols + static_cast<std::int64_t>(kt) * kBlockK;
-  load_codes(codes, valid, e, r.words);
-  load_codes(codes, valid, e + 32, r.words + 4);
-  r.s0 = load_scale_or_zero(scales, valid, e);
-  r.s1 = r.s0;
-  return r;
+__device__ __forceinline__ StageScales scales_forward(const Scales& scales, std::int64_t n, std::int64_t rows,
+                                                      std::int64_t cols, int kt) {
+  const RawScale r = load_scale_or_zero(scales, n < rows, n * cols + static_cast<std::int64_t>(kt) * kBlockK);
+  return {r, r};
 }
 
-// Input-gradient stage kt: the thread owns weight rows n and n + 1 (n = 64 kt + 2 pair), codes [k, k + 32) of each
-// (within one block: k is a multiple of 32 and blocks are multiples of 64): words 0-3 and scale s0 of row n,
-// words 4-7 and s1 of row n + 1.
-__device__ __forceinline__ StageCodes load_backward(const std::uint8_t* __restrict__ codes, const Scales& scales,
-                                                    std::int64_t n, std::int64_t rows, std::int64_t cols,
-                                                    std::int64_t k) {
-  StageCodes r;
-  const std::int64_t e0 = n * cols + k, e1 = e0 + cols;
-  const bool valid0 = n < rows && k < cols, valid1 = n + 1 < rows && k < cols;
-  load_codes(codes, valid0, e0, r.words);
-  load_codes(codes, valid1, e1, r.words + 4);
-  r.s0 = load_scale_or_zero(scales, valid0, e0);
-  r.s1 = load_scale_or_zero(scales, valid1, e1);
-  return r;
+// Input-gradient stage: the thread owns weight rows n and n + 1, codes [k, k + 32) of each (within one block: k is
+// a multiple of 32 and blocks are multiples of 64): s0 for row n, s1 for row n + 1. (Rows past the weight, whose
+// codes TMA fills with zeros, meet only zero-filled dC columns; columns past K give discarded outputs.)
+__device__ __forceinline__ StageScales scales_backward(const Scales& scales, std::int64_t n, std::int64_t rows,
+                                                       std::int64_t cols, std::int64_t k) {
+  const std::int64_t e0 = n * cols + k;
+  return {load_scale_or_zero(scales, n < rows && k < cols, e0),
+          load_scale_or_zero(scales, n + 1 < rows && k < cols, e0 + cols)};
 }
 
 // The 16 values of one NF4 block, bf16(code value * scale) rounded as nf4_dequantize does, as byte planes for
@@ -245,8 +228,9 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t 
 // the CTA writes its raw fp32 sums to partial[z][M][n_out] for a reduction; otherwise alpha * sum + beta * out.
 template <bool kBackward, bool kCBf16>
 __global__ void __launch_bounds__(kThreads, 1)
-    nf4_fused_gemm_kernel(const __grid_constant__ CUtensorMap b_map, std::int64_t M, std::int64_t rows,
-                          std::int64_t cols, const std::uint8_t* __restrict__ codes, Scales scales,
+    nf4_fused_gemm_kernel(const __grid_constant__ CUtensorMap b_map, const __grid_constant__ CUtensorMap code_map,
+                          std::int64_t M, std::int64_t rows,
+                          std::int64_t cols, Scales scales,
                           int k_tiles_per_split, float* __restrict__ partial, void* __restrict__ c, float alpha,
                           float beta) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -260,6 +244,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto a_tile = [&](int s) { return tiles + s * kStageBytes + kWTileBytes; };
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (kStages + s); };
+  auto codes_full = [&](int c) { return bars + 8 * (2 * kStages + c); };
+  const unsigned char* code_tiles = smem + kCodesOffset;
 
   const std::int64_t n_out = kBackward ? cols : rows, k_red = kBackward ? rows : cols;
   const int tid = threadIdx.x, wg = tid / 128;
@@ -273,33 +259,66 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(full(s), kProducerThreads + 1);  // the producer threads + the TMA's expect_tx arrival
       mbar_init(empty(s), 8);                    // the 8 consumer warps
     }
+    for (int c = 0; c < kCodeStages; ++c) mbar_init(codes_full(c), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&b_map)) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&code_map)) : "memory");
   }
   if (!scales.absmax)  // code2 for double-quantized scales (the NF4 values are registers: block_table)
     for (int i = tid; i < kNf4Code2Size; i += kThreads) code2_shared[i] = __ldg(scales.code2 + i);
   __syncthreads();
 
   if (wg == 0) {
-    // ---- producer: 64 elements per thread and stage, codes loaded two stages ahead ----
+    // ---- producer: 64 elements per thread and stage; codes by TMA kCodeStages ahead, scales two stages ahead ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     // forward: weight row n0 + tid. Input gradient: weight rows 2 pair, 2 pair + 1 of the stage's 64, and the 32
     // columns n0 + 32 q ... of the tile (pair = lane, q = warp: a warp's stores fill whole 128-byte tile rows).
     const int pair = tid % 32, q = tid / 32;
-    auto load = [&](int kt) {
+    auto load_scales = [&](int kt) {
       if constexpr (kBackward)
-        return load_backward(codes, scales, static_cast<std::int64_t>(kt) * kBlockK + 2 * pair, rows, cols,
-                             n0 + 32 * q);
+        return scales_backward(scales, static_cast<std::int64_t>(kt) * kBlockK + 2 * pair, rows, cols, n0 + 32 * q);
       else
-        return load_forward(codes, scales, n0 + tid, rows, cols, kt);
+        return scales_forward(scales, n0 + tid, rows, cols, kt);
     };
-    StageCodes ahead1 = load(kt_begin);
-    StageCodes ahead2 = load(kt_begin + min(1, k_tiles - 1));
+    // The stage's codes: forward [128 rows][32 bytes] at (32 kt bytes, row n0), 32-byte swizzle; input gradient
+    // [64 rows][64 bytes] at (n0 / 2 bytes, row 64 kt), 64-byte swizzle (conflict-light reads below).
+    auto load_code_tile = [&](int i) {
+      const int c = i % kCodeStages, kt = kt_begin + i;
+      mbar_arrive_expect_tx(codes_full(c), kCodeTileBytes);
+      const std::uint32_t dst = smem_addr(code_tiles + c * kCodeTileBytes);
+      if constexpr (kBackward)
+        tma_load_2d(dst, &code_map, static_cast<int>(n0 / 2), kt * kBlockK, codes_full(c));
+      else
+        tma_load_2d(dst, &code_map, kt * (kBlockK / 2), static_cast<int>(n0), codes_full(c));
+    };
+    if (tid == 0)
+      for (int i = 0; i < min(kCodeStages, k_tiles); ++i) load_code_tile(i);
+    StageScales ahead1 = load_scales(kt_begin);
+    StageScales ahead2 = load_scales(kt_begin + min(1, k_tiles - 1));
     for (int i = 0; i < k_tiles; ++i) {
-      const int s = i % kStages;
-      const StageCodes cur = ahead1;
+      const int s = i % kStages, c = i % kCodeStages;
+      const StageScales cur = ahead1;
       ahead1 = ahead2;
-      if (i + 2 < k_tiles) ahead2 = load(kt_begin + i + 2);
+      if (i + 2 < k_tiles) ahead2 = load_scales(kt_begin + i + 2);
+      // This thread's 64 codes (8 words) from the stage's code tile, then the slot goes to the load kCodeStages on.
+      mbar_wait(codes_full(c), (i / kCodeStages) & 1);
+      const unsigned char* ct = code_tiles + c * kCodeTileBytes;
+      std::uint32_t words[8];
+      auto take = [&](int at, int w) {
+        const uint4 v = *reinterpret_cast<const uint4*>(ct + at);
+        words[w] = v.x, words[w + 1] = v.y, words[w + 2] = v.z, words[w + 3] = v.w;
+      };
+      if constexpr (kBackward) {
+        // rows 2 pair and 2 pair + 1 (64 bytes each), 16-byte chunk q; 64-byte swizzle: chunk ^= (row >> 1) & 3.
+        take((2 * pair) * 64 + ((q ^ (pair & 3)) << 4), 0);
+        take((2 * pair + 1) * 64 + ((q ^ (pair & 3)) << 4), 4);
+      } else {
+        // row tid (32 bytes), chunks 0 and 1; 32-byte swizzle: chunk ^= (row >> 2) & 1.
+        take(tid * 32 + ((0 ^ ((tid >> 2) & 1)) << 4), 0);
+        take(tid * 32 + ((1 ^ ((tid >> 2) & 1)) << 4), 4);
+      }
+      asm volatile("bar.sync 2, 128;\n" ::: "memory");  // every producer thread holds its codes: the slot is free
+      if (tid == 0 && i + kCodeStages < k_tiles) load_code_tile(i + kCodeStages);
       mbar_wait(empty(s), ((i / kStages) & 1) ^ 1);  // passes at once on the first round
       if (tid == 0) {
         mbar_arrive_expect_tx(full(s), kATileBytes);
@@ -314,13 +333,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         std::uint32_t a[16];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint4 ra = dequant_word(cur.words[j], t0);
+          const uint4 ra = dequant_word(words[j], t0);
           a[4 * j] = ra.x, a[4 * j + 1] = ra.y, a[4 * j + 2] = ra.z, a[4 * j + 3] = ra.w;
         }
         const BlockTable t1 = block_table(small_m::finish_scale(scales, cur.s1, code2_shared));
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint4 rb = dequant_word(cur.words[4 + j], t1);
+          const uint4 rb = dequant_word(words[4 + j], t1);
           const std::uint32_t b[4] = {rb.x, rb.y, rb.z, rb.w};
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
@@ -332,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
 #pragma unroll
         for (int ch = 0; ch < 8; ++ch)
-          *reinterpret_cast<uint4*>(wt + sw128_offset(tid, ch)) = dequant_word(cur.words[ch], t0);
+          *reinterpret_cast<uint4*>(wt + sw128_offset(tid, ch)) = dequant_word(words[ch], t0);
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic-proxy writes -> wgmma reads
       mbar_arrive(full(s));
@@ -439,20 +458,37 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return fn;
 }
 
-// The activation operand (A, or dC for the input gradient) as a TMA tensor map: bf16 [M][K] row-major, boxes of
-// [kBlockA rows][64 k], 128-byte swizzle, zeros past M and K.
-CUtensorMap activation_map(const void* a16, std::int64_t M, std::int64_t K) {
+// A TMA tensor map of a row-major 2-D array [rows][cols] of 1- or 2-byte elements, boxes of [box_rows][box_cols],
+// zeros past the edges.
+CUtensorMap tensor_map_2d(const void* base, CUtensorMapDataType type, int elem_bytes, std::int64_t rows,
+                          std::int64_t cols, int box_rows, int box_cols, CUtensorMapSwizzle swizzle) {
   CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(M)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K) * 2};
-  const cuuint32_t box[2] = {fused::kBlockK, fused::kBlockA};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * elem_bytes};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(a16), dims, strides,
-                                    box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw Error(ErrorCode::Cuda, "nf4_gemm: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(r)) + ")");
   return map;
+}
+
+// The activation operand (A, or dC for the input gradient): bf16 [M][K], boxes of [kBlockA rows][64 k], 128-byte
+// swizzle (the wgmma operand layout).
+CUtensorMap activation_map(const void* a16, std::int64_t M, std::int64_t K) {
+  return tensor_map_2d(a16, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, M, K, fused::kBlockA, fused::kBlockK,
+                       CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// The weight codes as bytes [N][K/2]: the forward's stage tile is 128 rows x 32 bytes, the input gradient's 64 rows
+// x 64 bytes (the producer kernel's load_code_tile); the swizzle spreads the producer's 16-byte reads over banks.
+CUtensorMap code_map(const Nf4Weight& w, bool backward) {
+  return backward ? tensor_map_2d(w.codes.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, w.rows, w.cols / 2,
+                                  fused::kBlockK, fused::kBlockW / 2, CU_TENSOR_MAP_SWIZZLE_64B)
+                  : tensor_map_2d(w.codes.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, w.rows, w.cols / 2,
+                                  fused::kBlockW, fused::kBlockK / 2, CU_TENSOR_MAP_SWIZZLE_32B);
 }
 
 }  // namespace
@@ -486,7 +522,7 @@ template <bool kBackward>
 void launch_fused(const Context& ctx, const void* b16, std::int64_t M, const Nf4Weight& w, const TensorView& out,
                   float alpha, float beta) {
   const std::int64_t n_out = kBackward ? w.cols : w.rows, k_red = kBackward ? w.rows : w.cols;
-  const CUtensorMap map = activation_map(b16, M, k_red);
+  const CUtensorMap map = activation_map(b16, M, k_red), codes = code_map(w, kBackward);
   const small_m::Scales scales = small_m::scales_of(w);
   const std::int64_t tiles_n = (n_out + fused::kBlockW - 1) / fused::kBlockW;
   const std::int64_t tiles_m = (M + fused::kBlockA - 1) / fused::kBlockA;
@@ -508,7 +544,7 @@ void launch_fused(const Context& ctx, const void* b16, std::int64_t M, const Nf4
   auto launch = [&](auto kernel) {
     allow_dynamic_shared(reinterpret_cast<const void*>(kernel), fused::kSmemBytes);
     kernel<<<grid, fused::kThreads, fused::kSmemBytes, stream_of(ctx)>>>(
-        map, M, w.rows, w.cols, w.codes.data_as<std::uint8_t>(), scales, static_cast<int>(per_split), partial,
+        map, codes, M, w.rows, w.cols, scales, static_cast<int>(per_split), partial,
         out.data(), alpha, beta);
   };
   if (out.dtype() == DType::BF16) launch(fused::nf4_fused_gemm_kernel<kBackward, true>);
