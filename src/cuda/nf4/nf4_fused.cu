@@ -6,12 +6,14 @@
 // gradient) as the wgmma's 64-row A operand and the wider activation tile (A, or dC) its 256-column B operand:
 // per k step the CTA dequantizes 128 x 64 weight elements (not 256 x 64) for 128 x 256 x 64 multiply-adds.
 //
-// A CTA is three warpgroups. Warpgroup 0 produces: its thread 0 loads the activation tile [256 rows][64 k] with
-// TMA (128-byte swizzle, zero fill past the edges), and its 128 threads dequantize 64 weight elements each into
-// bf16 in the same swizzled layout (forward: one row's 64 codes, one NF4 block; input gradient: 32 codes of two
-// rows, written transposed). Warpgroups 1 and 2 consume: each runs wgmma m64n256k16 over its 64 rows of the tile,
-// both operands from shared memory. kStages stages, with one "full" (producer -> consumers) and one "empty"
-// (consumers -> producer) mbarrier each.
+// A CTA is three warpgroups. Warpgroup 0 produces with one thread: per stage it loads, with TMA, the activation
+// tile [256 rows][64 k] (128-byte swizzle, zero fill past the edges) and the weight codes of the stage (forward:
+// 128 rows x 32 bytes; input gradient: 64 rows x 64 bytes). Warpgroups 1 and 2 consume: each owns 64 rows of the
+// dequantized tile T, dequantizes them itself for stage i + 1 (32 elements per thread, through per-block tables
+// in registers) into the swizzled wgmma layout while its wgmma m64n256k16 of stage i run, both operands from
+// shared memory. (A producer warpgroup that dequantized all 128 rows was the limiter: one warp per scheduler,
+// bound by its own instruction latencies, while the consumer warps waited; ncu: tensor pipe 60% busy.)
+// kStages stages, each with a "full" (TMA -> consumers) and an "empty" (consumers -> producer) mbarrier.
 //
 // Dequantization is exactly nf4_dequantize's (fp32 code * fp32 scale, rounded to bf16), so the result is the bf16
 // GEMM on the dequantized weight up to fp32 summation order.
@@ -43,30 +45,25 @@ constexpr int kBlockW = 128;  // weight rows (outputs n) per CTA: two consumer w
 constexpr int kBlockA = 256;  // activation rows (outputs m) per CTA: wgmma n256
 constexpr int kBlockK = 64;   // k per stage: one NF4 block, one 128-byte swizzle row of bf16
 constexpr int kStages = 4;
-constexpr int kProducerThreads = 128;  // one warpgroup; a second one would cap every thread at 128 registers,
-                                       // fewer than a 128-accumulator wgmma needs (ptxas: 154)
+constexpr int kProducerThreads = 128;  // one warpgroup (setmaxnreg works per warpgroup); one thread issues TMA
 constexpr int kThreads = kProducerThreads + 256;
-constexpr int kWTileBytes = kBlockW * kBlockK * 2;  // 16 KB
-constexpr int kATileBytes = kBlockA * kBlockK * 2;  // 32 KB
-constexpr int kStageBytes = kWTileBytes + kATileBytes;
-// The weight codes of a stage come by TMA into their own ring, kCodeStages loads ahead of the producer: 128 rows x
-// 32 bytes (forward) or 64 rows x 64 bytes (input gradient). (Each thread loading its own row's codes from global
-// memory made every warp load touch 32 lines: the L1 was the limiter.)
-constexpr int kCodeStages = 4;
+constexpr int kWTileBytes = kBlockW * kBlockK * 2;     // 16 KB, written by the consumers
+constexpr int kATileBytes = kBlockA * kBlockK * 2;     // 32 KB
 constexpr int kCodeTileBytes = kBlockW * kBlockK / 2;  // 4 KB
-constexpr int kCodesOffset = kStages * kStageBytes;
-constexpr int kTablesOffset = kCodesOffset + kCodeStages * kCodeTileBytes;
+constexpr int kStageBytes = kWTileBytes + kATileBytes + kCodeTileBytes;
+constexpr int kTablesOffset = kStages * kStageBytes;
 constexpr int kBarriersOffset = kTablesOffset + small_m::kTablesBytes;
-constexpr int kBarriers = 2 * kStages + kCodeStages;
 constexpr int kCPitch = kBlockW + 4;  // floats per row of the staged output tile [kBlockA][kCPitch]
-static_assert(kBlockA * kCPitch * 4 <= kCodesOffset, "the output tile is staged in the pipeline's shared memory");
-constexpr int kSmemBytes = kBarriersOffset + kBarriers * 8 + 1024;  // + slack to align the base to 1024
+static_assert(kBlockA * kCPitch * 4 <= kTablesOffset, "the output tile is staged in the pipeline's shared memory");
+static_assert(kWTileBytes % 1024 == 0 && kATileBytes % 1024 == 0 && kStageBytes % 1024 == 0,
+              "tiles stay 1024-byte aligned (the swizzle patterns)");
+constexpr int kSmemBytes = kBarriersOffset + 2 * kStages * 8 + 1024;  // + slack to align the base to 1024
 // setmaxnreg moves registers between warpgroups within the CTA's launch allocation (kThreads x kLaunchRegs, the
-// cap __launch_bounds__ gives ptxas): the producer gives some up (at 56 it spilled), the consumers take them. An
-// increase that the pool cannot cover never returns (a hang: 96 + 208 did that).
+// cap __launch_bounds__ gives ptxas): the producer gives nearly all up, the consumers take them. An increase that
+// the pool cannot cover never returns (a hang).
 constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
-[[maybe_unused]] constexpr int kProducerRegs = 96;
-[[maybe_unused]] constexpr int kConsumerRegs = 200;
+[[maybe_unused]] constexpr int kProducerRegs = 40;
+[[maybe_unused]] constexpr int kConsumerRegs = 232;
 static_assert(kProducerThreads * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs,
               "setmaxnreg must stay within the CTA's register allocation");
 
@@ -117,7 +114,7 @@ __device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t addr) {
 // Byte offset of the 16-byte chunk `chunk` (8 bf16 along k) of row `row` in a 128-byte-swizzled tile.
 __device__ __forceinline__ int sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
-// The scales of a producer thread's weight rows for one stage (loaded two stages ahead: global latency).
+// The scales of a consumer thread's weight rows for one stage (loaded two stages ahead: global latency).
 struct StageScales {
   RawScale s0, s1;
 };
@@ -126,15 +123,15 @@ __device__ __forceinline__ RawScale load_scale_or_zero(const Scales& scales, boo
   return valid ? small_m::load_scale(scales, e >> scales.block_shift) : RawScale{0.0f, 0u};
 }
 
-// Forward stage kt: the thread owns weight row n, codes [64 kt, 64 kt + 64) (one block, scale s0).
+// Forward stage kt: the thread's codes are 32 of weight row n in [64 kt, 64 kt + 64) (one block, scale s0).
 __device__ __forceinline__ StageScales scales_forward(const Scales& scales, std::int64_t n, std::int64_t rows,
                                                       std::int64_t cols, int kt) {
   const RawScale r = load_scale_or_zero(scales, n < rows, n * cols + static_cast<std::int64_t>(kt) * kBlockK);
   return {r, r};
 }
 
-// Input-gradient stage: the thread owns weight rows n and n + 1, codes [k, k + 32) of each (within one block: k is
-// a multiple of 32 and blocks are multiples of 64): s0 for row n, s1 for row n + 1. (Rows past the weight, whose
+// Input-gradient stage: the thread's codes are [k, k + 16) of weight rows n and n + 1 (within one block: k is a
+// multiple of 16 and blocks are multiples of 64): s0 for row n, s1 for row n + 1. (Rows past the weight, whose
 // codes TMA fills with zeros, meet only zero-filled dC columns; columns past K give discarded outputs.)
 __device__ __forceinline__ StageScales scales_backward(const Scales& scales, std::int64_t n, std::int64_t rows,
                                                        std::int64_t cols, std::int64_t k) {
@@ -244,8 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto a_tile = [&](int s) { return tiles + s * kStageBytes + kWTileBytes; };
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (kStages + s); };
-  auto codes_full = [&](int c) { return bars + 8 * (2 * kStages + c); };
-  const unsigned char* code_tiles = smem + kCodesOffset;
+  auto code_tile = [&](int s) { return tiles + s * kStageBytes + kWTileBytes + kATileBytes; };
 
   const std::int64_t n_out = kBackward ? cols : rows, k_red = kBackward ? rows : cols;
   const int tid = threadIdx.x, wg = tid / 128;
@@ -256,10 +252,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), kProducerThreads + 1);  // the producer threads + the TMA's expect_tx arrival
-      mbar_init(empty(s), 8);                    // the 8 consumer warps
+      mbar_init(full(s), 1);   // the TMA thread's expect_tx arrival
+      mbar_init(empty(s), 8);  // the 8 consumer warps
     }
-    for (int c = 0; c < kCodeStages; ++c) mbar_init(codes_full(c), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&b_map)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&code_map)) : "memory");
@@ -269,114 +264,103 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (wg == 0) {
-    // ---- producer: 64 elements per thread and stage; codes by TMA kCodeStages ahead, scales two stages ahead ----
+    // ---- producer: one thread loads each stage's activation tile and weight codes ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    // forward: weight row n0 + tid. Input gradient: weight rows 2 pair, 2 pair + 1 of the stage's 64, and the 32
-    // columns n0 + 32 q ... of the tile (pair = lane, q = warp: a warp's stores fill whole 128-byte tile rows).
-    const int pair = tid % 32, q = tid / 32;
-    auto load_scales = [&](int kt) {
-      if constexpr (kBackward)
-        return scales_backward(scales, static_cast<std::int64_t>(kt) * kBlockK + 2 * pair, rows, cols, n0 + 32 * q);
-      else
-        return scales_forward(scales, n0 + tid, rows, cols, kt);
-    };
-    // The stage's codes: forward [128 rows][32 bytes] at (32 kt bytes, row n0), 32-byte swizzle; input gradient
-    // [64 rows][64 bytes] at (n0 / 2 bytes, row 64 kt), 64-byte swizzle (conflict-light reads below).
-    auto load_code_tile = [&](int i) {
-      const int c = i % kCodeStages, kt = kt_begin + i;
-      mbar_arrive_expect_tx(codes_full(c), kCodeTileBytes);
-      const std::uint32_t dst = smem_addr(code_tiles + c * kCodeTileBytes);
-      if constexpr (kBackward)
-        tma_load_2d(dst, &code_map, static_cast<int>(n0 / 2), kt * kBlockK, codes_full(c));
-      else
-        tma_load_2d(dst, &code_map, kt * (kBlockK / 2), static_cast<int>(n0), codes_full(c));
-    };
-    if (tid == 0)
-      for (int i = 0; i < min(kCodeStages, k_tiles); ++i) load_code_tile(i);
-    StageScales ahead1 = load_scales(kt_begin);
-    StageScales ahead2 = load_scales(kt_begin + min(1, k_tiles - 1));
-    for (int i = 0; i < k_tiles; ++i) {
-      const int s = i % kStages, c = i % kCodeStages;
-      const StageScales cur = ahead1;
-      ahead1 = ahead2;
-      if (i + 2 < k_tiles) ahead2 = load_scales(kt_begin + i + 2);
-      // This thread's 64 codes (8 words) from the stage's code tile, then the slot goes to the load kCodeStages on.
-      mbar_wait(codes_full(c), (i / kCodeStages) & 1);
-      const unsigned char* ct = code_tiles + c * kCodeTileBytes;
-      std::uint32_t words[8];
-      auto take = [&](int at, int w) {
-        const uint4 v = *reinterpret_cast<const uint4*>(ct + at);
-        words[w] = v.x, words[w + 1] = v.y, words[w + 2] = v.z, words[w + 3] = v.w;
-      };
-      if constexpr (kBackward) {
-        // rows 2 pair and 2 pair + 1 (64 bytes each), 16-byte chunk q; 64-byte swizzle: chunk ^= (row >> 1) & 3.
-        take((2 * pair) * 64 + ((q ^ (pair & 3)) << 4), 0);
-        take((2 * pair + 1) * 64 + ((q ^ (pair & 3)) << 4), 4);
-      } else {
-        // row tid (32 bytes), chunks 0 and 1; 32-byte swizzle: chunk ^= (row >> 2) & 1.
-        take(tid * 32 + ((0 ^ ((tid >> 2) & 1)) << 4), 0);
-        take(tid * 32 + ((1 ^ ((tid >> 2) & 1)) << 4), 4);
+    if (tid == 0) {
+      for (int i = 0; i < k_tiles; ++i) {
+        const int s = i % kStages, kt = kt_begin + i;
+        mbar_wait(empty(s), ((i / kStages) & 1) ^ 1);  // passes at once on the first round
+        mbar_arrive_expect_tx(full(s), kATileBytes + kCodeTileBytes);
+        tma_load_2d(a_tile(s), &b_map, kt * kBlockK, m0, full(s));
+        // The codes: forward [128 rows][32 bytes] at (32 kt bytes, row n0), 32-byte swizzle; input gradient
+        // [64 rows][64 bytes] at (n0 / 2 bytes, row 64 kt), 64-byte swizzle (conflict-light reads below).
+        if constexpr (kBackward)
+          tma_load_2d(code_tile(s), &code_map, static_cast<int>(n0 / 2), kt * kBlockK, full(s));
+        else
+          tma_load_2d(code_tile(s), &code_map, kt * (kBlockK / 2), static_cast<int>(n0), full(s));
       }
-      asm volatile("bar.sync 2, 128;\n" ::: "memory");  // every producer thread holds its codes: the slot is free
-      if (tid == 0 && i + kCodeStages < k_tiles) load_code_tile(i + kCodeStages);
-      mbar_wait(empty(s), ((i / kStages) & 1) ^ 1);  // passes at once on the first round
-      if (tid == 0) {
-        mbar_arrive_expect_tx(full(s), kATileBytes);
-        tma_load_2d(a_tile(s), &b_map, (kt_begin + i) * kBlockK, m0, full(s));
-      }
-      unsigned char* wt = smem + s * kStageBytes;  // the stage's tile [128 n_out][64 k_red], swizzled
-      const BlockTable t0 = block_table(small_m::finish_scale(scales, cur.s0, code2_shared));
-      if constexpr (kBackward) {
-        // Element (k_red = 2 pair + r, n_out = 32 q + 8 j + e) goes to tile row 32 q + 8 j + e, column 2 pair + r:
-        // the two rows' values of one column pair into a 32-bit store. Row n's values first, so that only one
-        // block table is live at a time.
-        std::uint32_t a[16];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint4 ra = dequant_word(words[j], t0);
-          a[4 * j] = ra.x, a[4 * j + 1] = ra.y, a[4 * j + 2] = ra.z, a[4 * j + 3] = ra.w;
-        }
-        const BlockTable t1 = block_table(small_m::finish_scale(scales, cur.s1, code2_shared));
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint4 rb = dequant_word(words[4 + j], t1);
-          const std::uint32_t b[4] = {rb.x, rb.y, rb.z, rb.w};
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const int row = 32 * q + 8 * j + e;
-            *reinterpret_cast<std::uint32_t*>(wt + sw128_offset(row, pair >> 2) + (pair & 3) * 4) =
-                __byte_perm(a[4 * j + e / 2], b[e / 2], (e & 1) ? 0x7632 : 0x5410);
-          }
-        }
-      } else {
-#pragma unroll
-        for (int ch = 0; ch < 8; ++ch)
-          *reinterpret_cast<uint4*>(wt + sw128_offset(tid, ch)) = dequant_word(words[ch], t0);
-      }
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic-proxy writes -> wgmma reads
-      mbar_arrive(full(s));
     }
     return;
   }
 
   // ---- consumers ----
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
-  const int cw = wg - 1;  // weight rows 64*cw .. 64*cw + 63 of the tile
+  const int cw = wg - 1;       // rows 64 cw .. 64 cw + 63 of the tile T: this warpgroup dequantizes and multiplies them
+  const int wt = tid % 128;    // thread within the warpgroup
+  const int warp = wt / 32, lane = tid % 32;
+  // Forward: T row 64 cw + wt / 2 (weight row n0 + that), elements 32 (wt % 2) .. + 31 of the stage's 64.
+  // Input gradient: weight rows 2 lane and 2 lane + 1 of the stage's 64 (T columns), T rows 64 cw + 16 warp + e
+  // (weight columns n0 + that), e < 16: a warp's stores for one e fill one whole 128-byte T row.
+  const int t_row = 64 * cw + wt / 2, half = wt % 2;
+  auto load_scales = [&](int kt) {
+    if constexpr (kBackward)
+      return scales_backward(scales, static_cast<std::int64_t>(kt) * kBlockK + 2 * lane, rows, cols,
+                             n0 + 64 * cw + 16 * warp);
+    else
+      return scales_forward(scales, n0 + t_row, rows, cols, kt);
+  };
+  // Stage i's 64 rows of T from its codes (waits for the stage's TMA), written for wgmma: 128-byte swizzle.
+  auto dequantize = [&](int i, const StageScales& sc) {
+    const int s = i % kStages;
+    mbar_wait(full(s), (i / kStages) & 1);
+    const unsigned char* ct = smem + s * kStageBytes + kWTileBytes + kATileBytes;
+    unsigned char* wtile = smem + s * kStageBytes;
+    const BlockTable t0 = block_table(small_m::finish_scale(scales, sc.s0, code2_shared));
+    if constexpr (kBackward) {
+      // Codes [64 rows][64 bytes], 64-byte swizzle (16-byte chunk ^= (row >> 1) & 3): this thread's 8 bytes of
+      // each of its two rows are at byte 32 cw + 8 warp of the row.
+      const int chunk = 2 * cw + warp / 2, sub = 8 * (warp % 2);
+      const int r0 = 2 * lane;
+      const uint2 c0 = *reinterpret_cast<const uint2*>(ct + r0 * 64 + ((chunk ^ (lane & 3)) << 4) + sub);
+      const uint2 c1 = *reinterpret_cast<const uint2*>(ct + (r0 + 1) * 64 + ((chunk ^ (lane & 3)) << 4) + sub);
+      const uint4 a0 = dequant_word(c0.x, t0), a1 = dequant_word(c0.y, t0);
+      const BlockTable t1 = block_table(small_m::finish_scale(scales, sc.s1, code2_shared));
+      const uint4 b0 = dequant_word(c1.x, t1), b1 = dequant_word(c1.y, t1);
+      const std::uint32_t a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+      const std::uint32_t b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+      // Element e of both rows pairs into one 32-bit store at T row 64 cw + 16 warp + e, column 2 lane.
+#pragma unroll
+      for (int e = 0; e < 16; ++e)
+        *reinterpret_cast<std::uint32_t*>(wtile + sw128_offset(64 * cw + 16 * warp + e, lane >> 2) + (lane & 3) * 4) =
+            __byte_perm(a[e / 2], b[e / 2], (e & 1) ? 0x7632 : 0x5410);
+    } else {
+      // Codes [128 rows][32 bytes], 32-byte swizzle (16-byte chunk ^= (row >> 2) & 1): this thread's 16 bytes.
+      const uint4 c = *reinterpret_cast<const uint4*>(ct + t_row * 32 + ((half ^ ((t_row >> 2) & 1)) << 4));
+      const std::uint32_t words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        *reinterpret_cast<uint4*>(wtile + sw128_offset(t_row, 4 * half + j)) = dequant_word(words[j], t0);
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic-proxy writes -> wgmma reads
+  };
+  // This warpgroup's threads all wrote their part of the stage before any of them issues its wgmma.
+  auto sync_warpgroup = [&] { asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory"); };
+
   float acc[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-  const int warp = (tid % 128) / 32, lane = tid % 32;
+  StageScales ahead1 = load_scales(kt_begin + min(1, k_tiles - 1));
+  StageScales ahead2 = load_scales(kt_begin + min(2, k_tiles - 1));
+  dequantize(0, load_scales(kt_begin));
+  sync_warpgroup();
   for (int i = 0; i < k_tiles; ++i) {
     const int s = i % kStages;
-    mbar_wait(full(s), (i / kStages) & 1);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
     const std::uint64_t dw = sw128_desc(w_tile(s) + cw * 64 * 128), da = sw128_desc(a_tile(s));
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16(acc, dw + 2 * kk, da + 2 * kk);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    // While they run: the next stage's rows of T.
+    if (i + 1 < k_tiles) {
+      const StageScales next = ahead1;
+      ahead1 = ahead2;
+      if (i + 3 < k_tiles) ahead2 = load_scales(kt_begin + i + 3);
+      dequantize(i + 1, next);
+    }
     // The previous stage's wgmmas have finished reading shared memory once at most this one is pending.
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
     if (i > 0 && lane == 0) mbar_arrive(empty((i - 1) % kStages));
+    sync_warpgroup();
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
