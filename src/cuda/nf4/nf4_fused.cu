@@ -51,7 +51,12 @@ constexpr int kWTileBytes = kBlockW * kBlockK * 2;     // 16 KB, written by the 
 constexpr int kATileBytes = kBlockA * kBlockK * 2;     // 32 KB
 constexpr int kCodeTileBytes = kBlockW * kBlockK / 2;  // 4 KB
 constexpr int kStageBytes = kWTileBytes + kATileBytes + kCodeTileBytes;
-constexpr int kTablesOffset = kStages * kStageBytes;
+// Each stage's 128 block scales (fp32, finished: double quantization resolved) are written by the producer
+// warpgroup, one per thread, so that no consumer thread has a global load in flight when its per-stage
+// fence.proxy.async runs (it compiles to MEMBAR.ALL.CTA, which waits for them: with the scale loads in the
+// consumers every stage paid a global-memory latency).
+constexpr int kScalesOffset = kStages * kStageBytes;
+constexpr int kTablesOffset = kScalesOffset + kStages * kBlockW * 4;
 constexpr int kBarriersOffset = kTablesOffset + small_m::kTablesBytes;
 constexpr int kCPitch = kBlockW + 4;  // floats per row of the staged output tile [kBlockA][kCPitch]
 static_assert(kBlockA * kCPitch * 4 <= kTablesOffset, "the output tile is staged in the pipeline's shared memory");
@@ -62,8 +67,9 @@ constexpr int kSmemBytes = kBarriersOffset + 2 * kStages * 8 + 1024;  // + slack
 // cap __launch_bounds__ gives ptxas): the producer gives nearly all up, the consumers take them. An increase that
 // the pool cannot cover never returns (a hang).
 constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
-[[maybe_unused]] constexpr int kProducerRegs = 40;
-[[maybe_unused]] constexpr int kConsumerRegs = 232;
+[[maybe_unused]] constexpr int kProducerRegs = 56;
+[[maybe_unused]] constexpr int kConsumerRegs = 224;
+constexpr int kScalesAhead = 4;  // stages of raw scales a producer thread holds in flight
 static_assert(kProducerThreads * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs,
               "setmaxnreg must stay within the CTA's register allocation");
 
@@ -77,8 +83,8 @@ __device__ __forceinline__ void mbar_init(std::uint32_t bar, int count) {
 __device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive_expect_tx(std::uint32_t bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+__device__ __forceinline__ void mbar_expect_tx(std::uint32_t bar, int bytes) {
+  asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parity) {
   std::uint32_t done = 0;
@@ -114,30 +120,8 @@ __device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t addr) {
 // Byte offset of the 16-byte chunk `chunk` (8 bf16 along k) of row `row` in a 128-byte-swizzled tile.
 __device__ __forceinline__ int sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
-// The scales of a consumer thread's weight rows for one stage (loaded two stages ahead: global latency).
-struct StageScales {
-  RawScale s0, s1;
-};
-
 __device__ __forceinline__ RawScale load_scale_or_zero(const Scales& scales, bool valid, std::int64_t e) {
   return valid ? small_m::load_scale(scales, e >> scales.block_shift) : RawScale{0.0f, 0u};
-}
-
-// Forward stage kt: the thread's codes are 32 of weight row n in [64 kt, 64 kt + 64) (one block, scale s0).
-__device__ __forceinline__ StageScales scales_forward(const Scales& scales, std::int64_t n, std::int64_t rows,
-                                                      std::int64_t cols, int kt) {
-  const RawScale r = load_scale_or_zero(scales, n < rows, n * cols + static_cast<std::int64_t>(kt) * kBlockK);
-  return {r, r};
-}
-
-// Input-gradient stage: the thread's codes are [k, k + 16) of weight rows n and n + 1 (within one block: k is a
-// multiple of 16 and blocks are multiples of 64): s0 for row n, s1 for row n + 1. (Rows past the weight, whose
-// codes TMA fills with zeros, meet only zero-filled dC columns; columns past K give discarded outputs.)
-__device__ __forceinline__ StageScales scales_backward(const Scales& scales, std::int64_t n, std::int64_t rows,
-                                                       std::int64_t cols, std::int64_t k) {
-  const std::int64_t e0 = n * cols + k;
-  return {load_scale_or_zero(scales, n < rows && k < cols, e0),
-          load_scale_or_zero(scales, n + 1 < rows && k < cols, e0 + cols)};
 }
 
 // The 16 values of one NF4 block, bf16(code value * scale) rounded as nf4_dequantize does, as byte planes for
@@ -232,8 +216,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                           float beta) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem =
-      reinterpret_cast<unsigned char*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t{1023});
+  // Aligned by offsetting the shared array itself (not through an integer): the compiler then knows every pointer
+  // below is shared memory and emits LDS/STS with 32-bit addresses, not generic loads and stores.
+  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   float* code2_shared = reinterpret_cast<float*>(smem + kTablesOffset + small_m::kCodebookBytes);
   const std::uint32_t tiles = smem_addr(smem);
   const std::uint32_t bars = smem_addr(smem + kBarriersOffset);
@@ -242,6 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (kStages + s); };
   auto code_tile = [&](int s) { return tiles + s * kStageBytes + kWTileBytes + kATileBytes; };
+  auto stage_scales = [&](int s) { return reinterpret_cast<float*>(smem + kScalesOffset) + s * kBlockW; };
 
   const std::int64_t n_out = kBackward ? cols : rows, k_red = kBackward ? rows : cols;
   const int tid = threadIdx.x, wg = tid / 128;
@@ -252,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), 1);   // the TMA thread's expect_tx arrival
+      mbar_init(full(s), kProducerThreads);  // every producer thread, once its scale is written (+ TMA bytes)
       mbar_init(empty(s), 8);  // the 8 consumer warps
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -264,13 +250,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (wg == 0) {
-    // ---- producer: one thread loads each stage's activation tile and weight codes ----
+    // ---- producer: thread 0 loads each stage's activation tile and codes with TMA; every thread writes one
+    // finished block scale per stage (forward: weight row n0 + p; input gradient: weight row 64 kt + p % 64 for
+    // the columns n0 + 64 (p / 64) ..., one block since blocks are multiples of 64), loaded kScalesAhead ahead.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    if (tid == 0) {
-      for (int i = 0; i < k_tiles; ++i) {
-        const int s = i % kStages, kt = kt_begin + i;
-        mbar_wait(empty(s), ((i / kStages) & 1) ^ 1);  // passes at once on the first round
-        mbar_arrive_expect_tx(full(s), kATileBytes + kCodeTileBytes);
+    const int p = tid;
+    auto raw_scale = [&](int kt) {
+      if constexpr (kBackward) {
+        const std::int64_t n = static_cast<std::int64_t>(kt) * kBlockK + p % 64, k = n0 + 64 * (p / 64);
+        return load_scale_or_zero(scales, n < rows && k < cols, n * cols + k);
+      } else {
+        const std::int64_t n = n0 + p;
+        return load_scale_or_zero(scales, n < rows, n * cols + static_cast<std::int64_t>(kt) * kBlockK);
+      }
+    };
+    static_assert(kScalesAhead == 4, "the in-flight scales below are four registers pairs");
+    RawScale r0 = raw_scale(kt_begin), r1 = raw_scale(kt_begin + min(1, k_tiles - 1)),
+             r2 = raw_scale(kt_begin + min(2, k_tiles - 1)), r3 = raw_scale(kt_begin + min(3, k_tiles - 1));
+    for (int i = 0; i < k_tiles; ++i) {
+      const int s = i % kStages, kt = kt_begin + i;
+      const RawScale cur = r0;
+      r0 = r1, r1 = r2, r2 = r3;
+      if (i + kScalesAhead < k_tiles) r3 = raw_scale(kt + kScalesAhead);
+      mbar_wait(empty(s), ((i / kStages) & 1) ^ 1);  // passes at once on the first round
+      if (p == 0) {
+        mbar_expect_tx(full(s), kATileBytes + kCodeTileBytes);
         tma_load_2d(a_tile(s), &b_map, kt * kBlockK, m0, full(s));
         // The codes: forward [128 rows][32 bytes] at (32 kt bytes, row n0), 32-byte swizzle; input gradient
         // [64 rows][64 bytes] at (n0 / 2 bytes, row 64 kt), 64-byte swizzle (conflict-light reads below).
@@ -279,6 +283,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         else
           tma_load_2d(code_tile(s), &code_map, kt * (kBlockK / 2), static_cast<int>(n0), full(s));
       }
+      stage_scales(s)[p] = small_m::finish_scale(scales, cur, code2_shared);
+      mbar_arrive(full(s));  // release: the consumers' wait makes the scale visible
     }
     return;
   }
@@ -292,20 +298,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Input gradient: weight rows 2 lane and 2 lane + 1 of the stage's 64 (T columns), T rows 64 cw + 16 warp + e
   // (weight columns n0 + that), e < 16: a warp's stores for one e fill one whole 128-byte T row.
   const int t_row = 64 * cw + wt / 2, half = wt % 2;
-  auto load_scales = [&](int kt) {
-    if constexpr (kBackward)
-      return scales_backward(scales, static_cast<std::int64_t>(kt) * kBlockK + 2 * lane, rows, cols,
-                             n0 + 64 * cw + 16 * warp);
-    else
-      return scales_forward(scales, n0 + t_row, rows, cols, kt);
-  };
   // Stage i's 64 rows of T from its codes (waits for the stage's TMA), written for wgmma: 128-byte swizzle.
-  auto dequantize = [&](int i, const StageScales& sc) {
+  auto dequantize = [&](int i) {
     const int s = i % kStages;
     mbar_wait(full(s), (i / kStages) & 1);
     const unsigned char* ct = smem + s * kStageBytes + kWTileBytes + kATileBytes;
     unsigned char* wtile = smem + s * kStageBytes;
-    const BlockTable t0 = block_table(small_m::finish_scale(scales, sc.s0, code2_shared));
+    const float* sc = stage_scales(s);
     if constexpr (kBackward) {
       // Codes [64 rows][64 bytes], 64-byte swizzle (16-byte chunk ^= (row >> 1) & 3): this thread's 8 bytes of
       // each of its two rows are at byte 32 cw + 8 warp of the row.
@@ -313,8 +312,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int r0 = 2 * lane;
       const uint2 c0 = *reinterpret_cast<const uint2*>(ct + r0 * 64 + ((chunk ^ (lane & 3)) << 4) + sub);
       const uint2 c1 = *reinterpret_cast<const uint2*>(ct + (r0 + 1) * 64 + ((chunk ^ (lane & 3)) << 4) + sub);
+      const BlockTable t0 = block_table(sc[64 * cw + r0]);
       const uint4 a0 = dequant_word(c0.x, t0), a1 = dequant_word(c0.y, t0);
-      const BlockTable t1 = block_table(small_m::finish_scale(scales, sc.s1, code2_shared));
+      const BlockTable t1 = block_table(sc[64 * cw + r0 + 1]);
       const uint4 b0 = dequant_word(c1.x, t1), b1 = dequant_word(c1.y, t1);
       const std::uint32_t a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
       const std::uint32_t b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
@@ -327,6 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Codes [128 rows][32 bytes], 32-byte swizzle (16-byte chunk ^= (row >> 2) & 1): this thread's 16 bytes.
       const uint4 c = *reinterpret_cast<const uint4*>(ct + t_row * 32 + ((half ^ ((t_row >> 2) & 1)) << 4));
       const std::uint32_t words[4] = {c.x, c.y, c.z, c.w};
+      const BlockTable t0 = block_table(sc[t_row]);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         *reinterpret_cast<uint4*>(wtile + sw128_offset(t_row, 4 * half + j)) = dequant_word(words[j], t0);
@@ -339,9 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-  StageScales ahead1 = load_scales(kt_begin + min(1, k_tiles - 1));
-  StageScales ahead2 = load_scales(kt_begin + min(2, k_tiles - 1));
-  dequantize(0, load_scales(kt_begin));
+  dequantize(0);
   sync_warpgroup();
   for (int i = 0; i < k_tiles; ++i) {
     const int s = i % kStages;
@@ -351,12 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16(acc, dw + 2 * kk, da + 2 * kk);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     // While they run: the next stage's rows of T.
-    if (i + 1 < k_tiles) {
-      const StageScales next = ahead1;
-      ahead1 = ahead2;
-      if (i + 3 < k_tiles) ahead2 = load_scales(kt_begin + i + 3);
-      dequantize(i + 1, next);
-    }
+    if (i + 1 < k_tiles) dequantize(i + 1);
     // The previous stage's wgmmas have finished reading shared memory once at most this one is pending.
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
     if (i > 0 && lane == 0) mbar_arrive(empty((i - 1) % kStages));
