@@ -442,9 +442,11 @@ void Bench::run_nf4() {
       fused_ok = false;
     }
   }
-  // The usual token counts plus 8 and 32, where the dispatcher's small-M thresholds are decided.
+  // The usual token counts plus 8 and 32, where the dispatcher's small-M thresholds are decided, and 256, inside
+  // the range where Auto takes the fused forward on large weights.
   std::vector<std::int64_t> nf4_tokens = is_gpu_ ? bench::token_counts() : std::vector<std::int64_t>{1, 16};
   nf4_tokens.insert(nf4_tokens.end(), {8, 32});
+  if (is_gpu_) nf4_tokens.push_back(256);
   std::sort(nf4_tokens.begin(), nf4_tokens.end());
   nf4_tokens = only_selected_tokens(nf4_tokens);
   for (const Projection& p : projections())

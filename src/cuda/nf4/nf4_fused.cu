@@ -6,9 +6,10 @@
 // gradient) as the wgmma's 64-row A operand and the wider activation tile (A, or dC) its 256-column B operand:
 // per k step the CTA dequantizes 128 x 64 weight elements (not 256 x 64) for 128 x 256 x 64 multiply-adds.
 //
-// A CTA is three warpgroups. Warpgroup 0 produces with one thread: per stage it loads, with TMA, the activation
-// tile [256 rows][64 k] (128-byte swizzle, zero fill past the edges) and the weight codes of the stage (forward:
-// 128 rows x 32 bytes; input gradient: 64 rows x 64 bytes). Warpgroups 1 and 2 consume: each owns 64 rows of the
+// A CTA is three warpgroups. Warpgroup 0 produces: per stage its thread 0 loads, with TMA, the activation tile
+// [256 rows][64 k] (128-byte swizzle, zero fill past the edges) and the weight codes of the stage (forward: 128
+// rows x 32 bytes; input gradient: 64 rows x 64 bytes), and its 128 threads write the stage's 128 finished block
+// scales (each loaded kScalesAhead stages ahead) to shared memory. Warpgroups 1 and 2 consume: each owns 64 rows of the
 // dequantized tile T, dequantizes them itself for stage i + 1 (32 elements per thread, through per-block tables
 // in registers) into the swizzled wgmma layout while its wgmma m64n256k16 of stage i run, both operands from
 // shared memory. (A producer warpgroup that dequantized all 128 rows was the limiter: one warp per scheduler,
@@ -69,7 +70,7 @@ constexpr int kSmemBytes = kBarriersOffset + 2 * kStages * 8 + 1024;  // + slack
 constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
 [[maybe_unused]] constexpr int kProducerRegs = 56;
 [[maybe_unused]] constexpr int kConsumerRegs = 224;
-constexpr int kScalesAhead = 4;  // stages of raw scales a producer thread holds in flight
+[[maybe_unused]] constexpr int kScalesAhead = 4;  // stages of raw scales a producer thread holds in flight
 static_assert(kProducerThreads * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs,
               "setmaxnreg must stay within the CTA's register allocation");
 
@@ -264,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         return load_scale_or_zero(scales, n < rows, n * cols + static_cast<std::int64_t>(kt) * kBlockK);
       }
     };
-    static_assert(kScalesAhead == 4, "the in-flight scales below are four registers pairs");
+    static_assert(kScalesAhead == 4, "the in-flight scales below are four register pairs");
     RawScale r0 = raw_scale(kt_begin), r1 = raw_scale(kt_begin + min(1, k_tiles - 1)),
              r2 = raw_scale(kt_begin + min(2, k_tiles - 1)), r3 = raw_scale(kt_begin + min(3, k_tiles - 1));
     for (int i = 0; i < k_tiles; ++i) {

@@ -2,7 +2,8 @@
 //  DequantGemm: dequantize W to bf16 into scratch, round an f32 A to bf16 (nearest even) into the same scratch
 //  allocation, then the dense bf16 GEMM (cuBLASLt, fp32 accumulation).
 //  SmallM: the fused small-M kernels (nf4_small_m.cu) where their preconditions hold, Unsupported otherwise.
-//  Auto: SmallM for few rows where it applies (wants_small_m below), DequantGemm otherwise.
+//  Auto: SmallM for few rows where it applies (wants_small_m below), the fused forward on large weights at a few
+//  hundred rows where it applies (wants_fused_forward), DequantGemm otherwise.
 //  Fused: the fused tensor-core kernels (nf4_fused.cu, sm_90a) for the forward and the input gradient where they
 //  apply, Unsupported otherwise. Reference: the CPU backend's, not a GPU path.
 #include <cuda_bf16.h>
@@ -176,6 +177,21 @@ bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
   return path == Nf4Path::SmallM || (path == Nf4Path::Auto && m <= auto_max_rows);
 }
 
+// Auto takes the fused tensor-core forward (sm_90a, nf4_fused.cu) on large weights from 65 to 512 rows. Measured
+// (H200, commit 983c36f): at M = 512 it beats dequantize + cuBLASLt on Llama-3-8B (down 111 vs 125 µs, gate/up
+// 125 vs 139 µs) and ties on Qwen2.5-1.5B down (34 vs 34); it is slower at M >= 2048 (1.10-1.58x) and on the
+// small Qwen gate/up at 512 (2 waves of 140 tiles: 1.56x). Between 65 and 511 rows it is taken because what it
+// saves, the dequantize pass, is a fixed cost while the GEMM shrinks (not yet measured there). The fused input
+// gradient is slower everywhere measured (1.02-1.7x) and is never taken.
+constexpr std::int64_t kAutoFusedMinRows = 65;
+constexpr std::int64_t kAutoFusedMaxRows = 512;
+
+bool wants_fused_forward(Nf4Path path, std::int64_t m, const Nf4Weight& w, bool small_m) {
+  if (path == Nf4Path::Fused) return true;
+  return path == Nf4Path::Auto && !small_m && m >= kAutoFusedMinRows && m <= kAutoFusedMaxRows &&
+         w.numel() >= kLargeWeightElements;
+}
+
 // The bf16 activations for a fused launch: x itself, or its rounded copy in plan's scratch (f32 x).
 const void* fused_operand(const Context& ctx, const TensorView& x, ScratchPlan& plan) {
   if (x.dtype() == DType::BF16) return x.data();
@@ -213,7 +229,10 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
               const Nf4GemmOptions& opts) {
   const char* op = "nf4_gemm";
   const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w, false)) && nf4_small_m_supported(a, w);
-  const PathFit fused = opts.path == Nf4Path::Fused ? fused_fit(ctx, a, w, false) : PathFit{};
+  // Where Auto would take it but it cannot serve (another GPU, a build without sm_90a, K % 64 != 0...),
+  // dequantize + cuBLASLt runs instead.
+  const PathFit fused =
+      wants_fused_forward(opts.path, a.dim(0), w, small_m) ? fused_fit(ctx, a, w, false) : PathFit{};
   check_path(op, opts.path, {small_m, kSmallMNeeds}, fused);
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
   if (M == 0 || N == 0) return;
