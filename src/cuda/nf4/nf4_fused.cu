@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), kProducerThreads);  // every producer thread, once its scale is written (+ TMA bytes)
-      mbar_init(empty(s), 8);  // the 8 consumer warps
+      mbar_init(empty(s), 256);  // every consumer thread (each has read the stage's scales)
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&b_map)) : "memory");
@@ -354,7 +354,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (i + 1 < k_tiles) dequantize(i + 1);
     // The previous stage's wgmmas have finished reading shared memory once at most this one is pending.
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-    if (i > 0 && lane == 0) mbar_arrive(empty((i - 1) % kStages));
+    // Every thread arrives, not one per warp: its own read of the stage's scale is then ordered before the
+    // producer's next write of that slot (compute-sanitizer racecheck reported the one-lane form).
+    if (i > 0) mbar_arrive(empty((i - 1) % kStages));
     sync_warpgroup();
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
