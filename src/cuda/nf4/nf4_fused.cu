@@ -32,7 +32,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
 #include "cuda/nf4/nf4_small_m.h"    // launch_nf4_split_k_reduce
-#include "cuda/nf4/nf4_small_m.cuh"  // Scales, load_scale, finish_scale, fill_tables, pack_bf16x2, store_out
+#include "cuda/nf4/nf4_small_m.cuh"  // Scales, load_scale, finish_scale, pack_bf16x2, store_out
 #include "qmm/error.h"
 
 namespace qmm::cuda {
@@ -46,7 +46,7 @@ constexpr int kBlockW = 128;  // weight rows (outputs n) per CTA: two consumer w
 constexpr int kBlockA = 256;  // activation rows (outputs m) per CTA: wgmma n256
 constexpr int kBlockK = 64;   // k per stage: one NF4 block, one 128-byte swizzle row of bf16
 constexpr int kStages = 4;
-constexpr int kProducerThreads = 128;  // one warpgroup (setmaxnreg works per warpgroup); one thread issues TMA
+constexpr int kProducerThreads = 128;  // one warpgroup (setmaxnreg works per warpgroup): TMA, block scales
 constexpr int kThreads = kProducerThreads + 256;
 constexpr int kWTileBytes = kBlockW * kBlockK * 2;     // 16 KB, written by the consumers
 constexpr int kATileBytes = kBlockA * kBlockK * 2;     // 32 KB
