@@ -32,6 +32,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
 #include "cuda/nf4/nf4_small_m.h"    // launch_nf4_split_k_reduce
+#include "core/nf4_lut.h"            // block tables and their byte-permute lookups (shared with a CPU test)
 #include "cuda/nf4/nf4_small_m.cuh"  // Scales, load_scale, finish_scale, pack_bf16x2, store_out
 #include "qmm/error.h"
 
@@ -39,6 +40,8 @@ namespace qmm::cuda {
 
 namespace fused {
 
+using nf4_lut::block_table;
+using nf4_lut::BlockTable;
 using small_m::RawScale;
 using small_m::Scales;
 
@@ -125,47 +128,10 @@ __device__ __forceinline__ RawScale load_scale_or_zero(const Scales& scales, boo
   return valid ? small_m::load_scale(scales, e >> scales.block_shift) : RawScale{0.0f, 0u};
 }
 
-// The 16 values of one NF4 block, bf16(code value * scale) rounded as nf4_dequantize does, as byte planes for
-// register lookups with byte permutes (no shared-memory codebook): lo[j] holds the low bytes of values 4j..4j+3,
-// hi[j] their high bytes. 16 multiplies per block instead of one per element.
-struct BlockTable {
-  std::uint32_t lo[4], hi[4];
-};
-
-__device__ __forceinline__ BlockTable block_table(float s) {
-  BlockTable t;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const std::uint32_t p0 = small_m::pack_bf16x2(nf4_code_value(4 * j) * s, nf4_code_value(4 * j + 1) * s);
-    const std::uint32_t p1 = small_m::pack_bf16x2(nf4_code_value(4 * j + 2) * s, nf4_code_value(4 * j + 3) * s);
-    t.lo[j] = __byte_perm(p0, p1, 0x6420);
-    t.hi[j] = __byte_perm(p0, p1, 0x7531);
-  }
-  return t;
-}
-
-// One plane's bytes at four 4-bit codes: sel7 holds the codes' low 3 bits (one nibble each, output byte i from
-// nibble i), merge picks per byte from the lookup in entries 0-7 or 8-15 (nibble i = i, + 4 where bit 3 is set).
-__device__ __forceinline__ std::uint32_t plane_lookup(const std::uint32_t (&p)[4], std::uint32_t sel7,
-                                                      std::uint32_t merge) {
-  return __byte_perm(__byte_perm(p[0], p[1], sel7), __byte_perm(p[2], p[3], sel7), merge);
-}
-
-// 8 codes (one 32-bit word; the first element in the high nibble of the first byte) -> 8 bf16 as 4 bf16 pairs
-// (element 2i in the low half of word i). A word's low 16 bits, read as four selector nibbles, are the codes of
-// elements 1, 0, 3, 2; its high 16 bits those of 5, 4, 7, 6.
-__device__ __forceinline__ uint4 dequant_word(std::uint32_t w, const BlockTable& t) {
-  const std::uint32_t sel7 = w & 0x77777777u;
-  const std::uint32_t merge = ((w >> 1) & 0x44444444u) | 0x32103210u;
-  std::uint32_t out[4];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const std::uint32_t s7 = h ? sel7 >> 16 : sel7, m = h ? merge >> 16 : merge;
-    const std::uint32_t lo = plane_lookup(t.lo, s7, m), hi = plane_lookup(t.hi, s7, m);  // bytes of e1, e0, e3, e2
-    out[2 * h] = __byte_perm(lo, hi, 0x4051);      // e0 | e1 << 16
-    out[2 * h + 1] = __byte_perm(lo, hi, 0x6273);  // e2 | e3 << 16
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
+// 8 dequantized codes as the 16-byte vector that goes to shared memory.
+__device__ __forceinline__ uint4 dequant_vec(std::uint32_t w, const BlockTable& t) {
+  const nf4_lut::Bf16x8 v = nf4_lut::dequant_word(w, t);
+  return make_uint4(v.w[0], v.w[1], v.w[2], v.w[3]);
 }
 
 // D[64x256] += A[64x16] * B[16x256]^T, both operands K-major in shared memory (descriptors), fp32 accumulators.
@@ -314,9 +280,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint2 c0 = *reinterpret_cast<const uint2*>(ct + r0 * 64 + ((chunk ^ (lane & 3)) << 4) + sub);
       const uint2 c1 = *reinterpret_cast<const uint2*>(ct + (r0 + 1) * 64 + ((chunk ^ (lane & 3)) << 4) + sub);
       const BlockTable t0 = block_table(sc[64 * cw + r0]);
-      const uint4 a0 = dequant_word(c0.x, t0), a1 = dequant_word(c0.y, t0);
+      const uint4 a0 = dequant_vec(c0.x, t0), a1 = dequant_vec(c0.y, t0);
       const BlockTable t1 = block_table(sc[64 * cw + r0 + 1]);
-      const uint4 b0 = dequant_word(c1.x, t1), b1 = dequant_word(c1.y, t1);
+      const uint4 b0 = dequant_vec(c1.x, t1), b1 = dequant_vec(c1.y, t1);
       const std::uint32_t a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
       const std::uint32_t b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
       // Element e of both rows pairs into one 32-bit store at T row 64 cw + 16 warp + e, column 2 lane.
@@ -331,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const BlockTable t0 = block_table(sc[t_row]);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        *reinterpret_cast<uint4*>(wtile + sw128_offset(t_row, 4 * half + j)) = dequant_word(words[j], t0);
+        *reinterpret_cast<uint4*>(wtile + sw128_offset(t_row, 4 * half + j)) = dequant_vec(words[j], t0);
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic-proxy writes -> wgmma reads
   };
