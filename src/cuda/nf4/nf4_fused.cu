@@ -101,7 +101,7 @@ __device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parit
   } while (!done);
 }
 
-// TMA: a [rows][64] bf16 box at (k, row) of the tensor map into shared memory, completing `bytes` on `bar`.
+// TMA: the tensor map's box at (column k, row) into shared memory; its bytes complete on `bar`.
 __device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap* map, int k, int row,
                                             std::uint32_t bar) {
   asm volatile(
