@@ -3,7 +3,8 @@
 
 For each qmm result: the same op, mode and shape through torch.matmul (bf16, TF32, FP32; BF16-compute on f32 storage
 as torch users write it: cast to bf16, multiply, cast back), PyTorch's eager SwiGLU (silu(g) * u, and its autograd
-backward), and for NF4 GEMMs torch.matmul on the dequantized bf16 weight. Inputs are rotated over more than 4x the
+backward), and for NF4 GEMMs torch.matmul on the dequantized bf16 weight (timed once per shape, compared with
+every NF4 path qmm timed there: auto and the forced ones). Inputs are rotated over more than 4x the
 L2 size. Both sides are timed the same way: device time per call from CUDA-graph replays (no host gaps; the
 median of 7 replays of one graph of many calls) where the call can be captured, else CUDA events around each of
 --repeats calls after warm-up; torch's eager per-call time is printed beside it.
@@ -160,22 +161,27 @@ def main():
     print(f"{'op':<20} {'mode':<9} {'shape':<22} {'M':>5} {'N':>6} {'K':>6} {'qmm us':>9} {'torch us':>9}"
           f" {'torch/qmm':>9}")
     rows = []
+    nf4_baselines = {}  # every NF4 path of one op and shape (auto and the forced ones) against one torch timing
     for r in data["results"]:
-        if r["op"].startswith("nf4_gemm") and r["mode"] != "dq auto":
-            continue  # the forced NF4 paths share one torch baseline
-        if r["op"] == "mlp_block":
-            case = mlp_case(r)
-        elif r["op"].startswith("swiglu"):
-            case = swiglu_case(r)
+        nf4_key = (r["op"], r["shape"], r["m"], r["n"], r["k"]) if r["op"].startswith("nf4_gemm") else None
+        if nf4_key in nf4_baselines:
+            eager, graph = nf4_baselines[nf4_key]
         else:
-            case = dense_case(r)
-        if case is None:
-            continue
-        fn, sets = case
-        eager = time_us(fn, sets, args.repeats)
-        # Autograd cases are not captured: a failed capture leaves torch's RNG in capture mode for later cases.
-        autograd = r["op"] in ("swiglu_backward", "mlp_block")
-        graph = time_graph_us(fn, sets) if r.get("graph") and not autograd else None
+            if r["op"] == "mlp_block":
+                case = mlp_case(r)
+            elif r["op"].startswith("swiglu"):
+                case = swiglu_case(r)
+            else:
+                case = dense_case(r)
+            if case is None:
+                continue
+            fn, sets = case
+            eager = time_us(fn, sets, args.repeats)
+            # Autograd cases are not captured: a failed capture leaves torch's RNG in capture mode for later cases.
+            autograd = r["op"] in ("swiglu_backward", "mlp_block")
+            graph = time_graph_us(fn, sets) if r.get("graph") and not autograd else None
+            if nf4_key is not None:
+                nf4_baselines[nf4_key] = (eager, graph)
         # Like with like: graph against graph where qmm was timed in a graph, eager against eager otherwise.
         t = graph if graph is not None else eager
         q = r["median_us"] if graph is not None or not r.get("graph") else r.get("eager_us", r["median_us"])
