@@ -217,10 +217,11 @@ class Bench {
   void add_ratios();
   void write_json(const std::string& path) const;
 
-  std::vector<std::int64_t> token_counts() const {
-    // The CPU reference is slow: keep CPU mode to seconds.
-    return only_selected_tokens(is_gpu_ ? bench::token_counts() : std::vector<std::int64_t>{1, 16});
+  // The token counts of the shape list; the CPU reference is slow: keep CPU mode to seconds.
+  std::vector<std::int64_t> all_token_counts() const {
+    return is_gpu_ ? bench::token_counts() : std::vector<std::int64_t>{1, 16};
   }
+  std::vector<std::int64_t> token_counts() const { return only_selected_tokens(all_token_counts()); }
   // The token counts that --tokens selects (all without it).
   std::vector<std::int64_t> only_selected_tokens(std::vector<std::int64_t> ms) const {
     if (opts_.tokens.empty()) return ms;
@@ -444,7 +445,7 @@ void Bench::run_nf4() {
   }
   // The usual token counts plus 8 and 32, where the dispatcher's small-M thresholds are decided, and 256, inside
   // the range where Auto takes the fused forward on large weights.
-  std::vector<std::int64_t> nf4_tokens = is_gpu_ ? bench::token_counts() : std::vector<std::int64_t>{1, 16};
+  std::vector<std::int64_t> nf4_tokens = all_token_counts();
   nf4_tokens.insert(nf4_tokens.end(), {8, 32});
   if (is_gpu_) nf4_tokens.push_back(256);
   std::sort(nf4_tokens.begin(), nf4_tokens.end());

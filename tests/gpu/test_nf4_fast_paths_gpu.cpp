@@ -155,11 +155,18 @@ bool fused_available() {
 
 using FusedShape = std::tuple<std::int64_t, std::int64_t, std::int64_t, int>;  // M, N, K, block size
 
-class FusedForward : public ::testing::TestWithParam<FusedShape> {};
+// Both fused suites skip where the kernel cannot run.
+class FusedCase : public ::testing::TestWithParam<FusedShape> {
+ protected:
+  void SetUp() override {
+    QMM_REQUIRE_GPU();
+    if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
+  }
+};
+
+class FusedForward : public FusedCase {};
 
 TEST_P(FusedForward, MatchesCpuOracle) {
-  QMM_REQUIRE_GPU();
-  if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
   const auto [m, n, k, block] = GetParam();
   expect_forward_matches(Nf4Path::Fused, m, n, k, block);
 }
@@ -171,11 +178,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, FusedForward,
                                            FusedShape{300, 1000, 1536, 64}, FusedShape{513, 129, 64, 64},
                                            FusedShape{257, 200, 1024, 256}, FusedShape{1000, 63, 2048, 64}));
 
-class FusedBackward : public ::testing::TestWithParam<FusedShape> {};
+class FusedBackward : public FusedCase {};
 
 TEST_P(FusedBackward, MatchesCpuOracle) {
-  QMM_REQUIRE_GPU();
-  if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
   const auto [m, n, k, block] = GetParam();
   expect_backward_matches(Nf4Path::Fused, m, n, k, block);
 }

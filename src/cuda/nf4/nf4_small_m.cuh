@@ -5,9 +5,12 @@
 
 #include <cstdint>
 
+#include "core/nf4_lut.h"  // pack_bf16x2
 #include "qmm/nf4.h"
 
 namespace qmm::cuda::small_m {
+
+using nf4_lut::pack_bf16x2;
 
 constexpr int kThreads = 128;                   // 4 warps
 constexpr int kTilesN = 4;                      // n8 tiles per warp: each warp owns 32 weight rows
@@ -80,11 +83,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const std::uint32_
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  return *reinterpret_cast<const std::uint32_t*>(&v);
 }
 
 __device__ __forceinline__ void store_out(void* c, bool c_bf16, std::int64_t idx, float v, float alpha, float beta) {
