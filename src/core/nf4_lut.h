@@ -92,4 +92,21 @@ QMM_NF4_LUT_UNROLL
   return out;
 }
 
+// One row of T as a quad lane's share of wgmma A fragments (RS form, mma.m16n8k16's A layout): lane t (lane % 4)
+// holds k 2t, 2t + 1 and 2t + 8, 2t + 9 of each 16. From the row's 64 codes of a stage (32 bytes as 8 words):
+// out[j] = the bf16 pair at k 8j + 2t (low half) and 8j + 2t + 1, i.e. kk = j / 2's first (j even) or second pair.
+// The pair at k 8j + 2t is code byte 4j + t: byte t of each word, gathered, then looked up.
+QMM_HOST_DEVICE inline void row_fragment(const std::uint32_t (&v)[8], int t, const BlockTable& tb,
+                                         std::uint32_t (&out)[8]) {
+  const std::uint32_t sel = static_cast<std::uint32_t>(t | ((t + 4) << 4));
+QMM_NF4_LUT_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const std::uint32_t w =
+        byte_perm(byte_perm(v[4 * h], v[4 * h + 1], sel), byte_perm(v[4 * h + 2], v[4 * h + 3], sel), 0x5410);
+    const Bf16x8 d = dequant_word(w, tb);
+QMM_NF4_LUT_UNROLL
+    for (int j = 0; j < 4; ++j) out[4 * h + j] = d.w[j];
+  }
+}
+
 }  // namespace qmm::nf4_lut

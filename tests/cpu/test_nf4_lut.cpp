@@ -50,6 +50,32 @@ TEST(Nf4Lut, EveryCodeAtEveryPositionIsCodeTimesScaleInBf16) {
   }
 }
 
+// The forward's register fragments: lane t's pair j is the dequantized elements k = 8j + 2t and 8j + 2t + 1 of
+// the row (code byte k / 2, the even element in its high nibble), for random rows and scales.
+TEST(Nf4Lut, RowFragmentHoldsTheWgmmaALayout) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::uint32_t v[8];
+    for (std::uint32_t& w : v) w = static_cast<std::uint32_t>(rng());
+    const float s = std::ldexp(static_cast<float>(rng() % 2000) / 1000.0f - 1.0f, static_cast<int>(rng() % 40) - 20);
+    const nf4_lut::BlockTable tb = nf4_lut::block_table(s);
+    auto element = [&](int k) {
+      const std::uint32_t byte = (v[k / 8] >> (8 * ((k / 2) % 4))) & 0xFFu;
+      const int code = static_cast<int>(k % 2 ? byte & 15u : byte >> 4);
+      return float_to_bf16(nf4_code_value(code) * s);
+    };
+    for (int t = 0; t < 4; ++t) {
+      std::uint32_t out[8];
+      nf4_lut::row_fragment(v, t, tb, out);
+      for (int j = 0; j < 8; ++j) {
+        const int k = 8 * j + 2 * t;
+        EXPECT_EQ(out[j] & 0xFFFFu, element(k)) << "trial " << trial << " t " << t << " j " << j;
+        EXPECT_EQ(out[j] >> 16, element(k + 1)) << "trial " << trial << " t " << t << " j " << j;
+      }
+    }
+  }
+}
+
 // The host form of the byte permute against its definition on a few selectors the kernels use.
 TEST(Nf4Lut, BytePermuteSelectsBytesOfBothWords) {
   const std::uint32_t x = 0x33221100u, y = 0x77665544u;

@@ -113,6 +113,15 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SmallMBackward,
                          ::testing::Values(Shape3{1, 1, 32}, Shape3{1, 7, 96}, Shape3{8, 130, 544},
                                            Shape3{9, 1000, 256}, Shape3{16, 2050, 1536}, Shape3{3, 4096, 1024}));
 
+// Blocks of 32 (two scales per 64 codes), 128 and 256 (blocks straddling rows: K = 544 is not a multiple).
+TEST(SmallMBlockSizes, ForwardAndInputGradientMatchCpuOracle) {
+  QMM_REQUIRE_GPU();
+  for (int block : {32, 128, 256}) {
+    expect_forward_matches(Nf4Path::SmallM, 5, 130, 544, block);
+    expect_backward_matches(Nf4Path::SmallM, 3, 130, 544, block);
+  }
+}
+
 TEST(SmallMGateUp, AllOutputCombinationsMatchCpu) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();

@@ -8,12 +8,16 @@
 //
 // A CTA is three warpgroups. Warpgroup 0 produces: per stage its thread 0 loads, with TMA, the activation tile
 // [256 rows][64 k] (128-byte swizzle, zero fill past the edges) and the weight codes of the stage (forward: 128
-// rows x 32 bytes; input gradient: 64 rows x 64 bytes), and its 128 threads write the stage's 128 finished block
-// scales (each loaded kScalesAhead stages ahead) to shared memory. Warpgroups 1 and 2 consume: each owns 64 rows of the
-// dequantized tile T, dequantizes them itself for stage i + 1 (32 elements per thread, through per-block tables
-// in registers) into the swizzled wgmma layout while its wgmma m64n256k16 of stage i run, both operands from
-// shared memory. (A producer warpgroup that dequantized all 128 rows was the limiter: one warp per scheduler,
-// bound by its own instruction latencies, while the consumer warps waited; ncu: tensor pipe 60% busy.)
+// rows x 32 bytes; input gradient: 64 rows x 64 bytes), and its 128 threads write, from scales each loaded
+// kScalesAhead stages ahead, the stage's 128 block tables (forward) or finished block scales (input gradient) to
+// shared memory. Warpgroups 1 and 2 consume: each owns 64 rows of the dequantized tile T and dequantizes them
+// itself for stage i + 1 (32 elements per thread) while its wgmma m64n256k16 of stage i run. The forward looks
+// its elements up in the producer's tables and keeps them in registers as the wgmma's A fragments (RS form); the
+// input gradient builds its two tables per thread from the scales and writes the elements transposed into a
+// 128-byte-swizzled tile, both operands from shared memory. (Each measured faster than the other's way on the
+// H200: the RS forward 6-7% than shared-memory T, the input gradient's own tables 10-20% than shared tables.)
+// (A producer warpgroup that dequantized all 128 rows was the limiter: one warp per scheduler, bound by its own
+// instruction latencies, while the consumer warps waited; ncu: tensor pipe 60% busy.)
 // kStages stages, each with a "full" (TMA -> consumers) and an "empty" (consumers -> producer) mbarrier.
 //
 // Dequantization is exactly nf4_dequantize's (fp32 code * fp32 scale, rounded to bf16), so the result is the bf16
@@ -51,22 +55,26 @@ constexpr int kBlockK = 64;   // k per stage: one NF4 block, one 128-byte swizzl
 constexpr int kStages = 4;
 constexpr int kProducerThreads = 128;  // one warpgroup (setmaxnreg works per warpgroup): TMA, block scales
 constexpr int kThreads = kProducerThreads + 256;
-constexpr int kWTileBytes = kBlockW * kBlockK * 2;     // 16 KB, written by the consumers
+constexpr int kWTileBytes = kBlockW * kBlockK * 2;     // 16 KB, written by the input gradient's consumers
 constexpr int kATileBytes = kBlockA * kBlockK * 2;     // 32 KB
 constexpr int kCodeTileBytes = kBlockW * kBlockK / 2;  // 4 KB
 constexpr int kStageBytes = kWTileBytes + kATileBytes + kCodeTileBytes;
-// Each stage's 128 block scales (fp32, finished: double quantization resolved) are written by the producer
-// warpgroup, one per thread, so that no consumer thread has a global load in flight when its per-stage
-// fence.proxy.async runs (it compiles to MEMBAR.ALL.CTA, which waits for them: with the scale loads in the
-// consumers every stage paid a global-memory latency).
-constexpr int kScalesOffset = kStages * kStageBytes;
-constexpr int kTablesOffset = kScalesOffset + kStages * kBlockW * 4;
-constexpr int kBarriersOffset = kTablesOffset + small_m::kTablesBytes;
+// Each stage's 128 block tables (forward; block_table: the block's 16 dequantized values as byte planes, 32 bytes)
+// or 128 finished fp32 scales (input gradient) are written by the producer warpgroup, one per thread, from scales
+// it loads ahead: no consumer thread has a global load in flight when its per-stage fence.proxy.async runs (it
+// compiles to MEMBAR.ALL.CTA, which waits for them: with the scale loads in the consumers every stage paid a
+// global-memory latency). Forward rows are shared by a quad's four lanes, so one table per row saves the
+// consumers 4 x 32 instructions; the input gradient's threads each own their rows.
+constexpr int kBlockTableBytes = 32;
+constexpr int kBlockTablesOffset = kStages * kStageBytes;
+constexpr int kCode2Offset = kBlockTablesOffset + kStages * kBlockW * kBlockTableBytes;
+constexpr int kBarriersOffset = kCode2Offset + small_m::kCode2Bytes;
 constexpr int kCPitch = kBlockW + 4;  // floats per row of the staged output tile [kBlockA][kCPitch]
-static_assert(kBlockA * kCPitch * 4 <= kTablesOffset, "the output tile is staged in the pipeline's shared memory");
+static_assert(kBlockA * kCPitch * 4 <= kCode2Offset, "the output tile is staged in the pipeline's shared memory");
 static_assert(kWTileBytes % 1024 == 0 && kATileBytes % 1024 == 0 && kStageBytes % 1024 == 0,
               "tiles stay 1024-byte aligned (the swizzle patterns)");
 constexpr int kSmemBytes = kBarriersOffset + 2 * kStages * 8 + 1024;  // + slack to align the base to 1024
+static_assert(kSmemBytes <= 227 * 1024, "an H100/H200 block has at most 227 KB of shared memory");
 // setmaxnreg moves registers between warpgroups within the CTA's launch allocation (kThreads x kLaunchRegs, the
 // cap __launch_bounds__ gives ptxas): the producer gives nearly all up, the consumers take them. An increase that
 // the pool cannot cover never returns (a hang).
@@ -134,38 +142,54 @@ __device__ __forceinline__ uint4 dequant_vec(std::uint32_t w, const BlockTable& 
   return make_uint4(v.w[0], v.w[1], v.w[2], v.w[3]);
 }
 
+// The 128 fp32 accumulators of a wgmma m64n256: their operand list in the PTX string and as asm outputs.
+#define QMM_WGMMA_D_REGS \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31," \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47," \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63," \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79," \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95," \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111," \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define QMM_WGMMA_D_OUTPUTS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+  "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+  "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+  "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+  "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+
 // D[64x256] += A[64x16] * B[16x256]^T, both operands K-major in shared memory (descriptors), fp32 accumulators.
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t desc_a, std::uint64_t desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" QMM_WGMMA_D_REGS "}, %128, %129, p, 1, 1, 0, 0;\n"
       "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : QMM_WGMMA_D_OUTPUTS(d)
       : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// The same with A from registers: the thread's four bf16 pairs of the m64 x k16 fragment (mma.m16n8k16's A
+// layout per warp: rows g and g + 8 of the warp's 16, k 2t, 2t + 1 and 2t + 8, 2t + 9), B K-major in shared memory.
+__device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const std::uint32_t* a, std::uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" QMM_WGMMA_D_REGS "}, {%128, %129, %130, %131}, "
+      "%132, p, 1, 1, 0;\n"
+      "}\n"
+      : QMM_WGMMA_D_OUTPUTS(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
 // Both directions are one GEMM shape for the consumers: out[M][n_out] = B[M][k_red] * T^T with T the dequantized
@@ -186,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Aligned by offsetting the shared array itself (not through an integer): the compiler then knows every pointer
   // below is shared memory and emits LDS/STS with 32-bit addresses, not generic loads and stores.
   unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-  float* code2_shared = reinterpret_cast<float*>(smem + kTablesOffset + small_m::kCodebookBytes);
+  float* code2_shared = reinterpret_cast<float*>(smem + kCode2Offset);
   const std::uint32_t tiles = smem_addr(smem);
   const std::uint32_t bars = smem_addr(smem + kBarriersOffset);
   auto w_tile = [&](int s) { return tiles + s * kStageBytes; };
@@ -194,7 +218,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (kStages + s); };
   auto code_tile = [&](int s) { return tiles + s * kStageBytes + kWTileBytes + kATileBytes; };
-  auto stage_scales = [&](int s) { return reinterpret_cast<float*>(smem + kScalesOffset) + s * kBlockW; };
+  // Stage s's block table of tile row (forward) or producer slot r: lo planes, then hi planes.
+  auto block_table_at = [&](int s, int r) {
+    return reinterpret_cast<uint4*>(smem + kBlockTablesOffset + (s * kBlockW + r) * kBlockTableBytes);
+  };
+  // The input gradient's stage s: the 128 finished block scales (fp32) in the same place.
+  auto stage_scales = [&](int s) { return reinterpret_cast<float*>(smem + kBlockTablesOffset) + s * kBlockW; };
 
   const std::int64_t n_out = kBackward ? cols : rows, k_red = kBackward ? rows : cols;
   const int tid = threadIdx.x, wg = tid / 128;
@@ -212,13 +241,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&b_map)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&code_map)) : "memory");
   }
-  if (!scales.absmax)  // code2 for double-quantized scales (the NF4 values are registers: block_table)
-    for (int i = tid; i < kNf4Code2Size; i += kThreads) code2_shared[i] = __ldg(scales.code2 + i);
+  small_m::fill_code2(code2_shared, scales, tid, kThreads);
   __syncthreads();
 
   if (wg == 0) {
     // ---- producer: thread 0 loads each stage's activation tile and codes with TMA; every thread writes one
-    // finished block scale per stage (forward: weight row n0 + p; input gradient: weight row 64 kt + p % 64 for
+    // block table (forward: weight row n0 + p) or scale (input gradient: weight row 64 kt + p % 64 for
     // the columns n0 + 64 (p / 64) ..., one block since blocks are multiples of 64), loaded kScalesAhead ahead.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     const int p = tid;
@@ -250,7 +278,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         else
           tma_load_2d(code_tile(s), &code_map, kt * (kBlockK / 2), static_cast<int>(n0), full(s));
       }
-      stage_scales(s)[p] = small_m::finish_scale(scales, cur, code2_shared);
+      const float scale = small_m::finish_scale(scales, cur, code2_shared);
+      if constexpr (kBackward) {
+        stage_scales(s)[p] = scale;
+      } else {
+        const BlockTable t = block_table(scale);
+        uint4* at = block_table_at(s, p);
+        at[0] = make_uint4(t.lo[0], t.lo[1], t.lo[2], t.lo[3]);
+        at[1] = make_uint4(t.hi[0], t.hi[1], t.hi[2], t.hi[3]);
+      }
       mbar_arrive(full(s));  // release: the consumers' wait makes the scale visible
     }
     return;
@@ -261,24 +297,37 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int cw = wg - 1;       // rows 64 cw .. 64 cw + 63 of the tile T: this warpgroup dequantizes and multiplies them
   const int wt = tid % 128;    // thread within the warpgroup
   const int warp = wt / 32, lane = tid % 32;
-  // Forward: T row 64 cw + wt / 2 (weight row n0 + that), elements 32 (wt % 2) .. + 31 of the stage's 64.
-  // Input gradient: weight rows 2 lane and 2 lane + 1 of the stage's 64 (T columns), T rows 64 cw + 16 warp + e
-  // (weight columns n0 + that), e < 16: a warp's stores for one e fill one whole 128-byte T row.
-  const int t_row = 64 * cw + wt / 2, half = wt % 2;
-  // Stage i's 64 rows of T from its codes (waits for the stage's TMA), written for wgmma: 128-byte swizzle.
-  auto dequantize = [&](int i) {
-    const int s = i % kStages;
-    mbar_wait(full(s), (i / kStages) & 1);
-    const unsigned char* ct = smem + s * kStageBytes + kWTileBytes + kATileBytes;
-    unsigned char* wtile = smem + s * kStageBytes;
-    const float* sc = stage_scales(s);
-    if constexpr (kBackward) {
+  // Stage s's block table of T row r, built by the producer.
+  auto table_of = [&](int s, int r) {
+    const uint4* at = block_table_at(s, r);
+    const uint4 lo = at[0], hi = at[1];
+    return BlockTable{{lo.x, lo.y, lo.z, lo.w}, {hi.x, hi.y, hi.z, hi.w}};
+  };
+  auto codes_of = [&](int s) { return smem + s * kStageBytes + kWTileBytes + kATileBytes; };
+  auto release = [&](int i) {  // after stage i's wgmmas completed. Every thread arrives, not one per warp: its own
+    // reads of the stage (codes, tables, scales) are then ordered before the producer's next writes of that slot.
+    mbar_arrive(empty(i % kStages));
+  };
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+
+  if constexpr (kBackward) {
+    // Input gradient: T is written to the stage's shared-memory tile (128-byte swizzle) and both wgmma operands
+    // come from shared memory. Thread: weight rows 2 lane and 2 lane + 1 of the stage's 64 (T columns), T rows
+    // 64 cw + 16 warp + e (weight columns n0 + that), e < 16: a warp's stores for one e fill one 128-byte T row.
+    auto dequantize = [&](int i) {
+      const int s = i % kStages;
+      mbar_wait(full(s), (i / kStages) & 1);
+      const unsigned char* ct = codes_of(s);
+      unsigned char* wtile = smem + s * kStageBytes;
       // Codes [64 rows][64 bytes], 64-byte swizzle (16-byte chunk ^= (row >> 1) & 3): this thread's 8 bytes of
       // each of its two rows are at byte 32 cw + 8 warp of the row.
       const int chunk = 2 * cw + warp / 2, sub = 8 * (warp % 2);
       const int r0 = 2 * lane;
       const uint2 c0 = *reinterpret_cast<const uint2*>(ct + r0 * 64 + ((chunk ^ (lane & 3)) << 4) + sub);
       const uint2 c1 = *reinterpret_cast<const uint2*>(ct + (r0 + 1) * 64 + ((chunk ^ (lane & 3)) << 4) + sub);
+      const float* sc = stage_scales(s);
       const BlockTable t0 = block_table(sc[64 * cw + r0]);
       const uint4 a0 = dequant_vec(c0.x, t0), a1 = dequant_vec(c0.y, t0);
       const BlockTable t1 = block_table(sc[64 * cw + r0 + 1]);
@@ -290,40 +339,76 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int e = 0; e < 16; ++e)
         *reinterpret_cast<std::uint32_t*>(wtile + sw128_offset(64 * cw + 16 * warp + e, lane >> 2) + (lane & 3) * 4) =
             __byte_perm(a[e / 2], b[e / 2], (e & 1) ? 0x7632 : 0x5410);
-    } else {
-      // Codes [128 rows][32 bytes], 32-byte swizzle (16-byte chunk ^= (row >> 2) & 1): this thread's 16 bytes.
-      const uint4 c = *reinterpret_cast<const uint4*>(ct + t_row * 32 + ((half ^ ((t_row >> 2) & 1)) << 4));
-      const std::uint32_t words[4] = {c.x, c.y, c.z, c.w};
-      const BlockTable t0 = block_table(sc[t_row]);
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        *reinterpret_cast<uint4*>(wtile + sw128_offset(t_row, 4 * half + j)) = dequant_vec(words[j], t0);
-    }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic-proxy writes -> wgmma reads
-  };
-  // This warpgroup's threads all wrote their part of the stage before any of them issues its wgmma.
-  auto sync_warpgroup = [&] { asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory"); };
-
-  float acc[128];
-#pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-  dequantize(0);
-  sync_warpgroup();
-  for (int i = 0; i < k_tiles; ++i) {
-    const int s = i % kStages;
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    const std::uint64_t dw = sw128_desc(w_tile(s) + cw * 64 * 128), da = sw128_desc(a_tile(s));
-#pragma unroll
-    for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16(acc, dw + 2 * kk, da + 2 * kk);
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    // While they run: the next stage's rows of T.
-    if (i + 1 < k_tiles) dequantize(i + 1);
-    // The previous stage's wgmmas have finished reading shared memory once at most this one is pending.
-    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-    // Every thread arrives, not one per warp: its own read of the stage's scale is then ordered before the
-    // producer's next write of that slot (compute-sanitizer racecheck reported the one-lane form).
-    if (i > 0) mbar_arrive(empty((i - 1) % kStages));
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic-proxy writes -> wgmma reads
+    };
+    // This warpgroup's threads all wrote their part of the stage before any of them issues its wgmma.
+    auto sync_warpgroup = [&] { asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory"); };
+    dequantize(0);
     sync_warpgroup();
+    for (int i = 0; i < k_tiles; ++i) {
+      const int s = i % kStages;
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      const std::uint64_t dw = sw128_desc(w_tile(s) + cw * 64 * 128), da = sw128_desc(a_tile(s));
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16(acc, dw + 2 * kk, da + 2 * kk);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      // While they run: the next stage's rows of T.
+      if (i + 1 < k_tiles) dequantize(i + 1);
+      // The previous stage's wgmmas have finished reading shared memory once at most this one is pending.
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+      if (i > 0) release(i - 1);
+      sync_warpgroup();
+    }
+  } else {
+    // Forward: T from registers (wgmma's RS form), so no shared-memory tile, fence or warpgroup barrier per stage.
+    // Thread (warp, g = lane / 4, t = lane % 4) holds T rows 64 cw + 16 warp + g and + 8 at k 2t, 2t + 1, 2t + 8,
+    // 2t + 9 of each 16: of each row's 32 code bytes, bytes t, t + 4, ..., t + 28, whose dequantized pairs are
+    // exactly those fragment registers. Two fragment sets: one is filled while the wgmmas of the other run.
+    const int g = lane / 4, t = lane % 4;
+    auto fragments = [&](int i, std::uint32_t (&f)[16]) {
+      const int s = i % kStages;
+      mbar_wait(full(s), (i / kStages) & 1);
+      const unsigned char* ct = codes_of(s);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = 64 * cw + 16 * warp + g + 8 * h;
+        const int flip = (r >> 2) & 1;  // codes [128 rows][32 bytes], 32-byte swizzle: 16-byte chunk ^= flip
+        const uint4 c0 = *reinterpret_cast<const uint4*>(ct + r * 32 + (flip << 4));
+        const uint4 c1 = *reinterpret_cast<const uint4*>(ct + r * 32 + ((1 ^ flip) << 4));
+        const std::uint32_t v[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        std::uint32_t row[8];
+        nf4_lut::row_fragment(v, t, table_of(s, r), row);
+        // kk's registers: {row g, k 2t}, {row g + 8, k 2t}, {row g, k 2t + 8}, {row g + 8, k 2t + 8}
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[2 * j + h] = row[j];
+      }
+    };
+    auto mma_stage = [&](int i, const std::uint32_t (&f)[16]) {
+      const std::uint64_t da = sw128_desc(a_tile(i % kStages));
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16_rs(acc, f + 4 * kk, da + 2 * kk);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    };
+    // Once stage i's wgmmas are issued: wait for stage i - 1's (they read the other fragment set), keep that set
+    // live up to here (the compiler must not reuse its registers while a wgmma may still read them), release.
+    auto retire_previous = [&](int i, std::uint32_t (&f)[16]) {
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+#pragma unroll
+      for (int j = 0; j < 16; ++j) asm volatile("" : "+r"(f[j])::"memory");
+      if (i > 0) release(i - 1);
+    };
+    std::uint32_t fa[16], fb[16];
+    fragments(0, fa);
+    for (int i = 0; i < k_tiles; i += 2) {
+      mma_stage(i, fa);
+      retire_previous(i, fb);
+      if (i + 1 >= k_tiles) break;
+      fragments(i + 1, fb);
+      mma_stage(i + 1, fb);
+      retire_previous(i + 1, fa);
+      if (i + 2 < k_tiles) fragments(i + 2, fa);
+    }
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 

@@ -47,7 +47,7 @@ void launch_nf4_split_k_reduce(const Context& ctx, const float* partial, int spl
 
 namespace {
 
-// Split-K sizing: about four blocks per SM, but no more splits than keep the fp32 partials (written and read
+// Split-K sizing: up to four blocks per SM, but no more splits than keep the fp32 partials (written and read
 // back) under half the weight's bytes, and a staged activation tile that fits kMaxSharedA.
 struct SplitK {
   int chunks;  // 128-element k chunks per block
@@ -57,7 +57,8 @@ SplitK split_k(const Context& ctx, std::int64_t M, std::int64_t N, std::int64_t 
   using namespace small_m;
   const std::int64_t total_chunks = (K + kChunkK - 1) / kChunkK;
   const std::int64_t blocks_n = weights * ((N + kBlockN - 1) / kBlockN);
-  std::int64_t splits = (4LL * state(ctx).sm_count() + blocks_n - 1) / blocks_n;
+  // Rounded down: at M <= 16 (127 registers: four blocks per SM) the blocks then fit one wave.
+  std::int64_t splits = std::max<std::int64_t>(1, 4LL * state(ctx).sm_count() / blocks_n);
   splits = std::min(splits, std::max<std::int64_t>(1, K / (32 * M)));
   const std::int64_t max_chunks = std::max<std::int64_t>(1, (kMaxSharedA / (mt * 16 * 2) - kPadA) / kChunkK);
   splits = std::clamp(splits, (total_chunks + max_chunks - 1) / max_chunks, total_chunks);
@@ -76,7 +77,7 @@ float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0
   const SplitK sk = split_k(ctx, M, N, K, weights, MT);
   const int blocks_n = static_cast<int>((N + kBlockN - 1) / kBlockN);
   const dim3 grid(static_cast<unsigned>(blocks_n * weights), static_cast<unsigned>(sk.splits));
-  const int smem = kTablesBytes + MT * 16 * (sk.chunks * kChunkK + kPadA) * 2;
+  const int smem = kCode2Bytes + MT * 16 * (sk.chunks * kChunkK + kPadA) * 2;
   auto kernel = nf4_gemm_small_m_kernel<MT, kAF32>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), smem);
   float* partial = nullptr;
@@ -126,7 +127,7 @@ void launch_backward_tiles(const Context& ctx, const TensorView& dc, const Nf4We
                                                                     (kBwdWarps * kBwdGroupN)));
   const std::int64_t block_n = static_cast<std::int64_t>(kBwdWarps) * kBwdGroupN * groups;
   const int splits = static_cast<int>((N + block_n - 1) / block_n);
-  const int smem = kTablesBytes + bwd_dc_tile_bytes(MT8, static_cast<int>(block_n)) + bwd_red_bytes(MT8);
+  const int smem = kCode2Bytes + bwd_dc_tile_bytes(MT8, static_cast<int>(block_n)) + bwd_red_bytes(MT8);
   auto kernel = nf4_gemm_backward_small_m_kernel<MT8, kDcF32>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), smem);
   std::unique_ptr<ScratchBuffer> scratch;

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "core/nf4_lut.h"  // pack_bf16x2
+#include "core/nf4_lut.h"  // block tables, dequant_word, pack_bf16x2
 #include "qmm/nf4.h"
 
 namespace qmm::cuda::small_m {
@@ -17,7 +17,6 @@ constexpr int kTilesN = 4;                      // n8 tiles per warp: each warp 
 constexpr int kBlockN = 4 * 8 * kTilesN;        // 128 weight rows (outputs) per block
 constexpr int kChunkK = 128;                    // k per chunk: 4 threads x 32 codes (one 16-byte load each)
 constexpr int kPadA = 8;                        // bf16 elements of padding per shared A row
-constexpr int kCodebookBytes = 16 * 4;          // the 16 NF4 values: a warp's lookups hit 16 words in 16 banks
 constexpr int kMaxSharedA = 64 * 1024;          // bytes of staged activations per block, at most
 
 // Scales of one weight, plain (absmax) or double-quantized (q, absmax2, code2, offset).
@@ -64,14 +63,11 @@ __device__ __forceinline__ float finish_scale(const Scales& s, RawScale r, const
   return __fadd_rn(__fmul_rn(code2_shared[r.q], r.a), s.offset);
 }
 
-// Shared tables at the start of each kernel's shared memory: the 16 NF4 values (a warp's lookups hit 16 words in
-// 16 banks), then code2 (filled only for double-quantized weights).
+// code2 (the double-quantization map) at the start of each kernel's shared memory, filled only for
+// double-quantized weights.
 constexpr int kCode2Bytes = kNf4Code2Size * 4;
-constexpr int kTablesBytes = kCodebookBytes + kCode2Bytes;
 
-__device__ __forceinline__ void fill_tables(float* codebook, float* code2_shared, const Scales& s, int tid,
-                                            int threads) {
-  if (tid < 16) codebook[tid] = nf4_code_value(tid);
+__device__ __forceinline__ void fill_code2(float* code2_shared, const Scales& s, int tid, int threads) {
   if (!s.absmax)
     for (int i = tid; i < kNf4Code2Size; i += threads) code2_shared[i] = __ldg(s.code2 + i);
 }
@@ -119,9 +115,8 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
     int blocks_per_weight, int chunks, float* __restrict__ partial, void* __restrict__ c, bool c_bf16, float alpha,
     float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float* codebook = reinterpret_cast<float*>(smem);
-  float* code2_shared = reinterpret_cast<float*>(smem + kCodebookBytes);
-  __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + kTablesBytes);
+  float* code2_shared = reinterpret_cast<float*>(smem);
+  __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + kCode2Bytes);
   const int block_k = chunks * kChunkK;
   const int lda = block_k + kPadA;
 
@@ -155,7 +150,7 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
   load_chunk(1, wb, sb);
 
   // While the first loads fly: the tables and the activation tile (bf16, zero outside M and K).
-  fill_tables(codebook, code2_shared, scales, tid, kThreads);
+  fill_code2(code2_shared, scales, tid, kThreads);
   const int vec_per_row = block_k / 8;
   for (int i = tid; i < MT * 16 * vec_per_row; i += kThreads) {
     const int row = i / vec_per_row, col = (i % vec_per_row) * 8;
@@ -184,37 +179,39 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][tile][i] = 0.0f;
 
+  // Per tile: the 16 dequantized values of the load's block as byte planes (nf4_lut::block_table, 32
+  // instructions), then each word of 8 codes is 4 bf16 pairs by byte permutes (21 instructions): about a third
+  // of the instructions of a codebook lookup and a multiply per element, which left this kernel issue-bound
+  // (ncu at M = 1: 8.5 instructions per weight element, DRAM 16% busy).
   auto multiply_chunk = [&](int ch, const uint4 (&w)[kTilesN], const RawScale (&raw)[kTilesN]) {
-    float s[kTilesN];
+    nf4_lut::BlockTable tb[kTilesN];
 #pragma unroll
-    for (int tile = 0; tile < kTilesN; ++tile) s[tile] = finish_scale(scales, raw[tile], code2_shared);
+    for (int tile = 0; tile < kTilesN; ++tile) tb[tile] = nf4_lut::block_table(finish_scale(scales, raw[tile], code2_shared));
 #pragma unroll
-    for (int step = 0; step < 8; ++step) {
-      std::uint32_t af[MT][4];
-      const int kk = ch * kChunkK + 32 * t + 4 * step;
+    for (int q = 0; q < 4; ++q) {  // word q of each load: mma steps 2q (elements 8q .. 8q + 3) and 2q + 1
+      std::uint32_t af[2][MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const uint2 x0 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g) * lda + kk);
-        const uint2 x1 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g + 8) * lda + kk);
-        af[mt][0] = x0.x;
-        af[mt][1] = x1.x;
-        af[mt][2] = x0.y;
-        af[mt][3] = x1.y;
+      for (int half = 0; half < 2; ++half) {
+        const int kk = ch * kChunkK + 32 * t + 8 * q + 4 * half;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint2 x0 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g) * lda + kk);
+          const uint2 x1 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g + 8) * lda + kk);
+          af[half][mt][0] = x0.x;
+          af[half][mt][1] = x1.x;
+          af[half][mt][2] = x0.y;
+          af[half][mt][3] = x1.y;
+        }
       }
 #pragma unroll
       for (int tile = 0; tile < kTilesN; ++tile) {
-        const std::uint32_t word = (step >> 1) == 0 ? w[tile].x : (step >> 1) == 1 ? w[tile].y
-                                 : (step >> 1) == 2 ? w[tile].z : w[tile].w;
-        const int shift = (step & 1) * 16;  // bytes 2s (elements 4s, 4s+1) and 2s+1 (4s+2, 4s+3)
-        const float sc = s[tile];
-        const float e0 = codebook[(word >> (shift + 4)) & 15];
-        const float e1 = codebook[(word >> shift) & 15];
-        const float e2 = codebook[(word >> (shift + 12)) & 15];
-        const float e3 = codebook[(word >> (shift + 8)) & 15];
-        const std::uint32_t b0 = pack_bf16x2(e0 * sc, e1 * sc);
-        const std::uint32_t b1 = pack_bf16x2(e2 * sc, e3 * sc);
+        const std::uint32_t word = q == 0 ? w[tile].x : q == 1 ? w[tile].y : q == 2 ? w[tile].z : w[tile].w;
+        const nf4_lut::Bf16x8 b = nf4_lut::dequant_word(word, tb[tile]);  // pairs (8q + 2i, 8q + 2i + 1)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) mma_bf16_16816(acc[mt][tile], af[mt], b0, b1);
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_bf16_16816(acc[mt][tile], af[0][mt], b.w[0], b.w[1]);
+          mma_bf16_16816(acc[mt][tile], af[1][mt], b.w[2], b.w[3]);
+        }
       }
     }
   };
@@ -252,7 +249,7 @@ constexpr int kBwdThreads = kBwdWarps * 32;
 constexpr int kBwdBlockK = 256;   // output columns per block: 8 g x 32 codes
 constexpr int kBwdGroupN = 16;    // weight rows per mma group
 
-// Shared memory after the tables: the dC tile [MT8*8][block_n + 8] bf16, then the reduction tile.
+// Shared memory after code2: the dC tile [MT8*8][block_n + 8] bf16, then the reduction tile.
 __host__ __device__ constexpr int bwd_dc_tile_bytes(int mt8, int block_n) {
   return ((mt8 * 8 * (block_n + 8) * 2 + 15) / 16) * 16;
 }
@@ -269,18 +266,17 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
     const std::uint8_t* __restrict__ codes, Scales scales, int groups_per_warp, float* __restrict__ partial,
     void* __restrict__ da, bool da_bf16, float alpha, float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float* codebook = reinterpret_cast<float*>(smem);
-  float* code2_shared = reinterpret_cast<float*>(smem + kCodebookBytes);
+  float* code2_shared = reinterpret_cast<float*>(smem);
   const int block_n = kBwdWarps * kBwdGroupN * groups_per_warp;  // weight rows (reduction) of this block
   const int ld_dc = block_n + 8;                                  // bf16 elements per shared dC row
-  __nv_bfloat16* dcs = reinterpret_cast<__nv_bfloat16*>(smem + kTablesBytes);
-  float* red = reinterpret_cast<float*>(smem + kTablesBytes + bwd_dc_tile_bytes(MT8, block_n));
+  __nv_bfloat16* dcs = reinterpret_cast<__nv_bfloat16*>(smem + kCode2Bytes);
+  float* red = reinterpret_cast<float*>(smem + kCode2Bytes + bwd_dc_tile_bytes(MT8, block_n));
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const std::int64_t k0 = static_cast<std::int64_t>(blockIdx.x) * kBwdBlockK;
   const std::int64_t n_begin = static_cast<std::int64_t>(blockIdx.y) * block_n;
 
-  fill_tables(codebook, code2_shared, scales, tid, kBwdThreads);
+  fill_code2(code2_shared, scales, tid, kBwdThreads);
   // dC tile [MT8*8][block_n] as bf16 pairs, zero outside M and N.
   for (int i = tid; i < MT8 * 8 * (block_n / 2); i += kBwdThreads) {
     const int row = i / (block_n / 2), col = (i % (block_n / 2)) * 2;
@@ -333,9 +329,9 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
   for (int gi = 0; gi < groups_per_warp; ++gi) {
     const int nl = (gi * kBwdWarps + warp) * kBwdGroupN;  // first weight row of the group, within the block
     load_group(gi + 1, w_next, raw_next);
-    float sc[4];
+    nf4_lut::BlockTable tb[4];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) sc[r] = finish_scale(scales, raw[r], code2_shared);
+    for (int r = 0; r < 4; ++r) tb[r] = nf4_lut::block_table(finish_scale(scales, raw[r], code2_shared));
     std::uint32_t bf[MT8][2];
 #pragma unroll
     for (int mt = 0; mt < MT8; ++mt) {
@@ -344,20 +340,20 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
       bf[mt][1] = *reinterpret_cast<const std::uint32_t*>(row + 8);
     }
 #pragma unroll
-    for (int p = 0; p < 16; ++p) {
-      float2 l[4];  // (even element, odd element) of byte p of each of the four rows
+    for (int q = 0; q < 4; ++q) {  // word q of each row's load: bytes p = 4q .. 4q + 3
+      nf4_lut::Bf16x8 d[4];  // d[r].w[i]: (element 2p, element 2p + 1) of byte p = 4q + i of row r
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const std::uint32_t word = (p >> 2) == 0 ? w[r].x : (p >> 2) == 1 ? w[r].y : (p >> 2) == 2 ? w[r].z : w[r].w;
-        const int shift = 8 * (p & 3);
-        l[r] = make_float2(codebook[(word >> (shift + 4)) & 15], codebook[(word >> shift) & 15]);
+      for (int r = 0; r < 4; ++r)
+        d[r] = nf4_lut::dequant_word(q == 0 ? w[r].x : q == 1 ? w[r].y : q == 2 ? w[r].z : w[r].w, tb[r]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int p = 4 * q + i;
+        // Fragment rows g / g + 8 are the byte's even / odd element, its k slots the rows r = 0, 1 (a0, a1) and 2, 3.
+        const std::uint32_t af[4] = {__byte_perm(d[0].w[i], d[1].w[i], 0x5410), __byte_perm(d[0].w[i], d[1].w[i], 0x7632),
+                                     __byte_perm(d[2].w[i], d[3].w[i], 0x5410), __byte_perm(d[2].w[i], d[3].w[i], 0x7632)};
+#pragma unroll
+        for (int mt = 0; mt < MT8; ++mt) mma_bf16_16816(acc[p][mt], af, bf[mt][0], bf[mt][1]);
       }
-      const std::uint32_t af[4] = {pack_bf16x2(l[0].x * sc[0], l[1].x * sc[1]),
-                                   pack_bf16x2(l[0].y * sc[0], l[1].y * sc[1]),
-                                   pack_bf16x2(l[2].x * sc[2], l[3].x * sc[3]),
-                                   pack_bf16x2(l[2].y * sc[2], l[3].y * sc[3])};
-#pragma unroll
-      for (int mt = 0; mt < MT8; ++mt) mma_bf16_16816(acc[p][mt], af, bf[mt][0], bf[mt][1]);
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
