@@ -76,9 +76,9 @@ PathFit fused_fit(const Context& ctx, const TensorView& activations, const Nf4We
 }
 
 constexpr const char* kSmallMNeeds =
-    "M <= 64, K a multiple of 32, block size >= 32, 16-byte aligned A and codes";
+    "M <= 64, K a multiple of 64, 16-byte aligned A and codes";
 constexpr const char* kSmallMBackwardNeeds =
-    "M <= 16, K a multiple of 32, block size >= 32, 16-byte aligned codes";
+    "M <= 16, K a multiple of 32, 16-byte aligned codes";
 
 // ---- kernels --------------------------------------------------------------------------------------------------
 

@@ -13,10 +13,9 @@ namespace qmm::cuda::small_m {
 using nf4_lut::pack_bf16x2;
 
 constexpr int kThreads = 128;                   // 4 warps
-constexpr int kTilesN = 4;                      // n8 tiles per warp: each warp owns 32 weight rows
-constexpr int kBlockN = 4 * 8 * kTilesN;        // 128 weight rows (outputs) per block
-constexpr int kChunkK = 128;                    // k per chunk: 4 threads x 32 codes (one 16-byte load each)
-constexpr int kPadA = 8;                        // bf16 elements of padding per shared A row
+constexpr int kTilesN = 2;                      // n8 tiles per warp: each warp owns 16 weight rows
+constexpr int kBlockN = 4 * 8 * kTilesN;        // 64 weight rows (outputs) per block
+constexpr int kChunkK = 256;                    // k per chunk: 4 threads x 64 codes (one NF4 block each)
 constexpr int kMaxSharedA = 64 * 1024;          // bytes of staged activations per block, at most
 
 // Scales of one weight, plain (absmax) or double-quantized (q, absmax2, code2, offset).
@@ -81,6 +80,11 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const std::uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint4& a, std::uint32_t b0, std::uint32_t b1) {
+  const std::uint32_t f[4] = {a.x, a.y, a.z, a.w};
+  mma_bf16_16816(d, f, b0, b1);
+}
+
 __device__ __forceinline__ void store_out(void* c, bool c_bf16, std::int64_t idx, float v, float alpha, float beta) {
   if (c_bf16) {
     auto* p = static_cast<__nv_bfloat16*>(c) + idx;
@@ -102,13 +106,25 @@ struct WeightArgs {
   Scales scales;
 };
 
-// Grid: x over blocks of 128 weight rows (of w0, then of w1), y over k ranges of `chunks` * 128 (split-K).
-// MT m16 tiles cover M <= 16*MT. Thread (g = lane/4, t = lane%4) of a warp loads, per chunk and n8 tile, the
-// 16 bytes holding codes k0 + 32t .. k0 + 32t + 31 of weight row g. The reduction order inside an mma is free, so
-// mma step s (of 8 per chunk) uses k = k0 + 32t + 4s + {0,1,2,3} for the fragment slots {2t, 2t+1, 2t+8, 2t+9};
-// A's fragments are read from shared memory with the same mapping. One scale per 16-byte load (32 codes never
-// straddle a block). Chunks are double-buffered in registers: the next chunk's loads are in flight while the
-// current one is multiplied.
+// The activation tile in shared memory, in mma fragment order. 16-byte unit j of row pair (mt, g) holds, for
+// k = 4j .. 4j + 3 of the block's range and r = 16 mt + g, {A[r][4j..4j+1], A[r+8][4j..4j+1], A[r][4j+2..4j+3],
+// A[r+8][4j+2..4j+3]}: one 16-byte load is a thread's whole A fragment for one mma step (with the row-major tile
+// the two 8-byte loads landed in the wrong registers and every mma paid four moves). Units are XOR-swizzled within
+// groups of 8 so that the 8 lanes of one load phase (g and g + 1, t = 0..3) hit 8 different bank groups.
+__device__ __forceinline__ int a_unit(int mt, int g, int j, int units_per_row) {
+  return (mt * 8 + g) * units_per_row + (j ^ (((j >> 4) & 3) | ((g & 1) << 2)));
+}
+
+// Grid: x over blocks of 64 weight rows (of w0, then of w1), y over k ranges of `chunks` * 256 (split-K); K is a
+// multiple of 64. MT m16 tiles cover M <= 16*MT. Thread (g = lane/4, t = lane%4) of a warp loads, per chunk and
+// n8 tile, the 32 bytes holding codes k0 + 64t .. k0 + 64t + 63 of weight row g: one NF4 block (blocks are
+// multiples of 64 elements and so are rows), so one scale and one table (nf4_lut::block_table, 32 instructions)
+// per 64 elements. The reduction order inside an mma is free, so mma step s (of 16 per chunk) uses
+// k = k0 + 64t + 4s + {0,1,2,3} for the fragment slots {2t, 2t+1, 2t+8, 2t+9}: its B fragment is one word's
+// dequant_word pairs (21 byte-permute and logic instructions per 8 elements), its A fragment one a_unit load.
+// Chunks are double-buffered in registers: the next chunk's loads are in flight while the current one is
+// multiplied. (Per element this is ~4 instructions; the codebook lookup, multiply and rounding per element it
+// replaces, with the row-major A tile, took 8.5: ncu at M = 1 showed the kernel issue-bound, DRAM 16% busy.)
 template <int MT, bool kAF32>
 __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
     const void* __restrict__ a, std::int64_t M, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1,
@@ -116,9 +132,9 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
     float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* code2_shared = reinterpret_cast<float*>(smem);
-  __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + kCode2Bytes);
+  uint4* as = reinterpret_cast<uint4*>(smem + kCode2Bytes);
   const int block_k = chunks * kChunkK;
-  const int lda = block_k + kPadA;
+  const int units_per_row = block_k / 4;
 
   const int which = static_cast<int>(blockIdx.x) >= blocks_per_weight ? 1 : 0;
   const std::uint8_t* __restrict__ codes = which ? w1.codes : w0.codes;
@@ -129,45 +145,56 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
   const std::int64_t k_block = static_cast<std::int64_t>(blockIdx.y) * block_k;
   const int my_chunks = static_cast<int>(min(static_cast<std::int64_t>(chunks), (K - k_block + kChunkK - 1) / kChunkK));
 
-  auto load_chunk = [&](int ch, uint4 (&w)[kTilesN], RawScale (&s)[kTilesN]) {
+  // Per tile: whether its row exists, and the element index of this thread's first code in the block's k range.
+  bool row_ok[kTilesN];
+  std::int64_t first[kTilesN];
+#pragma unroll
+  for (int tile = 0; tile < kTilesN; ++tile) {
+    const std::int64_t n = n_block + warp * 16 + tile * 8 + g;
+    row_ok[tile] = n < N;
+    first[tile] = n * K + k_block + 64 * t;
+  }
+  auto load_chunk = [&](int ch, uint4 (&w)[kTilesN][2], RawScale (&s)[kTilesN]) {
+    const bool k_ok = ch < my_chunks && k_block + ch * kChunkK + 64 * t < K;
 #pragma unroll
     for (int tile = 0; tile < kTilesN; ++tile) {
-      const std::int64_t n = n_block + warp * 32 + tile * 8 + g;
-      const std::int64_t k = k_block + ch * kChunkK + 32 * t;
-      if (ch < my_chunks && n < N && k < K) {
-        const std::int64_t e = n * K + k;
-        w[tile] = __ldg(reinterpret_cast<const uint4*>(codes + (e >> 1)));
+      if (k_ok && row_ok[tile]) {
+        const std::int64_t e = first[tile] + ch * kChunkK;
+        const uint4* src = reinterpret_cast<const uint4*>(codes + (e >> 1));
+        w[tile][0] = __ldg(src);
+        w[tile][1] = __ldg(src + 1);
         s[tile] = load_scale(scales, e >> scales.block_shift);
       } else {
-        w[tile] = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);  // code 7 is 0.0
+        w[tile][0] = w[tile][1] = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);  // code 7 is 0.0
         s[tile] = {0.0f, 0u};
       }
     }
   };
-  uint4 wa[kTilesN], wb[kTilesN];
+  uint4 wa[kTilesN][2], wb[kTilesN][2];
   RawScale sa[kTilesN], sb[kTilesN];
   load_chunk(0, wa, sa);
   load_chunk(1, wb, sb);
 
-  // While the first loads fly: the tables and the activation tile (bf16, zero outside M and K).
+  // While the first loads fly: code2 and the activation tile (bf16, zero outside M and K), in a_unit order.
   fill_code2(code2_shared, scales, tid, kThreads);
-  const int vec_per_row = block_k / 8;
-  for (int i = tid; i < MT * 16 * vec_per_row; i += kThreads) {
-    const int row = i / vec_per_row, col = (i % vec_per_row) * 8;
-    const std::int64_t k = k_block + col;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (row < M && k < K) {  // K % 32 == 0, so all 8 are in range
-      if constexpr (kAF32) {
-        const float* src = static_cast<const float*>(a) + row * K + k;
-        const float4 x0 = __ldg(reinterpret_cast<const float4*>(src));
-        const float4 x1 = __ldg(reinterpret_cast<const float4*>(src + 4));
-        v = make_uint4(pack_bf16x2(x0.x, x0.y), pack_bf16x2(x0.z, x0.w), pack_bf16x2(x1.x, x1.y),
-                       pack_bf16x2(x1.z, x1.w));
-      } else {
-        v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a) + row * K + k));
+  for (int i = tid; i < MT * 8 * units_per_row; i += kThreads) {
+    const int pair = i / units_per_row, j = i % units_per_row;
+    const int r = (pair / 8) * 16 + pair % 8;  // rows r and r + 8
+    const std::int64_t k = k_block + 4 * j;
+    uint2 x[2] = {make_uint2(0, 0), make_uint2(0, 0)};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const std::int64_t row = r + 8 * h;
+      if (row < M && k < K) {  // K % 64 == 0, so all 4 are in range
+        if constexpr (kAF32) {
+          const float4 v = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(a) + row * K + k));
+          x[h] = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+        } else {
+          x[h] = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a) + row * K + k));
+        }
       }
     }
-    *reinterpret_cast<uint4*>(as + row * lda + col) = v;
+    as[a_unit(pair / 8, pair % 8, j, units_per_row)] = make_uint4(x[0].x, x[1].x, x[0].y, x[1].y);
   }
   __syncthreads();
 
@@ -179,33 +206,22 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][tile][i] = 0.0f;
 
-  // Per tile: the 16 dequantized values of the load's block as byte planes (nf4_lut::block_table, 32
-  // instructions), then each word of 8 codes is 4 bf16 pairs by byte permutes (21 instructions): about a third
-  // of the instructions of a codebook lookup and a multiply per element, which left this kernel issue-bound
-  // (ncu at M = 1: 8.5 instructions per weight element, DRAM 16% busy).
-  auto multiply_chunk = [&](int ch, const uint4 (&w)[kTilesN], const RawScale (&raw)[kTilesN]) {
+  auto multiply_chunk = [&](int ch, const uint4 (&w)[kTilesN][2], const RawScale (&raw)[kTilesN]) {
     nf4_lut::BlockTable tb[kTilesN];
 #pragma unroll
-    for (int tile = 0; tile < kTilesN; ++tile) tb[tile] = nf4_lut::block_table(finish_scale(scales, raw[tile], code2_shared));
+    for (int tile = 0; tile < kTilesN; ++tile)
+      tb[tile] = nf4_lut::block_table(finish_scale(scales, raw[tile], code2_shared));
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // word q of each load: mma steps 2q (elements 8q .. 8q + 3) and 2q + 1
-      std::uint32_t af[2][MT][4];
+    for (int q = 0; q < 8; ++q) {  // word q of each tile's 64 codes: mma steps 2q (elements 8q .. 8q + 3), 2q + 1
+      uint4 af[2][MT];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int kk = ch * kChunkK + 32 * t + 8 * q + 4 * half;
+      for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const uint2 x0 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g) * lda + kk);
-          const uint2 x1 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g + 8) * lda + kk);
-          af[half][mt][0] = x0.x;
-          af[half][mt][1] = x1.x;
-          af[half][mt][2] = x0.y;
-          af[half][mt][3] = x1.y;
-        }
-      }
+        for (int mt = 0; mt < MT; ++mt) af[half][mt] = as[a_unit(mt, g, ch * 64 + 16 * t + 2 * q + half, units_per_row)];
 #pragma unroll
       for (int tile = 0; tile < kTilesN; ++tile) {
-        const std::uint32_t word = q == 0 ? w[tile].x : q == 1 ? w[tile].y : q == 2 ? w[tile].z : w[tile].w;
+        const uint4& v = w[tile][q / 4];
+        const std::uint32_t word = (q & 3) == 0 ? v.x : (q & 3) == 1 ? v.y : (q & 3) == 2 ? v.z : v.w;
         const nf4_lut::Bf16x8 b = nf4_lut::dequant_word(word, tb[tile]);  // pairs (8q + 2i, 8q + 2i + 1)
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -232,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const std::int64_t m = mt * 16 + g + (i >= 2 ? 8 : 0);
-        const std::int64_t n = n_block + warp * 32 + tile * 8 + 2 * t + (i & 1);
+        const std::int64_t n = n_block + warp * 16 + tile * 8 + 2 * t + (i & 1);
         if (m >= M || n >= N) continue;
         if (partial) partial[(static_cast<std::int64_t>(blockIdx.y) * M + m) * N + n] = acc[mt][tile][i];
         else store_out(c, c_bf16, m * N + n, acc[mt][tile][i], alpha, beta);
