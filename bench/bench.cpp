@@ -479,7 +479,8 @@ void Bench::run_nf4() {
       std::vector<std::pair<std::string, Nf4Path>> paths = {{"auto", Nf4Path::Auto}};
       // (The CPU backend runs Auto only.)
       if (M <= 64 && is_gpu_) paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"small-m", Nf4Path::SmallM}});
-      if (M >= 256 && fused_ok) paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"fused", Nf4Path::Fused}});
+      if (M >= 256 && fused_ok) paths.push_back({"dequant", Nf4Path::DequantGemm});
+      if (M >= 32 && fused_ok) paths.push_back({"fused", Nf4Path::Fused});
       for (const auto& [pname, path] : paths) {
         const Nf4GemmOptions po{1.0f, 0.0f, path};
         if (fwd)

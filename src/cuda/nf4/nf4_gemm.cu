@@ -180,16 +180,22 @@ bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
 // Auto takes the fused tensor-core forward (sm_90a, nf4_fused.cu) on large weights from 65 to 512 rows. Measured
 // (H200, commit 983c36f): at M = 512 it beats dequantize + cuBLASLt on Llama-3-8B (down 111 vs 125 µs, gate/up
 // 125 vs 139 µs) and ties on Qwen2.5-1.5B down (34 vs 34); it is slower at M >= 2048 (1.10-1.58x) and on the
-// small Qwen gate/up at 512 (2 waves of 140 tiles: 1.56x). Between 65 and 511 rows it is taken because what it
-// saves, the dequantize pass, is a fixed cost while the GEMM shrinks (not yet measured there). The fused input
-// gradient is slower everywhere measured (1.02-1.7x) and is never taken.
+// small Qwen gate/up at 512 (2 waves of 140 tiles: 1.56x). At M = 256 (commit b9d8085) it takes 0.56-0.59x of
+// dequantize + cuBLASLt on Llama. The fused input gradient on large weights: 0.69-0.80x at M = 256, 1.07-1.09x at
+// 512, 1.3-1.5x at 2048 and above: taken from just above the small-M kernel's range to 256 rows.
 constexpr std::int64_t kAutoFusedMinRows = 65;
 constexpr std::int64_t kAutoFusedMaxRows = 512;
+constexpr std::int64_t kAutoFusedBackwardMaxRows = 256;
 
 bool wants_fused_forward(Nf4Path path, std::int64_t m, const Nf4Weight& w, bool small_m) {
   if (path == Nf4Path::Fused) return true;
   return path == Nf4Path::Auto && !small_m && m >= kAutoFusedMinRows && m <= kAutoFusedMaxRows &&
          w.numel() >= kLargeWeightElements;
+}
+
+bool wants_fused_backward(Nf4Path path, std::int64_t m, const Nf4Weight& w, bool small_m) {
+  if (path == Nf4Path::Fused) return true;
+  return path == Nf4Path::Auto && !small_m && m <= kAutoFusedBackwardMaxRows && w.numel() >= kLargeWeightElements;
 }
 
 // The bf16 activations for a fused launch: x itself, or its rounded copy in plan's scratch (f32 x).
@@ -260,7 +266,8 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
   const char* op = "nf4_gemm_backward_a";
   const bool small_m =
       wants_small_m(opts.path, dc.dim(0), auto_small_m_rows(w, true)) && nf4_small_m_backward_supported(dc, w);
-  const PathFit fused = opts.path == Nf4Path::Fused ? fused_fit(ctx, dc, w, true) : PathFit{};
+  const PathFit fused =
+      wants_fused_backward(opts.path, dc.dim(0), w, small_m) ? fused_fit(ctx, dc, w, true) : PathFit{};
   check_path(op, opts.path, {small_m, kSmallMBackwardNeeds}, fused);
   const std::int64_t M = dc.dim(0), N = w.rows, K = w.cols;
   if (M == 0 || K == 0) return;
