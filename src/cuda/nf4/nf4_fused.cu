@@ -241,7 +241,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&b_map)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&code_map)) : "memory");
   }
-  small_m::fill_code2(code2_shared, scales, tid, kThreads);
+  if (!scales.absmax)  // code2 for double-quantized scales (the NF4 values are registers: block_table)
+    for (int i = tid; i < kNf4Code2Size; i += kThreads) code2_shared[i] = __ldg(scales.code2 + i);
   __syncthreads();
 
   if (wg == 0) {

@@ -76,7 +76,7 @@ PathFit fused_fit(const Context& ctx, const TensorView& activations, const Nf4We
 }
 
 constexpr const char* kSmallMNeeds =
-    "M <= 64, K a multiple of 64, 16-byte aligned A and codes";
+    "M <= 64, K a multiple of 32, 16-byte aligned A and codes";
 constexpr const char* kSmallMBackwardNeeds =
     "M <= 16, K a multiple of 32, 16-byte aligned codes";
 
@@ -177,13 +177,13 @@ bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
   return path == Nf4Path::SmallM || (path == Nf4Path::Auto && m <= auto_max_rows);
 }
 
-// Auto takes the fused tensor-core forward (sm_90a, nf4_fused.cu) on large weights from 65 to 512 rows. Measured
-// (H200, commit 983c36f): at M = 512 it beats dequantize + cuBLASLt on Llama-3-8B (down 111 vs 125 µs, gate/up
-// 125 vs 139 µs) and ties on Qwen2.5-1.5B down (34 vs 34); it is slower at M >= 2048 (1.10-1.58x) and on the
-// small Qwen gate/up at 512 (2 waves of 140 tiles: 1.56x). At M = 256 (commit b9d8085) it takes 0.56-0.59x of
-// dequantize + cuBLASLt on Llama. The fused input gradient on large weights: 0.69-0.80x at M = 256, 1.07-1.09x at
-// 512, 1.3-1.5x at 2048 and above: taken from just above the small-M kernel's range to 256 rows.
-constexpr std::int64_t kAutoFusedMinRows = 65;
+// Auto takes the fused tensor-core kernels (sm_90a, nf4_fused.cu) on large weights (Llama-3-8B sizes) where they
+// measured faster than dequantize + cuBLASLt (H200, commit f362114, device µs, docs/BENCHMARKS.md):
+// forward from just above the small-M range to 512 rows (M = 64: down 68 vs 84, gate/up 82 vs 81; M = 256: 53 vs
+// 91-95; M = 512: 104-113 vs 127-132), not at M >= 2048 (1.05-1.14x); input gradient from just above the small-M
+// range to 256 rows (M = 32-256: 62-70 vs 81-96), not at 512 (1.08x) and above. On Qwen2.5-1.5B sizes (140
+// tiles of 128 rows, about one wave) both lose nearly everywhere (up to 1.8x) and are never taken.
+constexpr std::int64_t kAutoFusedMinRows = 33;
 constexpr std::int64_t kAutoFusedMaxRows = 512;
 constexpr std::int64_t kAutoFusedBackwardMaxRows = 256;
 

@@ -47,40 +47,22 @@ void launch_nf4_split_k_reduce(const Context& ctx, const float* partial, int spl
 
 namespace {
 
-// Split-K sizing. A block stages its rows of A over its whole k range (MT * 16 rows x chunks * kChunkK bf16),
-// so fewer splits mean more shared memory per block and fewer blocks per SM. Each candidate chunk count gives a
-// grid and an occupancy (registers: `regs_per_sm` blocks; shared memory: the SM's capacity); the cost model is
-// waves x (chunks + 1), the + 1 a block's fixed cost (staging A, its prologue and epilogue) in chunk units. Ties
-// go to fewer splits (less partial traffic). The partials also stay under half the weight's bytes (K / (32 M)).
+// Split-K sizing: about four blocks per SM, but no more splits than keep the fp32 partials (written and read
+// back) under half the weight's bytes, and a staged activation tile that fits kMaxSharedA.
 struct SplitK {
-  int chunks;  // kChunkK-element k chunks per block
+  int chunks;  // 128-element k chunks per block
   int splits;
 };
-int small_m_shared_bytes(int mt, int chunks) { return small_m::kCode2Bytes + mt * 16 * chunks * small_m::kChunkK * 2; }
-
-SplitK split_k(const Context& ctx, std::int64_t M, std::int64_t N, std::int64_t K, int weights, int mt,
-               std::int64_t regs_per_sm) {
+SplitK split_k(const Context& ctx, std::int64_t M, std::int64_t N, std::int64_t K, int weights, int mt) {
   using namespace small_m;
-  const cudaDeviceProp& props = state(ctx).props;
   const std::int64_t total_chunks = (K + kChunkK - 1) / kChunkK;
   const std::int64_t blocks_n = weights * ((N + kBlockN - 1) / kBlockN);
-  const std::int64_t max_splits = std::min(total_chunks, std::max<std::int64_t>(1, K / (32 * M)));
-  const std::int64_t max_chunks = std::max<std::int64_t>(1, kMaxSharedA / (mt * 16 * 2) / kChunkK);
-  SplitK best{0, 0};
-  std::int64_t best_cost = 0;
-  for (std::int64_t chunks = std::min(total_chunks, max_chunks); chunks >= 1; --chunks) {
-    const std::int64_t splits = (total_chunks + chunks - 1) / chunks;
-    if (splits > max_splits && best.splits > 0) break;
-    const std::int64_t by_smem = static_cast<std::int64_t>(props.sharedMemPerMultiprocessor) /
-                                 (small_m_shared_bytes(mt, static_cast<int>(chunks)) + props.reservedSharedMemPerBlock);
-    const std::int64_t slots = state(ctx).sm_count() * std::max<std::int64_t>(1, std::min(regs_per_sm, by_smem));
-    const std::int64_t cost = (blocks_n * splits + slots - 1) / slots * (chunks + 1);
-    if (best.splits == 0 || cost < best_cost) {
-      best = {static_cast<int>(chunks), static_cast<int>(splits)};
-      best_cost = cost;
-    }
-  }
-  return best;
+  std::int64_t splits = (4LL * state(ctx).sm_count() + blocks_n - 1) / blocks_n;
+  splits = std::min(splits, std::max<std::int64_t>(1, K / (32 * M)));
+  const std::int64_t max_chunks = std::max<std::int64_t>(1, (kMaxSharedA / (mt * 16 * 2) - kPadA) / kChunkK);
+  splits = std::clamp(splits, (total_chunks + max_chunks - 1) / max_chunks, total_chunks);
+  const std::int64_t chunks = (total_chunks + splits - 1) / splits;
+  return {static_cast<int>(chunks), static_cast<int>((total_chunks + chunks - 1) / chunks)};
 }
 
 // One launch over `weights` (1, or 2 for gate and up) weights of W's shape. With one weight and no split the
@@ -91,11 +73,11 @@ float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0
                     int* splits_out) {
   using namespace small_m;
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w0.rows;
-  auto kernel = nf4_gemm_small_m_kernel<MT, kAF32>;
-  const SplitK sk = split_k(ctx, M, N, K, weights, MT, wave_blocks(ctx, kernel, kThreads) / state(ctx).sm_count());
+  const SplitK sk = split_k(ctx, M, N, K, weights, MT);
   const int blocks_n = static_cast<int>((N + kBlockN - 1) / kBlockN);
   const dim3 grid(static_cast<unsigned>(blocks_n * weights), static_cast<unsigned>(sk.splits));
-  const int smem = small_m_shared_bytes(MT, sk.chunks);
+  const int smem = kTablesBytes + MT * 16 * (sk.chunks * kChunkK + kPadA) * 2;
+  auto kernel = nf4_gemm_small_m_kernel<MT, kAF32>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), smem);
   float* partial = nullptr;
   if (sk.splits > 1 || weights > 1) {
@@ -144,7 +126,7 @@ void launch_backward_tiles(const Context& ctx, const TensorView& dc, const Nf4We
                                                                     (kBwdWarps * kBwdGroupN)));
   const std::int64_t block_n = static_cast<std::int64_t>(kBwdWarps) * kBwdGroupN * groups;
   const int splits = static_cast<int>((N + block_n - 1) / block_n);
-  const int smem = kCode2Bytes + bwd_dc_tile_bytes(MT8, static_cast<int>(block_n)) + bwd_red_bytes(MT8);
+  const int smem = kTablesBytes + bwd_dc_tile_bytes(MT8, static_cast<int>(block_n)) + bwd_red_bytes(MT8);
   auto kernel = nf4_gemm_backward_small_m_kernel<MT8, kDcF32>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), smem);
   std::unique_ptr<ScratchBuffer> scratch;
@@ -171,13 +153,13 @@ void launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w, co
 
 bool nf4_small_m_supported(const TensorView& a, const Nf4Weight& w) {
   const std::int64_t M = a.dim(0), K = a.dim(1);
-  return M >= 1 && M <= kNf4SmallMMaxRows && K % 64 == 0 && aligned16(a.data()) &&
+  return M >= 1 && M <= kNf4SmallMMaxRows && K % 32 == 0 && w.block_size >= 32 && aligned16(a.data()) &&
          aligned16(w.codes.data()) && (a.dtype() == DType::F32 || a.dtype() == DType::BF16);
 }
 
 bool nf4_small_m_backward_supported(const TensorView& dc, const Nf4Weight& w) {
   const std::int64_t M = dc.dim(0);
-  return M >= 1 && M <= kNf4SmallMBackwardMaxRows && w.cols % 32 == 0 &&
+  return M >= 1 && M <= kNf4SmallMBackwardMaxRows && w.cols % 32 == 0 && w.block_size >= 32 &&
          aligned16(w.codes.data()) && (dc.dtype() == DType::F32 || dc.dtype() == DType::BF16);
 }
 

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "core/nf4_lut.h"  // block tables, dequant_word, pack_bf16x2
+#include "core/nf4_lut.h"  // pack_bf16x2
 #include "qmm/nf4.h"
 
 namespace qmm::cuda::small_m {
@@ -13,9 +13,11 @@ namespace qmm::cuda::small_m {
 using nf4_lut::pack_bf16x2;
 
 constexpr int kThreads = 128;                   // 4 warps
-constexpr int kTilesN = 2;                      // n8 tiles per warp: each warp owns 16 weight rows
-constexpr int kBlockN = 4 * 8 * kTilesN;        // 64 weight rows (outputs) per block
-constexpr int kChunkK = 256;                    // k per chunk: 4 threads x 64 codes (one NF4 block each)
+constexpr int kTilesN = 4;                      // n8 tiles per warp: each warp owns 32 weight rows
+constexpr int kBlockN = 4 * 8 * kTilesN;        // 128 weight rows (outputs) per block
+constexpr int kChunkK = 128;                    // k per chunk: 4 threads x 32 codes (one 16-byte load each)
+constexpr int kPadA = 8;                        // bf16 elements of padding per shared A row
+constexpr int kCodebookBytes = 16 * 4;          // the 16 NF4 values: a warp's lookups hit 16 words in 16 banks
 constexpr int kMaxSharedA = 64 * 1024;          // bytes of staged activations per block, at most
 
 // Scales of one weight, plain (absmax) or double-quantized (q, absmax2, code2, offset).
@@ -62,11 +64,14 @@ __device__ __forceinline__ float finish_scale(const Scales& s, RawScale r, const
   return __fadd_rn(__fmul_rn(code2_shared[r.q], r.a), s.offset);
 }
 
-// code2 (the double-quantization map) at the start of each kernel's shared memory, filled only for
-// double-quantized weights.
+// Shared tables at the start of each kernel's shared memory: the 16 NF4 values (a warp's lookups hit 16 words in
+// 16 banks), then code2 (filled only for double-quantized weights).
 constexpr int kCode2Bytes = kNf4Code2Size * 4;
+constexpr int kTablesBytes = kCodebookBytes + kCode2Bytes;
 
-__device__ __forceinline__ void fill_code2(float* code2_shared, const Scales& s, int tid, int threads) {
+__device__ __forceinline__ void fill_tables(float* codebook, float* code2_shared, const Scales& s, int tid,
+                                            int threads) {
+  if (tid < 16) codebook[tid] = nf4_code_value(tid);
   if (!s.absmax)
     for (int i = tid; i < kNf4Code2Size; i += threads) code2_shared[i] = __ldg(s.code2 + i);
 }
@@ -78,11 +83,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const std::uint32_
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint4& a, std::uint32_t b0, std::uint32_t b1) {
-  const std::uint32_t f[4] = {a.x, a.y, a.z, a.w};
-  mma_bf16_16816(d, f, b0, b1);
 }
 
 __device__ __forceinline__ void store_out(void* c, bool c_bf16, std::int64_t idx, float v, float alpha, float beta) {
@@ -106,35 +106,24 @@ struct WeightArgs {
   Scales scales;
 };
 
-// The activation tile in shared memory, in mma fragment order. 16-byte unit j of row pair (mt, g) holds, for
-// k = 4j .. 4j + 3 of the block's range and r = 16 mt + g, {A[r][4j..4j+1], A[r+8][4j..4j+1], A[r][4j+2..4j+3],
-// A[r+8][4j+2..4j+3]}: one 16-byte load is a thread's whole A fragment for one mma step (with the row-major tile
-// the two 8-byte loads landed in the wrong registers and every mma paid four moves). Units are XOR-swizzled within
-// groups of 8 so that the 8 lanes of one load phase (g and g + 1, t = 0..3) hit 8 different bank groups.
-__device__ __forceinline__ int a_unit(int mt, int g, int j, int units_per_row) {
-  return (mt * 8 + g) * units_per_row + (j ^ (((j >> 4) & 3) | ((g & 1) << 2)));
-}
-
-// Grid: x over blocks of 64 weight rows (of w0, then of w1), y over k ranges of `chunks` * 256 (split-K); K is a
-// multiple of 64. MT m16 tiles cover M <= 16*MT. Thread (g = lane/4, t = lane%4) of a warp loads, per chunk and
-// n8 tile, the 32 bytes holding codes k0 + 64t .. k0 + 64t + 63 of weight row g: one NF4 block (blocks are
-// multiples of 64 elements and so are rows), so one scale and one table (nf4_lut::block_table, 32 instructions)
-// per 64 elements. The reduction order inside an mma is free, so mma step s (of 16 per chunk) uses
-// k = k0 + 64t + 4s + {0,1,2,3} for the fragment slots {2t, 2t+1, 2t+8, 2t+9}: its B fragment is one word's
-// dequant_word pairs (21 byte-permute and logic instructions per 8 elements), its A fragment one a_unit load.
-// Chunks are double-buffered in registers: the next chunk's loads are in flight while the current one is
-// multiplied. (Per element this is ~4 instructions; the codebook lookup, multiply and rounding per element it
-// replaces, with the row-major A tile, took 8.5: ncu at M = 1 showed the kernel issue-bound, DRAM 16% busy.)
+// Grid: x over blocks of 128 weight rows (of w0, then of w1), y over k ranges of `chunks` * 128 (split-K).
+// MT m16 tiles cover M <= 16*MT. Thread (g = lane/4, t = lane%4) of a warp loads, per chunk and n8 tile, the
+// 16 bytes holding codes k0 + 32t .. k0 + 32t + 31 of weight row g. The reduction order inside an mma is free, so
+// mma step s (of 8 per chunk) uses k = k0 + 32t + 4s + {0,1,2,3} for the fragment slots {2t, 2t+1, 2t+8, 2t+9};
+// A's fragments are read from shared memory with the same mapping. One scale per 16-byte load (32 codes never
+// straddle a block). Chunks are double-buffered in registers: the next chunk's loads are in flight while the
+// current one is multiplied.
 template <int MT, bool kAF32>
 __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
     const void* __restrict__ a, std::int64_t M, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1,
     int blocks_per_weight, int chunks, float* __restrict__ partial, void* __restrict__ c, bool c_bf16, float alpha,
     float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float* code2_shared = reinterpret_cast<float*>(smem);
-  uint4* as = reinterpret_cast<uint4*>(smem + kCode2Bytes);
+  float* codebook = reinterpret_cast<float*>(smem);
+  float* code2_shared = reinterpret_cast<float*>(smem + kCodebookBytes);
+  __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + kTablesBytes);
   const int block_k = chunks * kChunkK;
-  const int units_per_row = block_k / 4;
+  const int lda = block_k + kPadA;
 
   const int which = static_cast<int>(blockIdx.x) >= blocks_per_weight ? 1 : 0;
   const std::uint8_t* __restrict__ codes = which ? w1.codes : w0.codes;
@@ -145,56 +134,45 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
   const std::int64_t k_block = static_cast<std::int64_t>(blockIdx.y) * block_k;
   const int my_chunks = static_cast<int>(min(static_cast<std::int64_t>(chunks), (K - k_block + kChunkK - 1) / kChunkK));
 
-  // Per tile: whether its row exists, and the element index of this thread's first code in the block's k range.
-  bool row_ok[kTilesN];
-  std::int64_t first[kTilesN];
-#pragma unroll
-  for (int tile = 0; tile < kTilesN; ++tile) {
-    const std::int64_t n = n_block + warp * 16 + tile * 8 + g;
-    row_ok[tile] = n < N;
-    first[tile] = n * K + k_block + 64 * t;
-  }
-  auto load_chunk = [&](int ch, uint4 (&w)[kTilesN][2], RawScale (&s)[kTilesN]) {
-    const bool k_ok = ch < my_chunks && k_block + ch * kChunkK + 64 * t < K;
+  auto load_chunk = [&](int ch, uint4 (&w)[kTilesN], RawScale (&s)[kTilesN]) {
 #pragma unroll
     for (int tile = 0; tile < kTilesN; ++tile) {
-      if (k_ok && row_ok[tile]) {
-        const std::int64_t e = first[tile] + ch * kChunkK;
-        const uint4* src = reinterpret_cast<const uint4*>(codes + (e >> 1));
-        w[tile][0] = __ldg(src);
-        w[tile][1] = __ldg(src + 1);
+      const std::int64_t n = n_block + warp * 32 + tile * 8 + g;
+      const std::int64_t k = k_block + ch * kChunkK + 32 * t;
+      if (ch < my_chunks && n < N && k < K) {
+        const std::int64_t e = n * K + k;
+        w[tile] = __ldg(reinterpret_cast<const uint4*>(codes + (e >> 1)));
         s[tile] = load_scale(scales, e >> scales.block_shift);
       } else {
-        w[tile][0] = w[tile][1] = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);  // code 7 is 0.0
+        w[tile] = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);  // code 7 is 0.0
         s[tile] = {0.0f, 0u};
       }
     }
   };
-  uint4 wa[kTilesN][2], wb[kTilesN][2];
+  uint4 wa[kTilesN], wb[kTilesN];
   RawScale sa[kTilesN], sb[kTilesN];
   load_chunk(0, wa, sa);
   load_chunk(1, wb, sb);
 
-  // While the first loads fly: code2 and the activation tile (bf16, zero outside M and K), in a_unit order.
-  fill_code2(code2_shared, scales, tid, kThreads);
-  for (int i = tid; i < MT * 8 * units_per_row; i += kThreads) {
-    const int pair = i / units_per_row, j = i % units_per_row;
-    const int r = (pair / 8) * 16 + pair % 8;  // rows r and r + 8
-    const std::int64_t k = k_block + 4 * j;
-    uint2 x[2] = {make_uint2(0, 0), make_uint2(0, 0)};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const std::int64_t row = r + 8 * h;
-      if (row < M && k < K) {  // K % 64 == 0, so all 4 are in range
-        if constexpr (kAF32) {
-          const float4 v = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(a) + row * K + k));
-          x[h] = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
-        } else {
-          x[h] = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a) + row * K + k));
-        }
+  // While the first loads fly: the tables and the activation tile (bf16, zero outside M and K).
+  fill_tables(codebook, code2_shared, scales, tid, kThreads);
+  const int vec_per_row = block_k / 8;
+  for (int i = tid; i < MT * 16 * vec_per_row; i += kThreads) {
+    const int row = i / vec_per_row, col = (i % vec_per_row) * 8;
+    const std::int64_t k = k_block + col;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < M && k < K) {  // K % 32 == 0, so all 8 are in range
+      if constexpr (kAF32) {
+        const float* src = static_cast<const float*>(a) + row * K + k;
+        const float4 x0 = __ldg(reinterpret_cast<const float4*>(src));
+        const float4 x1 = __ldg(reinterpret_cast<const float4*>(src + 4));
+        v = make_uint4(pack_bf16x2(x0.x, x0.y), pack_bf16x2(x0.z, x0.w), pack_bf16x2(x1.x, x1.y),
+                       pack_bf16x2(x1.z, x1.w));
+      } else {
+        v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a) + row * K + k));
       }
     }
-    as[a_unit(pair / 8, pair % 8, j, units_per_row)] = make_uint4(x[0].x, x[1].x, x[0].y, x[1].y);
+    *reinterpret_cast<uint4*>(as + row * lda + col) = v;
   }
   __syncthreads();
 
@@ -206,28 +184,37 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][tile][i] = 0.0f;
 
-  auto multiply_chunk = [&](int ch, const uint4 (&w)[kTilesN][2], const RawScale (&raw)[kTilesN]) {
-    nf4_lut::BlockTable tb[kTilesN];
+  auto multiply_chunk = [&](int ch, const uint4 (&w)[kTilesN], const RawScale (&raw)[kTilesN]) {
+    float s[kTilesN];
 #pragma unroll
-    for (int tile = 0; tile < kTilesN; ++tile)
-      tb[tile] = nf4_lut::block_table(finish_scale(scales, raw[tile], code2_shared));
+    for (int tile = 0; tile < kTilesN; ++tile) s[tile] = finish_scale(scales, raw[tile], code2_shared);
 #pragma unroll
-    for (int q = 0; q < 8; ++q) {  // word q of each tile's 64 codes: mma steps 2q (elements 8q .. 8q + 3), 2q + 1
-      uint4 af[2][MT];
+    for (int step = 0; step < 8; ++step) {
+      std::uint32_t af[MT][4];
+      const int kk = ch * kChunkK + 32 * t + 4 * step;
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) af[half][mt] = as[a_unit(mt, g, ch * 64 + 16 * t + 2 * q + half, units_per_row)];
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint2 x0 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g) * lda + kk);
+        const uint2 x1 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g + 8) * lda + kk);
+        af[mt][0] = x0.x;
+        af[mt][1] = x1.x;
+        af[mt][2] = x0.y;
+        af[mt][3] = x1.y;
+      }
 #pragma unroll
       for (int tile = 0; tile < kTilesN; ++tile) {
-        const uint4& v = w[tile][q / 4];
-        const std::uint32_t word = (q & 3) == 0 ? v.x : (q & 3) == 1 ? v.y : (q & 3) == 2 ? v.z : v.w;
-        const nf4_lut::Bf16x8 b = nf4_lut::dequant_word(word, tb[tile]);  // pairs (8q + 2i, 8q + 2i + 1)
+        const std::uint32_t word = (step >> 1) == 0 ? w[tile].x : (step >> 1) == 1 ? w[tile].y
+                                 : (step >> 1) == 2 ? w[tile].z : w[tile].w;
+        const int shift = (step & 1) * 16;  // bytes 2s (elements 4s, 4s+1) and 2s+1 (4s+2, 4s+3)
+        const float sc = s[tile];
+        const float e0 = codebook[(word >> (shift + 4)) & 15];
+        const float e1 = codebook[(word >> shift) & 15];
+        const float e2 = codebook[(word >> (shift + 12)) & 15];
+        const float e3 = codebook[(word >> (shift + 8)) & 15];
+        const std::uint32_t b0 = pack_bf16x2(e0 * sc, e1 * sc);
+        const std::uint32_t b1 = pack_bf16x2(e2 * sc, e3 * sc);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16_16816(acc[mt][tile], af[0][mt], b.w[0], b.w[1]);
-          mma_bf16_16816(acc[mt][tile], af[1][mt], b.w[2], b.w[3]);
-        }
+        for (int mt = 0; mt < MT; ++mt) mma_bf16_16816(acc[mt][tile], af[mt], b0, b1);
       }
     }
   };
@@ -248,7 +235,7 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const std::int64_t m = mt * 16 + g + (i >= 2 ? 8 : 0);
-        const std::int64_t n = n_block + warp * 16 + tile * 8 + 2 * t + (i & 1);
+        const std::int64_t n = n_block + warp * 32 + tile * 8 + 2 * t + (i & 1);
         if (m >= M || n >= N) continue;
         if (partial) partial[(static_cast<std::int64_t>(blockIdx.y) * M + m) * N + n] = acc[mt][tile][i];
         else store_out(c, c_bf16, m * N + n, acc[mt][tile][i], alpha, beta);
@@ -265,7 +252,7 @@ constexpr int kBwdThreads = kBwdWarps * 32;
 constexpr int kBwdBlockK = 256;   // output columns per block: 8 g x 32 codes
 constexpr int kBwdGroupN = 16;    // weight rows per mma group
 
-// Shared memory after code2: the dC tile [MT8*8][block_n + 8] bf16, then the reduction tile.
+// Shared memory after the tables: the dC tile [MT8*8][block_n + 8] bf16, then the reduction tile.
 __host__ __device__ constexpr int bwd_dc_tile_bytes(int mt8, int block_n) {
   return ((mt8 * 8 * (block_n + 8) * 2 + 15) / 16) * 16;
 }
@@ -282,17 +269,18 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
     const std::uint8_t* __restrict__ codes, Scales scales, int groups_per_warp, float* __restrict__ partial,
     void* __restrict__ da, bool da_bf16, float alpha, float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float* code2_shared = reinterpret_cast<float*>(smem);
+  float* codebook = reinterpret_cast<float*>(smem);
+  float* code2_shared = reinterpret_cast<float*>(smem + kCodebookBytes);
   const int block_n = kBwdWarps * kBwdGroupN * groups_per_warp;  // weight rows (reduction) of this block
   const int ld_dc = block_n + 8;                                  // bf16 elements per shared dC row
-  __nv_bfloat16* dcs = reinterpret_cast<__nv_bfloat16*>(smem + kCode2Bytes);
-  float* red = reinterpret_cast<float*>(smem + kCode2Bytes + bwd_dc_tile_bytes(MT8, block_n));
+  __nv_bfloat16* dcs = reinterpret_cast<__nv_bfloat16*>(smem + kTablesBytes);
+  float* red = reinterpret_cast<float*>(smem + kTablesBytes + bwd_dc_tile_bytes(MT8, block_n));
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const std::int64_t k0 = static_cast<std::int64_t>(blockIdx.x) * kBwdBlockK;
   const std::int64_t n_begin = static_cast<std::int64_t>(blockIdx.y) * block_n;
 
-  fill_code2(code2_shared, scales, tid, kBwdThreads);
+  fill_tables(codebook, code2_shared, scales, tid, kBwdThreads);
   // dC tile [MT8*8][block_n] as bf16 pairs, zero outside M and N.
   for (int i = tid; i < MT8 * 8 * (block_n / 2); i += kBwdThreads) {
     const int row = i / (block_n / 2), col = (i % (block_n / 2)) * 2;
@@ -345,9 +333,9 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
   for (int gi = 0; gi < groups_per_warp; ++gi) {
     const int nl = (gi * kBwdWarps + warp) * kBwdGroupN;  // first weight row of the group, within the block
     load_group(gi + 1, w_next, raw_next);
-    nf4_lut::BlockTable tb[4];
+    float sc[4];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) tb[r] = nf4_lut::block_table(finish_scale(scales, raw[r], code2_shared));
+    for (int r = 0; r < 4; ++r) sc[r] = finish_scale(scales, raw[r], code2_shared);
     std::uint32_t bf[MT8][2];
 #pragma unroll
     for (int mt = 0; mt < MT8; ++mt) {
@@ -356,20 +344,20 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
       bf[mt][1] = *reinterpret_cast<const std::uint32_t*>(row + 8);
     }
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // word q of each row's load: bytes p = 4q .. 4q + 3
-      nf4_lut::Bf16x8 d[4];  // d[r].w[i]: (element 2p, element 2p + 1) of byte p = 4q + i of row r
+    for (int p = 0; p < 16; ++p) {
+      float2 l[4];  // (even element, odd element) of byte p of each of the four rows
 #pragma unroll
-      for (int r = 0; r < 4; ++r)
-        d[r] = nf4_lut::dequant_word(q == 0 ? w[r].x : q == 1 ? w[r].y : q == 2 ? w[r].z : w[r].w, tb[r]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int p = 4 * q + i;
-        // Fragment rows g / g + 8 are the byte's even / odd element, its k slots the rows r = 0, 1 (a0, a1) and 2, 3.
-        const std::uint32_t af[4] = {__byte_perm(d[0].w[i], d[1].w[i], 0x5410), __byte_perm(d[0].w[i], d[1].w[i], 0x7632),
-                                     __byte_perm(d[2].w[i], d[3].w[i], 0x5410), __byte_perm(d[2].w[i], d[3].w[i], 0x7632)};
-#pragma unroll
-        for (int mt = 0; mt < MT8; ++mt) mma_bf16_16816(acc[p][mt], af, bf[mt][0], bf[mt][1]);
+      for (int r = 0; r < 4; ++r) {
+        const std::uint32_t word = (p >> 2) == 0 ? w[r].x : (p >> 2) == 1 ? w[r].y : (p >> 2) == 2 ? w[r].z : w[r].w;
+        const int shift = 8 * (p & 3);
+        l[r] = make_float2(codebook[(word >> (shift + 4)) & 15], codebook[(word >> shift) & 15]);
       }
+      const std::uint32_t af[4] = {pack_bf16x2(l[0].x * sc[0], l[1].x * sc[1]),
+                                   pack_bf16x2(l[0].y * sc[0], l[1].y * sc[1]),
+                                   pack_bf16x2(l[2].x * sc[2], l[3].x * sc[3]),
+                                   pack_bf16x2(l[2].y * sc[2], l[3].y * sc[3])};
+#pragma unroll
+      for (int mt = 0; mt < MT8; ++mt) mma_bf16_16816(acc[p][mt], af, bf[mt][0], bf[mt][1]);
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {

@@ -12,7 +12,7 @@ namespace qmm::cuda {
 constexpr int kNf4SmallMMaxRows = 64;          // forward
 constexpr int kNf4SmallMBackwardMaxRows = 16;  // input gradient
 
-// Whether the fast kernel can take this problem (M <= 64, K a multiple of 64, 16-byte aligned A and codes);
+// Whether the fast kernel can take this problem (M <= 64, K a multiple of 32, 16-byte aligned A and codes);
 // callers fall back to dequantize + GEMM otherwise.
 bool nf4_small_m_supported(const TensorView& a, const Nf4Weight& w);
 
@@ -23,7 +23,7 @@ void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4W
 void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,
                                 const Nf4Weight& w_up, const GateUpOutputs& out, float alpha);
 
-// dA = dC * dequant(W) for M <= 16 (K a multiple of 32, aligned codes).
+// dA = dC * dequant(W) for M <= 16 (same preconditions, on dC).
 bool nf4_small_m_backward_supported(const TensorView& dc, const Nf4Weight& w);
 void launch_nf4_gemm_backward_small_m(const Context& ctx, const TensorView& dc, const Nf4Weight& w,
                                       const TensorView& da, float alpha, float beta);
