@@ -13,9 +13,10 @@
 // shared memory. Warpgroups 1 and 2 consume: each owns 64 rows of the dequantized tile T and dequantizes them
 // itself for stage i + 1 (32 elements per thread) while its wgmma m64n256k16 of stage i run. The forward looks
 // its elements up in the producer's tables and keeps them in registers as the wgmma's A fragments (RS form); the
-// input gradient builds its two tables per thread from the scales and writes the elements transposed into a
-// 128-byte-swizzled tile, both operands from shared memory. (Each measured faster than the other's way on the
-// H200: the RS forward 6-7% than shared-memory T, the input gradient's own tables 10-20% than shared tables.)
+// input gradient builds one table per thread from the scales and writes W's rows as they are into a
+// 128-byte-swizzled tile that the wgmma reads M-major (T = W^T without a transpose), both operands from shared
+// memory. (The RS forward measured 6-7% faster than shared-memory T on the H200, and the input gradient's own
+// tables 10-20% faster than the producer's.)
 // (A producer warpgroup that dequantized all 128 rows was the limiter: one warp per scheduler, bound by its own
 // instruction latencies, while the consumer warps waited; ncu: tensor pipe 60% busy.)
 // kStages stages, each with a "full" (TMA -> consumers) and an "empty" (consumers -> producer) mbarrier.
@@ -129,7 +130,15 @@ __device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t addr) {
 }
 
 
-// Byte offset of the 16-byte chunk `chunk` (8 bf16 along k) of row `row` in a 128-byte-swizzled tile.
+// The same for an M-major operand of 64 rows (one 128-byte swizzle atom wide along M, so the leading byte offset,
+// the step between such atoms, is never used): k groups of 8 rows of 128 bytes are 1024 bytes apart.
+__device__ __forceinline__ std::uint64_t sw128_mn_desc(std::uint32_t addr) {
+  return static_cast<std::uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<std::uint64_t>(8192 >> 4) << 16) |
+         (static_cast<std::uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// Byte offset of the 16-byte chunk `chunk` (8 bf16 along its contiguous dimension) of row `row` in a
+// 128-byte-swizzled tile.
 __device__ __forceinline__ int sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
 __device__ __forceinline__ RawScale load_scale_or_zero(const Scales& scales, bool valid, std::int64_t e) {
@@ -170,11 +179,12 @@ __device__ __forceinline__ uint4 dequant_vec(std::uint32_t w, const BlockTable& 
   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
-// D[64x256] += A[64x16] * B[16x256]^T, both operands K-major in shared memory (descriptors), fp32 accumulators.
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t desc_a, std::uint64_t desc_b) {
+// D[64x256] += A[64x16] * B[16x256]^T, both operands in shared memory (descriptors), fp32 accumulators: A
+// M-major (imm-trans-a = 1: its 64 rows contiguous along each k), B K-major.
+__device__ __forceinline__ void wgmma_m64n256k16_a_mn(float (&d)[128], std::uint64_t desc_a, std::uint64_t desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" QMM_WGMMA_D_REGS "}, %128, %129, p, 1, 1, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" QMM_WGMMA_D_REGS "}, %128, %129, p, 1, 1, 1, 0;\n"
       "}\n"
       : QMM_WGMMA_D_OUTPUTS(d)
       : "l"(desc_a), "l"(desc_b), "r"(1));
@@ -314,32 +324,24 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
 
   if constexpr (kBackward) {
-    // Input gradient: T is written to the stage's shared-memory tile (128-byte swizzle) and both wgmma operands
-    // come from shared memory. Thread: weight rows 2 lane and 2 lane + 1 of the stage's 64 (T columns), T rows
-    // 64 cw + 16 warp + e (weight columns n0 + that), e < 16: a warp's stores for one e fill one 128-byte T row.
+    // Input gradient: T = W^T is written to the stage's shared-memory tile M-major, that is as W's own rows
+    // (weight row r of the stage: its 64 columns n0 + 64 cw ... as one 128-byte-swizzled row), and the wgmma reads
+    // it transposed (imm-trans-a), so the dequantization is the forward's row-wise one: thread wt takes weight row
+    // wt / 2, elements 32 (wt % 2) .. + 31 of the warpgroup's 64 columns, one block, one table, four 16-byte stores.
+    // (Before, T was written K-major: two tables per thread and 16 transposing 4-byte stores.)
     auto dequantize = [&](int i) {
       const int s = i % kStages;
       mbar_wait(full(s), (i / kStages) & 1);
       const unsigned char* ct = codes_of(s);
-      unsigned char* wtile = smem + s * kStageBytes;
-      // Codes [64 rows][64 bytes], 64-byte swizzle (16-byte chunk ^= (row >> 1) & 3): this thread's 8 bytes of
-      // each of its two rows are at byte 32 cw + 8 warp of the row.
-      const int chunk = 2 * cw + warp / 2, sub = 8 * (warp % 2);
-      const int r0 = 2 * lane;
-      const uint2 c0 = *reinterpret_cast<const uint2*>(ct + r0 * 64 + ((chunk ^ (lane & 3)) << 4) + sub);
-      const uint2 c1 = *reinterpret_cast<const uint2*>(ct + (r0 + 1) * 64 + ((chunk ^ (lane & 3)) << 4) + sub);
-      const float* sc = stage_scales(s);
-      const BlockTable t0 = block_table(sc[64 * cw + r0]);
-      const uint4 a0 = dequant_vec(c0.x, t0), a1 = dequant_vec(c0.y, t0);
-      const BlockTable t1 = block_table(sc[64 * cw + r0 + 1]);
-      const uint4 b0 = dequant_vec(c1.x, t1), b1 = dequant_vec(c1.y, t1);
-      const std::uint32_t a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-      const std::uint32_t b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-      // Element e of both rows pairs into one 32-bit store at T row 64 cw + 16 warp + e, column 2 lane.
+      unsigned char* wtile = smem + s * kStageBytes + cw * 64 * 128;
+      const int r = wt / 2, half = wt % 2;
+      // Codes [64 rows][64 bytes], 64-byte swizzle (16-byte chunk ^= (row >> 1) & 3): chunk 2 cw + half of row r.
+      const uint4 c = *reinterpret_cast<const uint4*>(ct + r * 64 + (((2 * cw + half) ^ ((r >> 1) & 3)) << 4));
+      const std::uint32_t words[4] = {c.x, c.y, c.z, c.w};
+      const BlockTable t = block_table(stage_scales(s)[64 * cw + r]);
 #pragma unroll
-      for (int e = 0; e < 16; ++e)
-        *reinterpret_cast<std::uint32_t*>(wtile + sw128_offset(64 * cw + 16 * warp + e, lane >> 2) + (lane & 3) * 4) =
-            __byte_perm(a[e / 2], b[e / 2], (e & 1) ? 0x7632 : 0x5410);
+      for (int j = 0; j < 4; ++j)
+        *reinterpret_cast<uint4*>(wtile + sw128_offset(r, 4 * half + j)) = dequant_vec(words[j], t);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic-proxy writes -> wgmma reads
     };
     // This warpgroup's threads all wrote their part of the stage before any of them issues its wgmma.
@@ -349,9 +351,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < k_tiles; ++i) {
       const int s = i % kStages;
       asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-      const std::uint64_t dw = sw128_desc(w_tile(s) + cw * 64 * 128), da = sw128_desc(a_tile(s));
+      // T M-major: k step kk is the 16 weight rows 16 kk .. 16 kk + 15, 2048 bytes further on.
+      const std::uint64_t dw = sw128_mn_desc(w_tile(s) + cw * 64 * 128), da = sw128_desc(a_tile(s));
 #pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16(acc, dw + 2 * kk, da + 2 * kk);
+      for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16_a_mn(acc, dw + (2048 >> 4) * kk, da + 2 * kk);
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       // While they run: the next stage's rows of T.
       if (i + 1 < k_tiles) dequantize(i + 1);
