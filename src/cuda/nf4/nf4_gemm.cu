@@ -181,8 +181,9 @@ bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
 // measured faster than dequantize + cuBLASLt (H200, commit f362114, device µs, docs/BENCHMARKS.md):
 // forward from just above the small-M range to 512 rows (M = 64: down 68 vs 84, gate/up 82 vs 81; M = 256: 53 vs
 // 91-95; M = 512: 104-113 vs 127-132), not at M >= 2048 (1.05-1.14x); input gradient from just above the small-M
-// range to 256 rows (M = 32-256: 62-70 vs 81-96), not at 512 (1.08x) and above. On Qwen2.5-1.5B sizes (140
-// tiles of 128 rows, about one wave) both lose nearly everywhere (up to 1.8x) and are never taken.
+// range to 256 rows (M = 32-256: 62-70 vs 81-96), not at 512 (1.08x) and above. On Qwen2.5-1.5B sizes (70 or 12
+// tiles of 128 weight rows per 256 activation rows: partial waves on 132 SMs) both lose nearly everywhere (up to
+// 1.8x) and are never taken.
 constexpr std::int64_t kAutoFusedMinRows = 33;
 constexpr std::int64_t kAutoFusedMaxRows = 512;
 constexpr std::int64_t kAutoFusedBackwardMaxRows = 256;
