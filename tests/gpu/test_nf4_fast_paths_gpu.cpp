@@ -122,13 +122,12 @@ TEST(SmallMBlockSizes, ForwardAndInputGradientMatchCpuOracle) {
   }
 }
 
-TEST(SmallMGateUp, AllOutputCombinationsMatchCpu) {
-  QMM_REQUIRE_GPU();
+// Every combination of requested outputs (gate, up in f32; h in bf16) against the CPU, A in `adt`.
+void expect_gate_up_matches(Nf4Path path, std::int64_t m, std::int64_t n, std::int64_t k, DType adt) {
   Context& gpu = *test::gpu_context();
   const Context cpu = Context::cpu();
-  const std::int64_t m = 7, n = 333, k = 1056;
   Problem g = make_weight(n, k, true, 11), u = make_weight(n, k, true, 12);
-  Tensor a = test::random_tensor(DType::BF16, {m, k}, 13);
+  Tensor a = test::random_tensor(adt, {m, k}, 13);
   Tensor rg(DType::F32, {m, n}), ru(DType::F32, {m, n}), rh(DType::F32, {m, n});
   nf4_gate_up(cpu, a, g.w_host, u.w_host, {rg, ru, rh});
   Tensor ad = to_device(a, gpu.device());
@@ -140,12 +139,18 @@ TEST(SmallMGateUp, AllOutputCombinationsMatchCpu) {
     test::poison(dh);
     GateUpOutputs out{(mask & 1) ? TensorView(dg) : TensorView(), (mask & 2) ? TensorView(du) : TensorView(),
                       (mask & 4) ? TensorView(dh) : TensorView()};
-    nf4_gate_up(gpu, ad, g.w_dev, u.w_dev, out, {1.0f, 0.0f, Nf4Path::SmallM});
+    nf4_gate_up(gpu, ad, g.w_dev, u.w_dev, out, {1.0f, 0.0f, path});
     gpu.synchronize();
-    if (mask & 1) EXPECT_TRUE(test::all_close(test::host_copy(dg), rg, test::fp32_accum_tolerance(k))) << mask;
-    if (mask & 2) EXPECT_TRUE(test::all_close(test::host_copy(du), ru, test::fp32_accum_tolerance(k))) << mask;
-    if (mask & 4) EXPECT_TRUE(test::all_close(test::host_copy(dh), rh, test::bf16_output_tolerance(k))) << mask;
+    const std::string what = std::string(nf4_path_name(path)) + " mask " + std::to_string(mask);
+    if (mask & 1) EXPECT_TRUE(test::all_close(test::host_copy(dg), rg, test::fp32_accum_tolerance(k))) << what;
+    if (mask & 2) EXPECT_TRUE(test::all_close(test::host_copy(du), ru, test::fp32_accum_tolerance(k))) << what;
+    if (mask & 4) EXPECT_TRUE(test::all_close(test::host_copy(dh), rh, test::bf16_output_tolerance(k))) << what;
   }
+}
+
+TEST(SmallMGateUp, AllOutputCombinationsMatchCpu) {
+  QMM_REQUIRE_GPU();
+  expect_gate_up_matches(Nf4Path::SmallM, 7, 333, 1056, DType::BF16);
 }
 
 // The fused kernel runs on sm_90a builds on Hopper; elsewhere forcing it raises Unsupported (tested below).
@@ -199,6 +204,14 @@ INSTANTIATE_TEST_SUITE_P(Shapes, FusedBackward,
                          ::testing::Values(FusedShape{1, 8, 64, 64}, FusedShape{7, 200, 192, 64},
                                            FusedShape{300, 520, 320, 64}, FusedShape{257, 64, 1024, 64},
                                            FusedShape{65, 256, 512, 256}, FusedShape{1000, 1536, 256, 64}));
+
+// gate_up on the fused path: the fused forward once per projection (ragged M and N, f32 and bf16 A).
+TEST(FusedGateUp, AllOutputCombinationsMatchCpu) {
+  QMM_REQUIRE_GPU();
+  if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
+  expect_gate_up_matches(Nf4Path::Fused, 65, 130, 1024, DType::BF16);
+  expect_gate_up_matches(Nf4Path::Fused, 300, 257, 576, DType::F32);
+}
 
 TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
   QMM_REQUIRE_GPU();

@@ -181,8 +181,9 @@ bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
 // measured faster than dequantize + cuBLASLt (H200, commit f362114, device µs, docs/BENCHMARKS.md):
 // forward from just above the small-M range to 512 rows (M = 64: down 68 vs 84, gate/up 82 vs 81; M = 256: 53 vs
 // 91-95; M = 512: 104-113 vs 127-132), not at M >= 2048 (1.05-1.14x); input gradient from just above the small-M
-// range to 256 rows (M = 32-256: 62-70 vs 81-96), not at 512 (1.08x) and above. On Qwen2.5-1.5B sizes (140
-// tiles of 128 rows, about one wave) both lose nearly everywhere (up to 1.8x) and are never taken.
+// range to 256 rows (M = 32-256: 62-70 vs 81-96), not at 512 (1.08x) and above. On Qwen2.5-1.5B sizes (70 or 12
+// tiles of 128 weight rows per 256 activation rows: partial waves on 132 SMs) both lose nearly everywhere (up to
+// 1.8x) and are never taken.
 constexpr std::int64_t kAutoFusedMinRows = 33;
 constexpr std::int64_t kAutoFusedMaxRows = 512;
 constexpr std::int64_t kAutoFusedBackwardMaxRows = 256;
@@ -294,7 +295,13 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w_gate, false)) &&
                        nf4_small_m_supported(a, w_gate) &&
                        nf4_small_m_supported(a, w_up) && w_gate.rows == w_up.rows;
-  check_path(op, opts.path, {small_m, kSmallMNeeds}, {false, "two nf4_gemm calls: there is no fused gate+up kernel yet"});
+  // Fused: the fused tensor-core forward once per projection, where nf4_gemm's Auto would take it (or forced).
+  PathFit fused;
+  if (wants_fused_forward(opts.path, a.dim(0), w_gate, small_m)) {
+    fused = fused_fit(ctx, a, w_gate, false);
+    if (fused.ok) fused = fused_fit(ctx, a, w_up, false);
+  }
+  check_path(op, opts.path, {small_m, kSmallMNeeds}, fused);
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w_gate.rows;
   if (M == 0 || N == 0) return;
   set_device(ctx);
@@ -309,8 +316,10 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   const std::size_t mn = static_cast<std::size_t>(M * N);
   ScratchPlan plan;
   const std::size_t a_at = a.dtype() == DType::F32 ? plan.reserve(static_cast<std::size_t>(M * K) * 2) : 0;
-  // One bf16 weight region, reused for the up weight after the gate GEMM (stream order makes that safe).
-  const std::size_t w_at = plan.reserve(static_cast<std::size_t>(std::max(w_gate.numel(), w_up.numel())) * 2);
+  // One bf16 weight region, reused for the up weight after the gate GEMM (stream order makes that safe); none
+  // on the fused path.
+  const std::size_t w_at =
+      fused.ok ? 0 : plan.reserve(static_cast<std::size_t>(std::max(w_gate.numel(), w_up.numel())) * 2);
   const std::size_t g_at = g_tmp ? plan.reserve(mn * 4) : 0;
   const std::size_t u_at = u_tmp ? plan.reserve(mn * 4) : 0;
   plan.commit(ctx);
@@ -319,15 +328,15 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   const TensorView g_dst = g_tmp ? TensorView(plan.at<void>(g_at), DType::F32, {M, N}, dev) : out.gate;
   const TensorView u_dst = u_tmp ? TensorView(plan.at<void>(u_at), DType::F32, {M, N}, dev) : out.up;
   const void* a16 = bf16_operand(ctx, a, plan, a_at);
-  void* w16 = plan.at<void>(w_at);
-  if (!g_dst.empty()) {
-    dequantize_bf16(ctx, w_gate, w16);
-    bf16_gemm(ctx, a16, w16, true, g_dst, M, N, K, opts.alpha, 0.0f);
-  }
-  if (!u_dst.empty()) {
-    dequantize_bf16(ctx, w_up, w16);
-    bf16_gemm(ctx, a16, w16, true, u_dst, M, N, K, opts.alpha, 0.0f);
-  }
+  auto project = [&](const Nf4Weight& w, const TensorView& dst) {
+    if (dst.empty()) return;
+    if (fused.ok) return launch_nf4_gemm_fused(ctx, a16, M, w, dst, opts.alpha, 0.0f);
+    void* w16 = plan.at<void>(w_at);
+    dequantize_bf16(ctx, w, w16);
+    bf16_gemm(ctx, a16, w16, true, dst, M, N, K, opts.alpha, 0.0f);
+  };
+  project(w_gate, g_dst);
+  project(w_up, u_dst);
   if (!want_h) return;
 
   auto bf16_out = [](const TensorView& v) {
