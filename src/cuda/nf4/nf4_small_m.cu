@@ -16,8 +16,13 @@ namespace qmm::cuda {
 
 namespace {
 
-// Reductions of split-K partials: a warp per output once there are enough splits to keep 32 loads busy.
+// Reductions of split-K partials: a warp per output once there are enough splits to keep 32 loads busy, but
+// only over few outputs (the small-M shapes: at most M x N = 64 K). A warp per output reads one 4-byte value per
+// split from lines that neighbouring outputs' warps also fetch; over many outputs (the fused kernel's split-K at
+// M = 256 on the Qwen shapes: 393 K outputs, 11 splits) a thread per output reads whole lines instead (the warp
+// form made those calls 1.5x slower than at M = 512: 47 vs 32 µs).
 constexpr int kWarpReduceSplits = 8;
+constexpr std::int64_t kWarpReduceMaxOutputs = 64 * 1024;
 
 constexpr int kReduceThreads = 256;
 
@@ -29,7 +34,7 @@ void launch_by_lanes(const Context& ctx, int splits, std::int64_t mn, Launch lau
     return static_cast<unsigned>(std::max<std::int64_t>(
         1, std::min<std::int64_t>((threads + kReduceThreads - 1) / kReduceThreads, 8LL * state(ctx).sm_count())));
   };
-  if (splits >= kWarpReduceSplits) launch(std::integral_constant<int, 32>{}, blocks(32 * mn));
+  if (splits >= kWarpReduceSplits && mn <= kWarpReduceMaxOutputs) launch(std::integral_constant<int, 32>{}, blocks(32 * mn));
   else launch(std::integral_constant<int, 1>{}, blocks(mn));
 }
 
