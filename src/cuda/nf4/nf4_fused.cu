@@ -38,7 +38,7 @@
 #include "cuda/common/cuda_state.h"
 #include "cuda/nf4/nf4_small_m.h"    // launch_nf4_split_k_reduce
 #include "core/nf4_lut.h"            // block tables and their byte-permute lookups (shared with a CPU test)
-#include "cuda/nf4/nf4_small_m.cuh"  // Scales, load_scale, finish_scale, pack_bf16x2, store_out
+#include "cuda/nf4/nf4_small_m.cuh"  // Scales, load_scale, finish_scale, store_out
 #include "qmm/error.h"
 
 namespace qmm::cuda {
@@ -129,7 +129,6 @@ __device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t addr) {
          (1ull << 62);
 }
 
-
 // The same for an M-major operand of 64 rows (one 128-byte swizzle atom wide along M, so the leading byte offset,
 // the step between such atoms, is never used): k groups of 8 rows of 128 bytes are 1024 bytes apart.
 __device__ __forceinline__ std::uint64_t sw128_mn_desc(std::uint32_t addr) {
@@ -205,7 +204,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const std::
 // Both directions are one GEMM shape for the consumers: out[M][n_out] = B[M][k_red] * T^T with T the dequantized
 // tile operand [n_out][k_red], K-major in shared memory.
 //  forward:        T = W [N][K] as stored (n_out = N, k_red = K), B = A.
-//  input gradient: T = W^T (n_out = K, k_red = N), B = dC; the producer writes the tile transposed.
+//  input gradient: T = W^T (n_out = K, k_red = N), B = dC; the consumers write W's rows, the wgmma reads them M-major.
 // Grid: x over 128-row tiles of n_out, y over 256-row tiles of M, z over k_red ranges (split-K). With `partial`
 // the CTA writes its raw fp32 sums to partial[z][M][n_out] for a reduction; otherwise alpha * sum + beta * out.
 template <bool kBackward, bool kCBf16>
@@ -244,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), kProducerThreads);  // every producer thread, once its scale is written (+ TMA bytes)
+      mbar_init(full(s), kProducerThreads);  // every producer thread, once its table or scale is written (+ TMA bytes)
       mbar_init(empty(s), 256);  // every consumer thread (each has read the stage's scales)
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -452,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           r[2] += b_mul * __low2float(o1);
           r[3] += b_mul * __high2float(o1);
         }
-        *reinterpret_cast<uint2*>(p) = make_uint2(small_m::pack_bf16x2(r[0], r[1]), small_m::pack_bf16x2(r[2], r[3]));
+        *reinterpret_cast<uint2*>(p) = make_uint2(nf4_lut::pack_bf16x2(r[0], r[1]), nf4_lut::pack_bf16x2(r[2], r[3]));
       } else {
         float* p = out_f32 + at;
         float4 r = make_float4(a_mul * v.x, a_mul * v.y, a_mul * v.z, a_mul * v.w);

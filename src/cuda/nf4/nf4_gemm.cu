@@ -2,8 +2,8 @@
 //  DequantGemm: dequantize W to bf16 into scratch, round an f32 A to bf16 (nearest even) into the same scratch
 //  allocation, then the dense bf16 GEMM (cuBLASLt, fp32 accumulation).
 //  SmallM: the fused small-M kernels (nf4_small_m.cu) where their preconditions hold, Unsupported otherwise.
-//  Auto: SmallM for few rows where it applies (wants_small_m below), the fused forward on large weights at a few
-//  hundred rows where it applies (wants_fused_forward), DequantGemm otherwise.
+//  Auto: SmallM for few rows where it applies (wants_small_m below), the fused kernels on large weights at tens to
+//  hundreds of rows where they apply (wants_fused), DequantGemm otherwise.
 //  Fused: the fused tensor-core kernels (nf4_fused.cu, sm_90a) for the forward and the input gradient where they
 //  apply, Unsupported otherwise. Reference: the CPU backend's, not a GPU path.
 #include <cuda_bf16.h>
@@ -184,19 +184,15 @@ bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
 // range to 256 rows (M = 32-256: 62-70 vs 81-96), not at 512 (1.08x) and above. On Qwen2.5-1.5B sizes (70 or 12
 // tiles of 128 weight rows per 256 activation rows: partial waves on 132 SMs) both lose nearly everywhere (up to
 // 1.8x) and are never taken.
-constexpr std::int64_t kAutoFusedMinRows = 33;
-constexpr std::int64_t kAutoFusedMaxRows = 512;
-constexpr std::int64_t kAutoFusedBackwardMaxRows = 256;
+struct RowRange {
+  std::int64_t min, max;
+};
+constexpr RowRange kAutoFusedRows[2] = {{33, 512}, {0, 256}};  // [backward]: forward, input gradient
 
-bool wants_fused_forward(Nf4Path path, std::int64_t m, const Nf4Weight& w, bool small_m) {
+bool wants_fused(Nf4Path path, std::int64_t m, const Nf4Weight& w, bool small_m, bool backward) {
   if (path == Nf4Path::Fused) return true;
-  return path == Nf4Path::Auto && !small_m && m >= kAutoFusedMinRows && m <= kAutoFusedMaxRows &&
-         w.numel() >= kLargeWeightElements;
-}
-
-bool wants_fused_backward(Nf4Path path, std::int64_t m, const Nf4Weight& w, bool small_m) {
-  if (path == Nf4Path::Fused) return true;
-  return path == Nf4Path::Auto && !small_m && m <= kAutoFusedBackwardMaxRows && w.numel() >= kLargeWeightElements;
+  const RowRange r = kAutoFusedRows[backward ? 1 : 0];
+  return path == Nf4Path::Auto && !small_m && m >= r.min && m <= r.max && w.numel() >= kLargeWeightElements;
 }
 
 // The bf16 activations for a fused launch: x itself, or its rounded copy in plan's scratch (f32 x).
@@ -239,7 +235,7 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
   // Where Auto would take it but it cannot serve (another GPU, a build without sm_90a, K % 64 != 0...),
   // dequantize + cuBLASLt runs instead.
   const PathFit fused =
-      wants_fused_forward(opts.path, a.dim(0), w, small_m) ? fused_fit(ctx, a, w, false) : PathFit{};
+      wants_fused(opts.path, a.dim(0), w, small_m, false) ? fused_fit(ctx, a, w, false) : PathFit{};
   check_path(op, opts.path, {small_m, kSmallMNeeds}, fused);
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
   if (M == 0 || N == 0) return;
@@ -268,7 +264,7 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
   const bool small_m =
       wants_small_m(opts.path, dc.dim(0), auto_small_m_rows(w, true)) && nf4_small_m_backward_supported(dc, w);
   const PathFit fused =
-      wants_fused_backward(opts.path, dc.dim(0), w, small_m) ? fused_fit(ctx, dc, w, true) : PathFit{};
+      wants_fused(opts.path, dc.dim(0), w, small_m, true) ? fused_fit(ctx, dc, w, true) : PathFit{};
   check_path(op, opts.path, {small_m, kSmallMBackwardNeeds}, fused);
   const std::int64_t M = dc.dim(0), N = w.rows, K = w.cols;
   if (M == 0 || K == 0) return;
@@ -297,7 +293,7 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
                        nf4_small_m_supported(a, w_up) && w_gate.rows == w_up.rows;
   // Fused: the fused tensor-core forward once per projection, where nf4_gemm's Auto would take it (or forced).
   PathFit fused;
-  if (wants_fused_forward(opts.path, a.dim(0), w_gate, small_m)) {
+  if (wants_fused(opts.path, a.dim(0), w_gate, small_m, false)) {
     fused = fused_fit(ctx, a, w_gate, false);
     if (fused.ok) fused = fused_fit(ctx, a, w_up, false);
   }
