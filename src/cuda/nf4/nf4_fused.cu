@@ -526,7 +526,35 @@ CUtensorMap code_map(const Nf4Weight& w, bool backward) {
                                   fused::kBlockW, fused::kBlockK / 2, CU_TENSOR_MAP_SWIZZLE_32B);
 }
 
+// The fused kernel's grid for one problem: 128 x 256 output tiles, split over k_red only when the tiles fill less
+// than half the GPU, and only as far as one wave (each split adds an fp32 partial of the output written and read
+// back).
+struct FusedGrid {
+  std::int64_t tiles_n, tiles_m, splits, k_tiles_per_split;
+};
+
+FusedGrid fused_grid(std::int64_t sms, std::int64_t M, std::int64_t n_out, std::int64_t k_red) {
+  FusedGrid g;
+  g.tiles_n = (n_out + fused::kBlockW - 1) / fused::kBlockW;
+  g.tiles_m = (M + fused::kBlockA - 1) / fused::kBlockA;
+  const std::int64_t tiles = g.tiles_n * g.tiles_m;
+  const std::int64_t k_tiles = (k_red + fused::kBlockK - 1) / fused::kBlockK;
+  g.splits = 1;
+  if (2 * tiles <= sms) g.splits = std::clamp<std::int64_t>(sms / std::max<std::int64_t>(tiles, 1), 1, std::max<std::int64_t>(1, k_tiles / 4));
+  g.k_tiles_per_split = (k_tiles + g.splits - 1) / g.splits;
+  g.splits = (k_tiles + g.k_tiles_per_split - 1) / g.k_tiles_per_split;
+  return g;
+}
+
 }  // namespace
+
+double nf4_fused_wave_fill(const Context& ctx, std::int64_t M, const Nf4Weight& w, bool backward) {
+  const std::int64_t sms = state(ctx).sm_count();
+  const FusedGrid g = fused_grid(sms, M, backward ? w.cols : w.rows, backward ? w.rows : w.cols);
+  const std::int64_t ctas = g.tiles_n * g.tiles_m * g.splits;
+  const std::int64_t waves = std::max<std::int64_t>((ctas + sms - 1) / sms, 1);
+  return static_cast<double>(ctas) / static_cast<double>(waves * sms);
+}
 
 bool nf4_fused_supported(const Context& ctx, const TensorView& b, const Nf4Weight& w, bool backward,
                          const char** why) {
@@ -559,23 +587,15 @@ void launch_fused(const Context& ctx, const void* b16, std::int64_t M, const Nf4
   const std::int64_t n_out = kBackward ? w.cols : w.rows, k_red = kBackward ? w.rows : w.cols;
   const CUtensorMap map = activation_map(b16, M, k_red), codes = code_map(w, kBackward);
   const small_m::Scales scales = small_m::scales_of(w);
-  const std::int64_t tiles_n = (n_out + fused::kBlockW - 1) / fused::kBlockW;
-  const std::int64_t tiles_m = (M + fused::kBlockA - 1) / fused::kBlockA;
-  // Split k_red only when the tiles fill less than half the GPU, and only as far as one wave: each split adds an
-  // fp32 partial of the output written and read back.
-  const std::int64_t tiles = tiles_n * tiles_m, sms = state(ctx).sm_count();
-  const std::int64_t k_tiles = (k_red + fused::kBlockK - 1) / fused::kBlockK;
-  std::int64_t splits = 1;
-  if (2 * tiles <= sms) splits = std::clamp<std::int64_t>(sms / tiles, 1, std::max<std::int64_t>(1, k_tiles / 4));
-  const std::int64_t per_split = (k_tiles + splits - 1) / splits;
-  splits = (k_tiles + per_split - 1) / per_split;
+  const FusedGrid g = fused_grid(state(ctx).sm_count(), M, n_out, k_red);
+  const std::int64_t splits = g.splits, per_split = g.k_tiles_per_split;
   std::unique_ptr<ScratchBuffer> scratch;
   float* partial = nullptr;
   if (splits > 1) {
     scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(splits * M * n_out) * 4);
     partial = scratch->at<float>(0);
   }
-  const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m), static_cast<unsigned>(splits));
+  const dim3 grid(static_cast<unsigned>(g.tiles_n), static_cast<unsigned>(g.tiles_m), static_cast<unsigned>(splits));
   auto launch = [&](auto kernel) {
     allow_dynamic_shared(reinterpret_cast<const void*>(kernel), fused::kSmemBytes);
     kernel<<<grid, fused::kThreads, fused::kSmemBytes, stream_of(ctx)>>>(

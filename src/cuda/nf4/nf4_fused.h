@@ -16,6 +16,10 @@ namespace qmm::cuda {
 bool nf4_fused_supported(const Context& ctx, const TensorView& activations, const Nf4Weight& w, bool backward,
                          const char** why = nullptr);
 
+// How full the fused kernel's last wave of CTAs keeps the GPU for this problem (its output tiles times its split-K
+// factor over whole waves of one CTA per SM), in (0, 1]: the dispatcher's measure of wave quantization.
+double nf4_fused_wave_fill(const Context& ctx, std::int64_t M, const Nf4Weight& w, bool backward);
+
 // C[M,N] = alpha * A16[M,K] * dequant(W)^T + beta * C, A16 bf16 (row-major, 16-byte aligned), C f32 or bf16.
 void launch_nf4_gemm_fused(const Context& ctx, const void* a16, std::int64_t M, const Nf4Weight& w,
                            const TensorView& c, float alpha, float beta);

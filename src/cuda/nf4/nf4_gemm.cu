@@ -2,8 +2,8 @@
 //  DequantGemm: dequantize W to bf16 into scratch, round an f32 A to bf16 (nearest even) into the same scratch
 //  allocation, then the dense bf16 GEMM (cuBLASLt, fp32 accumulation).
 //  SmallM: the fused small-M kernels (nf4_small_m.cu) where their preconditions hold, Unsupported otherwise.
-//  Auto: SmallM for few rows where it applies (wants_small_m below), the fused kernels on large weights at tens to
-//  hundreds of rows where they apply (wants_fused), DequantGemm otherwise.
+//  Auto: SmallM for few rows where it applies (wants_small_m below), the fused kernels at tens to hundreds of rows
+//  where they measured faster and apply (wants_fused), DequantGemm otherwise.
 //  Fused: the fused tensor-core kernels (nf4_fused.cu, sm_90a) for the forward and the input gradient where they
 //  apply, Unsupported otherwise. Reference: the CPU backend's, not a GPU path.
 #include <cuda_bf16.h>
@@ -177,22 +177,35 @@ bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
   return path == Nf4Path::SmallM || (path == Nf4Path::Auto && m <= auto_max_rows);
 }
 
-// Auto takes the fused tensor-core kernels (sm_90a, nf4_fused.cu) on large weights (Llama-3-8B sizes) where they
-// measured faster than dequantize + cuBLASLt (H200, commit f362114, device µs, docs/BENCHMARKS.md):
-// forward from just above the small-M range to 512 rows (M = 64: down 68 vs 84, gate/up 82 vs 81; M = 256: 53 vs
-// 91-95; M = 512: 104-113 vs 127-132), not at M >= 2048 (1.05-1.14x); input gradient from just above the small-M
-// range to 256 rows (M = 32-256: 62-70 vs 81-96), not at 512 (1.08x) and above. On Qwen2.5-1.5B sizes (70 or 12
-// tiles of 128 weight rows per 256 activation rows: partial waves on 132 SMs) both lose nearly everywhere (up to
-// 1.8x) and are never taken.
+// Auto takes the fused tensor-core kernels (sm_90a, nf4_fused.cu) where they measured faster than dequantize +
+// cuBLASLt (H200, commit 1eb5397, device µs, docs/BENCHMARKS.md), never above 512 rows (at M >= 2048 they lose:
+// 1.05-1.45x):
+//  - on large weights (Llama-3-8B sizes), where dequantizing costs ~40 µs, from just above the small-M range:
+//    forward 33-512 rows (M = 64: down 62 vs 83, gate/up 81 vs 80; M = 256: 53 vs 90-94; M = 512: 102-120 vs
+//    124-132), input gradient 9-512 (M = 16: gate/up 73 vs 81, down 84 vs 81; M = 32-256: 59-70 vs 81-96;
+//    M = 512: 121-130 vs 126-137);
+//  - on smaller weights (Qwen2.5-1.5B sizes) only from 128 rows, and only when the fused grid keeps the GPU at
+//    least 90% busy (kMinWaveFill): Qwen down forward and gate/up input gradient (12 tiles per 256 rows, split
+//    over the long k to fill 132 SMs) win at M = 256 (22-23 vs 28-29) and 512 (32-36 vs 35-38); Qwen gate/up forward
+//    and down input gradient (70 tiles per 256 rows: 53% of one wave) lose (25-28 vs 24-25 at M = 256, 47-54 vs
+//    32-35 at 512), as do all Qwen cases at 32-64 rows (up to 1.4x), where dequantizing costs only ~10 µs.
 struct RowRange {
   std::int64_t min, max;
 };
-constexpr RowRange kAutoFusedRows[2] = {{33, 512}, {0, 256}};  // [backward]: forward, input gradient
+constexpr RowRange kAutoFusedRowsLarge[2] = {{33, 512}, {0, 512}};  // [backward]: forward, input gradient
+constexpr RowRange kAutoFusedRows = {128, 512};                      // smaller weights, either direction
+constexpr double kMinWaveFill = 0.9;
 
-bool wants_fused(Nf4Path path, std::int64_t m, const Nf4Weight& w, bool small_m, bool backward) {
+bool wants_fused(const Context& ctx, Nf4Path path, std::int64_t m, const Nf4Weight& w, bool small_m,
+                 bool backward) {
   if (path == Nf4Path::Fused) return true;
-  const RowRange r = kAutoFusedRows[backward ? 1 : 0];
-  return path == Nf4Path::Auto && !small_m && m >= r.min && m <= r.max && w.numel() >= kLargeWeightElements;
+  if (path != Nf4Path::Auto || small_m) return false;
+  if (w.numel() >= kLargeWeightElements) {
+    const RowRange r = kAutoFusedRowsLarge[backward ? 1 : 0];
+    return m >= r.min && m <= r.max;
+  }
+  return m >= kAutoFusedRows.min && m <= kAutoFusedRows.max &&
+         nf4_fused_wave_fill(ctx, m, w, backward) >= kMinWaveFill;
 }
 
 // The bf16 activations for a fused launch: x itself, or its rounded copy in plan's scratch (f32 x).
@@ -235,7 +248,7 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
   // Where Auto would take it but it cannot serve (another GPU, a build without sm_90a, K % 64 != 0...),
   // dequantize + cuBLASLt runs instead.
   const PathFit fused =
-      wants_fused(opts.path, a.dim(0), w, small_m, false) ? fused_fit(ctx, a, w, false) : PathFit{};
+      wants_fused(ctx, opts.path, a.dim(0), w, small_m, false) ? fused_fit(ctx, a, w, false) : PathFit{};
   check_path(op, opts.path, {small_m, kSmallMNeeds}, fused);
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
   if (M == 0 || N == 0) return;
@@ -264,7 +277,7 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
   const bool small_m =
       wants_small_m(opts.path, dc.dim(0), auto_small_m_rows(w, true)) && nf4_small_m_backward_supported(dc, w);
   const PathFit fused =
-      wants_fused(opts.path, dc.dim(0), w, small_m, true) ? fused_fit(ctx, dc, w, true) : PathFit{};
+      wants_fused(ctx, opts.path, dc.dim(0), w, small_m, true) ? fused_fit(ctx, dc, w, true) : PathFit{};
   check_path(op, opts.path, {small_m, kSmallMBackwardNeeds}, fused);
   const std::int64_t M = dc.dim(0), N = w.rows, K = w.cols;
   if (M == 0 || K == 0) return;
@@ -293,7 +306,7 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
                        nf4_small_m_supported(a, w_up) && w_gate.rows == w_up.rows;
   // Fused: the fused tensor-core forward once per projection, where nf4_gemm's Auto would take it (or forced).
   PathFit fused;
-  if (wants_fused(opts.path, a.dim(0), w_gate, small_m, false)) {
+  if (wants_fused(ctx, opts.path, a.dim(0), w_gate, small_m, false)) {
     fused = fused_fit(ctx, a, w_gate, false);
     if (fused.ok) fused = fused_fit(ctx, a, w_up, false);
   }
