@@ -71,6 +71,7 @@ constexpr int kBlockTablesOffset = kStages * kStageBytes;
 constexpr int kCode2Offset = kBlockTablesOffset + kStages * kBlockW * kBlockTableBytes;
 constexpr int kBarriersOffset = kCode2Offset + small_m::kCode2Bytes;
 constexpr int kCPitch = kBlockW + 4;  // floats per row of the staged output tile [kBlockA][kCPitch]
+constexpr int kCBf16Pitch = kBlockW * 2 + 16;  // bytes per row of the staged bf16 output tile
 static_assert(kBlockA * kCPitch * 4 <= kCode2Offset, "the output tile is staged in the pipeline's shared memory");
 static_assert(kWTileBytes % 1024 == 0 && kATileBytes % 1024 == 0 && kStageBytes % 1024 == 0,
               "tiles stay 1024-byte aligned (the swizzle patterns)");
@@ -415,12 +416,47 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
-  // Epilogue: the fp32 tile goes through shared memory (the pipeline's, now idle) as [256 m][128 n], so that
-  // global stores are 16-byte vectors along n. Accumulator d[4j + i] holds weight row 16*warp + g + 8*(i >> 1)
-  // of this warpgroup's 64 and activation row 8j + 2t + (i & 1); the row pitch makes those writes conflict-free.
+  // Epilogue. Accumulator d[4j + i] holds weight row (output n) 64 cw + 16 warp + g + 8 (i >> 1) and activation
+  // row (output m) 8j + 2t + (i & 1). The tile goes through shared memory (the pipeline's, idle now: every stage
+  // the producer loaded has been consumed) so that global stores run along n.
   asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's wgmmas are done with the stages
-  float* tile = reinterpret_cast<float*>(smem);
   const int g = lane / 4, t = lane % 4;
+  const int et = tid - kProducerThreads;  // 0..255
+  // Output rows of this tile (activation rows m0 ..): kBlockA, or what is left of M.
+  const int tile_rows = M - m0 < kBlockA ? static_cast<int>(M - m0) : kBlockA;
+  if (kCBf16 && !partial && beta == 0.0f && n_out % 8 == 0 && (reinterpret_cast<std::uintptr_t>(c) & 15u) == 0) {
+    // bf16 out, nothing to read back: round alpha * sum once, transpose the 8 x 8 fragments with stmatrix into a
+    // bf16 [256 m][128 n] tile (pitch 272 bytes: the eight 16-byte rows of a matrix hit distinct banks), then
+    // 16-byte copies along n.
+    unsigned char* tile = smem;
+    const std::uint32_t tile_s = smem_addr(tile);
+    const int mat = lane / 8, r = lane % 8;  // the row of matrix `mat` whose address this lane gives
+#pragma unroll
+    for (int j0 = 0; j0 < 32; j0 += 2) {
+      std::uint32_t v[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)  // matrix q: j = j0 + q / 2, weight rows + 8 (q % 2)
+        v[q] = nf4_lut::pack_bf16x2(alpha * acc[4 * (j0 + q / 2) + 2 * (q % 2)],
+                                    alpha * acc[4 * (j0 + q / 2) + 2 * (q % 2) + 1]);
+      const std::uint32_t at = tile_s + (8 * (j0 + mat / 2) + r) * kCBf16Pitch +
+                               2 * (64 * cw + 16 * warp + 8 * (mat % 2));
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                   ::"r"(at), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
+    }
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    const int chunk = et % 16;  // 8 outputs along n
+    const std::int64_t n = n0 + 8 * chunk;
+    if (n < n_out) {
+      auto* out = static_cast<__nv_bfloat16*>(c) + (m0 + et / 16) * n_out + n;
+#pragma unroll 4
+      for (int ml = et / 16; ml < tile_rows; ml += 16, out += 16 * n_out)
+        *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(tile + ml * kCBf16Pitch + 16 * chunk);
+    }
+    return;
+  }
+  // Any other output (f32, beta != 0, split-K partials): the fp32 tile as [256 m][128 n] (the row pitch makes the
+  // fragment writes conflict-free), then each thread takes 4 columns and every 8th row.
+  float* tile = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int j = 0; j < 32; ++j)
 #pragma unroll
@@ -432,12 +468,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float a_mul = partial ? 1.0f : alpha, b_mul = partial ? 0.0f : beta;
   const bool bf16_out = !partial && kCBf16;
   const bool vec = n_out % 4 == 0 && (reinterpret_cast<std::uintptr_t>(partial ? static_cast<void*>(partial) : c) & 15u) == 0;
-  for (int idx = tid - kProducerThreads; idx < kBlockA * (kBlockW / 4); idx += 256) {
-    const int ml = idx / (kBlockW / 4), q = idx % (kBlockW / 4);
-    const std::int64_t m = m0 + ml, n = n0 + 4 * q;
-    if (m >= M || n >= n_out) continue;
+  const int q = et % 32;  // columns n0 + 4q ..
+  const std::int64_t n = n0 + 4 * q;
+  if (n >= n_out) return;
+  for (int ml = et / 32; ml < tile_rows; ml += 8) {
     const float4 v = *reinterpret_cast<const float4*>(tile + ml * kCPitch + 4 * q);
-    const std::int64_t at = m * n_out + n;
+    const std::int64_t at = (m0 + ml) * n_out + n;
     if (vec) {
       if (bf16_out) {
         auto* p = static_cast<__nv_bfloat16*>(c) + at;
