@@ -71,7 +71,7 @@ constexpr int kBlockTablesOffset = kStages * kStageBytes;
 constexpr int kCode2Offset = kBlockTablesOffset + kStages * kBlockW * kBlockTableBytes;
 constexpr int kBarriersOffset = kCode2Offset + small_m::kCode2Bytes;
 constexpr int kCPitch = kBlockW + 4;  // floats per row of the staged output tile [kBlockA][kCPitch]
-constexpr int kCBf16Pitch = kBlockW * 2 + 16;  // bytes per row of the staged bf16 output tile
+[[maybe_unused]] constexpr int kCBf16Pitch = kBlockW * 2 + 16;  // bytes per row of the staged bf16 output tile
 static_assert(kBlockA * kCPitch * 4 <= kCode2Offset, "the output tile is staged in the pipeline's shared memory");
 static_assert(kWTileBytes % 1024 == 0 && kATileBytes % 1024 == 0 && kStageBytes % 1024 == 0,
               "tiles stay 1024-byte aligned (the swizzle patterns)");
