@@ -17,7 +17,7 @@ constexpr int kTilesN = 4;                      // n8 tiles per warp: each warp 
 constexpr int kBlockN = 4 * 8 * kTilesN;        // 128 weight rows (outputs) per block
 constexpr int kChunkK = 128;                    // k per chunk: 4 threads x 32 codes (one 16-byte load each)
 constexpr int kPadA = 8;                        // bf16 elements of padding per shared A row
-constexpr int kCodebookBytes = 16 * 4;          // the 16 NF4 values: a warp's lookups hit 16 words in 16 banks
+constexpr int kCodebookBytes = 16 * 4 + 256;    // the 16 NF4 values (16 words in 16 banks), 256-byte aligned inside
 constexpr int kMaxSharedA = 64 * 1024;          // bytes of staged activations per block, at most
 
 // Scales of one weight, plain (absmax) or double-quantized (q, absmax2, code2, offset).
@@ -65,15 +65,47 @@ __device__ __forceinline__ float finish_scale(const Scales& s, RawScale r, const
 }
 
 // Shared tables at the start of each kernel's shared memory: the 16 NF4 values (a warp's lookups hit 16 words in
-// 16 banks), then code2 (filled only for double-quantized weights).
+// 16 banks) at the first 256-byte boundary, then code2 (filled only for double-quantized weights).
 constexpr int kCode2Bytes = kNf4Code2Size * 4;
 constexpr int kTablesBytes = kCodebookBytes + kCode2Bytes;
+
+__device__ __forceinline__ std::uint32_t shared_address(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The codebook inside the first kCodebookBytes of shared memory, 256-byte aligned: a lookup's address is then one
+// byte permute (code_at).
+__device__ __forceinline__ float* aligned_codebook(unsigned char* smem) {
+  return reinterpret_cast<float*>(smem + ((256u - (shared_address(smem) & 255u)) & 255u));
+}
 
 __device__ __forceinline__ void fill_tables(float* codebook, float* code2_shared, const Scales& s, int tid,
                                             int threads) {
   if (tid < 16) codebook[tid] = nf4_code_value(tid);
   if (!s.absmax)
     for (int i = tid; i < kNf4Code2Size; i += threads) code2_shared[i] = __ldg(s.code2 + i);
+}
+
+// Codebook lookups without per-element shifts, masks and address arithmetic: hi_offsets / lo_offsets turn a word
+// of codes into byte offsets (4 x code) of each byte's high / low nibble, and code_at takes byte `b` of such a word
+// as the low byte of the codebook's shared address (its other bytes come from the aligned base).
+__device__ __forceinline__ std::uint32_t hi_offsets(std::uint32_t w) { return (w >> 2) & 0x3C3C3C3Cu; }
+__device__ __forceinline__ std::uint32_t lo_offsets(std::uint32_t w) { return (w << 2) & 0x3C3C3C3Cu; }
+
+// `b` (0..3) is a constant in the unrolled loops that call this, so the selector is an immediate.
+__device__ __forceinline__ float code_at(std::uint32_t offsets, int b, std::uint32_t codebook_base) {
+  const std::uint32_t addr = __byte_perm(offsets, codebook_base, 0x7650u | static_cast<std::uint32_t>(b));
+  float v;
+  asm("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));  // not volatile: free to move among the mma
+  return v;
+}
+
+// The codebook's shared address for code_at, taken after the barrier that publishes the codebook: the lookups
+// (asm without memory side effects) depend on it and so cannot be scheduled before that barrier.
+__device__ __forceinline__ std::uint32_t codebook_base_after_barrier(const float* codebook) {
+  std::uint32_t cb = shared_address(codebook);
+  asm volatile("" : "+r"(cb)::"memory");
+  return cb;
 }
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
@@ -119,7 +151,7 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
     int blocks_per_weight, int chunks, float* __restrict__ partial, void* __restrict__ c, bool c_bf16, float alpha,
     float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float* codebook = reinterpret_cast<float*>(smem);
+  float* codebook = aligned_codebook(smem);
   float* code2_shared = reinterpret_cast<float*>(smem + kCodebookBytes);
   __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + kTablesBytes);
   const int block_k = chunks * kChunkK;
@@ -175,6 +207,7 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
     *reinterpret_cast<uint4*>(as + row * lda + col) = v;
   }
   __syncthreads();
+  const std::uint32_t cb = codebook_base_after_barrier(codebook);
 
   float acc[MT][kTilesN][4];
 #pragma unroll
@@ -205,12 +238,12 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
       for (int tile = 0; tile < kTilesN; ++tile) {
         const std::uint32_t word = (step >> 1) == 0 ? w[tile].x : (step >> 1) == 1 ? w[tile].y
                                  : (step >> 1) == 2 ? w[tile].z : w[tile].w;
-        const int shift = (step & 1) * 16;  // bytes 2s (elements 4s, 4s+1) and 2s+1 (4s+2, 4s+3)
+        // Bytes 2 (s & 1) (elements 4s, 4s+1) and 2 (s & 1) + 1 (4s+2, 4s+3), high nibble first.
+        const int b = 2 * (step & 1);
+        const std::uint32_t hi = hi_offsets(word), lo = lo_offsets(word);
         const float sc = s[tile];
-        const float e0 = codebook[(word >> (shift + 4)) & 15];
-        const float e1 = codebook[(word >> shift) & 15];
-        const float e2 = codebook[(word >> (shift + 12)) & 15];
-        const float e3 = codebook[(word >> (shift + 8)) & 15];
+        const float e0 = code_at(hi, b, cb), e1 = code_at(lo, b, cb);
+        const float e2 = code_at(hi, b + 1, cb), e3 = code_at(lo, b + 1, cb);
         const std::uint32_t b0 = pack_bf16x2(e0 * sc, e1 * sc);
         const std::uint32_t b1 = pack_bf16x2(e2 * sc, e3 * sc);
 #pragma unroll
@@ -269,7 +302,7 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
     const std::uint8_t* __restrict__ codes, Scales scales, int groups_per_warp, float* __restrict__ partial,
     void* __restrict__ da, bool da_bf16, float alpha, float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float* codebook = reinterpret_cast<float*>(smem);
+  float* codebook = aligned_codebook(smem);
   float* code2_shared = reinterpret_cast<float*>(smem + kCodebookBytes);
   const int block_n = kBwdWarps * kBwdGroupN * groups_per_warp;  // weight rows (reduction) of this block
   const int ld_dc = block_n + 8;                                  // bf16 elements per shared dC row
@@ -300,6 +333,7 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
     *reinterpret_cast<std::uint32_t*>(dcs + row * ld_dc + col) = pack_bf16x2(x0, x1);
   }
   __syncthreads();
+  const std::uint32_t cb = codebook_base_after_barrier(codebook);
 
   float acc[16][MT8][4];
 #pragma unroll
@@ -349,8 +383,7 @@ __global__ void __launch_bounds__(kBwdThreads) nf4_gemm_backward_small_m_kernel(
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const std::uint32_t word = (p >> 2) == 0 ? w[r].x : (p >> 2) == 1 ? w[r].y : (p >> 2) == 2 ? w[r].z : w[r].w;
-        const int shift = 8 * (p & 3);
-        l[r] = make_float2(codebook[(word >> (shift + 4)) & 15], codebook[(word >> shift) & 15]);
+        l[r] = make_float2(code_at(hi_offsets(word), p & 3, cb), code_at(lo_offsets(word), p & 3, cb));
       }
       const std::uint32_t af[4] = {pack_bf16x2(l[0].x * sc[0], l[1].x * sc[1]),
                                    pack_bf16x2(l[0].y * sc[0], l[1].y * sc[1]),
