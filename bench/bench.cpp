@@ -120,7 +120,8 @@ class Bench {
     return static_cast<int>(std::clamp(std::ceil(want / std::max(bytes, 1.0)), 1.0, 32.0));
   }
 
-  Stats time(const std::function<void(int)>& fn, int sets = 1) const {
+  // Eager time (median of repeats after a warm-up) and, on a GPU, the host time per call.
+  Stats time_eager(const std::function<void(int)>& fn) const {
     const int warmup = is_gpu_ ? 5 : 1;
     Stats st = stats_of(ctx_.time_calls(fn, warmup, opts_.repeats));
     st.eager_us = st.median_us;
@@ -130,6 +131,12 @@ class Bench {
     const auto t1 = std::chrono::steady_clock::now();
     ctx_.synchronize();
     st.host_us = std::chrono::duration<double, std::micro>(t1 - t0).count() / opts_.repeats;
+    return st;
+  }
+
+  Stats time(const std::function<void(int)>& fn, int sets = 1) const {
+    Stats st = time_eager(fn);
+    if (!is_gpu_) return st;
     try {
       // Each replay runs every input set at least twice; 7 replays give the median and the spread.
       const int calls = std::clamp(2 * sets, 10, std::max(10, opts_.repeats));
@@ -140,6 +147,40 @@ class Bench {
       st.graph = true;
     } catch (const Error& e) {
       if (e.code() != ErrorCode::Unsupported) throw;  // not capturable (it synchronizes): eager time stands
+    }
+    return st;
+  }
+
+  // Several ways to do one thing (the paths of an NF4 GEMM), timed in turns: eager times one after another as
+  // in time(), then graph replays in three rounds, each round in a rotated order, so that a drift of the clocks
+  // during the run spreads over all of them instead of favouring the first. Medians over all rounds.
+  std::vector<Stats> time_interleaved(const std::vector<std::function<void(int)>>& fns, int sets) const {
+    std::vector<Stats> st;
+    for (const auto& fn : fns) st.push_back(time_eager(fn));
+    if (!is_gpu_ || fns.empty()) return st;
+    const std::size_t n = fns.size();
+    std::vector<std::vector<double>> samples(n);
+    std::vector<bool> capturable(n, true);
+    const int calls = std::clamp(2 * sets, 10, std::max(10, opts_.repeats));
+    for (std::size_t round = 0; round < 3; ++round)
+      for (std::size_t j = 0; j < n; ++j) {
+        const std::size_t i = (j + round) % n;
+        if (!capturable[i]) continue;
+        try {
+          const std::vector<double> ms = ctx_.time_graph(fns[i], calls, 3);
+          samples[i].insert(samples[i].end(), ms.begin(), ms.end());
+        } catch (const Error& e) {
+          if (e.code() != ErrorCode::Unsupported) throw;
+          capturable[i] = false;
+        }
+      }
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!capturable[i] || samples[i].empty()) continue;
+      const Stats g = stats_of(samples[i]);
+      st[i].median_us = g.median_us;
+      st[i].p10_us = g.p10_us;
+      st[i].p90_us = g.p90_us;
+      st[i].graph = true;
     }
     return st;
   }
@@ -481,16 +522,27 @@ void Bench::run_nf4() {
       if (M <= 64 && is_gpu_) paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"small-m", Nf4Path::SmallM}});
       if (M >= 256 && fused_ok) paths.push_back({"dequant", Nf4Path::DequantGemm});
       if (M >= 32 && fused_ok) paths.push_back({"fused", Nf4Path::Fused});
+      // The paths of each op are timed in turns (time_interleaved), so that they can be compared.
+      std::vector<Result> fwd_rows, bwd_rows;
+      std::vector<std::function<void(int)>> fwd_fns, bwd_fns;
       for (const auto& [pname, path] : paths) {
         const Nf4GemmOptions po{1.0f, 0.0f, path};
-        if (fwd)
-          record({"nf4_gemm", "dq " + pname, p.label, 1, M, N, K, flops, io,
-                  time([&](int i) { nf4_gemm(ctx_, as[i % sets], ws[i % sets], cs[i % sets], po); })});
-        if (bwd && (path != Nf4Path::SmallM || M <= 16))
-          record({"nf4_gemm_backward_a", "dq " + pname, p.label, 1, M, K, N, flops, io,
-                  time([&](int i) {
-                    nf4_gemm_backward_a(ctx_, dcs[i % sets], ws[i % sets], das[i % sets], po);
-                  })});
+        if (fwd) {
+          fwd_rows.push_back({"nf4_gemm", "dq " + pname, p.label, 1, M, N, K, flops, io});
+          fwd_fns.push_back([&, po](int i) { nf4_gemm(ctx_, as[i % sets], ws[i % sets], cs[i % sets], po); });
+        }
+        if (bwd && (path != Nf4Path::SmallM || M <= 16)) {
+          bwd_rows.push_back({"nf4_gemm_backward_a", "dq " + pname, p.label, 1, M, K, N, flops, io});
+          bwd_fns.push_back(
+              [&, po](int i) { nf4_gemm_backward_a(ctx_, dcs[i % sets], ws[i % sets], das[i % sets], po); });
+        }
+      }
+      for (auto [rows, fns] : {std::pair{&fwd_rows, &fwd_fns}, std::pair{&bwd_rows, &bwd_fns}}) {
+        const std::vector<Stats> st = time_interleaved(*fns, sets);
+        for (std::size_t i = 0; i < rows->size(); ++i) {
+          (*rows)[i].t = st[i];
+          record((*rows)[i]);
+        }
       }
       if (gu) {
         record({"nf4_gate_up", "dq auto h", p.label, 1, M, N, K, 2 * flops, 2 * wbytes + 2.0 * (M * K + M * N),
