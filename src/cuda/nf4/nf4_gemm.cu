@@ -184,16 +184,17 @@ bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
 //    forward 33-512 rows (M = 64: down 62 vs 83, gate/up 81 vs 80; M = 256: 53 vs 90-94; M = 512: 102-120 vs
 //    124-132), input gradient 9-512 (M = 16: gate/up 73 vs 81, down 84 vs 81; M = 32-256: 59-70 vs 81-96;
 //    M = 512: 121-130 vs 126-137);
-//  - on smaller weights (Qwen2.5-1.5B sizes) only from 128 rows, and only when the fused grid keeps the GPU at
+//  - on smaller weights (Qwen2.5-1.5B sizes) only from 64 rows, and only when the fused grid keeps the GPU at
 //    least 90% busy (kMinWaveFill): Qwen down forward and gate/up input gradient (12 tiles per 256 rows, split
-//    over the long k to fill 132 SMs) win at M = 256 (22-23 vs 28-29) and 512 (32-36 vs 35-38); Qwen gate/up forward
-//    and down input gradient (70 tiles per 256 rows: 53% of one wave) lose (25-28 vs 24-25 at M = 256, 47-54 vs
-//    32-35 at 512), as do all Qwen cases at 32-64 rows (up to 1.4x), where dequantizing costs only ~10 µs.
+//    over the long k to fill 132 SMs) win at M = 64 (18-20 vs 21), 256 (22-23 vs 28-29) and 512 (32-36 vs
+//    35-38; a6b229f, paths timed in turns); Qwen gate/up forward and down input gradient (70 tiles per 256 rows:
+//    53% of one wave) lose (25-28 vs 24-25 at M = 256, 47-54 vs 32-35 at 512), as do all Qwen cases at 32 rows,
+//    where dequantizing costs only ~10 µs.
 struct RowRange {
   std::int64_t min, max;
 };
 constexpr RowRange kAutoFusedRowsLarge[2] = {{33, 512}, {0, 512}};  // [backward]: forward, input gradient
-constexpr RowRange kAutoFusedRows = {128, 512};                      // smaller weights, either direction
+constexpr RowRange kAutoFusedRows = {64, 512};                       // smaller weights, either direction
 constexpr double kMinWaveFill = 0.9;
 
 bool wants_fused(const Context& ctx, Nf4Path path, std::int64_t m, const Nf4Weight& w, bool small_m,
