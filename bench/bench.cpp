@@ -134,17 +134,23 @@ class Bench {
     return st;
   }
 
+  // Calls per captured graph: each replay runs every input set at least twice.
+  int graph_calls(int sets) const { return std::clamp(2 * sets, 10, std::max(10, opts_.repeats)); }
+
+  // The device time from graph replays (ms per call) in place of the eager median and spread.
+  static void take_graph_times(Stats& st, std::vector<double> ms) {
+    const Stats g = stats_of(std::move(ms));
+    st.median_us = g.median_us;
+    st.p10_us = g.p10_us;
+    st.p90_us = g.p90_us;
+    st.graph = true;
+  }
+
   Stats time(const std::function<void(int)>& fn, int sets = 1) const {
     Stats st = time_eager(fn);
     if (!is_gpu_) return st;
     try {
-      // Each replay runs every input set at least twice; 7 replays give the median and the spread.
-      const int calls = std::clamp(2 * sets, 10, std::max(10, opts_.repeats));
-      const Stats g = stats_of(ctx_.time_graph(fn, calls, 7));
-      st.median_us = g.median_us;
-      st.p10_us = g.p10_us;
-      st.p90_us = g.p90_us;
-      st.graph = true;
+      take_graph_times(st, ctx_.time_graph(fn, graph_calls(sets), 7));  // 7 replays: the median and the spread
     } catch (const Error& e) {
       if (e.code() != ErrorCode::Unsupported) throw;  // not capturable (it synchronizes): eager time stands
     }
@@ -161,27 +167,20 @@ class Bench {
     const std::size_t n = fns.size();
     std::vector<std::vector<double>> samples(n);
     std::vector<bool> capturable(n, true);
-    const int calls = std::clamp(2 * sets, 10, std::max(10, opts_.repeats));
     for (std::size_t round = 0; round < 3; ++round)
       for (std::size_t j = 0; j < n; ++j) {
         const std::size_t i = (j + round) % n;
         if (!capturable[i]) continue;
         try {
-          const std::vector<double> ms = ctx_.time_graph(fns[i], calls, 3);
+          const std::vector<double> ms = ctx_.time_graph(fns[i], graph_calls(sets), 3);
           samples[i].insert(samples[i].end(), ms.begin(), ms.end());
         } catch (const Error& e) {
           if (e.code() != ErrorCode::Unsupported) throw;
           capturable[i] = false;
         }
       }
-    for (std::size_t i = 0; i < n; ++i) {
-      if (!capturable[i] || samples[i].empty()) continue;
-      const Stats g = stats_of(samples[i]);
-      st[i].median_us = g.median_us;
-      st[i].p10_us = g.p10_us;
-      st[i].p90_us = g.p90_us;
-      st[i].graph = true;
-    }
+    for (std::size_t i = 0; i < n; ++i)
+      if (capturable[i] && !samples[i].empty()) take_graph_times(st[i], std::move(samples[i]));
     return st;
   }
 

@@ -49,6 +49,7 @@ using nf4_lut::block_table;
 using nf4_lut::BlockTable;
 using small_m::RawScale;
 using small_m::Scales;
+using small_m::shared_address;
 
 constexpr int kBlockW = 128;  // weight rows (outputs n) per CTA: two consumer warpgroups of m64
 constexpr int kBlockA = 256;  // activation rows (outputs m) per CTA: wgmma n256
@@ -86,10 +87,6 @@ constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
 [[maybe_unused]] constexpr int kScalesAhead = 4;  // stages of raw scales a producer thread holds in flight
 static_assert(kProducerThreads * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs,
               "setmaxnreg must stay within the CTA's register allocation");
-
-__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
 
 __device__ __forceinline__ void mbar_init(std::uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -219,10 +216,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   // Aligned by offsetting the shared array itself (not through an integer): the compiler then knows every pointer
   // below is shared memory and emits LDS/STS with 32-bit addresses, not generic loads and stores.
-  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  unsigned char* smem = smem_raw + ((1024u - (shared_address(smem_raw) & 1023u)) & 1023u);
   float* code2_shared = reinterpret_cast<float*>(smem + kCode2Offset);
-  const std::uint32_t tiles = smem_addr(smem);
-  const std::uint32_t bars = smem_addr(smem + kBarriersOffset);
+  const std::uint32_t tiles = shared_address(smem);
+  const std::uint32_t bars = shared_address(smem + kBarriersOffset);
   auto w_tile = [&](int s) { return tiles + s * kStageBytes; };
   auto a_tile = [&](int s) { return tiles + s * kStageBytes + kWTileBytes; };
   auto full = [&](int s) { return bars + 8 * s; };
@@ -429,7 +426,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // bf16 [256 m][128 n] tile (pitch 272 bytes: the eight 16-byte rows of a matrix hit distinct banks), then
     // 16-byte copies along n.
     unsigned char* tile = smem;
-    const std::uint32_t tile_s = smem_addr(tile);
+    const std::uint32_t tile_s = shared_address(tile);
     const int mat = lane / 8, r = lane % 8;  // the row of matrix `mat` whose address this lane gives
 #pragma unroll
     for (int j0 = 0; j0 < 32; j0 += 2) {
@@ -576,7 +573,8 @@ FusedGrid fused_grid(std::int64_t sms, std::int64_t M, std::int64_t n_out, std::
   const std::int64_t tiles = g.tiles_n * g.tiles_m;
   const std::int64_t k_tiles = (k_red + fused::kBlockK - 1) / fused::kBlockK;
   g.splits = 1;
-  if (2 * tiles <= sms) g.splits = std::clamp<std::int64_t>(sms / std::max<std::int64_t>(tiles, 1), 1, std::max<std::int64_t>(1, k_tiles / 4));
+  if (2 * tiles <= sms)
+    g.splits = std::clamp<std::int64_t>(sms / std::max<std::int64_t>(tiles, 1), 1, std::max<std::int64_t>(1, k_tiles / 4));
   g.k_tiles_per_split = (k_tiles + g.splits - 1) / g.splits;
   g.splits = (k_tiles + g.k_tiles_per_split - 1) / g.k_tiles_per_split;
   return g;

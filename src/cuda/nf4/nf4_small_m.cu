@@ -34,8 +34,10 @@ void launch_by_lanes(const Context& ctx, int splits, std::int64_t mn, Launch lau
     return static_cast<unsigned>(std::max<std::int64_t>(
         1, std::min<std::int64_t>((threads + kReduceThreads - 1) / kReduceThreads, 8LL * state(ctx).sm_count())));
   };
-  if (splits >= kWarpReduceSplits && mn <= kWarpReduceMaxOutputs) launch(std::integral_constant<int, 32>{}, blocks(32 * mn));
-  else launch(std::integral_constant<int, 1>{}, blocks(mn));
+  if (splits >= kWarpReduceSplits && mn <= kWarpReduceMaxOutputs)
+    launch(std::integral_constant<int, 32>{}, blocks(32 * mn));
+  else
+    launch(std::integral_constant<int, 1>{}, blocks(mn));
 }
 
 }  // namespace
