@@ -158,19 +158,29 @@ const void* bf16_operand(const Context& ctx, const TensorView& a, const ScratchP
 }
 
 // The dispatcher: Auto takes the fused small-M kernels up to these row counts (where their preconditions hold),
-// dequantize + cuBLASLt above. Set from `qmm bench` device times on an H200 (docs/BENCHMARKS.md): forward wins
-// up to M = 16 on every shape and at M = 32 on large weights (Llama-3-8B 14336x4096: 51 vs 80 µs; Qwen2.5-1.5B
-// 8960x1536: 24 vs 19 µs); the input gradient wins only on large weights, up to M = 8 (66 vs 81 µs at M = 8,
-// 96 vs 81 at M = 16; on Qwen2.5-1.5B dequantize + GEMM is faster even at M = 1: 21 vs 28 µs).
+// the fused tensor-core kernels or dequantize + cuBLASLt above. Set from `qmm bench` device times on an H200
+// (docs/BENCHMARKS.md): the forward wins up to M = 16 on every shape (Qwen2.5-1.5B 8960x1536 at M = 32: 24 vs
+// 19 µs); on large weights (Llama-3-8B 14336x4096) the fused tensor-core forward takes over at M = 32 (48 / 45 vs
+// 52 / 54 µs, gate/up / down, commit 8ade442), except in nf4_gate_up, whose small-M kernel reads A once for both
+// projections (88 µs at M = 32 against two fused calls of ~48). The input gradient wins only on large weights, up
+// to M = 8 (66 vs 81 µs at M = 8, 96 vs 81 at M = 16; on Qwen2.5-1.5B dequantize + GEMM is faster even at M = 1:
+// 21 vs 28 µs).
 constexpr std::int64_t kAutoSmallMRows = 16;
-constexpr std::int64_t kAutoSmallMRowsLarge = 32;
+constexpr std::int64_t kAutoSmallMRowsLarge = 31;
+constexpr std::int64_t kAutoSmallMGateUpRowsLarge = 32;
 constexpr std::int64_t kAutoSmallMBackwardRowsLarge = 8;
 constexpr std::int64_t kLargeWeightElements = 32ll << 20;  // between the two measured sizes (13.8M and 58.7M)
 
-std::int64_t auto_small_m_rows(const Nf4Weight& w, bool backward) {
+enum class SmallMOp { Forward, Backward, GateUp };
+
+std::int64_t auto_small_m_rows(const Nf4Weight& w, SmallMOp op) {
   const bool large = w.numel() >= kLargeWeightElements;
-  if (backward) return large ? kAutoSmallMBackwardRowsLarge : 0;
-  return large ? kAutoSmallMRowsLarge : kAutoSmallMRows;
+  switch (op) {
+    case SmallMOp::Forward: return large ? kAutoSmallMRowsLarge : kAutoSmallMRows;
+    case SmallMOp::GateUp: return large ? kAutoSmallMGateUpRowsLarge : kAutoSmallMRows;
+    case SmallMOp::Backward: return large ? kAutoSmallMBackwardRowsLarge : 0;
+  }
+  return 0;
 }
 
 bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
@@ -178,23 +188,23 @@ bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
 }
 
 // Auto takes the fused tensor-core kernels (sm_90a, nf4_fused.cu) where they measured faster than dequantize +
-// cuBLASLt (H200, commit 1eb5397, device µs, docs/BENCHMARKS.md), never above 512 rows (at M >= 2048 they lose:
-// 1.05-1.45x):
+// cuBLASLt (H200, device µs, docs/BENCHMARKS.md; commit 8ade442, paths timed in turns), never above 512 rows (at
+// M >= 2048 they lose: 1.04-1.45x):
 //  - on large weights (Llama-3-8B sizes), where dequantizing costs ~40 µs, from just above the small-M range:
-//    forward 33-512 rows (M = 64: down 62 vs 83, gate/up 81 vs 80; M = 256: 53 vs 90-94; M = 512: 102-120 vs
-//    124-132), input gradient 9-512 (M = 16: gate/up 73 vs 81, down 84 vs 81; M = 32-256: 59-70 vs 81-96;
-//    M = 512: 121-130 vs 126-137);
-//  - on smaller weights (Qwen2.5-1.5B sizes) only from 64 rows, and only when the fused grid keeps the GPU at
-//    least 90% busy (kMinWaveFill): Qwen down forward and gate/up input gradient (12 tiles per 256 rows, split
-//    over the long k to fill 132 SMs) win at M = 64 (18-20 vs 21), 256 (22-23 vs 28-29) and 512 (32-36 vs
-//    35-38; a6b229f, paths timed in turns); Qwen gate/up forward and down input gradient (70 tiles per 256 rows:
-//    53% of one wave) lose (25-28 vs 24-25 at M = 256, 47-54 vs 32-35 at 512), as do all Qwen cases at 32 rows,
-//    where dequantizing costs only ~10 µs.
+//    forward 32-512 rows (M = 32-64: 45-49 vs 79-84; M = 256: 50-53 vs 90-94; M = 512: 105 vs 128-136), input
+//    gradient 9-512 (M = 16: 52-57 vs 81; M = 32-64: 53-58 vs 81-83; M = 256: 61 vs 93-97; M = 512: 117-125 vs
+//    127-136);
+//  - on smaller weights (Qwen2.5-1.5B sizes) from 32 rows, and only when the fused grid keeps the GPU at least 90%
+//    busy (kMinWaveFill): Qwen down forward and gate/up input gradient (12 tiles per 256 rows, split over the
+//    long k to fill 132 SMs) win or tie at M = 32 (18.9 vs 20.3, 20.2 vs 20.1), 64 (16.7 vs 20.9, 18.0 vs 20.7),
+//    256 (21.5 vs 27.4, 22.9 vs 28.4) and 512 (31.8 vs 33.8, 35.2 vs 37.4); Qwen gate/up forward and down input
+//    gradient (70 tiles per 256 rows: 53% of one wave) lose (20.6 vs 18.9 and 24.2 vs 19.0 at M = 32; 42.3 vs
+//    32.1 and 48.8 vs 34.8 at 512).
 struct RowRange {
   std::int64_t min, max;
 };
-constexpr RowRange kAutoFusedRowsLarge[2] = {{33, 512}, {0, 512}};  // [backward]: forward, input gradient
-constexpr RowRange kAutoFusedRows = {64, 512};                       // smaller weights, either direction
+constexpr RowRange kAutoFusedRowsLarge[2] = {{32, 512}, {0, 512}};  // [backward]: forward, input gradient
+constexpr RowRange kAutoFusedRows = {32, 512};                       // smaller weights, either direction
 constexpr double kMinWaveFill = 0.9;
 
 bool wants_fused(const Context& ctx, Nf4Path path, std::int64_t m, const Nf4Weight& w, bool small_m,
@@ -245,7 +255,7 @@ void bf16_gemm(const Context& ctx, const void* a, const void* b, bool trans_b, c
 void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
               const Nf4GemmOptions& opts) {
   const char* op = "nf4_gemm";
-  const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w, false)) && nf4_small_m_supported(a, w);
+  const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w, SmallMOp::Forward)) && nf4_small_m_supported(a, w);
   // Where Auto would take it but it cannot serve (another GPU, a build without sm_90a, K % 64 != 0...),
   // dequantize + cuBLASLt runs instead.
   const PathFit fused =
@@ -276,7 +286,7 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
                          const Nf4GemmOptions& opts) {
   const char* op = "nf4_gemm_backward_a";
   const bool small_m =
-      wants_small_m(opts.path, dc.dim(0), auto_small_m_rows(w, true)) && nf4_small_m_backward_supported(dc, w);
+      wants_small_m(opts.path, dc.dim(0), auto_small_m_rows(w, SmallMOp::Backward)) && nf4_small_m_backward_supported(dc, w);
   const PathFit fused =
       wants_fused(ctx, opts.path, dc.dim(0), w, small_m, true) ? fused_fit(ctx, dc, w, true) : PathFit{};
   check_path(op, opts.path, {small_m, kSmallMBackwardNeeds}, fused);
@@ -302,7 +312,7 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
 void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
                  const GateUpOutputs& out, const Nf4GemmOptions& opts) {
   const char* op = "nf4_gate_up";
-  const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w_gate, false)) &&
+  const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w_gate, SmallMOp::GateUp)) &&
                        nf4_small_m_supported(a, w_gate) &&
                        nf4_small_m_supported(a, w_up) && w_gate.rows == w_up.rows;
   // Fused: the fused tensor-core forward once per projection, where nf4_gemm's Auto would take it (or forced).
