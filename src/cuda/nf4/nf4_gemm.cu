@@ -255,7 +255,8 @@ void bf16_gemm(const Context& ctx, const void* a, const void* b, bool trans_b, c
 void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
               const Nf4GemmOptions& opts) {
   const char* op = "nf4_gemm";
-  const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w, SmallMOp::Forward)) && nf4_small_m_supported(a, w);
+  const bool small_m =
+      wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w, SmallMOp::Forward)) && nf4_small_m_supported(a, w);
   // Where Auto would take it but it cannot serve (another GPU, a build without sm_90a, K % 64 != 0...),
   // dequantize + cuBLASLt runs instead.
   const PathFit fused =
@@ -286,7 +287,8 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
                          const Nf4GemmOptions& opts) {
   const char* op = "nf4_gemm_backward_a";
   const bool small_m =
-      wants_small_m(opts.path, dc.dim(0), auto_small_m_rows(w, SmallMOp::Backward)) && nf4_small_m_backward_supported(dc, w);
+      wants_small_m(opts.path, dc.dim(0), auto_small_m_rows(w, SmallMOp::Backward)) &&
+      nf4_small_m_backward_supported(dc, w);
   const PathFit fused =
       wants_fused(ctx, opts.path, dc.dim(0), w, small_m, true) ? fused_fit(ctx, dc, w, true) : PathFit{};
   check_path(op, opts.path, {small_m, kSmallMBackwardNeeds}, fused);
