@@ -203,7 +203,9 @@ bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
 struct RowRange {
   std::int64_t min, max;
 };
-constexpr RowRange kAutoFusedRowsLarge[2] = {{32, 512}, {0, 512}};  // [backward]: forward, input gradient
+// [backward]: the forward takes over where the small-M kernel stops; the input gradient's small-M range is
+// excluded by wants_fused's small_m argument.
+constexpr RowRange kAutoFusedRowsLarge[2] = {{kAutoSmallMRowsLarge + 1, 512}, {0, 512}};
 constexpr RowRange kAutoFusedRows = {32, 512};                       // smaller weights, either direction
 constexpr double kMinWaveFill = 0.9;
 
