@@ -77,6 +77,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SmallMForward,
                                            Shape3{16, 129, 1536}, Shape3{17, 257, 512}, Shape3{33, 64, 160},
                                            Shape3{64, 300, 1024}, Shape3{5, 14336 / 16, 4096}));
 
+// M = 1 with K a multiple of 64 takes the GEMV kernel: one k group with 1 and all 32 lanes busy, three groups
+// on six warps (65 chunks), nine groups (warps take two in turn), and enough rows per block (10560 on an H200: 40
+// per block, 5 per warp) that each warp's ring of code rows wraps around.
+INSTANTIATE_TEST_SUITE_P(Gemv, SmallMForward,
+                         ::testing::Values(Shape3{1, 1, 64}, Shape3{1, 63, 2048}, Shape3{1, 1000, 4160},
+                                           Shape3{1, 130, 18432}, Shape3{1, 10560, 64}, Shape3{1, 2050, 4096}));
+
 // Both scale formats and dC/dA dtypes, beta in {0, 1} (dA poisoned when beta is 0).
 void expect_backward_matches(Nf4Path path, std::int64_t m, std::int64_t n, std::int64_t k, int block_size) {
   Context& gpu = *test::gpu_context();
@@ -118,6 +125,7 @@ TEST(SmallMBlockSizes, ForwardAndInputGradientMatchCpuOracle) {
   QMM_REQUIRE_GPU();
   for (int block : {128, 256, 1024}) {
     expect_forward_matches(Nf4Path::SmallM, 5, 130, 544, block);
+    expect_forward_matches(Nf4Path::SmallM, 1, 130, 576, block);  // the GEMV kernel (K a multiple of 64)
     expect_backward_matches(Nf4Path::SmallM, 3, 130, 544, block);
   }
 }
@@ -151,6 +159,7 @@ void expect_gate_up_matches(Nf4Path path, std::int64_t m, std::int64_t n, std::i
 TEST(SmallMGateUp, AllOutputCombinationsMatchCpu) {
   QMM_REQUIRE_GPU();
   expect_gate_up_matches(Nf4Path::SmallM, 7, 333, 1056, DType::BF16);
+  expect_gate_up_matches(Nf4Path::SmallM, 1, 333, 1088, DType::F32);  // the GEMV kernel, both weights in a launch
 }
 
 // The fused kernel runs on sm_90a builds on Hopper; elsewhere forcing it raises Unsupported (tested below).

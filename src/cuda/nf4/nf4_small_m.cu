@@ -101,11 +101,49 @@ float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0
   return partial;
 }
 
+// The M = 1 kernel's preconditions beyond the small-M ones: 64-element chunks inside one block, and the (row,
+// k group) sums of at least one row per block in shared memory.
+bool gemv_fits(std::int64_t K, const Nf4Weight& w) {
+  using namespace small_m;
+  return K % kGemvChunk == 0 && w.block_size >= kGemvChunk && (K + kGemvGroupK - 1) / kGemvGroupK <= kGemvSums;
+}
+
+// One wave of blocks (two per SM, which __launch_bounds__ guarantees by registers), each taking an even share of
+// the rows of all weights.
+template <bool kAF32>
+float* launch_gemv(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
+                   const TensorView& c, float alpha, float beta, std::unique_ptr<ScratchBuffer>& scratch) {
+  using namespace small_m;
+  const std::int64_t K = a.dim(1), N = w0.rows;
+  const std::int64_t groups = (K + kGemvGroupK - 1) / kGemvGroupK;
+  const std::int64_t wave = 2LL * state(ctx).sm_count();
+  const std::int64_t rows = std::clamp<std::int64_t>((weights * N + wave - 1) / wave, 1, kGemvSums / groups);
+  const int blocks_n = static_cast<int>((N + rows - 1) / rows);
+  auto kernel = nf4_gemv_kernel<kAF32>;
+  allow_dynamic_shared(reinterpret_cast<const void*>(kernel), kGemvSharedBytes);
+  float* partial = nullptr;
+  if (weights > 1) {
+    scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(weights) * N * 4);
+    partial = scratch->at<float>(0);
+  }
+  const WeightArgs args0{w0.codes.data_as<std::uint8_t>(), small_m::scales_of(w0)};
+  const WeightArgs args1{w1.codes.data_as<std::uint8_t>(), small_m::scales_of(w1)};
+  kernel<<<blocks_n * weights, kGemvThreads, kGemvSharedBytes, stream_of(ctx)>>>(
+      a.data(), N, K, args0, args1, blocks_n, static_cast<int>(rows), partial, c.empty() ? nullptr : c.data(),
+      c.dtype() == DType::BF16, alpha, beta);
+  QMM_CUDA_CHECK_LAUNCH("nf4_gemv_kernel");
+  return partial;
+}
+
 template <bool kAF32>
 float* launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
                    const TensorView& c, float alpha, float beta, std::unique_ptr<ScratchBuffer>& scratch,
                    int* splits) {
   const std::int64_t M = a.dim(0);
+  if (M == 1 && gemv_fits(a.dim(1), w0) && gemv_fits(a.dim(1), w1)) {
+    *splits = 1;
+    return launch_gemv<kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch);
+  }
   if (M <= 16) return launch_tiles<1, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
   if (M <= 32) return launch_tiles<2, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
   return launch_tiles<4, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);

@@ -275,6 +275,179 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
       }
 }
 
+// ---- forward with one row of A (M = 1: generation, evaluation): y[n] = sum_k a[k] * bf16(code * s) ---------
+// Without a tensor-core tile to fill, the work per element is what decides: here one byte permute, one shared
+// load and one FMA, plus a sixteenth of a table build. A lane's unit is a 64-element chunk of one weight row (32
+// code bytes, two 16-byte loads; one NF4 block, since blocks are >= 64 and chunk aligned). The 32 lanes of a warp
+// take 32 consecutive chunks (a k group of 2048) and keep a's 64 values of their chunk in registers while they walk
+// the rows. Per row a lane writes the block's 16 values bf16(code_j * s) (the contract's multiply and rounding,
+// once per value instead of once per element) to a table of its own in shared memory: value j of lane L at byte
+// 256 j + 128 buffer + 4 L of the warp's 4 KB region, so that whatever the codes, a warp's 32 lookups hit 32
+// different banks, and a lookup's address is one byte permute: the code as byte 1, the lane's base around it.
+constexpr int kGemvWarps = 8;
+constexpr int kGemvThreads = 32 * kGemvWarps;
+constexpr int kGemvChunk = 64;                       // elements per lane and row
+constexpr int kGemvGroupK = 32 * kGemvChunk;         // k per warp pass (2048)
+constexpr int kGemvAhead = 4;                        // rows per warp in the code ring (kGemvAhead - 1 in flight)
+constexpr int kGemvTableBytes = 16 * 256;            // per warp; 4096-aligned
+constexpr int kGemvRingBytes = kGemvAhead * 32 * 32; // per warp: 32 code bytes per lane and row
+constexpr int kGemvSums = 2048;                      // (row, k group) partial sums per block
+constexpr int kGemvSharedBytes =
+    4096 + kGemvWarps * (kGemvTableBytes + kGemvRingBytes) + kGemvSums * 4 + kCode2Bytes;  // 4096: alignment
+
+__device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Grid: x over blocks of `rows_per_block` weight rows (of w0, then of w1). Warp w takes k groups w % slots,
+// + slots, ... (slots = min(groups, 8)) and every reps-th row of the block from w / slots, reps = 8 / slots;
+// warps past slots * reps idle. The codes travel by cp.async into a per-warp ring of kGemvAhead rows (registers
+// hold a's 64 values; the ring keeps three rows in flight per warp without costing registers), the block scales
+// in registers. Each (row, group) sum goes to shared memory; one thread per row adds them in group order
+// (deterministic) and writes C, or the raw sum to partial[which][n] (gate_up).
+template <bool kAF32>
+__global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
+    const void* __restrict__ a, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1, int blocks_per_weight,
+    int rows_per_block, float* __restrict__ partial, void* __restrict__ c, bool c_bf16, float alpha, float beta) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* aligned = smem + ((4096u - (shared_address(smem) & 4095u)) & 4095u);
+  unsigned char* rings = aligned + kGemvWarps * kGemvTableBytes;
+  float* sums = reinterpret_cast<float*>(rings + kGemvWarps * kGemvRingBytes);
+  float* code2_shared = sums + kGemvSums;
+
+  const int which = static_cast<int>(blockIdx.x) >= blocks_per_weight ? 1 : 0;
+  const std::uint8_t* __restrict__ codes = which ? w1.codes : w0.codes;
+  const Scales scales = which ? w1.scales : w0.scales;
+  const std::int64_t row0 = static_cast<std::int64_t>(blockIdx.x - which * blocks_per_weight) * rows_per_block;
+  const int rows = static_cast<int>(min(static_cast<std::int64_t>(rows_per_block), N - row0));
+  const int chunks = static_cast<int>(K / kGemvChunk), groups = (chunks + 31) / 32;
+  const int slots = min(groups, kGemvWarps), reps = kGemvWarps / slots;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+  if (!scales.absmax)
+    for (int i = tid; i < kNf4Code2Size; i += kGemvThreads) code2_shared[i] = __ldg(scales.code2 + i);
+  __syncthreads();
+
+  // The lane's table: bytes 0, 2 and 3 of a lookup's address come from `base` (byte 0: 128 buffer + 4 L), byte 1
+  // is the code, with the region's byte 1 (a multiple of 16) ORed in through `region_bits` in every byte.
+  const std::uint32_t region = shared_address(aligned + warp * kGemvTableBytes);
+  const std::uint32_t region_bits = ((region >> 8) & 0xF0u) * 0x01010101u;
+  const std::uint32_t ring = shared_address(rings + warp * kGemvRingBytes) + 32u * lane;
+
+  if (warp < slots * reps) {
+    const int slot = warp % slots, rep = warp / slots;
+    const int count = rows > rep ? (rows - rep + reps - 1) / reps : 0;  // rows rep, rep + reps, ...
+    for (int g = slot; g < groups; g += slots) {
+      const int chunk = 32 * g + lane;
+      const bool active = chunk < chunks;
+      const std::int64_t k0 = static_cast<std::int64_t>(chunk) * kGemvChunk;
+      float x[kGemvChunk];  // a[k0 ..], rounded to bf16 as every path does
+      if constexpr (kAF32) {
+#pragma unroll
+        for (int i = 0; i < kGemvChunk; i += 4) {
+          const float4 v = active ? __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(a) + k0 + i))
+                                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          x[i] = __bfloat162float(__float2bfloat16_rn(v.x));
+          x[i + 1] = __bfloat162float(__float2bfloat16_rn(v.y));
+          x[i + 2] = __bfloat162float(__float2bfloat16_rn(v.z));
+          x[i + 3] = __bfloat162float(__float2bfloat16_rn(v.w));
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kGemvChunk; i += 8) {
+          const uint4 v = active ? __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a) + k0 + i))
+                                 : make_uint4(0, 0, 0, 0);
+          const std::uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            x[i + 2 * j] = __uint_as_float(u[j] << 16);
+            x[i + 2 * j + 1] = __uint_as_float(u[j] & 0xFFFF0000u);
+          }
+        }
+      }
+      // Row i's codes into ring slot i % kGemvAhead, its scale into `scale`; one commit group per row, empty
+      // past the end, so that wait_group counts rows.
+      auto issue = [&](int i, RawScale& scale) {
+        if (active && i < count) {
+          const std::int64_t e = (row0 + rep + static_cast<std::int64_t>(i) * reps) * K + k0;
+          const std::uint32_t dst = ring + 1024u * (i % kGemvAhead);
+          cp_async_16(dst, codes + (e >> 1));
+          cp_async_16(dst + 16, codes + (e >> 1) + 16);
+          scale = load_scale(scales, e >> scales.block_shift);
+        }
+        cp_async_commit();
+      };
+      auto multiply = [&](int i, const RawScale& raw) {
+        float sum = 0.0f;
+        if (active) {
+          const float s = finish_scale(scales, raw, code2_shared);
+          const std::uint32_t base = region + 128u * (i & 1) + 4u * lane;
+          // The table: values 2j (low half) and 2j + 1 (high half) rounded as a pair, each widened back to fp32.
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const std::uint32_t p = pack_bf16x2(nf4_code_value(2 * j) * s, nf4_code_value(2 * j + 1) * s);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(base + 512u * j), "r"(p << 16) : "memory");
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(base + 512u * j + 256u), "r"(p & 0xFFFF0000u) : "memory");
+          }
+          const std::uint32_t at = ring + 1024u * (i % kGemvAhead);
+          std::uint32_t w[8];
+          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(at) : "memory");
+          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(w[4]), "=r"(w[5]), "=r"(w[6]), "=r"(w[7]) : "r"(at + 16) : "memory");
+          float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            // Codes as byte 1 of an address: element 8q + 2b is the high nibble of byte b, 8q + 2b + 1 the low.
+            const std::uint32_t hi = ((w[q] >> 4) & 0x0F0F0F0Fu) | region_bits;
+            const std::uint32_t lo = (w[q] & 0x0F0F0F0Fu) | region_bits;
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+              const std::uint32_t sel = 0x7604u | (static_cast<std::uint32_t>(b) << 4);
+              float vh, vl;
+              asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(vh) : "r"(__byte_perm(hi, base, sel)) : "memory");
+              asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(vl) : "r"(__byte_perm(lo, base, sel)) : "memory");
+              acc[b] = fmaf(x[8 * q + 2 * b], vh, acc[b]);
+              acc[b] = fmaf(x[8 * q + 2 * b + 1], vl, acc[b]);
+            }
+          }
+          sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
+        if (lane == 0) sums[(rep + i * reps) * groups + g] = sum;
+      };
+      RawScale scale[kGemvAhead] = {};
+#pragma unroll
+      for (int j = 0; j + 1 < kGemvAhead; ++j) issue(j, scale[j]);
+      for (int i0 = 0; i0 < count; i0 += kGemvAhead) {
+#pragma unroll
+        for (int j = 0; j < kGemvAhead; ++j) {
+          const int i = i0 + j;
+          if (i >= count) break;
+          issue(i + kGemvAhead - 1, scale[(j + kGemvAhead - 1) % kGemvAhead]);
+          cp_async_wait<kGemvAhead - 1>();  // row i's codes are in
+          multiply(i, scale[j]);
+        }
+      }
+      cp_async_wait<0>();  // the ring is reused by the next k group
+    }
+  }
+  __syncthreads();
+  for (int r = tid; r < rows; r += kGemvThreads) {
+    float total = 0.0f;
+    for (int g = 0; g < groups; ++g) total += sums[r * groups + g];
+    const std::int64_t n = row0 + r;
+    if (partial) partial[static_cast<std::int64_t>(which) * N + n] = total;
+    else store_out(c, c_bf16, n, total, alpha, beta);
+  }
+}
+
 // ---- input gradient: dA[M,K] = dC[M,N] * dequant(W), M <= 16 -----------------------------------------------
 // Computed transposed, dA^T = W^T dC^T, so that the weight is the mma's A operand and its 16-byte row loads fit:
 // thread (g, t) loads codes k0 + 32g .. k0 + 32g + 31 of weight rows n0 + {2t, 2t+1, 2t+8, 2t+9} (the fragment's

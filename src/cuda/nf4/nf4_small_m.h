@@ -1,5 +1,7 @@
 // The fused small-M NF4 GEMM (C = A * dequant(W)^T for M <= 64): reads each weight byte once with 16-byte loads,
 // dequantizes in registers and multiplies on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate).
+// M = 1 with K a multiple of 64 takes a GEMV kernel instead (per-lane tables of scaled values, FMAs; see
+// nf4_small_m.cuh).
 #pragma once
 
 #include "qmm/context.h"
