@@ -101,11 +101,12 @@ float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0
   return partial;
 }
 
-// The M = 1 kernel's preconditions beyond the small-M ones: 64-element chunks inside one block, and the (row,
-// k group) sums of at least one row per block in shared memory.
+// The M = 1 kernel's preconditions beyond the small-M ones: 64-element chunks inside one block, the (row, k group)
+// sums of at least one row per block in shared memory, and code2 (read as float4) 16-byte aligned.
 bool gemv_fits(std::int64_t K, const Nf4Weight& w) {
   using namespace small_m;
-  return K % kGemvChunk == 0 && w.block_size >= kGemvChunk && (K + kGemvGroupK - 1) / kGemvGroupK <= kGemvSums;
+  return K % kGemvChunk == 0 && w.block_size >= kGemvChunk && (K + kGemvGroupK - 1) / kGemvGroupK <= kGemvSums &&
+         (!w.double_quant() || aligned16(w.code2.data()));
 }
 
 // One wave of blocks (two per SM, which __launch_bounds__ guarantees by registers), each taking an even share of

@@ -291,9 +291,9 @@ constexpr int kGemvGroupK = 32 * kGemvChunk;         // k per warp pass (2048)
 constexpr int kGemvAhead = 4;                        // rows per warp in the code ring (kGemvAhead - 1 in flight)
 constexpr int kGemvTableBytes = 16 * 256;            // per warp; 4096-aligned
 constexpr int kGemvRingBytes = kGemvAhead * 32 * 32; // per warp: 32 code bytes per lane and row
-constexpr int kGemvSums = 2048;                      // (row, k group) partial sums per block
-constexpr int kGemvSharedBytes =
-    4096 + kGemvWarps * (kGemvTableBytes + kGemvRingBytes) + kGemvSums * 4 + kCode2Bytes;  // 4096: alignment
+constexpr int kGemvSums = 256;                       // (row, k group) pairs per block, 32 lane sums each
+constexpr int kGemvSharedBytes =                     // 4096: alignment; code2 per warp
+    4096 + kGemvWarps * (kGemvTableBytes + kGemvRingBytes + kCode2Bytes) + kGemvSums * 32 * 4;
 
 __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
@@ -308,8 +308,10 @@ __device__ __forceinline__ void cp_async_wait() {
 // + slots, ... (slots = min(groups, 8)) and every reps-th row of the block from w / slots, reps = 8 / slots;
 // warps past slots * reps idle. The codes travel by cp.async into a per-warp ring of kGemvAhead rows (registers
 // hold a's 64 values; the ring keeps three rows in flight per warp without costing registers), the block scales
-// in registers. Each (row, group) sum goes to shared memory; one thread per row adds them in group order
-// (deterministic) and writes C, or the raw sum to partial[which][n] (gate_up).
+// in registers. Nothing waits on another global load before the main loop (each warp copies code2 for itself,
+// with its first rows already in flight), and no warp reduces per row: each lane leaves its (row, group) sum in
+// shared memory, and at the end one thread per row adds them in a fixed order (deterministic) and writes C, or
+// the raw sum to partial[which][n] (gate_up).
 template <bool kAF32>
 __global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
     const void* __restrict__ a, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1, int blocks_per_weight,
@@ -317,8 +319,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* aligned = smem + ((4096u - (shared_address(smem) & 4095u)) & 4095u);
   unsigned char* rings = aligned + kGemvWarps * kGemvTableBytes;
-  float* sums = reinterpret_cast<float*>(rings + kGemvWarps * kGemvRingBytes);
-  float* code2_shared = sums + kGemvSums;
+  float* sums = reinterpret_cast<float*>(rings + kGemvWarps * kGemvRingBytes);  // [row][group][lane]
 
   const int which = static_cast<int>(blockIdx.x) >= blocks_per_weight ? 1 : 0;
   const std::uint8_t* __restrict__ codes = which ? w1.codes : w0.codes;
@@ -329,9 +330,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
   const int slots = min(groups, kGemvWarps), reps = kGemvWarps / slots;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  if (!scales.absmax)
-    for (int i = tid; i < kNf4Code2Size; i += kGemvThreads) code2_shared[i] = __ldg(scales.code2 + i);
-  __syncthreads();
+  float* code2_shared = sums + kGemvSums * 32 + warp * kNf4Code2Size;
 
   // The lane's table: bytes 0, 2 and 3 of a lookup's address come from `base` (byte 0: 128 buffer + 4 L), byte 1
   // is the code, with the region's byte 1 (a multiple of 16) ORed in through `region_bits` in every byte.
@@ -346,6 +345,28 @@ __global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
       const int chunk = 32 * g + lane;
       const bool active = chunk < chunks;
       const std::int64_t k0 = static_cast<std::int64_t>(chunk) * kGemvChunk;
+      // Row i's codes into ring slot i % kGemvAhead, its scale into `scale`; one commit group per row, empty
+      // past the end, so that wait_group counts rows.
+      auto issue = [&](int i, RawScale& scale) {
+        if (active && i < count) {
+          const std::int64_t e = (row0 + rep + static_cast<std::int64_t>(i) * reps) * K + k0;
+          const std::uint32_t dst = ring + 1024u * (i % kGemvAhead);
+          cp_async_16(dst, codes + (e >> 1));
+          cp_async_16(dst + 16, codes + (e >> 1) + 16);
+          scale = load_scale(scales, e >> scales.block_shift);
+        }
+        cp_async_commit();
+      };
+      RawScale scale[kGemvAhead] = {};
+#pragma unroll
+      for (int j = 0; j + 1 < kGemvAhead; ++j) issue(j, scale[j]);
+      if (g == slot && !scales.absmax) {  // first pass: this warp's code2
+        const float4* src = reinterpret_cast<const float4*>(scales.code2) + 2 * lane;
+        const float4 c0 = __ldg(src), c1 = __ldg(src + 1);
+        reinterpret_cast<float4*>(code2_shared)[2 * lane] = c0;
+        reinterpret_cast<float4*>(code2_shared)[2 * lane + 1] = c1;
+        __syncwarp();
+      }
       float x[kGemvChunk];  // a[k0 ..], rounded to bf16 as every path does
       if constexpr (kAF32) {
 #pragma unroll
@@ -370,18 +391,6 @@ __global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
           }
         }
       }
-      // Row i's codes into ring slot i % kGemvAhead, its scale into `scale`; one commit group per row, empty
-      // past the end, so that wait_group counts rows.
-      auto issue = [&](int i, RawScale& scale) {
-        if (active && i < count) {
-          const std::int64_t e = (row0 + rep + static_cast<std::int64_t>(i) * reps) * K + k0;
-          const std::uint32_t dst = ring + 1024u * (i % kGemvAhead);
-          cp_async_16(dst, codes + (e >> 1));
-          cp_async_16(dst + 16, codes + (e >> 1) + 16);
-          scale = load_scale(scales, e >> scales.block_shift);
-        }
-        cp_async_commit();
-      };
       auto multiply = [&](int i, const RawScale& raw) {
         float sum = 0.0f;
         if (active) {
@@ -400,7 +409,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
                        : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(at) : "memory");
           asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                        : "=r"(w[4]), "=r"(w[5]), "=r"(w[6]), "=r"(w[7]) : "r"(at + 16) : "memory");
-          float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
           for (int q = 0; q < 8; ++q) {
             // Codes as byte 1 of an address: element 8q + 2b is the high nibble of byte b, 8q + 2b + 1 the low.
@@ -412,19 +421,14 @@ __global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
               float vh, vl;
               asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(vh) : "r"(__byte_perm(hi, base, sel)) : "memory");
               asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(vl) : "r"(__byte_perm(lo, base, sel)) : "memory");
-              acc[b] = fmaf(x[8 * q + 2 * b], vh, acc[b]);
-              acc[b] = fmaf(x[8 * q + 2 * b + 1], vl, acc[b]);
+              acc[2 * b] = fmaf(x[8 * q + 2 * b], vh, acc[2 * b]);
+              acc[2 * b + 1] = fmaf(x[8 * q + 2 * b + 1], vl, acc[2 * b + 1]);
             }
           }
-          sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+          sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
-        if (lane == 0) sums[(rep + i * reps) * groups + g] = sum;
+        sums[((rep + i * reps) * groups + g) * 32 + lane] = sum;  // 32 lanes, 32 banks
       };
-      RawScale scale[kGemvAhead] = {};
-#pragma unroll
-      for (int j = 0; j + 1 < kGemvAhead; ++j) issue(j, scale[j]);
       for (int i0 = 0; i0 < count; i0 += kGemvAhead) {
 #pragma unroll
         for (int j = 0; j < kGemvAhead; ++j) {
@@ -440,8 +444,10 @@ __global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
   }
   __syncthreads();
   for (int r = tid; r < rows; r += kGemvThreads) {
+    // Lanes from r % 32 on, so that the threads of a warp (consecutive rows) read 32 different banks.
     float total = 0.0f;
-    for (int g = 0; g < groups; ++g) total += sums[r * groups + g];
+    for (int g = 0; g < groups; ++g)
+      for (int j = 0; j < 32; ++j) total += sums[(r * groups + g) * 32 + ((r + j) & 31)];
     const std::int64_t n = row0 + r;
     if (partial) partial[static_cast<std::int64_t>(which) * N + n] = total;
     else store_out(c, c_bf16, n, total, alpha, beta);
