@@ -102,11 +102,13 @@ float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0
 }
 
 // The M = 1 kernel's preconditions beyond the small-M ones: 64-element chunks inside one block, the (row, k group)
-// sums of at least one row per block in shared memory, and code2 (read as float4) 16-byte aligned.
-bool gemv_fits(std::int64_t K, const Nf4Weight& w) {
+// sums of at least one row per block in shared memory, code2 (read as float4) 16-byte aligned, and a GPU that
+// gives a block the kernel's 108 KB of shared memory (not every sm_86/89 part does; those take the mma kernel).
+bool gemv_fits(const Context& ctx, std::int64_t K, const Nf4Weight& w) {
   using namespace small_m;
   return K % kGemvChunk == 0 && w.block_size >= kGemvChunk && (K + kGemvGroupK - 1) / kGemvGroupK <= kGemvSums &&
-         (!w.double_quant() || aligned16(w.code2.data()));
+         (!w.double_quant() || aligned16(w.code2.data())) &&
+         state(ctx).props.sharedMemPerBlockOptin >= static_cast<std::size_t>(kGemvSharedBytes);
 }
 
 // One wave of blocks (two per SM, which __launch_bounds__ guarantees by registers), each taking an even share of
@@ -141,7 +143,7 @@ float* launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
                    const TensorView& c, float alpha, float beta, std::unique_ptr<ScratchBuffer>& scratch,
                    int* splits) {
   const std::int64_t M = a.dim(0);
-  if (M == 1 && gemv_fits(a.dim(1), w0) && gemv_fits(a.dim(1), w1)) {
+  if (M == 1 && gemv_fits(ctx, a.dim(1), w0) && gemv_fits(ctx, a.dim(1), w1)) {
     *splits = 1;
     return launch_gemv<kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch);
   }

@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
 
 // ---- forward with one row of A (M = 1: generation, evaluation): y[n] = sum_k a[k] * bf16(code * s) ---------
 // Without a tensor-core tile to fill, the work per element is what decides: here one byte permute, one shared
-// load and one FMA, plus a sixteenth of a table build. A lane's unit is a 64-element chunk of one weight row (32
+// load and one FMA, plus the block's table (16 values per 64 elements). A lane's unit is a 64-element chunk of one weight row (32
 // code bytes, two 16-byte loads; one NF4 block, since blocks are >= 64 and chunk aligned). The 32 lanes of a warp
 // take 32 consecutive chunks (a k group of 2048) and keep a's 64 values of their chunk in registers while they walk
 // the rows. Per row a lane writes the block's 16 values bf16(code_j * s) (the contract's multiply and rounding,
