@@ -72,6 +72,17 @@ SplitK split_k(const Context& ctx, std::int64_t M, std::int64_t N, std::int64_t 
   return {static_cast<int>(chunks), static_cast<int>((total_chunks + chunks - 1) / chunks)};
 }
 
+// The forward kernels' view of a weight.
+small_m::WeightArgs weight_args(const Nf4Weight& w) {
+  return {w.codes.data_as<std::uint8_t>(), small_m::scales_of(w)};
+}
+
+// Scratch for `floats` fp32 partial sums (split-K, or gate and up for the reduction), owned by `scratch`.
+float* new_partials(const Context& ctx, std::unique_ptr<ScratchBuffer>& scratch, std::int64_t floats) {
+  scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(floats) * 4);
+  return scratch->at<float>(0);
+}
+
 // One launch over `weights` (1, or 2 for gate and up) weights of W's shape. With one weight and no split the
 // kernel writes C itself; otherwise it writes fp32 partials to scratch, returned for the caller's reduction.
 template <int MT, bool kAF32>
@@ -86,14 +97,10 @@ float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0
   const int smem = kTablesBytes + MT * 16 * (sk.chunks * kChunkK + kPadA) * 2;
   auto kernel = nf4_gemm_small_m_kernel<MT, kAF32>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), smem);
-  float* partial = nullptr;
-  if (sk.splits > 1 || weights > 1) {
-    scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(weights) * sk.splits * M * N * 4);
-    partial = scratch->at<float>(0);
-  }
-  const WeightArgs args0{w0.codes.data_as<std::uint8_t>(), small_m::scales_of(w0)};
-  const WeightArgs args1{w1.codes.data_as<std::uint8_t>(), small_m::scales_of(w1)};
-  kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(a.data(), M, N, K, args0, args1, blocks_n, sk.chunks, partial,
+  float* partial =
+      sk.splits > 1 || weights > 1 ? new_partials(ctx, scratch, weights * sk.splits * M * N) : nullptr;
+  kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(a.data(), M, N, K, weight_args(w0), weight_args(w1), blocks_n,
+                                                   sk.chunks, partial,
                                                    c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16, alpha,
                                                    beta);
   QMM_CUDA_CHECK_LAUNCH("nf4_gemm_small_m_kernel");
@@ -124,15 +131,9 @@ float* launch_gemv(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
   const int blocks_n = static_cast<int>((N + rows - 1) / rows);
   auto kernel = nf4_gemv_kernel<kAF32>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), kGemvSharedBytes);
-  float* partial = nullptr;
-  if (weights > 1) {
-    scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(weights) * N * 4);
-    partial = scratch->at<float>(0);
-  }
-  const WeightArgs args0{w0.codes.data_as<std::uint8_t>(), small_m::scales_of(w0)};
-  const WeightArgs args1{w1.codes.data_as<std::uint8_t>(), small_m::scales_of(w1)};
+  float* partial = weights > 1 ? new_partials(ctx, scratch, weights * N) : nullptr;
   kernel<<<blocks_n * weights, kGemvThreads, kGemvSharedBytes, stream_of(ctx)>>>(
-      a.data(), N, K, args0, args1, blocks_n, static_cast<int>(rows), partial, c.empty() ? nullptr : c.data(),
+      a.data(), N, K, weight_args(w0), weight_args(w1), blocks_n, static_cast<int>(rows), partial, c.empty() ? nullptr : c.data(),
       c.dtype() == DType::BF16, alpha, beta);
   QMM_CUDA_CHECK_LAUNCH("nf4_gemv_kernel");
   return partial;
@@ -178,11 +179,7 @@ void launch_backward_tiles(const Context& ctx, const TensorView& dc, const Nf4We
   auto kernel = nf4_gemm_backward_small_m_kernel<MT8, kDcF32>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), smem);
   std::unique_ptr<ScratchBuffer> scratch;
-  float* partial = nullptr;
-  if (splits > 1) {
-    scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(splits) * M * K * 4);
-    partial = scratch->at<float>(0);
-  }
+  float* partial = splits > 1 ? new_partials(ctx, scratch, splits * M * K) : nullptr;
   const dim3 grid(static_cast<unsigned>(k_blocks), static_cast<unsigned>(splits));
   kernel<<<grid, kBwdThreads, smem, stream_of(ctx)>>>(dc.data(), M, N, K, w.codes.data_as<std::uint8_t>(),
                                                       small_m::scales_of(w), groups, partial, da.data(),
