@@ -62,11 +62,12 @@ Nf4Tensor nf4_quantize(const Context& ctx, const TensorView& w, bool double_quan
 void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& out);
 
 // Which NF4 GEMM implementation to run; Auto lets the dispatcher choose by shape and device. DequantGemm:
-// dequantize into scratch + cuBLASLt (any shape). SmallM: fused mma.sync kernels for few rows (forward and
-// gate+up: M <= 64; input gradient: M <= 16; K a multiple of 32). Fused: the tensor-core kernel that dequantizes
-// inside its main loop (nf4_gemm, nf4_gemm_backward_a, and nf4_gate_up once per projection; sm_90a builds on
-// Hopper, K and block size multiples of 64, N a multiple of 8 for the input gradient). Reference: CPU only. A
-// forced path that cannot serve the problem throws Unsupported, naming what it needs.
+// dequantize into scratch + cuBLASLt (any shape). SmallM: fused kernels for few rows (forward and gate+up:
+// M <= 32, K a multiple of 64, blocks of at least 64; input gradient: M <= 16, K a multiple of 32). Fused: the
+// tensor-core kernel that dequantizes inside its main loop (nf4_gemm, nf4_gemm_backward_a, and nf4_gate_up once
+// per projection; sm_90a builds on Hopper, K and block size multiples of 64, N a multiple of 8 for the input
+// gradient). Reference: CPU only. A forced path that cannot serve the problem throws Unsupported, naming what it
+// needs.
 enum class Nf4Path { Auto, Reference, DequantGemm, SmallM, Fused };
 const char* nf4_path_name(Nf4Path path);
 

@@ -72,10 +72,14 @@ TEST_P(SmallMForward, MatchesCpuOracle) {
   expect_forward_matches(Nf4Path::SmallM, m, n, k, kNf4DefaultBlockSize);
 }
 
+// M = 2-32 take the table kernel: one n8 tile of A rows (M <= 8), two (<= 16) or four; K not a multiple of the
+// 256-element span (64, 192, 576: lanes past K idle), N ragged around the 16-row warp tile and the 128-row block,
+// split-K with a partial last span (4160 = 65 blocks) and with many splits (18432).
 INSTANTIATE_TEST_SUITE_P(Shapes, SmallMForward,
-                         ::testing::Values(Shape3{1, 1, 32}, Shape3{1, 130, 96}, Shape3{7, 1000, 544},
-                                           Shape3{16, 129, 1536}, Shape3{17, 257, 512}, Shape3{33, 64, 160},
-                                           Shape3{64, 300, 1024}, Shape3{5, 14336 / 16, 4096}));
+                         ::testing::Values(Shape3{2, 1, 64}, Shape3{3, 63, 192}, Shape3{7, 1000, 576},
+                                           Shape3{8, 129, 4160}, Shape3{9, 65, 1536}, Shape3{16, 129, 1536},
+                                           Shape3{17, 257, 512}, Shape3{32, 300, 1024}, Shape3{5, 14336 / 16, 4096},
+                                           Shape3{13, 70, 18432}));
 
 // M = 1 with K a multiple of 64 takes the GEMV kernel: one k group with 1 and all 32 lanes busy, three groups
 // on six warps (65 chunks), nine groups (warps take two in turn), and enough rows per block (10560 on an H200: 40
@@ -120,12 +124,12 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SmallMBackward,
                          ::testing::Values(Shape3{1, 1, 32}, Shape3{1, 7, 96}, Shape3{8, 130, 544},
                                            Shape3{9, 1000, 256}, Shape3{16, 2050, 1536}, Shape3{3, 4096, 1024}));
 
-// Blocks larger than the default 64, straddling rows (K = 544 is not a multiple of 128, 256 or 1024).
+// Blocks larger than the default 64, straddling rows (K = 576 and 544 are not multiples of 128, 256 or 1024).
 TEST(SmallMBlockSizes, ForwardAndInputGradientMatchCpuOracle) {
   QMM_REQUIRE_GPU();
   for (int block : {128, 256, 1024}) {
-    expect_forward_matches(Nf4Path::SmallM, 5, 130, 544, block);
-    expect_forward_matches(Nf4Path::SmallM, 1, 130, 576, block);  // the GEMV kernel (K a multiple of 64)
+    expect_forward_matches(Nf4Path::SmallM, 5, 130, 576, block);  // the table kernel
+    expect_forward_matches(Nf4Path::SmallM, 1, 130, 576, block);  // the GEMV kernel
     expect_backward_matches(Nf4Path::SmallM, 3, 130, 544, block);
   }
 }
@@ -158,7 +162,8 @@ void expect_gate_up_matches(Nf4Path path, std::int64_t m, std::int64_t n, std::i
 
 TEST(SmallMGateUp, AllOutputCombinationsMatchCpu) {
   QMM_REQUIRE_GPU();
-  expect_gate_up_matches(Nf4Path::SmallM, 7, 333, 1056, DType::BF16);
+  expect_gate_up_matches(Nf4Path::SmallM, 7, 333, 1088, DType::BF16);
+  expect_gate_up_matches(Nf4Path::SmallM, 20, 70, 576, DType::F32);  // four n8 tiles of A rows
   expect_gate_up_matches(Nf4Path::SmallM, 1, 333, 1088, DType::F32);  // the GEMV kernel, both weights in a launch
 }
 
@@ -242,10 +247,14 @@ TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
 TEST(SmallMPath, ForcedOnUnsupportedShapeRaisesUnsupported) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();
-  Problem p = make_weight(64, 100, false, 5);  // K = 100 is not a multiple of 32
+  Problem p = make_weight(64, 100, false, 5);  // K = 100 is not a multiple of 64
   Tensor a(DType::BF16, {4, 100}, gpu.device()), c(DType::F32, {4, 64}, gpu.device());
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, p.w_dev, c, {1, 0, Nf4Path::SmallM}); },
-                                 ErrorCode::Unsupported, {"nf4_gemm", "SmallM"}));
+                                 ErrorCode::Unsupported, {"nf4_gemm", "SmallM", "K a multiple of 64"}));
+  Problem q = make_weight(64, 128, false, 7);  // 33 rows: one more than the kernels take
+  Tensor a33(DType::BF16, {33, 128}, gpu.device()), c33(DType::F32, {33, 64}, gpu.device());
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a33, q.w_dev, c33, {1, 0, Nf4Path::SmallM}); },
+                                 ErrorCode::Unsupported, {"nf4_gemm", "SmallM", "M <= 32"}));
   // Auto takes a correct path for the same shape.
   Tensor ah = test::random_tensor(DType::BF16, {4, 100}, 6), ref(DType::F32, {4, 64});
   nf4_gemm(Context::cpu(), ah, p.w_host, ref);

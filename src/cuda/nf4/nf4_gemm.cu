@@ -76,7 +76,7 @@ PathFit fused_fit(const Context& ctx, const TensorView& activations, const Nf4We
 }
 
 constexpr const char* kSmallMNeeds =
-    "M <= 64, K a multiple of 32, 16-byte aligned A and codes";
+    "M <= 32, K a multiple of 64, NF4 blocks of at least 64, 16-byte aligned A and codes";
 constexpr const char* kSmallMBackwardNeeds =
     "M <= 16, K a multiple of 32, 16-byte aligned codes";
 
@@ -159,28 +159,20 @@ const void* bf16_operand(const Context& ctx, const TensorView& a, const ScratchP
 
 // The dispatcher: Auto takes the fused small-M kernels up to these row counts (where their preconditions hold),
 // the fused tensor-core kernels or dequantize + cuBLASLt above. Set from `qmm bench` device times on an H200
-// (docs/BENCHMARKS.md): the forward wins up to M = 16 on every shape (Qwen2.5-1.5B 8960x1536 at M = 32: 24 vs
-// 19 µs); on large weights (Llama-3-8B 14336x4096) the fused tensor-core forward takes over at M = 32 (48 / 45 vs
-// 52 / 54 µs, gate/up / down, commit 8ade442), except in nf4_gate_up, whose small-M kernel reads A once for both
-// projections (88 µs at M = 32 against two fused calls of ~48). The input gradient wins only on large weights, up
-// to M = 8 (66 vs 81 µs at M = 8, 96 vs 81 at M = 16; on Qwen2.5-1.5B dequantize + GEMM is faster even at M = 1:
-// 21 vs 28 µs).
-constexpr std::int64_t kAutoSmallMRows = 16;
-constexpr std::int64_t kAutoSmallMRowsLarge = 31;
-constexpr std::int64_t kAutoSmallMGateUpRowsLarge = 32;
+// (docs/BENCHMARKS.md): the forward (table kernel, GEMV at M = 1) wins up to its limit of 32 rows on every
+// measured shape but one (M = 32: Qwen2.5-1.5B gate/up 14.3 vs 19.0 µs for dequantize + GEMM, down 18.4 vs 18.9
+// for the fused kernel; Llama-3-8B gate/up 44.5 vs 48.8 fused; Llama down loses, 47.6 vs 45.8, session 16). The
+// input gradient wins only on large weights, up to M = 8 (66 vs 81 µs at M = 8, 96 vs 81 at M = 16; on
+// Qwen2.5-1.5B dequantize + GEMM is faster even at M = 1: 21 vs 28 µs).
+constexpr std::int64_t kAutoSmallMRows = 32;  // forward and gate_up, every weight
 constexpr std::int64_t kAutoSmallMBackwardRowsLarge = 8;
 constexpr std::int64_t kLargeWeightElements = 32ll << 20;  // between the two measured sizes (13.8M and 58.7M)
 
 enum class SmallMOp { Forward, Backward, GateUp };
 
 std::int64_t auto_small_m_rows(const Nf4Weight& w, SmallMOp op) {
-  const bool large = w.numel() >= kLargeWeightElements;
-  switch (op) {
-    case SmallMOp::Forward: return large ? kAutoSmallMRowsLarge : kAutoSmallMRows;
-    case SmallMOp::GateUp: return large ? kAutoSmallMGateUpRowsLarge : kAutoSmallMRows;
-    case SmallMOp::Backward: return large ? kAutoSmallMBackwardRowsLarge : 0;
-  }
-  return 0;
+  if (op != SmallMOp::Backward) return kAutoSmallMRows;
+  return w.numel() >= kLargeWeightElements ? kAutoSmallMBackwardRowsLarge : 0;
 }
 
 bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
@@ -205,7 +197,7 @@ struct RowRange {
 };
 // [backward]: the forward takes over where the small-M kernel stops; the input gradient's small-M range is
 // excluded by wants_fused's small_m argument.
-constexpr RowRange kAutoFusedRowsLarge[2] = {{kAutoSmallMRowsLarge + 1, 512}, {0, 512}};
+constexpr RowRange kAutoFusedRowsLarge[2] = {{kAutoSmallMRows + 1, 512}, {0, 512}};
 constexpr RowRange kAutoFusedRows = {32, 512};                       // smaller weights, either direction
 constexpr double kMinWaveFill = 0.9;
 

@@ -54,24 +54,6 @@ void launch_nf4_split_k_reduce(const Context& ctx, const float* partial, int spl
 
 namespace {
 
-// Split-K sizing: about four blocks per SM, but no more splits than keep the fp32 partials (written and read
-// back) under half the weight's bytes, and a staged activation tile that fits kMaxSharedA.
-struct SplitK {
-  int chunks;  // 128-element k chunks per block
-  int splits;
-};
-SplitK split_k(const Context& ctx, std::int64_t M, std::int64_t N, std::int64_t K, int weights, int mt) {
-  using namespace small_m;
-  const std::int64_t total_chunks = (K + kChunkK - 1) / kChunkK;
-  const std::int64_t blocks_n = weights * ((N + kBlockN - 1) / kBlockN);
-  std::int64_t splits = (4LL * state(ctx).sm_count() + blocks_n - 1) / blocks_n;
-  splits = std::min(splits, std::max<std::int64_t>(1, K / (32 * M)));
-  const std::int64_t max_chunks = std::max<std::int64_t>(1, (kMaxSharedA / (mt * 16 * 2) - kPadA) / kChunkK);
-  splits = std::clamp(splits, (total_chunks + max_chunks - 1) / max_chunks, total_chunks);
-  const std::int64_t chunks = (total_chunks + splits - 1) / splits;
-  return {static_cast<int>(chunks), static_cast<int>((total_chunks + chunks - 1) / chunks)};
-}
-
 // The forward kernels' view of a weight.
 small_m::WeightArgs weight_args(const Nf4Weight& w) {
   return {w.codes.data_as<std::uint8_t>(), small_m::scales_of(w)};
@@ -83,34 +65,67 @@ float* new_partials(const Context& ctx, std::unique_ptr<ScratchBuffer>& scratch,
   return scratch->at<float>(0);
 }
 
+// Split-K for the table kernel: the A tile (a_rows x spans * 256 bf16) must fit kTabMaxSharedA (and the GPU's
+// shared memory per block); among the span counts that fit, the one with the shortest modelled time, waves x
+// (spans + 1) (the 1: a block's fixed cost, staging A and the first loads' latency), fewest splits on ties.
+struct TableSplit {
+  int spans;  // 256-element k spans per block
+  int splits;
+};
+TableSplit table_split(const Context& ctx, std::int64_t N, std::int64_t K, int weights, int a_rows) {
+  using namespace small_m;
+  const std::int64_t total = (K + kSpanK - 1) / kSpanK;
+  const std::int64_t blocks_n = weights * ((N + kTabBlockN - 1) / kTabBlockN);
+  const auto& props = state(ctx).props;
+  const std::int64_t max_a = std::min<std::int64_t>(
+      kTabMaxSharedA, static_cast<std::int64_t>(props.sharedMemPerBlockOptin) - kTabSharedFixed);
+  const std::int64_t max_spans = std::clamp<std::int64_t>((max_a / a_rows - 127) / kSpanBytesA, 1, total);
+  TableSplit best{1, static_cast<int>(total)};
+  std::int64_t best_cost = -1;
+  for (std::int64_t spans = max_spans; spans >= 1; --spans) {
+    const std::int64_t splits = (total + spans - 1) / spans;
+    const std::int64_t smem = kTabSharedFixed + a_rows * tab_a_row_bytes(static_cast<int>(spans));
+    const std::int64_t per_sm = std::clamp<std::int64_t>(
+        static_cast<std::int64_t>(props.sharedMemPerMultiprocessor) / (smem + 1024), 1, 2);
+    const std::int64_t slots = per_sm * props.multiProcessorCount;
+    const std::int64_t cost = (blocks_n * splits + slots - 1) / slots * (spans + 1);
+    if (best_cost < 0 || cost < best_cost) {
+      best_cost = cost;
+      best = {static_cast<int>(spans), static_cast<int>(splits)};
+    }
+  }
+  return best;
+}
+
 // One launch over `weights` (1, or 2 for gate and up) weights of W's shape. With one weight and no split the
 // kernel writes C itself; otherwise it writes fp32 partials to scratch, returned for the caller's reduction.
-template <int MT, bool kAF32>
-float* launch_tiles(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
+template <int NT8, bool kAF32>
+float* launch_table(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
                     const TensorView& c, float alpha, float beta, std::unique_ptr<ScratchBuffer>& scratch,
                     int* splits_out) {
   using namespace small_m;
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w0.rows;
-  const SplitK sk = split_k(ctx, M, N, K, weights, MT);
-  const int blocks_n = static_cast<int>((N + kBlockN - 1) / kBlockN);
-  const dim3 grid(static_cast<unsigned>(blocks_n * weights), static_cast<unsigned>(sk.splits));
-  const int smem = kTablesBytes + MT * 16 * (sk.chunks * kChunkK + kPadA) * 2;
-  auto kernel = nf4_gemm_small_m_kernel<MT, kAF32>;
+  const int a_rows = 8 * NT8;
+  const TableSplit ts = table_split(ctx, N, K, weights, a_rows);
+  const int blocks_n = static_cast<int>((N + kTabBlockN - 1) / kTabBlockN);
+  const dim3 grid(static_cast<unsigned>(blocks_n * weights), static_cast<unsigned>(ts.splits));
+  const int smem = kTabSharedFixed + a_rows * tab_a_row_bytes(ts.spans);
+  auto kernel = nf4_small_m_table_kernel<NT8, kAF32>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), smem);
   float* partial =
-      sk.splits > 1 || weights > 1 ? new_partials(ctx, scratch, weights * sk.splits * M * N) : nullptr;
-  kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(a.data(), M, N, K, weight_args(w0), weight_args(w1), blocks_n,
-                                                   sk.chunks, partial,
-                                                   c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16, alpha,
-                                                   beta);
-  QMM_CUDA_CHECK_LAUNCH("nf4_gemm_small_m_kernel");
-  *splits_out = sk.splits;
+      ts.splits > 1 || weights > 1 ? new_partials(ctx, scratch, weights * ts.splits * M * N) : nullptr;
+  kernel<<<grid, kTabThreads, smem, stream_of(ctx)>>>(a.data(), M, N, K, weight_args(w0), weight_args(w1),
+                                                      blocks_n, ts.spans, partial,
+                                                      c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16,
+                                                      alpha, beta);
+  QMM_CUDA_CHECK_LAUNCH("nf4_small_m_table_kernel");
+  *splits_out = ts.splits;
   return partial;
 }
 
 // The M = 1 kernel's preconditions beyond the small-M ones: 64-element chunks inside one block, the (row, k group)
 // sums of at least one row per block in shared memory, code2 (read as float4) 16-byte aligned, and a GPU that
-// gives a block the kernel's 108 KB of shared memory (not every sm_86/89 part does; those take the mma kernel).
+// gives a block the kernel's 108 KB of shared memory (not every sm_86/89 part does; those take the table kernel).
 bool gemv_fits(const Context& ctx, std::int64_t K, const Nf4Weight& w) {
   using namespace small_m;
   return K % kGemvChunk == 0 && w.block_size >= kGemvChunk && (K + kGemvGroupK - 1) / kGemvGroupK <= kGemvSums &&
@@ -148,9 +163,9 @@ float* launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
     *splits = 1;
     return launch_gemv<kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch);
   }
-  if (M <= 16) return launch_tiles<1, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
-  if (M <= 32) return launch_tiles<2, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
-  return launch_tiles<4, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
+  if (M <= 8) return launch_table<1, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
+  if (M <= 16) return launch_table<2, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
+  return launch_table<4, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
 }
 
 // Returns the partials (in `scratch`) when the caller must reduce them, else nullptr.
@@ -188,17 +203,11 @@ void launch_backward_tiles(const Context& ctx, const TensorView& dc, const Nf4We
   if (splits > 1) launch_nf4_split_k_reduce(ctx, partial, splits, M * K, da, alpha, beta);
 }
 
-template <int MT>
-void launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha,
-                 float beta) {
-  if (a.dtype() == DType::F32) launch_tiles<MT, true>(ctx, a, w, c, alpha, beta);
-  else launch_tiles<MT, false>(ctx, a, w, c, alpha, beta);
-}
 }  // namespace
 
 bool nf4_small_m_supported(const TensorView& a, const Nf4Weight& w) {
   const std::int64_t M = a.dim(0), K = a.dim(1);
-  return M >= 1 && M <= kNf4SmallMMaxRows && K % 32 == 0 && w.block_size >= 32 && aligned16(a.data()) &&
+  return M >= 1 && M <= kNf4SmallMMaxRows && K % 64 == 0 && w.block_size >= 64 && aligned16(a.data()) &&
          aligned16(w.codes.data()) && (a.dtype() == DType::F32 || a.dtype() == DType::BF16);
 }
 

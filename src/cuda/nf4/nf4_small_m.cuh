@@ -1,4 +1,5 @@
-// Device code of the small-M NF4 GEMM. See nf4_small_m.cu for the data layout.
+// Device code of the small-M NF4 GEMMs: the forward table kernel (M <= 32), the GEMV (M = 1), the input gradient
+// (M <= 16) and the split-K reductions. Host side: nf4_small_m.cu.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,13 +13,7 @@ namespace qmm::cuda::small_m {
 
 using nf4_lut::pack_bf16x2;
 
-constexpr int kThreads = 128;                   // 4 warps
-constexpr int kTilesN = 4;                      // n8 tiles per warp: each warp owns 32 weight rows
-constexpr int kBlockN = 4 * 8 * kTilesN;        // 128 weight rows (outputs) per block
-constexpr int kChunkK = 128;                    // k per chunk: 4 threads x 32 codes (one 16-byte load each)
-constexpr int kPadA = 8;                        // bf16 elements of padding per shared A row
 constexpr int kCodebookBytes = 16 * 4 + 256;    // the 16 NF4 values (16 words in 16 banks), 256-byte aligned inside
-constexpr int kMaxSharedA = 64 * 1024;          // bytes of staged activations per block, at most
 
 // Scales of one weight, plain (absmax) or double-quantized (q, absmax2, code2, offset).
 struct Scales {
@@ -138,141 +133,178 @@ struct WeightArgs {
   Scales scales;
 };
 
-// Grid: x over blocks of 128 weight rows (of w0, then of w1), y over k ranges of `chunks` * 128 (split-K).
-// MT m16 tiles cover M <= 16*MT. Thread (g = lane/4, t = lane%4) of a warp loads, per chunk and n8 tile, the
-// 16 bytes holding codes k0 + 32t .. k0 + 32t + 31 of weight row g. The reduction order inside an mma is free, so
-// mma step s (of 8 per chunk) uses k = k0 + 32t + 4s + {0,1,2,3} for the fragment slots {2t, 2t+1, 2t+8, 2t+9};
-// A's fragments are read from shared memory with the same mapping. One scale per 16-byte load (32 codes never
-// straddle a block). Chunks are double-buffered in registers: the next chunk's loads are in flight while the
-// current one is multiplied.
-template <int MT, bool kAF32>
-__global__ void __launch_bounds__(kThreads) nf4_gemm_small_m_kernel(
+// ---- forward, M <= 32: per-lane tables of scaled values, tensor-core products ----------------------------------
+// The contract's value bf16(code * s) is computed 16 times per NF4 block instead of once per element: the k order
+// inside an mma is free, so lane (g, t) of a warp takes a whole 64-element block of a weight row per 256-k span
+// (block t of the span; weight rows g and g + 8 of the warp's 16) and writes each block's 16 scaled values into a
+// table of its own in shared memory (value j of row half u at byte 256 j + 128 u + 4 L of the warp's 4 KB region:
+// a warp's 32 lookups hit 32 different banks whatever the codes, and a lookup's address is one byte permute, the
+// code as byte 1). Per element that leaves a permute, a shared load and half a pack; the mma does the
+// multiply-adds. The weight is the mma's A operand (16 rows), A's rows are its n8 columns, so M <= 8 costs one mma
+// per 16 x 16 weight elements. mma step s (of 16 per span) gives the fragment's k slots {2t, 2t+1, 2t+8, 2t+9}
+// the elements 4s .. 4s+3 of the lane's block; A's fragments are read from shared memory with the same mapping
+// (k = span + 64 t + 4 s + {0, 1, 2, 3}).
+constexpr int kTabWarps = 8;
+constexpr int kTabThreads = 32 * kTabWarps;
+constexpr int kTabBlockN = kTabWarps * 16;  // 128 weight rows per block
+constexpr int kSpanK = 256;                 // k per span: 4 lanes x one 64-element block
+// Shared A: per row and span four 64-element blocks, each followed by 8 bytes of padding, and rows padded to 32
+// (mod 128) bytes: lane (g, t)'s 8-byte fragment read at step s then sits in banks 8g + 2t + 2s (+1) (mod 32),
+// all different within a half warp.
+constexpr int kSpanBytesA = 4 * (64 * 2 + 8);
+constexpr int kTabRegionBytes = 16 * 256;  // per warp; 4096-aligned
+constexpr int kTabMaxSharedA = 72 * 1024;  // bytes of staged activations per block, at most (two blocks per SM)
+constexpr int kTabSharedFixed = 4096 + kTabWarps * kTabRegionBytes + kCode2Bytes;  // 4096: alignment
+
+__host__ __device__ constexpr int tab_a_row_bytes(int spans) {
+  return spans * kSpanBytesA + (160 - spans * kSpanBytesA % 128) % 128;
+}
+
+// Grid: x over blocks of 128 weight rows (of w0, then of w1), y over k ranges of `spans` * 256 (split-K). NT8 n8
+// tiles cover M <= 8 NT8 rows of A, all staged (zero past M). Each warp owns 16 weight rows and walks the block's
+// spans; a span's codes (32 bytes per lane and row) and scales are loaded one span ahead into registers.
+template <int NT8, bool kAF32>
+__global__ void __launch_bounds__(kTabThreads, 2) nf4_small_m_table_kernel(
     const void* __restrict__ a, std::int64_t M, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1,
-    int blocks_per_weight, int chunks, float* __restrict__ partial, void* __restrict__ c, bool c_bf16, float alpha,
+    int blocks_per_weight, int spans, float* __restrict__ partial, void* __restrict__ c, bool c_bf16, float alpha,
     float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float* codebook = aligned_codebook(smem);
-  float* code2_shared = reinterpret_cast<float*>(smem + kCodebookBytes);
-  __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + kTablesBytes);
-  const int block_k = chunks * kChunkK;
-  const int lda = block_k + kPadA;
+  unsigned char* aligned = smem + ((4096u - (shared_address(smem) & 4095u)) & 4095u);
+  float* code2_shared = reinterpret_cast<float*>(aligned + kTabWarps * kTabRegionBytes);
+  unsigned char* as = aligned + kTabWarps * kTabRegionBytes + kCode2Bytes;
+  const int row_bytes = tab_a_row_bytes(spans);
 
   const int which = static_cast<int>(blockIdx.x) >= blocks_per_weight ? 1 : 0;
   const std::uint8_t* __restrict__ codes = which ? w1.codes : w0.codes;
   const Scales scales = which ? w1.scales : w0.scales;
   if (partial) partial += static_cast<std::int64_t>(which) * gridDim.y * M * N;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const std::int64_t n_block = static_cast<std::int64_t>(blockIdx.x - which * blocks_per_weight) * kBlockN;
-  const std::int64_t k_block = static_cast<std::int64_t>(blockIdx.y) * block_k;
-  const int my_chunks = static_cast<int>(min(static_cast<std::int64_t>(chunks), (K - k_block + kChunkK - 1) / kChunkK));
+  const std::int64_t n_warp =
+      static_cast<std::int64_t>(blockIdx.x - which * blocks_per_weight) * kTabBlockN + warp * 16;
+  const std::int64_t k_block = static_cast<std::int64_t>(blockIdx.y) * spans * kSpanK;
+  const int my_spans = static_cast<int>(min(static_cast<std::int64_t>(spans), (K - k_block + kSpanK - 1) / kSpanK));
 
-  auto load_chunk = [&](int ch, uint4 (&w)[kTilesN], RawScale (&s)[kTilesN]) {
+  // Rows g (half 0) and g + 8 (half 1) of the warp's 16.
+  auto load_span = [&](int sp, uint4 (&w)[2][2], RawScale (&s)[2]) {
 #pragma unroll
-    for (int tile = 0; tile < kTilesN; ++tile) {
-      const std::int64_t n = n_block + warp * 32 + tile * 8 + g;
-      const std::int64_t k = k_block + ch * kChunkK + 32 * t;
-      if (ch < my_chunks && n < N && k < K) {
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t n = n_warp + half * 8 + g;
+      const std::int64_t k = k_block + static_cast<std::int64_t>(sp) * kSpanK + 64 * t;
+      if (sp < my_spans && n < N && k < K) {
         const std::int64_t e = n * K + k;
-        w[tile] = __ldg(reinterpret_cast<const uint4*>(codes + (e >> 1)));
-        s[tile] = load_scale(scales, e >> scales.block_shift);
+        const uint4* p = reinterpret_cast<const uint4*>(codes + (e >> 1));
+        w[half][0] = __ldg(p);
+        w[half][1] = __ldg(p + 1);
+        s[half] = load_scale(scales, e >> scales.block_shift);
       } else {
-        w[tile] = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);  // code 7 is 0.0
-        s[tile] = {0.0f, 0u};
+        w[half][0] = w[half][1] = make_uint4(0x77777777u, 0x77777777u, 0x77777777u, 0x77777777u);  // 0.0
+        s[half] = {0.0f, 0u};
       }
     }
   };
-  uint4 wa[kTilesN], wb[kTilesN];
-  RawScale sa[kTilesN], sb[kTilesN];
-  load_chunk(0, wa, sa);
-  load_chunk(1, wb, sb);
+  uint4 wa[2][2], wb[2][2];
+  RawScale sa[2], sb[2];
+  load_span(0, wa, sa);
+  load_span(1, wb, sb);
 
-  // While the first loads fly: the tables and the activation tile (bf16, zero outside M and K).
-  fill_tables(codebook, code2_shared, scales, tid, kThreads);
-  const int vec_per_row = block_k / 8;
-  for (int i = tid; i < MT * 16 * vec_per_row; i += kThreads) {
-    const int row = i / vec_per_row, col = (i % vec_per_row) * 8;
+  // While the first loads fly: code2 and the activation tile (bf16, zero outside M and K).
+  if (!scales.absmax)
+    for (int i = tid; i < kNf4Code2Size; i += kTabThreads) code2_shared[i] = __ldg(scales.code2 + i);
+  const int vec_per_row = spans * (kSpanK / 4);
+  for (int i = tid; i < NT8 * 8 * vec_per_row; i += kTabThreads) {
+    const int row = i / vec_per_row, col = (i % vec_per_row) * 4;
     const std::int64_t k = k_block + col;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (row < M && k < K) {  // K % 32 == 0, so all 8 are in range
+    uint2 v = make_uint2(0u, 0u);
+    if (row < M && k < K) {  // K % 64 == 0, so all 4 are in range
       if constexpr (kAF32) {
-        const float* src = static_cast<const float*>(a) + row * K + k;
-        const float4 x0 = __ldg(reinterpret_cast<const float4*>(src));
-        const float4 x1 = __ldg(reinterpret_cast<const float4*>(src + 4));
-        v = make_uint4(pack_bf16x2(x0.x, x0.y), pack_bf16x2(x0.z, x0.w), pack_bf16x2(x1.x, x1.y),
-                       pack_bf16x2(x1.z, x1.w));
+        const float4 x = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(a) + row * K + k));
+        v = make_uint2(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w));
       } else {
-        v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a) + row * K + k));
+        v = __ldg(reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(a) + row * K + k));
       }
     }
-    *reinterpret_cast<uint4*>(as + row * lda + col) = v;
+    *reinterpret_cast<uint2*>(as + row * row_bytes + (col / 64) * (kSpanBytesA / 4) + (col % 64) * 2) = v;
   }
   __syncthreads();
-  const std::uint32_t cb = codebook_base_after_barrier(codebook);
+  // Taken after the barrier (see codebook_base_after_barrier): A's fragment loads are not volatile and must not
+  // move above it.
+  std::uint32_t a_base = shared_address(as) + g * row_bytes + (kSpanBytesA / 4) * t;
+  asm volatile("" : "+r"(a_base)::"memory");
 
-  float acc[MT][kTilesN][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int tile = 0; tile < kTilesN; ++tile)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][tile][i] = 0.0f;
+  const std::uint32_t region = shared_address(aligned + warp * kTabRegionBytes);
+  const std::uint32_t region_bits = ((region >> 8) & 0xF0u) * 0x01010101u;
+  const std::uint32_t table[2] = {region + 4u * lane, region + 128u + 4u * lane};
 
-  auto multiply_chunk = [&](int ch, const uint4 (&w)[kTilesN], const RawScale (&raw)[kTilesN]) {
-    float s[kTilesN];
+  float acc[NT8][4];
 #pragma unroll
-    for (int tile = 0; tile < kTilesN; ++tile) s[tile] = finish_scale(scales, raw[tile], code2_shared);
+  for (int j = 0; j < NT8; ++j)
 #pragma unroll
-    for (int step = 0; step < 8; ++step) {
-      std::uint32_t af[MT][4];
-      const int kk = ch * kChunkK + 32 * t + 4 * step;
+    for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+
+  auto multiply_span = [&](int sp, const uint4 (&w)[2][2], const RawScale (&raw)[2]) {
+    // The tables: values 2j and 2j + 1 rounded as a pair; the lookups use only the high half of a word.
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const uint2 x0 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g) * lda + kk);
-        const uint2 x1 = *reinterpret_cast<const uint2*>(as + (mt * 16 + g + 8) * lda + kk);
-        af[mt][0] = x0.x;
-        af[mt][1] = x1.x;
-        af[mt][2] = x0.y;
-        af[mt][3] = x1.y;
+    for (int half = 0; half < 2; ++half) {
+      const float s = finish_scale(scales, raw[half], code2_shared);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const std::uint32_t p = pack_bf16x2(nf4_code_value(2 * j) * s, nf4_code_value(2 * j + 1) * s);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(table[half] + 512u * j), "r"(p << 16) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(table[half] + 512u * j + 256u), "r"(p) : "memory");
+      }
+    }
+    const std::uint32_t a_span = a_base + static_cast<std::uint32_t>(sp) * kSpanBytesA;
+#pragma unroll
+    for (int step = 0; step < 16; ++step) {
+      // The weight fragment: slots (row g, 2t..2t+1), (g + 8, 2t..), (g, 2t+8..), (g + 8, 2t+8..).
+      std::uint32_t wf[4];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint4& q = w[half][step >> 3];
+        const int wi = (step >> 1) & 3;
+        const std::uint32_t word = wi == 0 ? q.x : wi == 1 ? q.y : wi == 2 ? q.z : q.w;
+        // Bytes 2 (step & 1) and 2 (step & 1) + 1 of the word: elements 4 step .. 4 step + 3 of the block, high
+        // nibble first.
+        const std::uint32_t hi = ((word >> 4) & 0x0F0F0F0Fu) | region_bits;
+        const std::uint32_t lo = (word & 0x0F0F0F0Fu) | region_bits;
+        std::uint32_t v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const std::uint32_t b = 2 * (step & 1) + (e >> 1);
+          const std::uint32_t addr = __byte_perm((e & 1) ? lo : hi, table[half], 0x7604u | (b << 4));
+          asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v[e]) : "r"(addr));  // ordered after the stores
+        }
+        wf[half] = __byte_perm(v[0], v[1], 0x7632u);
+        wf[half + 2] = __byte_perm(v[2], v[3], 0x7632u);
       }
 #pragma unroll
-      for (int tile = 0; tile < kTilesN; ++tile) {
-        const std::uint32_t word = (step >> 1) == 0 ? w[tile].x : (step >> 1) == 1 ? w[tile].y
-                                 : (step >> 1) == 2 ? w[tile].z : w[tile].w;
-        // Bytes 2 (s & 1) (elements 4s, 4s+1) and 2 (s & 1) + 1 (4s+2, 4s+3), high nibble first.
-        const int b = 2 * (step & 1);
-        const std::uint32_t hi = hi_offsets(word), lo = lo_offsets(word);
-        const float sc = s[tile];
-        const float e0 = code_at(hi, b, cb), e1 = code_at(lo, b, cb);
-        const float e2 = code_at(hi, b + 1, cb), e3 = code_at(lo, b + 1, cb);
-        const std::uint32_t b0 = pack_bf16x2(e0 * sc, e1 * sc);
-        const std::uint32_t b1 = pack_bf16x2(e2 * sc, e3 * sc);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) mma_bf16_16816(acc[mt][tile], af[mt], b0, b1);
+      for (int j = 0; j < NT8; ++j) {
+        std::uint32_t b0, b1;
+        asm("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(a_span + j * 8 * row_bytes + 8 * step));
+        mma_bf16_16816(acc[j], wf, b0, b1);
       }
     }
   };
-  for (int ch = 0; ch < my_chunks; ch += 2) {
-    multiply_chunk(ch, wa, sa);
-    load_chunk(ch + 2, wa, sa);
-    if (ch + 1 < my_chunks) {
-      multiply_chunk(ch + 1, wb, sb);
-      load_chunk(ch + 3, wb, sb);
+  for (int sp = 0; sp < my_spans; sp += 2) {
+    multiply_span(sp, wa, sa);
+    load_span(sp + 2, wa, sa);
+    if (sp + 1 < my_spans) {
+      multiply_span(sp + 1, wb, sb);
+      load_span(sp + 3, wb, sb);
     }
   }
 
-  // Rows m of the output are the mma's rows; its columns are weight rows n.
+  // The mma's rows are weight rows (g, g + 8), its columns rows of A (2t, 2t + 1 of each n8 tile).
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int j = 0; j < NT8; ++j)
 #pragma unroll
-    for (int tile = 0; tile < kTilesN; ++tile)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const std::int64_t m = mt * 16 + g + (i >= 2 ? 8 : 0);
-        const std::int64_t n = n_block + warp * 32 + tile * 8 + 2 * t + (i & 1);
-        if (m >= M || n >= N) continue;
-        if (partial) partial[(static_cast<std::int64_t>(blockIdx.y) * M + m) * N + n] = acc[mt][tile][i];
-        else store_out(c, c_bf16, m * N + n, acc[mt][tile][i], alpha, beta);
-      }
+    for (int i = 0; i < 4; ++i) {
+      const std::int64_t m = j * 8 + 2 * t + (i & 1);
+      const std::int64_t n = n_warp + g + (i >= 2 ? 8 : 0);
+      if (m >= M || n >= N) continue;
+      if (partial) partial[(static_cast<std::int64_t>(blockIdx.y) * M + m) * N + n] = acc[j][i];
+      else store_out(c, c_bf16, m * N + n, acc[j][i], alpha, beta);
+    }
 }
 
 // ---- forward with one row of A (M = 1: generation, evaluation): y[n] = sum_k a[k] * bf16(code * s) ---------

@@ -1,7 +1,6 @@
-// The fused small-M NF4 GEMM (C = A * dequant(W)^T for M <= 64): reads each weight byte once with 16-byte loads,
-// dequantizes in registers and multiplies on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate).
-// M = 1 with K a multiple of 64 takes a GEMV kernel instead (per-lane tables of scaled values, FMAs; see
-// nf4_small_m.cuh).
+// The fused small-M NF4 GEMM (C = A * dequant(W)^T for M <= 32): reads each weight byte once with 16-byte loads
+// and multiplies on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) from per-lane tables of the
+// block's 16 scaled values; M = 1 takes a GEMV kernel instead (same tables, FMAs). See nf4_small_m.cuh.
 #pragma once
 
 #include "qmm/context.h"
@@ -11,11 +10,11 @@
 
 namespace qmm::cuda {
 
-constexpr int kNf4SmallMMaxRows = 64;          // forward
+constexpr int kNf4SmallMMaxRows = 32;          // forward
 constexpr int kNf4SmallMBackwardMaxRows = 16;  // input gradient
 
-// Whether the fast kernel can take this problem (M <= 64, K a multiple of 32, 16-byte aligned A and codes);
-// callers fall back to dequantize + GEMM otherwise.
+// Whether the fast kernels can take this problem (M <= 32, K a multiple of 64, NF4 blocks of at least 64,
+// 16-byte aligned A and codes); callers fall back to dequantize + GEMM otherwise.
 bool nf4_small_m_supported(const TensorView& a, const Nf4Weight& w);
 
 void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
@@ -25,7 +24,7 @@ void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4W
 void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,
                                 const Nf4Weight& w_up, const GateUpOutputs& out, float alpha);
 
-// dA = dC * dequant(W) for M <= 16 (same preconditions, on dC).
+// dA = dC * dequant(W) for M <= 16 (K a multiple of 32, blocks of at least 32, 16-byte aligned codes).
 bool nf4_small_m_backward_supported(const TensorView& dc, const Nf4Weight& w);
 void launch_nf4_gemm_backward_small_m(const Context& ctx, const TensorView& dc, const Nf4Weight& w,
                                       const TensorView& da, float alpha, float beta);
