@@ -72,10 +72,11 @@ struct TableSplit {
   int spans;  // 256-element k spans per block
   int splits;
 };
-TableSplit table_split(const Context& ctx, std::int64_t N, std::int64_t K, int weights, int a_rows) {
+TableSplit table_split(const Context& ctx, std::int64_t N, std::int64_t K, int weights, int nt8) {
   using namespace small_m;
   const std::int64_t total = (K + kSpanK - 1) / kSpanK;
   const std::int64_t blocks_n = weights * ((N + kTabBlockN - 1) / kTabBlockN);
+  const int a_rows = 8 * nt8;
   const auto& props = state(ctx).props;
   const std::int64_t max_a = std::min<std::int64_t>(
       kTabMaxSharedA, static_cast<std::int64_t>(props.sharedMemPerBlockOptin) - kTabSharedFixed);
@@ -86,7 +87,7 @@ TableSplit table_split(const Context& ctx, std::int64_t N, std::int64_t K, int w
     const std::int64_t splits = (total + spans - 1) / spans;
     const std::int64_t smem = kTabSharedFixed + a_rows * tab_a_row_bytes(static_cast<int>(spans));
     const std::int64_t per_sm = std::clamp<std::int64_t>(
-        static_cast<std::int64_t>(props.sharedMemPerMultiprocessor) / (smem + 1024), 1, 2);
+        static_cast<std::int64_t>(props.sharedMemPerMultiprocessor) / (smem + 1024), 1, tab_blocks_per_sm(nt8));
     const std::int64_t slots = per_sm * props.multiProcessorCount;
     const std::int64_t cost = (blocks_n * splits + slots - 1) / slots * (spans + 1);
     if (best_cost < 0 || cost < best_cost) {
@@ -106,7 +107,7 @@ float* launch_table(const Context& ctx, const TensorView& a, const Nf4Weight& w0
   using namespace small_m;
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w0.rows;
   const int a_rows = 8 * NT8;
-  const TableSplit ts = table_split(ctx, N, K, weights, a_rows);
+  const TableSplit ts = table_split(ctx, N, K, weights, NT8);
   const int blocks_n = static_cast<int>((N + kTabBlockN - 1) / kTabBlockN);
   const dim3 grid(static_cast<unsigned>(blocks_n * weights), static_cast<unsigned>(ts.splits));
   const int smem = kTabSharedFixed + a_rows * tab_a_row_bytes(ts.spans);
