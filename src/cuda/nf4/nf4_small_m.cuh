@@ -140,8 +140,8 @@ struct WeightArgs {
 // table of its own in shared memory (value j of row half u at byte 256 j + 128 u + 4 L of the warp's 4 KB region:
 // a warp's 32 lookups hit 32 different banks whatever the codes, and a lookup's address is one byte permute, the
 // code as byte 1). Per element that leaves a permute, a shared load and half a pack; the mma does the
-// multiply-adds. The weight is the mma's A operand (16 rows), A's rows are its n8 columns, so M <= 8 costs one mma
-// per 16 x 16 weight elements. mma step s (of 16 per span) gives the fragment's k slots {2t, 2t+1, 2t+8, 2t+9}
+// multiply-adds. The weight is the mma's A operand (16 rows) and the activations' rows are its n8 columns, so
+// M <= 8 costs one mma per 16 x 16 weight elements. mma step s (of 16 per span) gives the fragment's k slots {2t, 2t+1, 2t+8, 2t+9}
 // the elements 4s .. 4s+3 of the lane's block; A's fragments are read from shared memory with the same mapping
 // (k = span + 64 t + 4 s + {0, 1, 2, 3}).
 constexpr int kTabWarps = 8;
@@ -153,7 +153,7 @@ constexpr int kSpanK = 256;                 // k per span: 4 lanes x one 64-elem
 // all different within a half warp.
 constexpr int kSpanBytesA = 4 * (64 * 2 + 8);
 constexpr int kTabRegionBytes = 16 * 256;  // per warp; 4096-aligned
-constexpr int kTabMaxSharedA = 72 * 1024;  // bytes of staged activations per block, at most (two blocks per SM)
+constexpr int kTabMaxSharedA = 72 * 1024;  // bytes of staged activations per block, at most (two blocks fit an SM)
 constexpr int kTabSharedFixed = 4096 + kTabWarps * kTabRegionBytes + kCode2Bytes;  // 4096: alignment
 
 // Blocks per SM for __launch_bounds__: three with two n8 tiles of A (80 registers, no spills; measured faster on
