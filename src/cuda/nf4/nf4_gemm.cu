@@ -168,10 +168,8 @@ constexpr std::int64_t kAutoSmallMRows = 32;  // forward and gate_up, every weig
 constexpr std::int64_t kAutoSmallMBackwardRowsLarge = 8;
 constexpr std::int64_t kLargeWeightElements = 32ll << 20;  // between the two measured sizes (13.8M and 58.7M)
 
-enum class SmallMOp { Forward, Backward, GateUp };
-
-std::int64_t auto_small_m_rows(const Nf4Weight& w, SmallMOp op) {
-  if (op != SmallMOp::Backward) return kAutoSmallMRows;
+// The input gradient's limit; the forward and gate_up take kAutoSmallMRows.
+std::int64_t auto_small_m_backward_rows(const Nf4Weight& w) {
   return w.numel() >= kLargeWeightElements ? kAutoSmallMBackwardRowsLarge : 0;
 }
 
@@ -250,7 +248,7 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
               const Nf4GemmOptions& opts) {
   const char* op = "nf4_gemm";
   const bool small_m =
-      wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w, SmallMOp::Forward)) && nf4_small_m_supported(a, w);
+      wants_small_m(opts.path, a.dim(0), kAutoSmallMRows) && nf4_small_m_supported(a, w);
   // Where Auto would take it but it cannot serve (another GPU, a build without sm_90a, K % 64 != 0...),
   // dequantize + cuBLASLt runs instead.
   const PathFit fused =
@@ -281,7 +279,7 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
                          const Nf4GemmOptions& opts) {
   const char* op = "nf4_gemm_backward_a";
   const bool small_m =
-      wants_small_m(opts.path, dc.dim(0), auto_small_m_rows(w, SmallMOp::Backward)) &&
+      wants_small_m(opts.path, dc.dim(0), auto_small_m_backward_rows(w)) &&
       nf4_small_m_backward_supported(dc, w);
   const PathFit fused =
       wants_fused(ctx, opts.path, dc.dim(0), w, small_m, true) ? fused_fit(ctx, dc, w, true) : PathFit{};
@@ -308,7 +306,7 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
 void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
                  const GateUpOutputs& out, const Nf4GemmOptions& opts) {
   const char* op = "nf4_gate_up";
-  const bool small_m = wants_small_m(opts.path, a.dim(0), auto_small_m_rows(w_gate, SmallMOp::GateUp)) &&
+  const bool small_m = wants_small_m(opts.path, a.dim(0), kAutoSmallMRows) &&
                        nf4_small_m_supported(a, w_gate) &&
                        nf4_small_m_supported(a, w_up) && w_gate.rows == w_up.rows;
   // Fused: the fused tensor-core forward once per projection, where nf4_gemm's Auto would take it (or forced).

@@ -71,6 +71,7 @@ float* new_partials(const Context& ctx, std::unique_ptr<ScratchBuffer>& scratch,
 struct TableSplit {
   int spans;  // 256-element k spans per block
   int splits;
+  int smem;   // dynamic shared memory per block
 };
 TableSplit table_split(const Context& ctx, std::int64_t N, std::int64_t K, int weights, int nt8) {
   using namespace small_m;
@@ -81,7 +82,7 @@ TableSplit table_split(const Context& ctx, std::int64_t N, std::int64_t K, int w
   const std::int64_t max_a = std::min<std::int64_t>(
       kTabMaxSharedA, static_cast<std::int64_t>(props.sharedMemPerBlockOptin) - kTabSharedFixed);
   const std::int64_t max_spans = std::clamp<std::int64_t>((max_a / a_rows - 127) / kSpanBytesA, 1, total);
-  TableSplit best{1, static_cast<int>(total)};
+  TableSplit best{};
   std::int64_t best_cost = -1;
   for (std::int64_t spans = max_spans; spans >= 1; --spans) {
     const std::int64_t splits = (total + spans - 1) / spans;
@@ -92,7 +93,7 @@ TableSplit table_split(const Context& ctx, std::int64_t N, std::int64_t K, int w
     const std::int64_t cost = (blocks_n * splits + slots - 1) / slots * (spans + 1);
     if (best_cost < 0 || cost < best_cost) {
       best_cost = cost;
-      best = {static_cast<int>(spans), static_cast<int>(splits)};
+      best = {static_cast<int>(spans), static_cast<int>(splits), static_cast<int>(smem)};
     }
   }
   return best;
@@ -106,19 +107,17 @@ float* launch_table(const Context& ctx, const TensorView& a, const Nf4Weight& w0
                     int* splits_out) {
   using namespace small_m;
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w0.rows;
-  const int a_rows = 8 * NT8;
   const TableSplit ts = table_split(ctx, N, K, weights, NT8);
   const int blocks_n = static_cast<int>((N + kTabBlockN - 1) / kTabBlockN);
   const dim3 grid(static_cast<unsigned>(blocks_n * weights), static_cast<unsigned>(ts.splits));
-  const int smem = kTabSharedFixed + a_rows * tab_a_row_bytes(ts.spans);
   auto kernel = nf4_small_m_table_kernel<NT8, kAF32>;
-  allow_dynamic_shared(reinterpret_cast<const void*>(kernel), smem);
+  allow_dynamic_shared(reinterpret_cast<const void*>(kernel), ts.smem);
   float* partial =
       ts.splits > 1 || weights > 1 ? new_partials(ctx, scratch, weights * ts.splits * M * N) : nullptr;
-  kernel<<<grid, kTabThreads, smem, stream_of(ctx)>>>(a.data(), M, N, K, weight_args(w0), weight_args(w1),
-                                                      blocks_n, ts.spans, partial,
-                                                      c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16,
-                                                      alpha, beta);
+  kernel<<<grid, kTabThreads, ts.smem, stream_of(ctx)>>>(a.data(), M, N, K, weight_args(w0), weight_args(w1),
+                                                         blocks_n, ts.spans, partial,
+                                                         c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16,
+                                                         alpha, beta);
   QMM_CUDA_CHECK_LAUNCH("nf4_small_m_table_kernel");
   *splits_out = ts.splits;
   return partial;
@@ -149,8 +148,8 @@ float* launch_gemv(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), kGemvSharedBytes);
   float* partial = weights > 1 ? new_partials(ctx, scratch, weights * N) : nullptr;
   kernel<<<blocks_n * weights, kGemvThreads, kGemvSharedBytes, stream_of(ctx)>>>(
-      a.data(), N, K, weight_args(w0), weight_args(w1), blocks_n, static_cast<int>(rows), partial, c.empty() ? nullptr : c.data(),
-      c.dtype() == DType::BF16, alpha, beta);
+      a.data(), N, K, weight_args(w0), weight_args(w1), blocks_n, static_cast<int>(rows), partial,
+      c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16, alpha, beta);
   QMM_CUDA_CHECK_LAUNCH("nf4_gemv_kernel");
   return partial;
 }

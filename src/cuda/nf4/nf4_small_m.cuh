@@ -133,17 +133,53 @@ struct WeightArgs {
   Scales scales;
 };
 
+// ---- per-lane tables of a block's 16 scaled values (the table kernel and the GEMV) ---------------------------
+// The contract's value bf16(code * s) computed 16 times per NF4 block instead of once per element. Value j of
+// table u (0 or 1) of lane L sits at byte 256 j + 128 u + 4 L of its warp's 4 KB region (4096-aligned): whatever
+// the codes, a warp's 32 lookups hit 32 different banks, and a lookup's address is one byte permute, the code as
+// byte 1 and the lane's base (byte 0: 128 u + 4 L; bytes 2 and 3: the region's) around it. The region's byte 1 (a
+// multiple of 16) is ORed into the codes' bytes through region_bits.
+constexpr int kLaneTablesBytes = 16 * 256;  // per warp
+
+__device__ __forceinline__ std::uint32_t lane_table_region_bits(std::uint32_t region) {
+  return ((region >> 8) & 0xF0u) * 0x01010101u;
+}
+
+// A word of packed codes as lookup bytes: byte b's high nibble (element 2b of the word's 8), or its low (2b + 1).
+__device__ __forceinline__ std::uint32_t lane_table_hi(std::uint32_t w, std::uint32_t region_bits) {
+  return ((w >> 4) & 0x0F0F0F0Fu) | region_bits;
+}
+__device__ __forceinline__ std::uint32_t lane_table_lo(std::uint32_t w, std::uint32_t region_bits) {
+  return (w & 0x0F0F0F0Fu) | region_bits;
+}
+
+// The shared address of the value for byte b (0..3, a constant in the callers' unrolled loops) of `codes`.
+__device__ __forceinline__ std::uint32_t lane_table_address(std::uint32_t codes, std::uint32_t base, std::uint32_t b) {
+  return __byte_perm(codes, base, 0x7604u | (b << 4));
+}
+
+// Writes the table at `base` for scale s, values 2j and 2j + 1 rounded as a pair, each in the high half of its
+// word. kFp32: the low half zeroed, so the word is the value as an fp32 (the GEMV's FMAs); otherwise the low half
+// is left as it comes (the table kernel packs the high halves for the mma).
+template <bool kFp32>
+__device__ __forceinline__ void write_lane_table(std::uint32_t base, float s) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const std::uint32_t p = pack_bf16x2(nf4_code_value(2 * j) * s, nf4_code_value(2 * j + 1) * s);
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(base + 512u * j), "r"(p << 16) : "memory");
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(base + 512u * j + 256u), "r"(kFp32 ? p & 0xFFFF0000u : p)
+                 : "memory");
+  }
+}
+
 // ---- forward, M <= 32: per-lane tables of scaled values, tensor-core products ----------------------------------
-// The contract's value bf16(code * s) is computed 16 times per NF4 block instead of once per element: the k order
-// inside an mma is free, so lane (g, t) of a warp takes a whole 64-element block of a weight row per 256-k span
-// (block t of the span; weight rows g and g + 8 of the warp's 16) and writes each block's 16 scaled values into a
-// table of its own in shared memory (value j of row half u at byte 256 j + 128 u + 4 L of the warp's 4 KB region:
-// a warp's 32 lookups hit 32 different banks whatever the codes, and a lookup's address is one byte permute, the
-// code as byte 1). Per element that leaves a permute, a shared load and half a pack; the mma does the
-// multiply-adds. The weight is the mma's A operand (16 rows) and the activations' rows are its n8 columns, so
-// M <= 8 costs one mma per 16 x 16 weight elements. mma step s (of 16 per span) gives the fragment's k slots {2t, 2t+1, 2t+8, 2t+9}
-// the elements 4s .. 4s+3 of the lane's block; A's fragments are read from shared memory with the same mapping
-// (k = span + 64 t + 4 s + {0, 1, 2, 3}).
+// The k order inside an mma is free, so lane (g, t) of a warp takes a whole 64-element block of a weight row per
+// 256-k span (block t of the span; weight rows g and g + 8 of the warp's 16) and writes each block's 16 scaled
+// values into a lane table (above; table u = row half u). Per element that leaves a permute, a shared load and
+// half a pack; the mma does the multiply-adds. The weight is the mma's A operand (16 rows) and the activations'
+// rows are its n8 columns, so M <= 8 costs one mma per 16 x 16 weight elements. mma step s (of 16 per span) gives
+// the fragment's k slots {2t, 2t+1, 2t+8, 2t+9} the elements 4s .. 4s+3 of the lane's block; A's fragments are
+// read from shared memory with the same mapping (k = span + 64 t + 4 s + {0, 1, 2, 3}).
 constexpr int kTabWarps = 8;
 constexpr int kTabThreads = 32 * kTabWarps;
 constexpr int kTabBlockN = kTabWarps * 16;  // 128 weight rows per block
@@ -152,9 +188,8 @@ constexpr int kSpanK = 256;                 // k per span: 4 lanes x one 64-elem
 // (mod 128) bytes: lane (g, t)'s 8-byte fragment read at step s then sits in banks 8g + 2t + 2s (+1) (mod 32),
 // all different within a half warp.
 constexpr int kSpanBytesA = 4 * (64 * 2 + 8);
-constexpr int kTabRegionBytes = 16 * 256;  // per warp; 4096-aligned
 constexpr int kTabMaxSharedA = 72 * 1024;  // bytes of staged activations per block, at most (two blocks fit an SM)
-constexpr int kTabSharedFixed = 4096 + kTabWarps * kTabRegionBytes + kCode2Bytes;  // 4096: alignment
+constexpr int kTabSharedFixed = 4096 + kTabWarps * kLaneTablesBytes + kCode2Bytes;  // 4096: alignment
 
 // Blocks per SM for __launch_bounds__: three with two n8 tiles of A (80 registers, no spills; measured faster on
 // Llama-3-8B shapes: gate/up M = 16 30.7 vs 32.7 µs, within 2% on Qwen2.5-1.5B), two otherwise (with one tile,
@@ -175,8 +210,8 @@ __global__ void __launch_bounds__(kTabThreads, tab_blocks_per_sm(NT8)) nf4_small
     float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* aligned = smem + ((4096u - (shared_address(smem) & 4095u)) & 4095u);
-  float* code2_shared = reinterpret_cast<float*>(aligned + kTabWarps * kTabRegionBytes);
-  unsigned char* as = aligned + kTabWarps * kTabRegionBytes + kCode2Bytes;
+  float* code2_shared = reinterpret_cast<float*>(aligned + kTabWarps * kLaneTablesBytes);
+  unsigned char* as = aligned + kTabWarps * kLaneTablesBytes + kCode2Bytes;
   const int row_bytes = tab_a_row_bytes(spans);
 
   const int which = static_cast<int>(blockIdx.x) >= blocks_per_weight ? 1 : 0;
@@ -236,8 +271,8 @@ __global__ void __launch_bounds__(kTabThreads, tab_blocks_per_sm(NT8)) nf4_small
   std::uint32_t a_base = shared_address(as) + g * row_bytes + (kSpanBytesA / 4) * t;
   asm volatile("" : "+r"(a_base)::"memory");
 
-  const std::uint32_t region = shared_address(aligned + warp * kTabRegionBytes);
-  const std::uint32_t region_bits = ((region >> 8) & 0xF0u) * 0x01010101u;
+  const std::uint32_t region = shared_address(aligned + warp * kLaneTablesBytes);
+  const std::uint32_t region_bits = lane_table_region_bits(region);
   const std::uint32_t table[2] = {region + 4u * lane, region + 128u + 4u * lane};
 
   float acc[NT8][4];
@@ -247,17 +282,9 @@ __global__ void __launch_bounds__(kTabThreads, tab_blocks_per_sm(NT8)) nf4_small
     for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
 
   auto multiply_span = [&](int sp, const uint4 (&w)[2][2], const RawScale (&raw)[2]) {
-    // The tables: values 2j and 2j + 1 rounded as a pair; the lookups use only the high half of a word.
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float s = finish_scale(scales, raw[half], code2_shared);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const std::uint32_t p = pack_bf16x2(nf4_code_value(2 * j) * s, nf4_code_value(2 * j + 1) * s);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(table[half] + 512u * j), "r"(p << 16) : "memory");
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(table[half] + 512u * j + 256u), "r"(p) : "memory");
-      }
-    }
+    for (int half = 0; half < 2; ++half)
+      write_lane_table<false>(table[half], finish_scale(scales, raw[half], code2_shared));
     const std::uint32_t a_span = a_base + static_cast<std::uint32_t>(sp) * kSpanBytesA;
 #pragma unroll
     for (int step = 0; step < 16; ++step) {
@@ -270,13 +297,12 @@ __global__ void __launch_bounds__(kTabThreads, tab_blocks_per_sm(NT8)) nf4_small
         const std::uint32_t word = wi == 0 ? q.x : wi == 1 ? q.y : wi == 2 ? q.z : q.w;
         // Bytes 2 (step & 1) and 2 (step & 1) + 1 of the word: elements 4 step .. 4 step + 3 of the block, high
         // nibble first.
-        const std::uint32_t hi = ((word >> 4) & 0x0F0F0F0Fu) | region_bits;
-        const std::uint32_t lo = (word & 0x0F0F0F0Fu) | region_bits;
+        const std::uint32_t hi = lane_table_hi(word, region_bits), lo = lane_table_lo(word, region_bits);
         std::uint32_t v[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const std::uint32_t b = 2 * (step & 1) + (e >> 1);
-          const std::uint32_t addr = __byte_perm((e & 1) ? lo : hi, table[half], 0x7604u | (b << 4));
+          const std::uint32_t addr = lane_table_address((e & 1) ? lo : hi, table[half], b);
           asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v[e]) : "r"(addr));  // ordered after the stores
         }
         wf[half] = __byte_perm(v[0], v[1], 0x7632u);
@@ -314,23 +340,20 @@ __global__ void __launch_bounds__(kTabThreads, tab_blocks_per_sm(NT8)) nf4_small
 
 // ---- forward with one row of A (M = 1: generation, evaluation): y[n] = sum_k a[k] * bf16(code * s) ---------
 // Without a tensor-core tile to fill, the work per element is what decides: here one byte permute, one shared
-// load and one FMA, plus the block's table (16 values per 64 elements). A lane's unit is a 64-element chunk of one weight row (32
-// code bytes, two 16-byte loads; one NF4 block, since blocks are >= 64 and chunk aligned). The 32 lanes of a warp
-// take 32 consecutive chunks (a k group of 2048) and keep a's 64 values of their chunk in registers while they walk
-// the rows. Per row a lane writes the block's 16 values bf16(code_j * s) (the contract's multiply and rounding,
-// once per value instead of once per element) to a table of its own in shared memory: value j of lane L at byte
-// 256 j + 128 buffer + 4 L of the warp's 4 KB region, so that whatever the codes, a warp's 32 lookups hit 32
-// different banks, and a lookup's address is one byte permute: the code as byte 1, the lane's base around it.
+// load and one FMA, plus the block's table (16 values per 64 elements). A lane's unit is a 64-element chunk of one
+// weight row (32 code bytes, two 16-byte loads; one NF4 block, since blocks are >= 64 and chunk aligned). The 32
+// lanes of a warp take 32 consecutive chunks (a k group of 2048) and keep a's 64 values of their chunk in registers
+// while they walk the rows; per row a lane writes the block's lane table (above; tables 0 and 1 alternate between
+// rows) and looks its 64 elements up in it.
 constexpr int kGemvWarps = 8;
 constexpr int kGemvThreads = 32 * kGemvWarps;
 constexpr int kGemvChunk = 64;                       // elements per lane and row
 constexpr int kGemvGroupK = 32 * kGemvChunk;         // k per warp pass (2048)
 constexpr int kGemvAhead = 4;                        // rows per warp in the code ring (kGemvAhead - 1 in flight)
-constexpr int kGemvTableBytes = 16 * 256;            // per warp; 4096-aligned
 constexpr int kGemvRingBytes = kGemvAhead * 32 * 32; // per warp: 32 code bytes per lane and row
 constexpr int kGemvSums = 256;                       // (row, k group) pairs per block, 32 lane sums each
 constexpr int kGemvSharedBytes =                     // 4096: alignment; code2 per warp
-    4096 + kGemvWarps * (kGemvTableBytes + kGemvRingBytes + kCode2Bytes) + kGemvSums * 32 * 4;
+    4096 + kGemvWarps * (kLaneTablesBytes + kGemvRingBytes + kCode2Bytes) + kGemvSums * 32 * 4;
 
 __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
@@ -355,7 +378,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
     int rows_per_block, float* __restrict__ partial, void* __restrict__ c, bool c_bf16, float alpha, float beta) {
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* aligned = smem + ((4096u - (shared_address(smem) & 4095u)) & 4095u);
-  unsigned char* rings = aligned + kGemvWarps * kGemvTableBytes;
+  unsigned char* rings = aligned + kGemvWarps * kLaneTablesBytes;
   float* sums = reinterpret_cast<float*>(rings + kGemvWarps * kGemvRingBytes);  // [row][group][lane]
 
   const int which = static_cast<int>(blockIdx.x) >= blocks_per_weight ? 1 : 0;
@@ -369,10 +392,8 @@ __global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
 
   float* code2_shared = sums + kGemvSums * 32 + warp * kNf4Code2Size;
 
-  // The lane's table: bytes 0, 2 and 3 of a lookup's address come from `base` (byte 0: 128 buffer + 4 L), byte 1
-  // is the code, with the region's byte 1 (a multiple of 16) ORed in through `region_bits` in every byte.
-  const std::uint32_t region = shared_address(aligned + warp * kGemvTableBytes);
-  const std::uint32_t region_bits = ((region >> 8) & 0xF0u) * 0x01010101u;
+  const std::uint32_t region = shared_address(aligned + warp * kLaneTablesBytes);
+  const std::uint32_t region_bits = lane_table_region_bits(region);
   const std::uint32_t ring = shared_address(rings + warp * kGemvRingBytes) + 32u * lane;
 
   if (warp < slots * reps) {
@@ -433,13 +454,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
         if (active) {
           const float s = finish_scale(scales, raw, code2_shared);
           const std::uint32_t base = region + 128u * (i & 1) + 4u * lane;
-          // The table: values 2j (low half) and 2j + 1 (high half) rounded as a pair, each widened back to fp32.
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const std::uint32_t p = pack_bf16x2(nf4_code_value(2 * j) * s, nf4_code_value(2 * j + 1) * s);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(base + 512u * j), "r"(p << 16) : "memory");
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(base + 512u * j + 256u), "r"(p & 0xFFFF0000u) : "memory");
-          }
+          write_lane_table<true>(base, s);
           const std::uint32_t at = ring + 1024u * (i % kGemvAhead);
           std::uint32_t w[8];
           asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
@@ -449,15 +464,13 @@ __global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
           float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
           for (int q = 0; q < 8; ++q) {
-            // Codes as byte 1 of an address: element 8q + 2b is the high nibble of byte b, 8q + 2b + 1 the low.
-            const std::uint32_t hi = ((w[q] >> 4) & 0x0F0F0F0Fu) | region_bits;
-            const std::uint32_t lo = (w[q] & 0x0F0F0F0Fu) | region_bits;
+            // Element 8q + 2b is the high nibble of byte b, 8q + 2b + 1 the low.
+            const std::uint32_t hi = lane_table_hi(w[q], region_bits), lo = lane_table_lo(w[q], region_bits);
 #pragma unroll
             for (int b = 0; b < 4; ++b) {
-              const std::uint32_t sel = 0x7604u | (static_cast<std::uint32_t>(b) << 4);
               float vh, vl;
-              asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(vh) : "r"(__byte_perm(hi, base, sel)) : "memory");
-              asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(vl) : "r"(__byte_perm(lo, base, sel)) : "memory");
+              asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(vh) : "r"(lane_table_address(hi, base, b)) : "memory");
+              asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(vl) : "r"(lane_table_address(lo, base, b)) : "memory");
               acc[2 * b] = fmaf(x[8 * q + 2 * b], vh, acc[2 * b]);
               acc[2 * b + 1] = fmaf(x[8 * q + 2 * b + 1], vl, acc[2 * b + 1]);
             }
