@@ -483,11 +483,12 @@ void Bench::run_nf4() {
       fused_ok = false;
     }
   }
-  // The usual token counts plus 8 and 32, where the dispatcher's small-M thresholds are decided, and 256, inside
-  // the range where Auto takes the fused forward on large weights.
+  // The usual token counts plus 8 and 32, where the dispatcher's small-M thresholds are decided, 256, inside the
+  // range where Auto takes the fused forward on large weights, and 1024, between it and the shared-dequantization
+  // kernel's range.
   std::vector<std::int64_t> nf4_tokens = all_token_counts();
   nf4_tokens.insert(nf4_tokens.end(), {8, 32});
-  if (is_gpu_) nf4_tokens.push_back(256);
+  if (is_gpu_) nf4_tokens.insert(nf4_tokens.end(), {256, 1024});
   std::sort(nf4_tokens.begin(), nf4_tokens.end());
   nf4_tokens = only_selected_tokens(nf4_tokens);
   for (const Projection& p : projections())
@@ -521,6 +522,7 @@ void Bench::run_nf4() {
       if (M <= 64 && is_gpu_) paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"small-m", Nf4Path::SmallM}});
       if (M >= 256 && fused_ok) paths.push_back({"dequant", Nf4Path::DequantGemm});
       if (M >= 32 && fused_ok) paths.push_back({"fused", Nf4Path::Fused});
+      if (M >= 256 && fused_ok) paths.push_back({"fused-shared", Nf4Path::FusedShared});
       // The paths of each op are timed in turns (time_interleaved), so that they can be compared.
       std::vector<Result> fwd_rows, bwd_rows;
       std::vector<std::function<void(int)>> fwd_fns, bwd_fns;

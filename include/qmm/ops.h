@@ -66,9 +66,11 @@ void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& ou
 // M <= 32, K a multiple of 64, blocks of at least 64; input gradient: M <= 16, K a multiple of 32). Fused: the
 // tensor-core kernel that dequantizes inside its main loop (nf4_gemm, nf4_gemm_backward_a, and nf4_gate_up once
 // per projection; sm_90a builds on Hopper, K and block size multiples of 64, N a multiple of 8 for the input
-// gradient). Reference: CPU only. A forced path that cannot serve the problem throws Unsupported, naming what it
-// needs.
-enum class Nf4Path { Auto, Reference, DequantGemm, SmallM, Fused };
+// gradient). FusedShared: the same tensor-core GEMM with each weight tile dequantized once per call instead of once
+// per activation tile (the CTAs that share a tile claim its dequantization, write it as bf16 to a scratch
+// workspace of W's size and load it from there; same preconditions), for training-sized M. Reference: CPU only.
+// A forced path that cannot serve the problem throws Unsupported, naming what it needs.
+enum class Nf4Path { Auto, Reference, DequantGemm, SmallM, Fused, FusedShared };
 const char* nf4_path_name(Nf4Path path);
 
 struct Nf4GemmOptions {

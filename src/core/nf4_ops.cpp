@@ -21,6 +21,7 @@ const char* nf4_path_name(Nf4Path path) {
     case Nf4Path::DequantGemm: return "dequant_gemm";
     case Nf4Path::SmallM: return "small_m";
     case Nf4Path::Fused: return "fused";
+    case Nf4Path::FusedShared: return "fused_shared";
   }
   return "?";
 }
@@ -72,7 +73,7 @@ void require_options(const char* op, const Nf4GemmOptions& opts) {
   if (!std::isfinite(opts.beta))
     fail(ErrorCode::InvalidArgument, op, "beta is " + std::to_string(opts.beta) + " but must be finite");
   const int p = static_cast<int>(opts.path);
-  if (p < static_cast<int>(Nf4Path::Auto) || p > static_cast<int>(Nf4Path::Fused))
+  if (p < static_cast<int>(Nf4Path::Auto) || p > static_cast<int>(Nf4Path::FusedShared))
     fail(ErrorCode::InvalidArgument, op, "path " + std::to_string(p) + " is unknown");
 }
 

@@ -1,5 +1,5 @@
 // The NF4 GEMM fast paths against the CPU oracle, forced by path: the small-M kernels (forward, input gradient,
-// gate+up) and the fused tensor-core forward (sm_90a).
+// gate+up) and the fused tensor-core kernels (sm_90a; in-loop and shared dequantization).
 #include <tuple>
 
 #include "common/test_util.h"
@@ -194,9 +194,11 @@ class FusedCase : public ::testing::TestWithParam<FusedShape> {
 
 class FusedForward : public FusedCase {};
 
+// Both fused kernels: dequantization in the main loop (Fused) and once per tile through the workspace
+// (FusedShared).
 TEST_P(FusedForward, MatchesCpuOracle) {
   const auto [m, n, k, block] = GetParam();
-  expect_forward_matches(Nf4Path::Fused, m, n, k, block);
+  for (Nf4Path path : {Nf4Path::Fused, Nf4Path::FusedShared}) expect_forward_matches(path, m, n, k, block);
 }
 
 // Ragged M and N around the 256 x 128 tile, one and many k steps, block sizes 64 and 256.
@@ -210,7 +212,7 @@ class FusedBackward : public FusedCase {};
 
 TEST_P(FusedBackward, MatchesCpuOracle) {
   const auto [m, n, k, block] = GetParam();
-  expect_backward_matches(Nf4Path::Fused, m, n, k, block);
+  for (Nf4Path path : {Nf4Path::Fused, Nf4Path::FusedShared}) expect_backward_matches(path, m, n, k, block);
 }
 
 // N (the reduction) ragged against the 64-row stage, K not a multiple of the 128-column tile, ragged M.
@@ -225,6 +227,26 @@ TEST(FusedGateUp, AllOutputCombinationsMatchCpu) {
   if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
   expect_gate_up_matches(Nf4Path::Fused, 65, 130, 1024, DType::BF16);
   expect_gate_up_matches(Nf4Path::Fused, 300, 257, 576, DType::F32);
+  expect_gate_up_matches(Nf4Path::FusedShared, 300, 257, 576, DType::BF16);
+}
+
+// Where Auto takes the shared-dequantization kernel (a weight of 32 M elements or more, M >= 2048, a reduction
+// of 8192 or more): at that size the CPU oracle is too slow, so the GPU's dequantize + cuBLASLt path, itself
+// tested against the oracle, is the reference. 256 CTAs over two waves: a strip's CTAs are not all resident at once.
+TEST(FusedPath, LargeAutoSharedDequantMatchesDequantGemm) {
+  QMM_REQUIRE_GPU();
+  if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
+  Context& gpu = *test::gpu_context();
+  const std::int64_t m = 2048, n = 4096, k = 8192;
+  const Nf4Tensor w = nf4_quantize(gpu, to_device(test::random_tensor(DType::BF16, {n, k}, 91, -0.05f, 0.05f),
+                                                  gpu.device()), true);
+  const Tensor a = to_device(test::random_tensor(DType::BF16, {m, k}, 92), gpu.device());
+  Tensor c_auto(DType::F32, {m, n}, gpu.device()), c_ref(DType::F32, {m, n}, gpu.device());
+  test::poison(c_auto);
+  nf4_gemm(gpu, a, w, c_auto, {1.0f, 0.0f, Nf4Path::Auto});
+  nf4_gemm(gpu, a, w, c_ref, {1.0f, 0.0f, Nf4Path::DequantGemm});
+  gpu.synchronize();
+  EXPECT_TRUE(test::all_close(test::host_copy(c_auto), test::host_copy(c_ref), test::fp32_accum_tolerance(k)));
 }
 
 TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {

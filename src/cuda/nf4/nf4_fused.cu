@@ -176,15 +176,16 @@ __device__ __forceinline__ uint4 dequant_vec(std::uint32_t w, const BlockTable& 
   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
-// D[64x256] += A[64x16] * B[16x256]^T, both operands in shared memory (descriptors), fp32 accumulators: A
-// M-major (imm-trans-a = 1: its 64 rows contiguous along each k), B K-major.
-__device__ __forceinline__ void wgmma_m64n256k16_a_mn(float (&d)[128], std::uint64_t desc_a, std::uint64_t desc_b) {
+// D[64x256] += A[64x16] * B[16x256]^T, both operands in shared memory (descriptors), fp32 accumulators, B
+// K-major; A K-major (kTransA = 0) or M-major (kTransA = 1: its 64 rows contiguous along each k).
+template <int kTransA>
+__device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], std::uint64_t desc_a, std::uint64_t desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" QMM_WGMMA_D_REGS "}, %128, %129, p, 1, 1, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" QMM_WGMMA_D_REGS "}, %128, %129, p, 1, 1, %131, 0;\n"
       "}\n"
       : QMM_WGMMA_D_OUTPUTS(d)
-      : "l"(desc_a), "l"(desc_b), "r"(1));
+      : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kTransA));
 }
 
 // The same with A from registers: the thread's four bf16 pairs of the m64 x k16 fragment (mma.m16n8k16's A
@@ -197,6 +198,111 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const std::
       "}\n"
       : QMM_WGMMA_D_OUTPUTS(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// The epilogue of both kernels, run by the 256 consumer threads (et = 0..255: warpgroup cw, its warp, lane) once
+// their wgmmas are issued: the m64n256 accumulators of warpgroup cw to rows m0.. and columns n0.. of the output
+// (alpha * sum + beta * out), or raw to split `split` of `partial` [splits][M][n_out] for the split-K reduction.
+template <bool kCBf16>
+__device__ __forceinline__ void store_output_tile(float (&acc)[128], unsigned char* smem, int cw, int warp, int lane,
+                                                  int et, std::int64_t M, int m0, std::int64_t n0,
+                                                  std::int64_t n_out, float* __restrict__ partial, int split,
+                                                  void* __restrict__ c, float alpha, float beta) {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+
+  // Epilogue. Accumulator d[4j + i] holds weight row (output n) 64 cw + 16 warp + g + 8 (i >> 1) and activation
+  // row (output m) 8j + 2t + (i & 1). The tile goes through shared memory (the pipeline's, idle now: every stage
+  // the producer loaded has been consumed) so that global stores run along n.
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's wgmmas are done with the stages
+  const int g = lane / 4, t = lane % 4;
+  // Output rows of this tile (activation rows m0 ..): kBlockA, or what is left of M.
+  const int tile_rows = M - m0 < kBlockA ? static_cast<int>(M - m0) : kBlockA;
+  if (kCBf16 && !partial && beta == 0.0f && n_out % 8 == 0 && (reinterpret_cast<std::uintptr_t>(c) & 15u) == 0) {
+    // bf16 out, nothing to read back: round alpha * sum once, transpose the 8 x 8 fragments with stmatrix into a
+    // bf16 [256 m][128 n] tile (pitch 272 bytes: the eight 16-byte rows of a matrix hit distinct banks), then
+    // 16-byte copies along n.
+    unsigned char* tile = smem;
+    const std::uint32_t tile_s = shared_address(tile);
+    const int mat = lane / 8, r = lane % 8;  // the row of matrix `mat` whose address this lane gives
+#pragma unroll
+    for (int j0 = 0; j0 < 32; j0 += 2) {
+      std::uint32_t v[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)  // matrix q: j = j0 + q / 2, weight rows + 8 (q % 2)
+        v[q] = nf4_lut::pack_bf16x2(alpha * acc[4 * (j0 + q / 2) + 2 * (q % 2)],
+                                    alpha * acc[4 * (j0 + q / 2) + 2 * (q % 2) + 1]);
+      const std::uint32_t at = tile_s + (8 * (j0 + mat / 2) + r) * kCBf16Pitch +
+                               2 * (64 * cw + 16 * warp + 8 * (mat % 2));
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                   ::"r"(at), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
+    }
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    const int chunk = et % 16;  // 8 outputs along n
+    const std::int64_t n = n0 + 8 * chunk;
+    if (n < n_out) {
+      auto* out = static_cast<__nv_bfloat16*>(c) + (m0 + et / 16) * n_out + n;
+#pragma unroll 4
+      for (int ml = et / 16; ml < tile_rows; ml += 16, out += 16 * n_out)
+        *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(tile + ml * kCBf16Pitch + 16 * chunk);
+    }
+    return;
+  }
+  // Any other output (f32, beta != 0, split-K partials): the fp32 tile as [256 m][128 n] (the row pitch makes the
+  // fragment writes conflict-free), then each thread takes 4 columns and every 8th row.
+  float* tile = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int j = 0; j < 32; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      tile[(8 * j + 2 * t + (i & 1)) * kCPitch + cw * 64 + warp * 16 + g + 8 * (i >> 1)] = acc[4 * j + i];
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+
+  float* out_f32 = partial ? partial + static_cast<std::int64_t>(split) * M * n_out : static_cast<float*>(c);
+  const float a_mul = partial ? 1.0f : alpha, b_mul = partial ? 0.0f : beta;
+  const bool bf16_out = !partial && kCBf16;
+  const bool vec = n_out % 4 == 0 && (reinterpret_cast<std::uintptr_t>(partial ? static_cast<void*>(partial) : c) & 15u) == 0;
+  const int q = et % 32;  // columns n0 + 4q ..
+  const std::int64_t n = n0 + 4 * q;
+  if (n >= n_out) return;
+  for (int ml = et / 32; ml < tile_rows; ml += 8) {
+    const float4 v = *reinterpret_cast<const float4*>(tile + ml * kCPitch + 4 * q);
+    const std::int64_t at = (m0 + ml) * n_out + n;
+    if (vec) {
+      if (bf16_out) {
+        auto* p = static_cast<__nv_bfloat16*>(c) + at;
+        float r[4] = {a_mul * v.x, a_mul * v.y, a_mul * v.z, a_mul * v.w};
+        if (b_mul != 0.0f) {
+          const uint2 old = *reinterpret_cast<const uint2*>(p);
+          const __nv_bfloat162 o0 = *reinterpret_cast<const __nv_bfloat162*>(&old.x);
+          const __nv_bfloat162 o1 = *reinterpret_cast<const __nv_bfloat162*>(&old.y);
+          r[0] += b_mul * __low2float(o0);
+          r[1] += b_mul * __high2float(o0);
+          r[2] += b_mul * __low2float(o1);
+          r[3] += b_mul * __high2float(o1);
+        }
+        *reinterpret_cast<uint2*>(p) = make_uint2(nf4_lut::pack_bf16x2(r[0], r[1]), nf4_lut::pack_bf16x2(r[2], r[3]));
+      } else {
+        float* p = out_f32 + at;
+        float4 r = make_float4(a_mul * v.x, a_mul * v.y, a_mul * v.z, a_mul * v.w);
+        if (b_mul != 0.0f) {
+          const float4 o = *reinterpret_cast<const float4*>(p);
+          r.x += b_mul * o.x;
+          r.y += b_mul * o.y;
+          r.z += b_mul * o.z;
+          r.w += b_mul * o.w;
+        }
+        *reinterpret_cast<float4*>(p) = r;
+      }
+    } else {
+      const float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (n + u >= n_out) break;
+        if (bf16_out) small_m::store_out(c, true, at + u, e[u], a_mul, b_mul);
+        else small_m::store_out(out_f32, false, at + u, e[u], a_mul, b_mul);
+      }
+    }
+  }
 }
 
 // Both directions are one GEMM shape for the consumers: out[M][n_out] = B[M][k_red] * T^T with T the dequantized
@@ -351,7 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // T M-major: k step kk is the 16 weight rows 16 kk .. 16 kk + 15, 2048 bytes further on.
       const std::uint64_t dw = sw128_mn_desc(w_tile(s) + cw * 64 * 128), da = sw128_desc(a_tile(s));
 #pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16_a_mn(acc, dw + (2048 >> 4) * kk, da + 2 * kk);
+      for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16_ss<1>(acc, dw + (2048 >> 4) * kk, da + 2 * kk);
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       // While they run: the next stage's rows of T.
       if (i + 1 < k_tiles) dequantize(i + 1);
@@ -411,102 +517,192 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (i + 2 < k_tiles) fragments(i + 2, fa);
     }
   }
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  store_output_tile<kCBf16>(acc, smem, cw, warp, lane, tid - kProducerThreads, M, m0, n0, n_out, partial,
+                            static_cast<int>(blockIdx.z), c, alpha, beta);
+#endif
+}
 
-  // Epilogue. Accumulator d[4j + i] holds weight row (output n) 64 cw + 16 warp + g + 8 (i >> 1) and activation
-  // row (output m) 8j + 2t + (i & 1). The tile goes through shared memory (the pipeline's, idle now: every stage
-  // the producer loaded has been consumed) so that global stores run along n.
-  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's wgmmas are done with the stages
-  const int g = lane / 4, t = lane % 4;
-  const int et = tid - kProducerThreads;  // 0..255
-  // Output rows of this tile (activation rows m0 ..): kBlockA, or what is left of M.
-  const int tile_rows = M - m0 < kBlockA ? static_cast<int>(M - m0) : kBlockA;
-  if (kCBf16 && !partial && beta == 0.0f && n_out % 8 == 0 && (reinterpret_cast<std::uintptr_t>(c) & 15u) == 0) {
-    // bf16 out, nothing to read back: round alpha * sum once, transpose the 8 x 8 fragments with stmatrix into a
-    // bf16 [256 m][128 n] tile (pitch 272 bytes: the eight 16-byte rows of a matrix hit distinct banks), then
-    // 16-byte copies along n.
-    unsigned char* tile = smem;
-    const std::uint32_t tile_s = shared_address(tile);
-    const int mat = lane / 8, r = lane % 8;  // the row of matrix `mat` whose address this lane gives
-#pragma unroll
-    for (int j0 = 0; j0 < 32; j0 += 2) {
-      std::uint32_t v[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q)  // matrix q: j = j0 + q / 2, weight rows + 8 (q % 2)
-        v[q] = nf4_lut::pack_bf16x2(alpha * acc[4 * (j0 + q / 2) + 2 * (q % 2)],
-                                    alpha * acc[4 * (j0 + q / 2) + 2 * (q % 2) + 1]);
-      const std::uint32_t at = tile_s + (8 * (j0 + mat / 2) + r) * kCBf16Pitch +
-                               2 * (64 * cw + 16 * warp + 8 * (mat % 2));
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
-                   ::"r"(at), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
+// ---- Shared dequantization (Nf4Path::FusedShared): each weight tile dequantized once per launch ----
+//
+// The kernel above dequantizes its 128-row weight strip in every CTA that uses it: at M = 4096 that is 16 times
+// the weight, and the dequantization's ALU work is what keeps it from the tensor cores' rate. Here the CTAs that
+// share a strip (same 128 weight rows, different activation tiles: neighbours in launch order, grid x) share its
+// dequantization instead: the producer warpgroup's warps 1-3 claim the strip's k tiles one at a time from a
+// per-strip counter (atomicAdd: every tile goes to exactly one CTA, and a CTA keeps claiming until none are
+// left, so no tile waits for a CTA that is not running), write them as bf16 into a workspace of W's size (the
+// layout nf4_dequantize writes) and publish each with a release flag. Warp 0's thread 0 waits for a stage's flag
+// (acquire), then loads the tile with TMA from the workspace, mostly from L2 while the strip's CTAs run together;
+// the consumers only multiply (both operands from shared memory). The workspace's 8 KB tiles reach the async
+// proxy (TMA) through a proxy fence on both sides of the flag.
+constexpr int kShStageBytes = kWTileBytes + kATileBytes;  // the T tile by TMA, the activation tile
+constexpr int kShStages = 4;
+constexpr int kShCodebookOffset = kShStages * kShStageBytes;
+constexpr int kShCode2Offset = kShCodebookOffset + 64;
+constexpr int kShSlotOffset = kShCode2Offset + small_m::kCode2Bytes;  // the tile the dequantizing warps claimed
+constexpr int kShBarriersOffset = kShSlotOffset + 16;
+constexpr int kShSmemBytes = kShBarriersOffset + 2 * kShStages * 8 + 1024;
+static_assert(kBlockA * kCPitch * 4 <= kShCodebookOffset, "the output tile is staged in the pipeline's shared memory");
+static_assert(kShSmemBytes <= 227 * 1024, "an H100/H200 block has at most 227 KB of shared memory");
+[[maybe_unused]] constexpr int kDequantThreads = kProducerThreads - 32;  // producer warps 1-3
+[[maybe_unused]] constexpr int kTileRuns = kBlockW * kBlockK / 32;       // 32-element runs per dequantized tile
+[[maybe_unused]] constexpr int kRunsPerThread = (kTileRuns + kDequantThreads - 1) / kDequantThreads;
+
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+// Grid: x over 256-row activation tiles (a strip's CTAs launch together), y over 128-row tiles of n_out, z over
+// k_red ranges (split-K). `sync` (zeroed before the launch): [gridDim.z][gridDim.y] claim counters, then
+// [gridDim.y][k tiles of k_red] ready flags. t_map: the workspace w16 [N][K] bf16, boxes of 128 rows x 64 columns
+// (forward: T = W's rows) or 64 x 64 (input gradient: W's rows k_red, two boxes side by side along K = n_out).
+template <bool kBackward, bool kCBf16>
+__global__ void __launch_bounds__(kThreads, 1)
+    nf4_shared_dequant_gemm_kernel(const __grid_constant__ CUtensorMap b_map, const __grid_constant__ CUtensorMap t_map,
+                                   const std::uint8_t* __restrict__ codes, Scales scales,
+                                   __nv_bfloat16* __restrict__ w16, int* __restrict__ sync, std::int64_t M,
+                                   std::int64_t rows, std::int64_t cols, int k_tiles_per_split, int a_box_rows,
+                                   float* __restrict__ partial, void* __restrict__ c, float alpha, float beta) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (shared_address(smem_raw) & 1023u)) & 1023u);
+  float* codebook = reinterpret_cast<float*>(smem + kShCodebookOffset);
+  float* code2_shared = reinterpret_cast<float*>(smem + kShCode2Offset);
+  volatile int* slots = reinterpret_cast<volatile int*>(smem + kShSlotOffset);  // claims, by round parity
+  const std::uint32_t tiles = shared_address(smem);
+  const std::uint32_t bars = shared_address(smem + kShBarriersOffset);
+  auto w_tile = [&](int s) { return tiles + s * kShStageBytes; };
+  auto a_tile = [&](int s) { return tiles + s * kShStageBytes + kWTileBytes; };
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (kShStages + s); };
+
+  const std::int64_t n_out = kBackward ? cols : rows, k_red = kBackward ? rows : cols;
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int m0 = static_cast<int>(blockIdx.x) * kBlockA;
+  const std::int64_t n0 = static_cast<std::int64_t>(blockIdx.y) * kBlockW;
+  const int k_tiles_total = static_cast<int>((k_red + kBlockK - 1) / kBlockK);
+  const int kt_begin = static_cast<int>(blockIdx.z) * k_tiles_per_split;
+  const int k_tiles = min(k_tiles_per_split, k_tiles_total - kt_begin);
+  int* claims = sync + blockIdx.z * gridDim.y + blockIdx.y;
+  int* ready = sync + static_cast<std::int64_t>(gridDim.y) * gridDim.z + static_cast<std::int64_t>(blockIdx.y) * k_tiles_total;
+
+  if (tid == 0) {
+    for (int s = 0; s < kShStages; ++s) {
+      mbar_init(full(s), 1);     // thread 0's arrival with the stage's TMA bytes
+      mbar_init(empty(s), 256);  // every consumer thread
     }
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    const int chunk = et % 16;  // 8 outputs along n
-    const std::int64_t n = n0 + 8 * chunk;
-    if (n < n_out) {
-      auto* out = static_cast<__nv_bfloat16*>(c) + (m0 + et / 16) * n_out + n;
-#pragma unroll 4
-      for (int ml = et / 16; ml < tile_rows; ml += 16, out += 16 * n_out)
-        *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(tile + ml * kCBf16Pitch + 16 * chunk);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&b_map)) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&t_map)) : "memory");
+  }
+  if (tid < 16) codebook[tid] = nf4_code_value(tid);
+  if (!scales.absmax)
+    for (int i = tid; i < kNf4Code2Size; i += kThreads) code2_shared[i] = __ldg(scales.code2 + i);
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    if (tid == 0) {
+      // ---- TMA: per stage, once its tile is in the workspace, T and the activation tile ----
+      for (int i = 0; i < k_tiles; ++i) {
+        const int s = i % kShStages, kt = kt_begin + i;
+        mbar_wait(empty(s), ((i / kShStages) & 1) ^ 1);  // passes at once on the first round
+        while (ld_acquire_gpu(ready + kt) == 0) __nanosleep(32);
+        fence_proxy_async_global();  // the flag's acquire, then the async proxy's reads of the tile
+        mbar_expect_tx(full(s), a_box_rows * (kBlockK * 2) + kWTileBytes);
+        tma_load_2d(a_tile(s), &b_map, kt * kBlockK, m0, full(s));
+        if constexpr (kBackward) {  // W rows 64 kt.., columns n0.. and n0 + 64..: each warpgroup's M-major half
+          tma_load_2d(w_tile(s), &t_map, static_cast<int>(n0), kt * kBlockK, full(s));
+          tma_load_2d(w_tile(s) + 64 * 128, &t_map, static_cast<int>(n0) + 64, kt * kBlockK, full(s));
+        } else {
+          tma_load_2d(w_tile(s), &t_map, kt * kBlockK, static_cast<int>(n0), full(s));
+        }
+        mbar_arrive(full(s));
+      }
+    } else if (tid >= 32) {
+      // ---- warps 1-3: claim this strip's k tiles until none are left, dequantize each into the workspace ----
+      // A tile is 256 runs of 32 elements (16 code bytes, one NF4 block): forward W row n0 + q / 2, k 64 kt +
+      // 32 (q % 2); input gradient W row 64 kt + q / 4, column n0 + 32 (q % 4). Each thread loads its (up to)
+      // three runs at once, then converts and stores them; the next claim is in flight meanwhile.
+      const int dt = tid - 32;
+      if (dt == 0) slots[0] = atomicAdd(claims, 1);
+      asm volatile("bar.sync 4, %0;\n" ::"n"(kDequantThreads) : "memory");
+      for (int round = 0;; ++round) {
+        const int i = slots[round & 1];
+        if (i >= k_tiles) break;  // every thread read the same claim
+        const int next = dt == 0 ? atomicAdd(claims, 1) : 0;
+        const int kt = kt_begin + i;
+        uint4 words[kRunsPerThread];
+        small_m::RawScale raw[kRunsPerThread];
+        std::int64_t at[kRunsPerThread];
+#pragma unroll
+        for (int u = 0; u < kRunsPerThread; ++u) {
+          const int q = dt + u * kDequantThreads;
+          const std::int64_t r = kBackward ? 64ll * kt + q / 4 : n0 + q / 2;
+          const std::int64_t col = kBackward ? n0 + 32 * (q % 4) : 64ll * kt + 32 * (q % 2);
+          at[u] = q < kTileRuns && r < rows && col < cols ? r * cols + col : -1;
+          words[u] = at[u] >= 0 ? __ldg(reinterpret_cast<const uint4*>(codes + (at[u] >> 1))) : make_uint4(0, 0, 0, 0);
+          raw[u] = at[u] >= 0 ? small_m::load_scale(scales, at[u] >> scales.block_shift) : small_m::RawScale{0.0f, 0u};
+        }
+#pragma unroll
+        for (int u = 0; u < kRunsPerThread; ++u) {
+          if (at[u] < 0) continue;
+          const float sc = small_m::finish_scale(scales, raw[u], code2_shared);
+          const std::uint32_t w4[4] = {words[u].x, words[u].y, words[u].z, words[u].w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {  // 8 elements per word; byte b: elements 2b (high nibble), 2b + 1 (low)
+            std::uint32_t p[4];
+#pragma unroll
+            for (int b = 0; b < 4; ++b)
+              p[b] = nf4_lut::pack_bf16x2(__fmul_rn(codebook[(w4[j] >> (8 * b + 4)) & 15u], sc),
+                                          __fmul_rn(codebook[(w4[j] >> (8 * b)) & 15u], sc));
+            *reinterpret_cast<uint4*>(w16 + at[u] + 8 * j) = make_uint4(p[0], p[1], p[2], p[3]);
+          }
+        }
+        fence_proxy_async_global();  // this thread's stores, before the flag, for the async proxy
+        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");  // ... and for the other CTAs (dt 0 releases it)
+        if (dt == 0) slots[(round + 1) & 1] = next;
+        asm volatile("bar.sync 4, %0;\n" ::"n"(kDequantThreads) : "memory");
+        if (dt == 0) st_release_gpu(ready + kt, 1);
+      }
     }
     return;
   }
-  // Any other output (f32, beta != 0, split-K partials): the fp32 tile as [256 m][128 n] (the row pitch makes the
-  // fragment writes conflict-free), then each thread takes 4 columns and every 8th row.
-  float* tile = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int j = 0; j < 32; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      tile[(8 * j + 2 * t + (i & 1)) * kCPitch + cw * 64 + warp * 16 + g + 8 * (i >> 1)] = acc[4 * j + i];
-  asm volatile("bar.sync 1, 256;\n" ::: "memory");
 
-  float* out_f32 = partial ? partial + static_cast<std::int64_t>(blockIdx.z) * M * n_out : static_cast<float*>(c);
-  const float a_mul = partial ? 1.0f : alpha, b_mul = partial ? 0.0f : beta;
-  const bool bf16_out = !partial && kCBf16;
-  const bool vec = n_out % 4 == 0 && (reinterpret_cast<std::uintptr_t>(partial ? static_cast<void*>(partial) : c) & 15u) == 0;
-  const int q = et % 32;  // columns n0 + 4q ..
-  const std::int64_t n = n0 + 4 * q;
-  if (n >= n_out) return;
-  for (int ml = et / 32; ml < tile_rows; ml += 8) {
-    const float4 v = *reinterpret_cast<const float4*>(tile + ml * kCPitch + 4 * q);
-    const std::int64_t at = (m0 + ml) * n_out + n;
-    if (vec) {
-      if (bf16_out) {
-        auto* p = static_cast<__nv_bfloat16*>(c) + at;
-        float r[4] = {a_mul * v.x, a_mul * v.y, a_mul * v.z, a_mul * v.w};
-        if (b_mul != 0.0f) {
-          const uint2 old = *reinterpret_cast<const uint2*>(p);
-          const __nv_bfloat162 o0 = *reinterpret_cast<const __nv_bfloat162*>(&old.x);
-          const __nv_bfloat162 o1 = *reinterpret_cast<const __nv_bfloat162*>(&old.y);
-          r[0] += b_mul * __low2float(o0);
-          r[1] += b_mul * __high2float(o0);
-          r[2] += b_mul * __low2float(o1);
-          r[3] += b_mul * __high2float(o1);
-        }
-        *reinterpret_cast<uint2*>(p) = make_uint2(nf4_lut::pack_bf16x2(r[0], r[1]), nf4_lut::pack_bf16x2(r[2], r[3]));
-      } else {
-        float* p = out_f32 + at;
-        float4 r = make_float4(a_mul * v.x, a_mul * v.y, a_mul * v.z, a_mul * v.w);
-        if (b_mul != 0.0f) {
-          const float4 o = *reinterpret_cast<const float4*>(p);
-          r.x += b_mul * o.x;
-          r.y += b_mul * o.y;
-          r.z += b_mul * o.z;
-          r.w += b_mul * o.w;
-        }
-        *reinterpret_cast<float4*>(p) = r;
-      }
-    } else {
-      const float e[4] = {v.x, v.y, v.z, v.w};
+  // ---- consumers: both operands from shared memory ----
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  const int cw = wg - 1, wt = tid % 128, warp = wt / 32, lane = tid % 32;
+  float acc[128];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        if (n + u >= n_out) break;
-        if (bf16_out) small_m::store_out(c, true, at + u, e[u], a_mul, b_mul);
-        else small_m::store_out(out_f32, false, at + u, e[u], a_mul, b_mul);
-      }
+  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  for (int i = 0; i < k_tiles; ++i) {
+    const int s = i % kShStages;
+    mbar_wait(full(s), (i / kShStages) & 1);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    const std::uint64_t da = sw128_desc(a_tile(s));
+    if constexpr (kBackward) {  // T M-major: k step kk is the 16 weight rows 16 kk.., 2048 bytes further on
+      const std::uint64_t dw = sw128_mn_desc(w_tile(s) + cw * 64 * 128);
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16_ss<1>(acc, dw + (2048 >> 4) * kk, da + 2 * kk);
+    } else {  // T K-major: this warpgroup's 64 rows
+      const std::uint64_t dw = sw128_desc(w_tile(s) + cw * 64 * 128);
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16_ss<0>(acc, dw + 2 * kk, da + 2 * kk);
     }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    // The previous stage's wgmmas have finished reading shared memory once at most this one is pending.
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    if (i > 0) mbar_arrive(empty((i - 1) % kShStages));
   }
+  store_output_tile<kCBf16>(acc, smem, cw, warp, lane, tid - kProducerThreads, M, m0, n0, n_out, partial,
+                            static_cast<int>(blockIdx.z), c, alpha, beta);
 #endif
 }
 
@@ -650,16 +846,55 @@ void launch_fused(const Context& ctx, const void* b16, std::int64_t M, const Nf4
   if (partial) launch_nf4_split_k_reduce(ctx, partial, static_cast<int>(splits), M * n_out, out, alpha, beta);
 }
 
+// The shared-dequantization kernel: the same tiles and split-K as launch_fused (the grid's x and y swapped so
+// that a strip's CTAs launch together), plus one scratch allocation for the bf16 workspace of W's size, the
+// claim counters and ready flags (zeroed here, in stream order) and the split-K partials.
+template <bool kBackward>
+void launch_shared_dequant(const Context& ctx, const void* b16, std::int64_t M, const Nf4Weight& w,
+                           const TensorView& out, float alpha, float beta) {
+  const std::int64_t n_out = kBackward ? w.cols : w.rows, k_red = kBackward ? w.rows : w.cols;
+  const int a_box_rows = activation_box_rows(M);
+  const FusedGrid g = fused_grid(state(ctx).sm_count(), M, n_out, k_red);
+  const std::int64_t k_tiles = (k_red + fused::kBlockK - 1) / fused::kBlockK;
+  const std::size_t w16_bytes = static_cast<std::size_t>(w.numel()) * 2;
+  const std::size_t sync_bytes = static_cast<std::size_t>(g.tiles_n * (g.splits + k_tiles)) * 4;
+  const std::size_t sync_at = (w16_bytes + 255) / 256 * 256, partial_at = (sync_at + sync_bytes + 255) / 256 * 256;
+  const std::size_t partial_bytes = g.splits > 1 ? static_cast<std::size_t>(g.splits * M * n_out) * 4 : 0;
+  ScratchBuffer scratch(state(ctx), partial_at + partial_bytes);
+  auto* w16 = scratch.at<__nv_bfloat16>(0);
+  int* sync = scratch.at<int>(sync_at);
+  float* partial = partial_bytes ? scratch.at<float>(partial_at) : nullptr;
+  QMM_CUDA_CHECK(cudaMemsetAsync(sync, 0, sync_bytes, stream_of(ctx)));
+  const CUtensorMap map = activation_map(b16, M, k_red, a_box_rows);
+  const CUtensorMap t_map = tensor_map_2d(w16, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w.rows, w.cols,
+                                          kBackward ? 64 : fused::kBlockW, fused::kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
+  const small_m::Scales scales = small_m::scales_of(w);
+  const dim3 grid(static_cast<unsigned>(g.tiles_m), static_cast<unsigned>(g.tiles_n), static_cast<unsigned>(g.splits));
+  auto launch = [&](auto kernel) {
+    allow_dynamic_shared(reinterpret_cast<const void*>(kernel), fused::kShSmemBytes);
+    kernel<<<grid, fused::kThreads, fused::kShSmemBytes, stream_of(ctx)>>>(
+        map, t_map, w.codes.data_as<const std::uint8_t>(), scales, w16, sync, M, w.rows, w.cols,
+        static_cast<int>(g.k_tiles_per_split), a_box_rows, partial, out.data(), alpha, beta);
+  };
+  if (out.dtype() == DType::BF16) launch(fused::nf4_shared_dequant_gemm_kernel<kBackward, true>);
+  else launch(fused::nf4_shared_dequant_gemm_kernel<kBackward, false>);
+  QMM_CUDA_CHECK_LAUNCH("nf4_shared_dequant_gemm_kernel");
+  if (partial)
+    launch_nf4_split_k_reduce(ctx, partial, static_cast<int>(g.splits), M * n_out, out, alpha, beta);
+}
+
 }  // namespace
 
 void launch_nf4_gemm_fused(const Context& ctx, const void* a16, std::int64_t M, const Nf4Weight& w,
-                           const TensorView& c, float alpha, float beta) {
-  launch_fused<false>(ctx, a16, M, w, c, alpha, beta);
+                           const TensorView& c, float alpha, float beta, FusedKernel kernel) {
+  if (kernel == FusedKernel::SharedDequant) launch_shared_dequant<false>(ctx, a16, M, w, c, alpha, beta);
+  else launch_fused<false>(ctx, a16, M, w, c, alpha, beta);
 }
 
 void launch_nf4_gemm_backward_fused(const Context& ctx, const void* dc16, std::int64_t M, const Nf4Weight& w,
-                                    const TensorView& da, float alpha, float beta) {
-  launch_fused<true>(ctx, dc16, M, w, da, alpha, beta);
+                                    const TensorView& da, float alpha, float beta, FusedKernel kernel) {
+  if (kernel == FusedKernel::SharedDequant) launch_shared_dequant<true>(ctx, dc16, M, w, da, alpha, beta);
+  else launch_fused<true>(ctx, dc16, M, w, da, alpha, beta);
 }
 
 }  // namespace qmm::cuda

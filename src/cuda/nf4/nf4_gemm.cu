@@ -3,14 +3,16 @@
 //  allocation, then the dense bf16 GEMM (cuBLASLt, fp32 accumulation).
 //  SmallM: the fused small-M kernels (nf4_small_m.cu) where their preconditions hold, Unsupported otherwise.
 //  Auto: SmallM for few rows where it applies (wants_small_m below), the fused kernels at tens to hundreds of rows
-//  where they measured faster and apply (wants_fused), DequantGemm otherwise.
+//  where they measured faster and apply (fused_choice), DequantGemm otherwise.
 //  Fused: the fused tensor-core kernels (nf4_fused.cu, sm_90a) for the forward and the input gradient where they
-//  apply, Unsupported otherwise. Reference: the CPU backend's, not a GPU path.
+//  apply, Unsupported otherwise; FusedShared the same with each weight tile dequantized once per call. Auto takes
+//  the latter on large weights at training-sized M (fused_choice). Reference: the CPU backend's, not a GPU path.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "cuda/common/check.h"
@@ -37,6 +39,7 @@ const char* path_label(Nf4Path p) {
     case Nf4Path::DequantGemm: return "DequantGemm";
     case Nf4Path::SmallM: return "SmallM";
     case Nf4Path::Fused: return "Fused";
+    case Nf4Path::FusedShared: return "FusedShared";
   }
   return "?";
 }
@@ -60,6 +63,7 @@ void check_path(const char* op, Nf4Path p, const PathFit& small_m, const PathFit
       if (small_m.ok) return;
       unsupported(op, p, "does not support this problem (it needs " + small_m.needs + ")");
     case Nf4Path::Fused:
+    case Nf4Path::FusedShared:
       if (fused.ok) return;
       unsupported(op, p, "does not support this problem (it needs " + fused.needs + ")");
     case Nf4Path::Reference: unsupported(op, p, "runs on the CPU backend only (use a CPU context)");
@@ -178,8 +182,8 @@ bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
 }
 
 // Auto takes the fused tensor-core kernels (sm_90a, nf4_fused.cu) where they measured faster than dequantize +
-// cuBLASLt (H200, device µs, docs/BENCHMARKS.md; commit 8ade442, paths timed in turns), never above 512 rows (at
-// M >= 2048 they lose: 1.04-1.45x):
+// cuBLASLt (H200, device µs, docs/BENCHMARKS.md; commit 8ade442, paths timed in turns); the in-loop kernel never
+// above 512 rows (at M >= 2048 it loses: 1.04-1.45x; the shared-dequantization kernel below takes some of those):
 //  - on large weights (Llama-3-8B sizes), where dequantizing costs ~40 µs, from just above the small-M range:
 //    forward 32-512 rows (M = 32-64: 45-49 vs 79-84; M = 256: 50-53 vs 90-94; M = 512: 105 vs 128-136), input
 //    gradient 9-512 (M = 16: 52-57 vs 81; M = 32-64: 53-58 vs 81-83; M = 256: 61 vs 93-97; M = 512: 117-125 vs
@@ -194,21 +198,32 @@ struct RowRange {
   std::int64_t min, max;
 };
 // [backward]: the forward takes over where the small-M kernel stops; the input gradient's small-M range is
-// excluded by wants_fused's small_m argument.
+// excluded by fused_choice's small_m argument.
 constexpr RowRange kAutoFusedRowsLarge[2] = {{kAutoSmallMRows + 1, 512}, {0, 512}};
 constexpr RowRange kAutoFusedRows = {32, 512};                       // smaller weights, either direction
 constexpr double kMinWaveFill = 0.9;
+// The shared-dequantization kernel (FusedShared) on large weights from 2048 rows where the reduction is long
+// (k_red >= 8192: each CTA's start-up, waiting for its first tiles, then weighs little). H200, device µs, same run
+// (session 17), FusedShared / dequantize + cuBLASLt / cuBLAS on the bf16 weight: Llama-3-8B gate/up input
+// gradient M = 2048 358 / 394 / 311, M = 4096 696 / 756 / 685; down forward 364 / 392 / 334 and 711 / 740 / 684.
+// With k_red = 4096 it ties or loses (down input gradient 389 / 390 and 755 / 758; gate/up forward 392 / 400 and
+// 777 / 758), and on Qwen2.5-1.5B weights, whose dequantization costs ~10 µs, it loses (1.1-1.4x).
+constexpr std::int64_t kAutoSharedMinRows = 2048;
+constexpr std::int64_t kAutoSharedMinReduction = 8192;
 
-bool wants_fused(const Context& ctx, Nf4Path path, std::int64_t m, const Nf4Weight& w, bool small_m,
-                 bool backward) {
-  if (path == Nf4Path::Fused) return true;
-  if (path != Nf4Path::Auto || small_m) return false;
-  if (w.numel() >= kLargeWeightElements) {
-    const RowRange r = kAutoFusedRowsLarge[backward ? 1 : 0];
-    return m >= r.min && m <= r.max;
-  }
-  return m >= kAutoFusedRows.min && m <= kAutoFusedRows.max &&
-         nf4_fused_wave_fill(ctx, m, w, backward) >= kMinWaveFill;
+// The fused kernel a path takes for this problem, if any: forced (Fused, FusedShared) or chosen by Auto.
+std::optional<FusedKernel> fused_choice(const Context& ctx, Nf4Path path, std::int64_t m, const Nf4Weight& w,
+                                        bool small_m, bool backward) {
+  if (path == Nf4Path::Fused) return FusedKernel::InLoop;
+  if (path == Nf4Path::FusedShared) return FusedKernel::SharedDequant;
+  if (path != Nf4Path::Auto || small_m) return std::nullopt;
+  const bool large = w.numel() >= kLargeWeightElements;
+  if (large && m >= kAutoSharedMinRows && (backward ? w.rows : w.cols) >= kAutoSharedMinReduction)
+    return FusedKernel::SharedDequant;
+  const RowRange r = large ? kAutoFusedRowsLarge[backward ? 1 : 0] : kAutoFusedRows;
+  if (m < r.min || m > r.max) return std::nullopt;
+  if (!large && nf4_fused_wave_fill(ctx, m, w, backward) < kMinWaveFill) return std::nullopt;
+  return FusedKernel::InLoop;
 }
 
 // The bf16 activations for a fused launch: x itself, or its rounded copy in plan's scratch (f32 x).
@@ -251,8 +266,8 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
       wants_small_m(opts.path, a.dim(0), kAutoSmallMRows) && nf4_small_m_supported(a, w);
   // Where Auto would take it but it cannot serve (another GPU, a build without sm_90a, K % 64 != 0...),
   // dequantize + cuBLASLt runs instead.
-  const PathFit fused =
-      wants_fused(ctx, opts.path, a.dim(0), w, small_m, false) ? fused_fit(ctx, a, w, false) : PathFit{};
+  const std::optional<FusedKernel> kernel = fused_choice(ctx, opts.path, a.dim(0), w, small_m, false);
+  const PathFit fused = kernel ? fused_fit(ctx, a, w, false) : PathFit{};
   check_path(op, opts.path, {small_m, kSmallMNeeds}, fused);
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
   if (M == 0 || N == 0) return;
@@ -260,7 +275,7 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
   if (small_m) return launch_nf4_gemm_small_m(ctx, a, w, c, opts.alpha, opts.beta);
   if (fused.ok) {
     ScratchPlan plan;
-    return launch_nf4_gemm_fused(ctx, fused_operand(ctx, a, plan), M, w, c, opts.alpha, opts.beta);
+    return launch_nf4_gemm_fused(ctx, fused_operand(ctx, a, plan), M, w, c, opts.alpha, opts.beta, *kernel);
   }
 
   // Scratch use inside this call: [bf16 A (when A is f32)] [bf16 W], regions of one allocation. The dense GEMM
@@ -281,8 +296,8 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
   const bool small_m =
       wants_small_m(opts.path, dc.dim(0), auto_small_m_backward_rows(w)) &&
       nf4_small_m_backward_supported(dc, w);
-  const PathFit fused =
-      wants_fused(ctx, opts.path, dc.dim(0), w, small_m, true) ? fused_fit(ctx, dc, w, true) : PathFit{};
+  const std::optional<FusedKernel> kernel = fused_choice(ctx, opts.path, dc.dim(0), w, small_m, true);
+  const PathFit fused = kernel ? fused_fit(ctx, dc, w, true) : PathFit{};
   check_path(op, opts.path, {small_m, kSmallMBackwardNeeds}, fused);
   const std::int64_t M = dc.dim(0), N = w.rows, K = w.cols;
   if (M == 0 || K == 0) return;
@@ -290,7 +305,8 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
   if (small_m) return launch_nf4_gemm_backward_small_m(ctx, dc, w, da, opts.alpha, opts.beta);
   if (fused.ok) {
     ScratchPlan plan;
-    return launch_nf4_gemm_backward_fused(ctx, fused_operand(ctx, dc, plan), M, w, da, opts.alpha, opts.beta);
+    return launch_nf4_gemm_backward_fused(ctx, fused_operand(ctx, dc, plan), M, w, da, opts.alpha, opts.beta,
+                                          *kernel);
   }
 
   ScratchPlan plan;
@@ -310,8 +326,9 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
                        nf4_small_m_supported(a, w_gate) &&
                        nf4_small_m_supported(a, w_up) && w_gate.rows == w_up.rows;
   // Fused: the fused tensor-core forward once per projection, where nf4_gemm's Auto would take it (or forced).
+  const std::optional<FusedKernel> kernel = fused_choice(ctx, opts.path, a.dim(0), w_gate, small_m, false);
   PathFit fused;
-  if (wants_fused(ctx, opts.path, a.dim(0), w_gate, small_m, false)) {
+  if (kernel) {
     fused = fused_fit(ctx, a, w_gate, false);
     if (fused.ok) fused = fused_fit(ctx, a, w_up, false);
   }
@@ -344,7 +361,7 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   const void* a16 = bf16_operand(ctx, a, plan, a_at);
   auto project = [&](const Nf4Weight& w, const TensorView& dst) {
     if (dst.empty()) return;
-    if (fused.ok) return launch_nf4_gemm_fused(ctx, a16, M, w, dst, opts.alpha, 0.0f);
+    if (fused.ok) return launch_nf4_gemm_fused(ctx, a16, M, w, dst, opts.alpha, 0.0f, *kernel);
     void* w16 = plan.at<void>(w_at);
     dequantize_bf16(ctx, w, w16);
     bf16_gemm(ctx, a16, w16, true, dst, M, N, K, opts.alpha, 0.0f);
