@@ -545,8 +545,7 @@ static_assert(kBlockA * kCPitch * 4 <= kShCodebookOffset, "the output tile is st
 static_assert(kShSmemBytes <= 227 * 1024, "an H100/H200 block has at most 227 KB of shared memory");
 [[maybe_unused]] constexpr int kDequantThreads = kProducerThreads - 32;  // producer warps 1-3
 [[maybe_unused]] constexpr int kTileRuns = kBlockW * kBlockK / 32;       // 32-element runs per dequantized tile
-[[maybe_unused]] constexpr int kClaimTiles = 2;  // k tiles per claim: twice the loads in flight per round
-[[maybe_unused]] constexpr int kRunsPerThread = (kClaimTiles * kTileRuns + kDequantThreads - 1) / kDequantThreads;
+[[maybe_unused]] constexpr int kRunsPerThread = (kTileRuns + kDequantThreads - 1) / kDequantThreads;
 
 __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
   int v;
@@ -608,9 +607,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = tid; i < kNf4Code2Size; i += kThreads) code2_shared[i] = __ldg(scales.code2 + i);
   __syncthreads();
 
-  // No setmaxnreg: the consumers hold only their accumulators (ptxas: 159 registers per thread, no spills), and the
-  // dequantizing warps use theirs to keep six code loads in flight.
   if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     if (tid == 0) {
       // ---- TMA: per stage, once its tile is in the workspace, T and the activation tile ----
       for (int i = 0; i < k_tiles; ++i) {
@@ -629,27 +627,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive(full(s));
       }
     } else if (tid >= 32) {
-      // ---- warps 1-3: claim this strip's k tiles, two at a time, until none are left; dequantize them into the
-      // workspace. A tile is 256 runs of 32 elements (16 code bytes, one NF4 block): forward W row n0 + q / 2,
-      // k 64 kt + 32 (q % 2); input gradient W row 64 kt + q / 4, column n0 + 32 (q % 4). Each thread loads its
-      // (up to) six runs of the claim at once, then converts and stores them; the next claim is in flight meanwhile.
+      // ---- warps 1-3: claim this strip's k tiles until none are left, dequantize each into the workspace ----
+      // A tile is 256 runs of 32 elements (16 code bytes, one NF4 block): forward W row n0 + q / 2, k 64 kt +
+      // 32 (q % 2); input gradient W row 64 kt + q / 4, column n0 + 32 (q % 4). Each thread loads its (up to)
+      // three runs at once, then converts and stores them; the next claim is in flight meanwhile.
       const int dt = tid - 32;
-      if (dt == 0) slots[0] = atomicAdd(claims, kClaimTiles);
+      if (dt == 0) slots[0] = atomicAdd(claims, 1);
       asm volatile("bar.sync 4, %0;\n" ::"n"(kDequantThreads) : "memory");
       for (int round = 0;; ++round) {
         const int i = slots[round & 1];
         if (i >= k_tiles) break;  // every thread read the same claim
-        const int next = dt == 0 ? atomicAdd(claims, kClaimTiles) : 0;
+        const int next = dt == 0 ? atomicAdd(claims, 1) : 0;
+        const int kt = kt_begin + i;
         uint4 words[kRunsPerThread];
         small_m::RawScale raw[kRunsPerThread];
         std::int64_t at[kRunsPerThread];
 #pragma unroll
         for (int u = 0; u < kRunsPerThread; ++u) {
-          const int q = dt + u * kDequantThreads, tile = i + q / kTileRuns, run = q % kTileRuns;
-          const std::int64_t kt = kt_begin + tile;
-          const std::int64_t r = kBackward ? 64 * kt + run / 4 : n0 + run / 2;
-          const std::int64_t col = kBackward ? n0 + 32 * (run % 4) : 64 * kt + 32 * (run % 2);
-          at[u] = q < kClaimTiles * kTileRuns && tile < k_tiles && r < rows && col < cols ? r * cols + col : -1;
+          const int q = dt + u * kDequantThreads;
+          const std::int64_t r = kBackward ? 64ll * kt + q / 4 : n0 + q / 2;
+          const std::int64_t col = kBackward ? n0 + 32 * (q % 4) : 64ll * kt + 32 * (q % 2);
+          at[u] = q < kTileRuns && r < rows && col < cols ? r * cols + col : -1;
           words[u] = at[u] >= 0 ? __ldg(reinterpret_cast<const uint4*>(codes + (at[u] >> 1))) : make_uint4(0, 0, 0, 0);
           raw[u] = at[u] >= 0 ? small_m::load_scale(scales, at[u] >> scales.block_shift) : small_m::RawScale{0.0f, 0u};
         }
@@ -668,18 +666,18 @@ __global__ void __launch_bounds__(kThreads, 1)
             *reinterpret_cast<uint4*>(w16 + at[u] + 8 * j) = make_uint4(p[0], p[1], p[2], p[3]);
           }
         }
-        fence_proxy_async_global();  // this thread's stores, before the flags, for the async proxy
-        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");  // ... and for the other CTAs (dt 0 releases them)
+        fence_proxy_async_global();  // this thread's stores, before the flag, for the async proxy
+        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");  // ... and for the other CTAs (dt 0 releases it)
         if (dt == 0) slots[(round + 1) & 1] = next;
         asm volatile("bar.sync 4, %0;\n" ::"n"(kDequantThreads) : "memory");
-        if (dt == 0)
-          for (int t = i; t < min(i + kClaimTiles, k_tiles); ++t) st_release_gpu(ready + kt_begin + t, 1);
+        if (dt == 0) st_release_gpu(ready + kt, 1);
       }
     }
     return;
   }
 
   // ---- consumers: both operands from shared memory ----
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const int cw = wg - 1, wt = tid % 128, warp = wt / 32, lane = tid % 32;
   float acc[128];
 #pragma unroll
