@@ -230,10 +230,10 @@ TEST(FusedGateUp, AllOutputCombinationsMatchCpu) {
   expect_gate_up_matches(Nf4Path::FusedShared, 300, 257, 576, DType::BF16);
 }
 
-// Where Auto takes the shared-dequantization kernel (a weight of 32 M elements or more, M >= 2048, a reduction
-// of 8192 or more): at that size the CPU oracle is too slow, so the GPU's dequantize + cuBLASLt path, itself
-// tested against the oracle, is the reference. 256 CTAs over two waves: a strip's CTAs are not all resident at once.
-TEST(FusedPath, LargeAutoSharedDequantMatchesDequantGemm) {
+// The shared-dequantization kernel at a training size: the CPU oracle is too slow there, so the GPU's dequantize +
+// cuBLASLt path, itself tested against the oracle, is the reference. 256 CTAs in two waves: a strip's CTAs are
+// not all resident at once, so some claim and dequantize tiles that other CTAs then wait for.
+TEST(FusedPath, LargeSharedDequantMatchesDequantGemm) {
   QMM_REQUIRE_GPU();
   if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
   Context& gpu = *test::gpu_context();
@@ -241,12 +241,12 @@ TEST(FusedPath, LargeAutoSharedDequantMatchesDequantGemm) {
   const Nf4Tensor w = nf4_quantize(gpu, to_device(test::random_tensor(DType::BF16, {n, k}, 91, -0.05f, 0.05f),
                                                   gpu.device()), true);
   const Tensor a = to_device(test::random_tensor(DType::BF16, {m, k}, 92), gpu.device());
-  Tensor c_auto(DType::F32, {m, n}, gpu.device()), c_ref(DType::F32, {m, n}, gpu.device());
-  test::poison(c_auto);
-  nf4_gemm(gpu, a, w, c_auto, {1.0f, 0.0f, Nf4Path::Auto});
+  Tensor c_shared(DType::F32, {m, n}, gpu.device()), c_ref(DType::F32, {m, n}, gpu.device());
+  test::poison(c_shared);
+  nf4_gemm(gpu, a, w, c_shared, {1.0f, 0.0f, Nf4Path::FusedShared});
   nf4_gemm(gpu, a, w, c_ref, {1.0f, 0.0f, Nf4Path::DequantGemm});
   gpu.synchronize();
-  EXPECT_TRUE(test::all_close(test::host_copy(c_auto), test::host_copy(c_ref), test::fp32_accum_tolerance(k)));
+  EXPECT_TRUE(test::all_close(test::host_copy(c_shared), test::host_copy(c_ref), test::fp32_accum_tolerance(k)));
 }
 
 TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {

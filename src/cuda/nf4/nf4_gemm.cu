@@ -5,8 +5,8 @@
 //  Auto: SmallM for few rows where it applies (wants_small_m below), the fused kernels at tens to hundreds of rows
 //  where they measured faster and apply (fused_choice), DequantGemm otherwise.
 //  Fused: the fused tensor-core kernels (nf4_fused.cu, sm_90a) for the forward and the input gradient where they
-//  apply, Unsupported otherwise; FusedShared the same with each weight tile dequantized once per call. Auto takes
-//  the latter on large weights at training-sized M (fused_choice). Reference: the CPU backend's, not a GPU path.
+//  apply, Unsupported otherwise; FusedShared the same with each weight tile dequantized once per call (forced
+//  only, see fused_choice). Reference: the CPU backend's, not a GPU path.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -183,7 +183,7 @@ bool wants_small_m(Nf4Path path, std::int64_t m, std::int64_t auto_max_rows) {
 
 // Auto takes the fused tensor-core kernels (sm_90a, nf4_fused.cu) where they measured faster than dequantize +
 // cuBLASLt (H200, device µs, docs/BENCHMARKS.md; commit 8ade442, paths timed in turns); the in-loop kernel never
-// above 512 rows (at M >= 2048 it loses: 1.04-1.45x; the shared-dequantization kernel below takes some of those):
+// above 512 rows (at M >= 2048 it loses: 1.04-1.45x):
 //  - on large weights (Llama-3-8B sizes), where dequantizing costs ~40 µs, from just above the small-M range:
 //    forward 32-512 rows (M = 32-64: 45-49 vs 79-84; M = 256: 50-53 vs 90-94; M = 512: 105 vs 128-136), input
 //    gradient 9-512 (M = 16: 52-57 vs 81; M = 32-64: 53-58 vs 81-83; M = 256: 61 vs 93-97; M = 512: 117-125 vs
@@ -202,15 +202,11 @@ struct RowRange {
 constexpr RowRange kAutoFusedRowsLarge[2] = {{kAutoSmallMRows + 1, 512}, {0, 512}};
 constexpr RowRange kAutoFusedRows = {32, 512};                       // smaller weights, either direction
 constexpr double kMinWaveFill = 0.9;
-// The shared-dequantization kernel (FusedShared) on large weights from 2048 rows where the reduction is long
-// (k_red >= 8192: each CTA's start-up, waiting for its first tiles, then weighs little). H200, device µs, same run
-// (session 17), FusedShared / dequantize + cuBLASLt / cuBLAS on the bf16 weight: Llama-3-8B gate/up input
-// gradient M = 2048 358 / 394 / 311, M = 4096 696 / 756 / 685; down forward 364 / 392 / 334 and 711 / 740 / 684.
-// With k_red = 4096 it ties or loses (down input gradient 389 / 390 and 755 / 758; gate/up forward 392 / 400 and
-// 777 / 758), and on Qwen2.5-1.5B weights, whose dequantization costs ~10 µs, it loses (1.1-1.4x).
-constexpr std::int64_t kAutoSharedMinRows = 2048;
-constexpr std::int64_t kAutoSharedMinReduction = 8192;
-
+// Auto never takes the shared-dequantization kernel (FusedShared) yet. Alone it beats dequantize + cuBLASLt on
+// large weights from 2048 rows with a long reduction (H200, device µs, one run, session 17: Llama-3-8B gate/up
+// input gradient M = 4096 696 vs 756, down forward 711 vs 740), but inside the Llama-3-8B MLP block (4096
+// tokens), with Auto taking it for those two GEMMs, the block took 5763 / 5653 µs against 5356 / 5506 without it
+// (same device call, alternating builds): not understood yet, so it stays opt-in.
 // The fused kernel a path takes for this problem, if any: forced (Fused, FusedShared) or chosen by Auto.
 std::optional<FusedKernel> fused_choice(const Context& ctx, Nf4Path path, std::int64_t m, const Nf4Weight& w,
                                         bool small_m, bool backward) {
@@ -218,8 +214,6 @@ std::optional<FusedKernel> fused_choice(const Context& ctx, Nf4Path path, std::i
   if (path == Nf4Path::FusedShared) return FusedKernel::SharedDequant;
   if (path != Nf4Path::Auto || small_m) return std::nullopt;
   const bool large = w.numel() >= kLargeWeightElements;
-  if (large && m >= kAutoSharedMinRows && (backward ? w.rows : w.cols) >= kAutoSharedMinReduction)
-    return FusedKernel::SharedDequant;
   const RowRange r = large ? kAutoFusedRowsLarge[backward ? 1 : 0] : kAutoFusedRows;
   if (m < r.min || m > r.max) return std::nullopt;
   if (!large && nf4_fused_wave_fill(ctx, m, w, backward) < kMinWaveFill) return std::nullopt;
