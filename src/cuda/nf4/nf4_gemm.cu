@@ -208,7 +208,8 @@ constexpr double kMinWaveFill = 0.9;
 // tokens), with Auto taking it for those two GEMMs, the block took 5763 / 5653 µs against 5356 / 5506 without it
 // (same device call, alternating builds). Taking it for the forward only left the block as it was (5586 / 5432 vs
 // 5593 / 5457), for the input gradients only (gate, then up accumulating with beta = 1) made it slower (5694 /
-// 5572): the cause is in the block's input gradients, not found yet, so the kernel stays opt-in.
+// 5572): the cause is in the block's input gradients, not found yet (batching the beta = 1 epilogue's loads did
+// not help), so the kernel stays opt-in.
 // The fused kernel a path takes for this problem, if any: forced (Fused, FusedShared) or chosen by Auto.
 std::optional<FusedKernel> fused_choice(const Context& ctx, Nf4Path path, std::int64_t m, const Nf4Weight& w,
                                         bool small_m, bool backward) {
