@@ -2,6 +2,10 @@
 //   forward         C[M,N]  = alpha * A[M,K] * dequant(W)^T + beta * C
 //   input gradient  dA[M,K] = alpha * dC[M,N] * dequant(W) + beta * dA
 //
+// Two kernels: nf4_fused_gemm_kernel dequantizes each CTA's weight tiles inside its main loop (Nf4Path::Fused,
+// described first); nf4_shared_dequant_gemm_kernel (Nf4Path::FusedShared, below) dequantizes each tile once per
+// call into a bf16 workspace that the CTAs sharing it load with TMA. Both share the tiling and the epilogue.
+//
 // Both are computed transposed, out^T = T * B^T with T the dequantized weight tile (W, or W^T for the input
 // gradient) as the wgmma's 64-row A operand and the wider activation tile (A, or dC) its 256-column B operand:
 // per k step the CTA dequantizes 128 x 64 weight elements (not 256 x 64) for 128 x 256 x 64 multiply-adds.
@@ -260,7 +264,8 @@ __device__ __forceinline__ void store_output_tile(float (&acc)[128], unsigned ch
   float* out_f32 = partial ? partial + static_cast<std::int64_t>(split) * M * n_out : static_cast<float*>(c);
   const float a_mul = partial ? 1.0f : alpha, b_mul = partial ? 0.0f : beta;
   const bool bf16_out = !partial && kCBf16;
-  const bool vec = n_out % 4 == 0 && (reinterpret_cast<std::uintptr_t>(partial ? static_cast<void*>(partial) : c) & 15u) == 0;
+  const void* out_base = partial ? static_cast<void*>(partial) : c;
+  const bool vec = n_out % 4 == 0 && (reinterpret_cast<std::uintptr_t>(out_base) & 15u) == 0;
   const int q = et % 32;  // columns n0 + 4q ..
   const std::int64_t n = n0 + 4 * q;
   if (n >= n_out) return;
@@ -591,7 +596,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int kt_begin = static_cast<int>(blockIdx.z) * k_tiles_per_split;
   const int k_tiles = min(k_tiles_per_split, k_tiles_total - kt_begin);
   int* claims = sync + blockIdx.z * gridDim.y + blockIdx.y;
-  int* ready = sync + static_cast<std::int64_t>(gridDim.y) * gridDim.z + static_cast<std::int64_t>(blockIdx.y) * k_tiles_total;
+  int* ready = sync + static_cast<std::int64_t>(gridDim.y) * gridDim.z +
+               static_cast<std::int64_t>(blockIdx.y) * k_tiles_total;
 
   if (tid == 0) {
     for (int s = 0; s < kShStages; ++s) {
@@ -648,8 +654,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           const std::int64_t r = kBackward ? 64ll * kt + q / 4 : n0 + q / 2;
           const std::int64_t col = kBackward ? n0 + 32 * (q % 4) : 64ll * kt + 32 * (q % 2);
           at[u] = q < kTileRuns && r < rows && col < cols ? r * cols + col : -1;
-          words[u] = at[u] >= 0 ? __ldg(reinterpret_cast<const uint4*>(codes + (at[u] >> 1))) : make_uint4(0, 0, 0, 0);
-          raw[u] = at[u] >= 0 ? small_m::load_scale(scales, at[u] >> scales.block_shift) : small_m::RawScale{0.0f, 0u};
+          words[u] = at[u] >= 0 ? __ldg(reinterpret_cast<const uint4*>(codes + (at[u] >> 1)))
+                                : make_uint4(0, 0, 0, 0);
+          raw[u] = at[u] >= 0 ? small_m::load_scale(scales, at[u] >> scales.block_shift)
+                              : small_m::RawScale{0.0f, 0u};
         }
 #pragma unroll
         for (int u = 0; u < kRunsPerThread; ++u) {

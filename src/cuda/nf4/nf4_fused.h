@@ -1,6 +1,6 @@
 // The fused NF4 tensor-core GEMMs for training-sized M (Hopper, sm_90a): C = A * dequant(W)^T and
-// dA = dC * dequant(W) without a bf16 copy of W. The weight's NF4 tiles are dequantized into shared memory inside
-// the main loop and fed to wgmma.
+// dA = dC * dequant(W) with the dequantization inside the GEMM kernel: into registers or shared memory inside the
+// main loop (InLoop, no bf16 copy of W), or once per weight tile into a bf16 workspace (SharedDequant).
 #pragma once
 
 #include "qmm/context.h"
