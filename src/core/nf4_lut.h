@@ -1,7 +1,8 @@
-// NF4 dequantization through per-block byte-plane tables looked up with byte permutes (PRMT), shared by the fused
-// GPU kernels (src/cuda/nf4/nf4_fused.cu) and a CPU test that checks every code at every position against
+// NF4 dequantization helpers shared by the GPU kernels: the contract's fp32 product per code word (nf4_dequantize,
+// the shared-dequantization kernel) and per-block byte-plane tables looked up with byte permutes (PRMT; the fused
+// kernels in src/cuda/nf4/nf4_fused.cu), which a CPU test checks for every code at every position against
 // bf16(nf4_code_value(code) * scale), the dequantization contract. Host and device compile this same code; only
-// the byte permute and the bf16 rounding have a host and a device form.
+// the byte permute, the multiply and the bf16 rounding have a host and a device form.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +35,22 @@ QMM_HOST_DEVICE inline std::uint32_t byte_perm(std::uint32_t x, std::uint32_t y,
   for (int i = 0; i < 4; ++i) r |= static_cast<std::uint32_t>((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
   return r;
 #endif
+}
+
+// One code word's 8 elements times the block's scale in fp32: the dequantization contract's product, before its
+// bf16 rounding. Byte b holds element 2b in its high nibble and 2b + 1 in its low (bitsandbytes' order);
+// `codebook` holds the 16 code values (nf4_code_value), in shared memory on the GPU.
+QMM_HOST_DEVICE inline void scaled_word(std::uint32_t word, float scale, const float* codebook, float (&v)[8]) {
+QMM_NF4_LUT_UNROLL
+  for (int b = 0; b < 4; ++b) {
+#if defined(__CUDA_ARCH__)
+    v[2 * b] = __fmul_rn(codebook[(word >> (8 * b + 4)) & 15u], scale);  // no FMA contraction, as on the CPU
+    v[2 * b + 1] = __fmul_rn(codebook[(word >> (8 * b)) & 15u], scale);
+#else
+    v[2 * b] = codebook[(word >> (8 * b + 4)) & 15u] * scale;
+    v[2 * b + 1] = codebook[(word >> (8 * b)) & 15u] * scale;
+#endif
+  }
 }
 
 // Two floats rounded to bf16 (nearest even), lo in the low half.

@@ -665,13 +665,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           const float sc = small_m::finish_scale(scales, raw[u], code2_shared);
           const std::uint32_t w4[4] = {words[u].x, words[u].y, words[u].z, words[u].w};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {  // 8 elements per word; byte b: elements 2b (high nibble), 2b + 1 (low)
-            std::uint32_t p[4];
-#pragma unroll
-            for (int b = 0; b < 4; ++b)
-              p[b] = nf4_lut::pack_bf16x2(__fmul_rn(codebook[(w4[j] >> (8 * b + 4)) & 15u], sc),
-                                          __fmul_rn(codebook[(w4[j] >> (8 * b)) & 15u], sc));
-            *reinterpret_cast<uint4*>(w16 + at[u] + 8 * j) = make_uint4(p[0], p[1], p[2], p[3]);
+          for (int j = 0; j < 4; ++j) {  // 8 elements per word
+            float v[8];
+            nf4_lut::scaled_word(w4[j], sc, codebook, v);
+            *reinterpret_cast<uint4*>(w16 + at[u] + 8 * j) =
+                make_uint4(nf4_lut::pack_bf16x2(v[0], v[1]), nf4_lut::pack_bf16x2(v[2], v[3]),
+                           nf4_lut::pack_bf16x2(v[4], v[5]), nf4_lut::pack_bf16x2(v[6], v[7]));
           }
         }
         fence_proxy_async_global();  // this thread's stores, before the flag, for the async proxy

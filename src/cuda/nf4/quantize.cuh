@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "core/nf4_lut.h"  // scaled_word
 #include "cpu/nf4_internal.h"
 #include "qmm/nf4.h"
 
@@ -317,11 +318,7 @@ __device__ __forceinline__ void dequantize_chunk(const std::uint8_t* __restrict_
   if (vec && e0 + kDequantChunk <= n) {
     const std::uint32_t word = __ldg(reinterpret_cast<const std::uint32_t*>(codes + (e0 >> 1)));
     float v[8];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {  // byte j: elements 2j (high nibble) and 2j+1 (low nibble)
-      v[2 * j] = __fmul_rn(codebook[(word >> (8 * j + 4)) & 15u], scale);
-      v[2 * j + 1] = __fmul_rn(codebook[(word >> (8 * j)) & 15u], scale);
-    }
+    nf4_lut::scaled_word(word, scale, codebook, v);
     Out<T>::store8(out + e0, v);
   } else {
     for (int j = 0; j < kDequantChunk && e0 + j < n; ++j) {
