@@ -91,7 +91,8 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
 // Both MLP input projections from one input: gate = A*dequant(Wg)^T, up = A*dequant(Wu)^T, and optionally
 // h = silu(gate)*up. Any of the three outputs may be left empty (a default TensorView) when not needed,
 // but at least one must be given. Outputs are [M,N], f32 or bf16. opts.alpha scales gate and up (before the
-// SwiGLU); opts.beta must be 0.
+// SwiGLU). opts.beta = 0 overwrites; otherwise gate and up accumulate (gate = alpha*A*dequant(Wg)^T + beta*gate)
+// and h must be empty.
 struct GateUpOutputs {
   TensorView gate;
   TensorView up;

@@ -104,8 +104,9 @@ void round_to_bf16(const float* src, std::uint16_t* dst, std::int64_t n) {
 
 // gate and up are computed in fp32 (into the caller's f32 outputs where given, else into temporaries); h comes
 // from those fp32 values, never from a rounded bf16 gate or up, as on the GPU; bf16 outputs are rounded once.
+// beta != 0 only without h (checked by the caller).
 void cpu_gate_up(const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up, const GateUpOutputs& out,
-                 float alpha) {
+                 float alpha, float beta) {
   const std::int64_t m = a.dim(0), n = w_gate.rows;
   const bool want_h = !out.h.empty();
   struct Side {
@@ -118,7 +119,7 @@ void cpu_gate_up(const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& 
   for (Side& s : sides) {
     if (s.out.empty() && !want_h) continue;
     if (!want_h) {  // the output alone: the GEMM rounds once into its dtype
-      cpu::nf4_gemm(a, s.w, s.out, alpha, 0.0f);
+      cpu::nf4_gemm(a, s.w, s.out, alpha, beta);
       continue;
     }
     if (!s.out.empty() && s.out.dtype() == DType::F32) {
@@ -265,9 +266,9 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
     require_shape(op, p.name.c_str(), p.t, a.dim(0), w_gate.rows, "[M,N] for A [M,K] and weights [N,K]");
   }
   require_options(op, opts);
-  if (opts.beta != 0.0f)
+  if (opts.beta != 0.0f && !out.h.empty())
     fail(ErrorCode::InvalidArgument, op,
-         "beta is " + std::to_string(opts.beta) + " but must be 0 (the outputs are overwritten)");
+         "beta is " + std::to_string(opts.beta) + " but must be 0 when h is requested (h is not accumulated)");
   std::vector<Part> inputs = weight_parts("w_gate", w_gate);
   for (Part& p : weight_parts("w_up", w_up)) inputs.push_back(std::move(p));
   inputs.push_back({"A", a});
@@ -278,7 +279,7 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   if (ctx.device().is_cpu()) {
     require_cpu_path(op, opts.path);
     if (a.dim(0) == 0) return;
-    return cpu_gate_up(a, w_gate, w_up, out, opts.alpha);
+    return cpu_gate_up(a, w_gate, w_up, out, opts.alpha, opts.beta);
   }
 #ifdef QMM_WITH_CUDA
   cuda::nf4_gate_up(ctx, a, w_gate, w_up, out, opts);

@@ -158,20 +158,29 @@ void LoraLinear::check_forward(const char* op, const TensorView& x, const Tensor
   check_mode(op, mode, saved_rows_, x.dim(0));
 }
 
+// The adapter's product goes first and the base GEMM accumulates onto it (beta = 1 in its epilogue, which costs
+// the compute-bound GEMM almost nothing): adding the adapter afterwards was a separate read and write of y, e.g.
+// 90 µs per 4096 x 14336 bf16 output on the H200 against ~40 µs for writing it once (ncu, session 18).
 void LoraLinear::forward(const TensorView& x, const TensorView& y, ForwardMode mode) {
   check_forward("LoraLinear::forward", x, y, mode);
-  if (base_.is_nf4()) nf4_gemm(ctx_, x, base_.nf4(), y);
-  else gemm_bt(ctx_, x, base_.dense(), y, gemm_opts(1.0f, 0.0f));
-  adapter_forward(x, y, mode);
+  adapter_forward(x, y, mode, 0.0f);
+  if (base_.is_nf4()) nf4_gemm(ctx_, x, base_.nf4(), y, {1.0f, 1.0f});
+  else gemm_bt(ctx_, x, base_.dense(), y, gemm_opts(1.0f, 1.0f));
+  add_bias_if_any(y);
 }
 
 void LoraLinear::forward_on_base(const TensorView& x, const TensorView& y, ForwardMode mode) {
   check_forward("LoraLinear::forward_on_base", x, y, mode);
-  adapter_forward(x, y, mode);
+  adapter_forward(x, y, mode, 1.0f);
+  add_bias_if_any(y);
 }
 
-// y += s·(dropout(x)·Aᵀ)·Bᵀ (+ bias); saves t and the mask seed. Arguments are already checked.
-void LoraLinear::adapter_forward(const TensorView& x, const TensorView& y, ForwardMode mode) {
+void LoraLinear::add_bias_if_any(const TensorView& y) const {
+  if (!bias_.empty()) add_bias(ctx_, y, bias_);
+}
+
+// y = s·(dropout(x)·Aᵀ)·Bᵀ + y_beta·y; saves t and the mask seed. Arguments are already checked.
+void LoraLinear::adapter_forward(const TensorView& x, const TensorView& y, ForwardMode mode, float y_beta) {
   const std::int64_t m = x.dim(0);
   const DType act = config_.activations;
   const Device dev = ctx_.device();
@@ -193,8 +202,7 @@ void LoraLinear::adapter_forward(const TensorView& x, const TensorView& y, Forwa
   }
   const TensorView t = saved_t_.view(dev, act, m, config_.rank);
   gemm_bt(ctx_, xa, working_a(), t, gemm_opts(1.0f, 0.0f));   // t = dropout(x)·Aᵀ  [M,r]
-  gemm_bt(ctx_, t, working_b(), y, gemm_opts(scale_, 1.0f));  // y += s·t·Bᵀ       [M,N]
-  if (!bias_.empty()) add_bias(ctx_, y, bias_);
+  gemm_bt(ctx_, t, working_b(), y, gemm_opts(scale_, y_beta));  // y = s·t·Bᵀ + y_beta·y  [M,N]
 
   saved_rows_ = m;
   saved_seed_ = seed;
@@ -230,14 +238,21 @@ void LoraLinear::backward(const TensorView& x, const TensorView& dy, const Tenso
   gemm_backward_b(ctx_, dt, xa, grad_a_, gemm_opts(1.0f, 1.0f));      // dA += dtᵀ·dropout(x)  [r,K]
   if (dx.empty()) return;
 
-  if (base_.is_nf4()) nf4_gemm_backward_a(ctx_, dy, base_.nf4(), dx, {1.0f, dx_beta});
-  else gemm(ctx_, dy, base_.dense(), dx, gemm_opts(1.0f, dx_beta));  // dx = beta·dx + dy·W0
-  if (!saved_dropout_) {
-    gemm(ctx_, dt, working_a(), dx, gemm_opts(1.0f, 1.0f));           // dx += dt·A
+  // dx = dx_beta·dx + dy·W0 + dropout'(dt·A). dropout' applies the forward's mask and 1/(1-p) scaling, so
+  // dropout() itself computes it. As in forward, the adapter's term goes first and the base GEMM accumulates
+  // onto it, except with dropout onto an accumulating dx (the mask must not touch dx's old value).
+  auto base_into_dx = [&](float beta) {
+    if (base_.is_nf4()) nf4_gemm_backward_a(ctx_, dy, base_.nf4(), dx, {1.0f, beta});
+    else gemm(ctx_, dy, base_.dense(), dx, gemm_opts(1.0f, beta));
+  };
+  if (!saved_dropout_ || dx_beta == 0.0f) {
+    gemm(ctx_, dt, working_a(), dx, gemm_opts(1.0f, saved_dropout_ ? 0.0f : dx_beta));  // dx = dt·A + beta·dx
+    if (saved_dropout_) dropout(ctx_, dx, dx, config_.dropout, saved_seed_);
+    base_into_dx(1.0f);
     return;
   }
-  // dropout'(dt·A): the same mask and 1/(1-p) scaling, so dropout() itself applies it. dropout(x) is dead by now.
-  const TensorView part = scratch_->get(Scratch::kLoraInput, dev, act, m, in_features());
+  base_into_dx(dx_beta);
+  const TensorView part = scratch_->get(Scratch::kLoraInput, dev, act, m, in_features());  // dropout(x) is dead
   gemm(ctx_, dt, working_a(), part, gemm_opts(1.0f, 0.0f));
   dropout(ctx_, part, part, config_.dropout, saved_seed_);
   add(ctx_, dx, part, dx);

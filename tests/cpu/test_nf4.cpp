@@ -471,6 +471,24 @@ TEST(Nf4GateUp, HIsComputedFromFp32GateAndUpWhateverTheirDtype) {
   EXPECT_TRUE(test::bytes_equal(h_a, h_b));
 }
 
+// beta != 0 (no h): gate and up accumulate exactly as two nf4_gemm calls with the same beta.
+TEST(Nf4GateUp, BetaAccumulatesLikeNf4Gemm) {
+  const std::int64_t m = 5, n = 9, k = 192;
+  const Nf4Tensor wg = nf4_quantize(cpu_ctx(), test::random_tensor(DType::F32, {n, k}, 421), true);
+  const Nf4Tensor wu = nf4_quantize(cpu_ctx(), test::random_tensor(DType::F32, {n, k}, 422), true);
+  const Tensor a = test::random_tensor(DType::BF16, {m, k}, 423);
+  for (DType odt : {DType::F32, DType::BF16}) {
+    const Tensor g0 = test::random_tensor(odt, {m, n}, 424), u0 = test::random_tensor(odt, {m, n}, 425);
+    Tensor g = test::host_copy(g0), u = test::host_copy(u0), g_ref = test::host_copy(g0), u_ref = test::host_copy(u0);
+    nf4_gate_up(cpu_ctx(), a, wg, wu, {g, u, TensorView()}, {0.5f, 1.0f});
+    nf4_gemm(cpu_ctx(), a, wg, g_ref, {0.5f, 1.0f});
+    nf4_gemm(cpu_ctx(), a, wu, u_ref, {0.5f, 1.0f});
+    EXPECT_TRUE(test::bytes_equal(g, g_ref)) << dtype_name(odt);
+    EXPECT_TRUE(test::bytes_equal(u, u_ref)) << dtype_name(odt);
+    EXPECT_FALSE(test::bytes_equal(g, g0)) << "the product was added";
+  }
+}
+
 // ---- format edge cases ----------------------------------------------------------------------------------------
 
 TEST(Nf4Format, AllZeroBlocks) {
@@ -777,7 +795,7 @@ TEST(Nf4Validation, GateUpArguments) {
   };
   EXPECT_TRUE(rejected(gu({}), ErrorCode::InvalidArgument, {"nf4_gate_up:", "no output", "gate, up, h"}, {}));
   EXPECT_TRUE(rejected(gu({g, u, h}, {1, 0.5f, Nf4Path::Auto}), ErrorCode::InvalidArgument,
-                       {"nf4_gate_up:", "beta", "must be 0"}, {g, u, h}));
+                       {"nf4_gate_up:", "beta", "must be 0 when h is requested"}, {g, u, h}));
   EXPECT_TRUE(
       rejected(gu({g, u, h}, {1, 0, Nf4Path::Fused}), ErrorCode::Unsupported, {"nf4_gate_up:", "fused"}, {g, u, h}));
   const Nf4Tensor other = nf4_quantize(cpu_ctx(), test::random_tensor(DType::F32, {9, 128}, 12), false);

@@ -134,26 +134,31 @@ TEST(SmallMBlockSizes, ForwardAndInputGradientMatchCpuOracle) {
   }
 }
 
-// Every combination of requested outputs (gate, up in f32; h in bf16) against the CPU, A in `adt`.
-void expect_gate_up_matches(Nf4Path path, std::int64_t m, std::int64_t n, std::int64_t k, DType adt) {
+// Every combination of requested outputs (gate, up in f32; h in bf16) against the CPU, A in `adt`. With beta != 0
+// gate and up start from random values and accumulate (h cannot be requested then).
+void expect_gate_up_matches(Nf4Path path, std::int64_t m, std::int64_t n, std::int64_t k, DType adt,
+                            float beta = 0.0f) {
   Context& gpu = *test::gpu_context();
   const Context cpu = Context::cpu();
   Problem g = make_weight(n, k, true, 11), u = make_weight(n, k, true, 12);
   Tensor a = test::random_tensor(adt, {m, k}, 13);
-  Tensor rg(DType::F32, {m, n}), ru(DType::F32, {m, n}), rh(DType::F32, {m, n});
-  nf4_gate_up(cpu, a, g.w_host, u.w_host, {rg, ru, rh});
+  const Tensor g0 = test::random_tensor(DType::F32, {m, n}, 14), u0 = test::random_tensor(DType::F32, {m, n}, 15);
+  Tensor rg = test::host_copy(g0), ru = test::host_copy(u0), rh(DType::F32, {m, n});
+  nf4_gate_up(cpu, a, g.w_host, u.w_host, {rg, ru, beta != 0.0f ? TensorView() : TensorView(rh)}, {1.0f, beta});
   Tensor ad = to_device(a, gpu.device());
-  for (int mask = 1; mask < 8; ++mask) {
-    Tensor dg(DType::F32, {m, n}, gpu.device()), du(DType::F32, {m, n}, gpu.device()),
-        dh(DType::BF16, {m, n}, gpu.device());
-    test::poison(dg);
-    test::poison(du);
+  for (int mask = 1; mask < (beta != 0.0f ? 4 : 8); ++mask) {
+    Tensor dg = to_device(g0, gpu.device()), du = to_device(u0, gpu.device()), dh(DType::BF16, {m, n}, gpu.device());
+    if (beta == 0.0f) {
+      test::poison(dg);
+      test::poison(du);
+    }
     test::poison(dh);
     GateUpOutputs out{(mask & 1) ? TensorView(dg) : TensorView(), (mask & 2) ? TensorView(du) : TensorView(),
                       (mask & 4) ? TensorView(dh) : TensorView()};
-    nf4_gate_up(gpu, ad, g.w_dev, u.w_dev, out, {1.0f, 0.0f, path});
+    nf4_gate_up(gpu, ad, g.w_dev, u.w_dev, out, {1.0f, beta, path});
     gpu.synchronize();
-    const std::string what = std::string(nf4_path_name(path)) + " mask " + std::to_string(mask);
+    const std::string what =
+        std::string(nf4_path_name(path)) + " mask " + std::to_string(mask) + " beta " + std::to_string(beta);
     if (mask & 1) EXPECT_TRUE(test::all_close(test::host_copy(dg), rg, test::fp32_accum_tolerance(k))) << what;
     if (mask & 2) EXPECT_TRUE(test::all_close(test::host_copy(du), ru, test::fp32_accum_tolerance(k))) << what;
     if (mask & 4) EXPECT_TRUE(test::all_close(test::host_copy(dh), rh, test::bf16_output_tolerance(k))) << what;
@@ -228,6 +233,16 @@ TEST(FusedGateUp, AllOutputCombinationsMatchCpu) {
   expect_gate_up_matches(Nf4Path::Fused, 65, 130, 1024, DType::BF16);
   expect_gate_up_matches(Nf4Path::Fused, 300, 257, 576, DType::F32);
   expect_gate_up_matches(Nf4Path::FusedShared, 300, 257, 576, DType::BF16);
+}
+
+// Accumulating gate and up (beta != 0, the LoRA MLP's use: the adapters' products are written first) on every
+// path that can take the problem.
+TEST(GateUpBeta, AccumulatesOnEveryPathLikeTheCpu) {
+  QMM_REQUIRE_GPU();
+  expect_gate_up_matches(Nf4Path::SmallM, 7, 333, 1088, DType::BF16, 1.0f);
+  expect_gate_up_matches(Nf4Path::SmallM, 1, 130, 576, DType::F32, -0.5f);  // the GEMV kernel
+  expect_gate_up_matches(Nf4Path::DequantGemm, 65, 130, 576, DType::BF16, 1.0f);
+  if (fused_available()) expect_gate_up_matches(Nf4Path::Fused, 65, 130, 1024, DType::BF16, 1.0f);
 }
 
 // The shared-dequantization kernel at a training size: the CPU oracle is too slow there, so the GPU's dequantize +

@@ -36,6 +36,11 @@ struct Tol {
 constexpr Tol kF32Tol{5e-3, 2e-3, 1e-3};
 constexpr Tol kBf16Tol{1.6e-2, 1.6e-2, 5e-3};
 Tol tol_for(DType act) { return act == DType::BF16 ? kBf16Tol : kF32Tol; }
+// The MLP chains three bf16 layers, and on the GPU its accumulating bf16 GEMMs (each LoRA sum, the up
+// projection's dx) go through cuBLASLt, which rounds the product to bf16 before adding beta*C, while the CPU
+// rounds once: ~30% of those elements differ by one bf16 ulp (measured on the H200), and the MLP's outputs then
+// differ by a relative Frobenius error of up to ~6e-3 (H200, the runs below).
+constexpr Tol kBf16MlpTol{1.6e-2, 1.6e-2, 1e-2};
 
 ::testing::AssertionResult matches(const TensorView& gpu_t, const TensorView& cpu_t, Tol tol) {
   double max_ref = 0;
@@ -186,7 +191,7 @@ TEST(NnGpu, SwiGluMlpMatchesCpu) {
     on_gpu.backward(b.x, b.dy, b.dx);
     gpu.synchronize();
     const std::string what = describe(r.nf4, r.act, r.m) + (r.recompute ? " recompute" : "");
-    const Tol tol = tol_for(r.act);
+    const Tol tol = r.act == DType::BF16 ? kBf16MlpTol : kF32Tol;
     EXPECT_TRUE(matches(b.y, b.y_cpu, tol)) << "y " << what;
     EXPECT_TRUE(matches(b.dx, b.dx_cpu, tol)) << "dx " << what;
     const LoraLinear* cpu_parts[3] = {&on_cpu.gate(), &on_cpu.up(), &on_cpu.down()};

@@ -202,14 +202,13 @@ struct RowRange {
 constexpr RowRange kAutoFusedRowsLarge[2] = {{kAutoSmallMRows + 1, 512}, {0, 512}};
 constexpr RowRange kAutoFusedRows = {32, 512};                       // smaller weights, either direction
 constexpr double kMinWaveFill = 0.9;
-// Auto never takes the shared-dequantization kernel (FusedShared) yet. Alone it beats dequantize + cuBLASLt on
-// large weights from 2048 rows with a long reduction (H200, device µs, one run, session 17: Llama-3-8B gate/up
-// input gradient M = 4096 696 vs 756, down forward 711 vs 740), but inside the Llama-3-8B MLP block (4096
-// tokens), with Auto taking it for those two GEMMs, the block took 5763 / 5653 µs against 5356 / 5506 without it
-// (same device call, alternating builds). Taking it for the forward only left the block as it was (5586 / 5432 vs
-// 5593 / 5457), for the input gradients only (gate, then up accumulating with beta = 1) made it slower (5694 /
-// 5572): the cause is in the block's input gradients, not found yet (batching the beta = 1 epilogue's loads did
-// not help), so the kernel stays opt-in.
+// Auto never takes the shared-dequantization kernel (FusedShared). In the per-op bench it beats dequantize +
+// cuBLASLt on large weights from 2048 rows with a long reduction (H200, session 17: Llama-3-8B gate/up input
+// gradient M = 4096 682 vs 772 µs), but there cuBLAS runs power-throttled (657 µs) while FusedShared does not
+// gain from the headroom. Inside the Llama-3-8B MLP block the kernels themselves, timed one by one by ncu
+// (session 18), take 676-729 µs for FusedShared against 45 (dequantize) + 605 (cuBLAS) for the dequantize path,
+// and the graph-timed block got slower with Auto taking it (5469-5540 vs 5303-5366 µs; forward only 5413-5429):
+// so the kernel stays opt-in.
 // The fused kernel a path takes for this problem, if any: forced (Fused, FusedShared) or chosen by Auto.
 std::optional<FusedKernel> fused_choice(const Context& ctx, Nf4Path path, std::int64_t m, const Nf4Weight& w,
                                         bool small_m, bool backward) {
@@ -333,11 +332,12 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w_gate.rows;
   if (M == 0 || N == 0) return;
   set_device(ctx);
-  if (small_m) return launch_nf4_gate_up_small_m(ctx, a, w_gate, w_up, out, opts.alpha);
+  if (small_m) return launch_nf4_gate_up_small_m(ctx, a, w_gate, w_up, out, opts.alpha, opts.beta);
 
   // With h: both GEMMs write fp32 (into the caller's f32 output, else into a scratch region), h comes from those
   // fp32 values (never from a rounded bf16 gate or up) and bf16 outputs are rounded once, in the epilogue; the CPU
-  // backend does the same. Without h: each requested output takes its GEMM directly, rounded once to its dtype.
+  // backend does the same. Without h: each requested output takes its GEMM directly (accumulating with beta),
+  // rounded once to its dtype. beta != 0 comes only without h (checked by the caller).
   const bool want_h = !out.h.empty();
   auto is_f32 = [](const TensorView& v) { return !v.empty() && v.dtype() == DType::F32; };
   const bool g_tmp = want_h && !is_f32(out.gate), u_tmp = want_h && !is_f32(out.up);
@@ -358,10 +358,10 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   const void* a16 = bf16_operand(ctx, a, plan, a_at);
   auto project = [&](const Nf4Weight& w, const TensorView& dst) {
     if (dst.empty()) return;
-    if (fused.ok) return launch_nf4_gemm_fused(ctx, a16, M, w, dst, opts.alpha, 0.0f, *kernel);
+    if (fused.ok) return launch_nf4_gemm_fused(ctx, a16, M, w, dst, opts.alpha, opts.beta, *kernel);
     void* w16 = plan.at<void>(w_at);
     dequantize_bf16(ctx, w, w16);
-    bf16_gemm(ctx, a16, w16, true, dst, M, N, K, opts.alpha, 0.0f);
+    bf16_gemm(ctx, a16, w16, true, dst, M, N, K, opts.alpha, opts.beta);
   };
   project(w_gate, g_dst);
   project(w_up, u_dst);

@@ -236,7 +236,7 @@ void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4W
 }
 
 void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,
-                                const Nf4Weight& w_up, const GateUpOutputs& out, float alpha) {
+                                const Nf4Weight& w_up, const GateUpOutputs& out, float alpha, float beta) {
   int splits = 1;
   std::unique_ptr<ScratchBuffer> scratch;
   const float* partial = launch_forward(ctx, a, w_gate, w_up, 2, TensorView(), 1.0f, 0.0f, scratch, &splits);
@@ -246,7 +246,7 @@ void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const N
                              out.up.dtype() == DType::BF16, out.h.dtype() == DType::BF16};
   launch_by_lanes(ctx, splits, mn, [&](auto lanes, unsigned blocks) {
     small_m::nf4_gate_up_reduce_kernel<decltype(lanes)::value><<<blocks, kReduceThreads, 0, stream_of(ctx)>>>(
-        partial, splits, mn, o, alpha);
+        partial, splits, mn, o, alpha, beta);
   });
   QMM_CUDA_CHECK_LAUNCH("nf4_gate_up_reduce_kernel");
 }

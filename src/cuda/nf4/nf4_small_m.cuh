@@ -702,7 +702,7 @@ struct GateUpOut {
 
 template <int kLanes>
 __global__ void nf4_gate_up_reduce_kernel(const float* __restrict__ partial, int splits, std::int64_t mn,
-                                          GateUpOut out, float alpha) {
+                                          GateUpOut out, float alpha, float beta) {
   const float* pu = partial + static_cast<std::int64_t>(splits) * mn;
   const LaneGroups<kLanes> w;
   const int lane = w.lane;
@@ -710,8 +710,8 @@ __global__ void nf4_gate_up_reduce_kernel(const float* __restrict__ partial, int
     const float gs = alpha * sum_splits<kLanes>(partial, splits, mn, i, lane);
     const float us = alpha * sum_splits<kLanes>(pu, splits, mn, i, lane);
     if (lane != 0) continue;
-    if (out.gate) store_out(out.gate, out.gate_bf16, i, gs, 1.0f, 0.0f);
-    if (out.up) store_out(out.up, out.up_bf16, i, us, 1.0f, 0.0f);
+    if (out.gate) store_out(out.gate, out.gate_bf16, i, gs, 1.0f, beta);  // beta != 0 only without h
+    if (out.up) store_out(out.up, out.up_bf16, i, us, 1.0f, beta);
     if (out.h) store_out(out.h, out.h_bf16, i, gs / (1.0f + __expf(-gs)) * us, 1.0f, 0.0f);
   }
 }

@@ -20,9 +20,10 @@ bool nf4_small_m_supported(const TensorView& a, const Nf4Weight& w);
 void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
                              float alpha, float beta);
 
-// gate and up in one launch (both weights of one shape), then h = silu(gate)*up where out.h is given.
+// gate and up in one launch (both weights of one shape), then h = silu(gate)*up where out.h is given; beta
+// accumulates into gate and up (only without h).
 void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,
-                                const Nf4Weight& w_up, const GateUpOutputs& out, float alpha);
+                                const Nf4Weight& w_up, const GateUpOutputs& out, float alpha, float beta);
 
 // dA = dC * dequant(W) for M <= 16 (K a multiple of 32, blocks of at least 32, 16-byte aligned codes).
 bool nf4_small_m_backward_supported(const TensorView& dc, const Nf4Weight& w);
