@@ -130,8 +130,7 @@ class LoraLinear {
   // y [M,N] = x [M,K]·W0ᵀ + s·(dropout(x)·Aᵀ)·Bᵀ + bias. Saves t = dropout(x)·Aᵀ [M,r] and the dropout seed
   // (the mask is regenerated, never stored). y must not overlap x.
   void forward(const TensorView& x, const TensorView& y, ForwardMode mode = ForwardMode::Train);
-  // The same when y already holds x·W0ᵀ (computed elsewhere): adds the adapter and the bias. (forward itself
-  // writes the adapter's product first and accumulates x·W0ᵀ onto it: the two orders round differently.)
+  // The same when y already holds x·W0ᵀ (computed elsewhere, e.g. by nf4_gate_up): adds the adapter and the bias.
   void forward_on_base(const TensorView& x, const TensorView& y, ForwardMode mode = ForwardMode::Train);
   // For the last forward, with the same x: grad_a += dAᵀ, grad_b += dB (fp32, accumulated), and, when dx is
   // given, dx [M,K] = dx_beta·dx + dy·W0 + s·dropout'(dy·B·A) (dx_beta = 0 overwrites; dx may be empty when
@@ -173,11 +172,11 @@ class LoraLinear {
   std::size_t saved_bytes() const;            // activations held from forward to backward (capacity)
 
  private:
-  friend class SwiGluMlp;  // runs the adapters before one nf4_gate_up for both bases (forward's order)
   void check_x(const char* op, const TensorView& x) const;
   void check_forward(const char* op, const TensorView& x, const TensorView& y, ForwardMode mode) const;
   void adapter_forward(const TensorView& x, const TensorView& y, ForwardMode mode, float y_beta);
   void add_bias_if_any(const TensorView& y) const;
+  bool adapter_first() const;  // whether forward writes the adapter's product before the base GEMM adds onto it
   TensorView working_a() const { return a_work_.defined() ? a_work_.view() : a_.view(); }
   TensorView working_b() const { return b_work_.defined() ? b_work_.view() : b_.view(); }
   GemmOptions gemm_opts(float alpha, float beta) const { return {alpha, beta, config_.math}; }

@@ -158,14 +158,22 @@ void LoraLinear::check_forward(const char* op, const TensorView& x, const Tensor
   check_mode(op, mode, saved_rows_, x.dim(0));
 }
 
-// The adapter's product goes first and the base GEMM accumulates onto it (beta = 1 in its epilogue, which costs
-// the compute-bound GEMM almost nothing): adding the adapter afterwards was a separate read and write of y, e.g.
-// 90 µs per 4096 x 14336 bf16 output on the H200 against ~40 µs for writing it once (ncu, session 18).
+// Dense bases: the adapter's product goes first and the base GEMM accumulates onto it (cuBLASLt's beta = 1
+// costs the compute-bound GEMM 2-5 µs), where adding the adapter afterwards was a separate read and write of y:
+// 90 µs for a 4096 x 14336 bf16 output on the H200 against ~40 µs for writing it once (ncu, session 18).
+// NF4 bases keep the base first: the fused NF4 kernels' accumulating epilogue is not cheap (Llama-3-8B gate,
+// nf4_gemm at M = 512: 124 µs with beta = 1 against 99 with beta = 0, so the layer's forward took 139 vs 115).
+bool LoraLinear::adapter_first() const { return !base_.is_nf4(); }
+
 void LoraLinear::forward(const TensorView& x, const TensorView& y, ForwardMode mode) {
   check_forward("LoraLinear::forward", x, y, mode);
-  adapter_forward(x, y, mode, 0.0f);
-  if (base_.is_nf4()) nf4_gemm(ctx_, x, base_.nf4(), y, {1.0f, 1.0f});
-  else gemm_bt(ctx_, x, base_.dense(), y, gemm_opts(1.0f, 1.0f));
+  if (adapter_first()) {
+    adapter_forward(x, y, mode, 0.0f);
+    gemm_bt(ctx_, x, base_.dense(), y, gemm_opts(1.0f, 1.0f));
+  } else {
+    nf4_gemm(ctx_, x, base_.nf4(), y);
+    adapter_forward(x, y, mode, 1.0f);
+  }
   add_bias_if_any(y);
 }
 
@@ -239,19 +247,23 @@ void LoraLinear::backward(const TensorView& x, const TensorView& dy, const Tenso
   if (dx.empty()) return;
 
   // dx = dx_beta·dx + dy·W0 + dropout'(dt·A). dropout' applies the forward's mask and 1/(1-p) scaling, so
-  // dropout() itself computes it. As in forward, the adapter's term goes first and the base GEMM accumulates
-  // onto it, except with dropout onto an accumulating dx (the mask must not touch dx's old value).
+  // dropout() itself computes it. The adapter's term goes first where forward's does (adapter_first), except
+  // with dropout onto an accumulating dx (the mask must not touch dx's old value).
   auto base_into_dx = [&](float beta) {
     if (base_.is_nf4()) nf4_gemm_backward_a(ctx_, dy, base_.nf4(), dx, {1.0f, beta});
     else gemm(ctx_, dy, base_.dense(), dx, gemm_opts(1.0f, beta));
   };
-  if (!saved_dropout_ || dx_beta == 0.0f) {
+  if (adapter_first() && (!saved_dropout_ || dx_beta == 0.0f)) {
     gemm(ctx_, dt, working_a(), dx, gemm_opts(1.0f, saved_dropout_ ? 0.0f : dx_beta));  // dx = dt·A + beta·dx
     if (saved_dropout_) dropout(ctx_, dx, dx, config_.dropout, saved_seed_);
     base_into_dx(1.0f);
     return;
   }
   base_into_dx(dx_beta);
+  if (!saved_dropout_) {
+    gemm(ctx_, dt, working_a(), dx, gemm_opts(1.0f, 1.0f));  // dx += dt·A
+    return;
+  }
   const TensorView part = scratch_->get(Scratch::kLoraInput, dev, act, m, in_features());  // dropout(x) is dead
   gemm(ctx_, dt, working_a(), part, gemm_opts(1.0f, 0.0f));
   dropout(ctx_, part, part, config_.dropout, saved_seed_);

@@ -68,15 +68,10 @@ void SwiGluMlp::gate_up_forward(const TensorView& x, const TensorView& g, const 
     up_.forward(x, u, mode);
     return;
   }
-  // One read of x for both NF4 bases. As in LoraLinear::forward, the adapters' products go first and the bases
-  // accumulate onto them (beta = 1), so fused and separate projections give the same bits.
-  gate_.check_forward("SwiGluMlp::forward (gate)", x, g, mode);
-  up_.check_forward("SwiGluMlp::forward (up)", x, u, mode);
-  gate_.adapter_forward(x, g, mode, 0.0f);
-  up_.adapter_forward(x, u, mode, 0.0f);
-  nf4_gate_up(gate_.context(), x, gate_.base().nf4(), up_.base().nf4(), {g, u, {}}, {1.0f, 1.0f});
-  gate_.add_bias_if_any(g);
-  up_.add_bias_if_any(u);
+  // One read of x for both NF4 bases; the adapters go on top before any SwiGLU sees the values.
+  nf4_gate_up(gate_.context(), x, gate_.base().nf4(), up_.base().nf4(), {g, u, {}});
+  gate_.forward_on_base(x, g, mode);
+  up_.forward_on_base(x, u, mode);
 }
 
 void SwiGluMlp::forward(const TensorView& x, const TensorView& y, ForwardMode mode) {

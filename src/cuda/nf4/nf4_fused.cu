@@ -269,35 +269,63 @@ __device__ __forceinline__ void store_output_tile(float (&acc)[128], unsigned ch
   const int q = et % 32;  // columns n0 + 4q ..
   const std::int64_t n = n0 + 4 * q;
   if (n >= n_out) return;
+  if (vec && b_mul != 0.0f) {
+    // Accumulating: a row's old values must be read before its store, and the compiler may not hoist a later
+    // row's loads above an earlier row's store (they could alias), so one row at a time paid a memory round trip
+    // per row. Loading kBatch rows' old values first pays one per kBatch rows. Measured (H200, Llama-3-8B gate
+    // forward, M = 512): 128 -> 124 µs with beta = 1; beta = 0 (the bf16 stmatrix path) takes 99, and where the
+    // rest of that gap goes is not profiled yet.
+    constexpr int kBatch = 8;
+    for (int ml0 = et / 32; ml0 < tile_rows; ml0 += 8 * kBatch) {
+      float old[kBatch][4];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int ml = ml0 + 8 * b;
+        if (ml >= tile_rows) break;
+        const std::int64_t at = (m0 + ml) * n_out + n;
+        if (bf16_out) {
+          const uint2 o = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(c) + at);
+          const __nv_bfloat162 o0 = *reinterpret_cast<const __nv_bfloat162*>(&o.x);
+          const __nv_bfloat162 o1 = *reinterpret_cast<const __nv_bfloat162*>(&o.y);
+          old[b][0] = __low2float(o0);
+          old[b][1] = __high2float(o0);
+          old[b][2] = __low2float(o1);
+          old[b][3] = __high2float(o1);
+        } else {
+          const float4 o = *reinterpret_cast<const float4*>(out_f32 + at);
+          old[b][0] = o.x;
+          old[b][1] = o.y;
+          old[b][2] = o.z;
+          old[b][3] = o.w;
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int ml = ml0 + 8 * b;
+        if (ml >= tile_rows) break;
+        const std::int64_t at = (m0 + ml) * n_out + n;
+        const float4 v = *reinterpret_cast<const float4*>(tile + ml * kCPitch + 4 * q);
+        float r[4] = {a_mul * v.x, a_mul * v.y, a_mul * v.z, a_mul * v.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) r[u] += b_mul * old[b][u];
+        if (bf16_out)
+          *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(c) + at) =
+              make_uint2(nf4_lut::pack_bf16x2(r[0], r[1]), nf4_lut::pack_bf16x2(r[2], r[3]));
+        else
+          *reinterpret_cast<float4*>(out_f32 + at) = make_float4(r[0], r[1], r[2], r[3]);
+      }
+    }
+    return;
+  }
   for (int ml = et / 32; ml < tile_rows; ml += 8) {
     const float4 v = *reinterpret_cast<const float4*>(tile + ml * kCPitch + 4 * q);
     const std::int64_t at = (m0 + ml) * n_out + n;
-    if (vec) {
-      if (bf16_out) {
-        auto* p = static_cast<__nv_bfloat16*>(c) + at;
-        float r[4] = {a_mul * v.x, a_mul * v.y, a_mul * v.z, a_mul * v.w};
-        if (b_mul != 0.0f) {
-          const uint2 old = *reinterpret_cast<const uint2*>(p);
-          const __nv_bfloat162 o0 = *reinterpret_cast<const __nv_bfloat162*>(&old.x);
-          const __nv_bfloat162 o1 = *reinterpret_cast<const __nv_bfloat162*>(&old.y);
-          r[0] += b_mul * __low2float(o0);
-          r[1] += b_mul * __high2float(o0);
-          r[2] += b_mul * __low2float(o1);
-          r[3] += b_mul * __high2float(o1);
-        }
-        *reinterpret_cast<uint2*>(p) = make_uint2(nf4_lut::pack_bf16x2(r[0], r[1]), nf4_lut::pack_bf16x2(r[2], r[3]));
-      } else {
-        float* p = out_f32 + at;
-        float4 r = make_float4(a_mul * v.x, a_mul * v.y, a_mul * v.z, a_mul * v.w);
-        if (b_mul != 0.0f) {
-          const float4 o = *reinterpret_cast<const float4*>(p);
-          r.x += b_mul * o.x;
-          r.y += b_mul * o.y;
-          r.z += b_mul * o.z;
-          r.w += b_mul * o.w;
-        }
-        *reinterpret_cast<float4*>(p) = r;
-      }
+    if (vec) {  // nothing to read back here (beta != 0 took the batched loop above)
+      if (bf16_out)
+        *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(c) + at) = make_uint2(
+            nf4_lut::pack_bf16x2(a_mul * v.x, a_mul * v.y), nf4_lut::pack_bf16x2(a_mul * v.z, a_mul * v.w));
+      else
+        *reinterpret_cast<float4*>(out_f32 + at) = make_float4(a_mul * v.x, a_mul * v.y, a_mul * v.z, a_mul * v.w);
     } else {
       const float e[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
