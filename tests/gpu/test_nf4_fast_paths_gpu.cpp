@@ -235,8 +235,7 @@ TEST(FusedGateUp, AllOutputCombinationsMatchCpu) {
   expect_gate_up_matches(Nf4Path::FusedShared, 300, 257, 576, DType::BF16);
 }
 
-// Accumulating gate and up (beta != 0, the LoRA MLP's use: the adapters' products are written first) on every
-// path that can take the problem.
+// Accumulating gate and up (beta != 0, no h) on every path that can take the problem.
 TEST(GateUpBeta, AccumulatesOnEveryPathLikeTheCpu) {
   QMM_REQUIRE_GPU();
   expect_gate_up_matches(Nf4Path::SmallM, 7, 333, 1088, DType::BF16, 1.0f);
