@@ -38,8 +38,9 @@ constexpr Tol kBf16Tol{1.6e-2, 1.6e-2, 5e-3};
 Tol tol_for(DType act) { return act == DType::BF16 ? kBf16Tol : kF32Tol; }
 // The MLP chains three bf16 layers, and on the GPU its accumulating bf16 GEMMs (each LoRA sum, on dense bases the
 // base GEMM accumulating onto the adapter's product; the up projection's dx) go through cuBLASLt, which rounds the
-// product to bf16 before adding beta*C, while the CPU rounds once: ~30% of those elements differ by one bf16 ulp (measured on the H200), and the MLP's outputs then
-// differ by a relative Frobenius error of up to ~6e-3 (H200, the runs below).
+// product to bf16 before adding beta*C, while the CPU rounds once: ~30% of those elements differ by one bf16 ulp
+// (measured on the H200), and the MLP's outputs then differ by a relative Frobenius error of up to ~6e-3 (H200,
+// the runs below).
 constexpr Tol kBf16MlpTol{1.6e-2, 1.6e-2, 1e-2};
 
 ::testing::AssertionResult matches(const TensorView& gpu_t, const TensorView& cpu_t, Tol tol) {
