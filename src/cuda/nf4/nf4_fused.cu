@@ -221,28 +221,52 @@ __device__ __forceinline__ void store_output_tile(float (&acc)[128], unsigned ch
   const int g = lane / 4, t = lane % 4;
   // Output rows of this tile (activation rows m0 ..): kBlockA, or what is left of M.
   const int tile_rows = M - m0 < kBlockA ? static_cast<int>(M - m0) : kBlockA;
-  if (kCBf16 && !partial && beta == 0.0f && n_out % 8 == 0 && (reinterpret_cast<std::uintptr_t>(c) & 15u) == 0) {
-    // bf16 out, nothing to read back: round alpha * sum once, transpose the 8 x 8 fragments with stmatrix into a
-    // bf16 [256 m][128 n] tile (pitch 272 bytes: the eight 16-byte rows of a matrix hit distinct banks), then
-    // 16-byte copies along n.
+  if (kCBf16 && !partial && n_out % 8 == 0 && (reinterpret_cast<std::uintptr_t>(c) & 15u) == 0) {
+    // bf16 out: transpose the 8 x 8 fragments with stmatrix into a bf16 [256 m][128 n] tile (pitch 272 bytes: the
+    // eight 16-byte rows of a matrix hit distinct banks), then 16-byte copies along n. With beta != 0 the old
+    // values come into the same tile first (16-byte cp.async along n, as the stores go) and each warp reads its
+    // fragments' old values back with ldmatrix.trans, the inverse of its stmatrix.trans, so alpha * sum +
+    // beta * old is rounded once, as on the other paths.
     unsigned char* tile = smem;
     const std::uint32_t tile_s = shared_address(tile);
+    const int chunk = et % 16;  // 8 outputs along n
+    const std::int64_t n = n0 + 8 * chunk;
+    const bool accumulate = beta != 0.0f;
+    if (accumulate) {
+      if (n < n_out) {
+        const auto* old = static_cast<const __nv_bfloat16*>(c) + (m0 + et / 16) * n_out + n;
+        for (int ml = et / 16; ml < tile_rows; ml += 16, old += 16 * n_out)
+          small_m::cp_async_16(tile_s + ml * kCBf16Pitch + 16 * chunk, old);
+      }
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    }
     const int mat = lane / 8, r = lane % 8;  // the row of matrix `mat` whose address this lane gives
 #pragma unroll
     for (int j0 = 0; j0 < 32; j0 += 2) {
-      std::uint32_t v[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q)  // matrix q: j = j0 + q / 2, weight rows + 8 (q % 2)
-        v[q] = nf4_lut::pack_bf16x2(alpha * acc[4 * (j0 + q / 2) + 2 * (q % 2)],
-                                    alpha * acc[4 * (j0 + q / 2) + 2 * (q % 2) + 1]);
       const std::uint32_t at = tile_s + (8 * (j0 + mat / 2) + r) * kCBf16Pitch +
                                2 * (64 * cw + 16 * warp + 8 * (mat % 2));
+      float old[8] = {};  // matrix q's pair at 2q, 2q + 1
+      if (accumulate) {
+        std::uint32_t o[4];
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(o[0]), "=r"(o[1]), "=r"(o[2]), "=r"(o[3]) : "r"(at) : "memory");
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          old[2 * q] = __uint_as_float(o[q] << 16);
+          old[2 * q + 1] = __uint_as_float(o[q] & 0xFFFF0000u);
+        }
+      }
+      std::uint32_t v[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // matrix q: j = j0 + q / 2, weight rows + 8 (q % 2)
+        const int i = 4 * (j0 + q / 2) + 2 * (q % 2);
+        v[q] = nf4_lut::pack_bf16x2(alpha * acc[i] + beta * old[2 * q], alpha * acc[i + 1] + beta * old[2 * q + 1]);
+      }
       asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
                    ::"r"(at), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
     }
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    const int chunk = et % 16;  // 8 outputs along n
-    const std::int64_t n = n0 + 8 * chunk;
     if (n < n_out) {
       auto* out = static_cast<__nv_bfloat16*>(c) + (m0 + et / 16) * n_out + n;
 #pragma unroll 4
@@ -251,8 +275,9 @@ __device__ __forceinline__ void store_output_tile(float (&acc)[128], unsigned ch
     }
     return;
   }
-  // Any other output (f32, beta != 0, split-K partials): the fp32 tile as [256 m][128 n] (the row pitch makes the
-  // fragment writes conflict-free), then each thread takes 4 columns and every 8th row.
+  // Any other output (f32, bf16 rows that are not 16-byte aligned, split-K partials): the fp32 tile as
+  // [256 m][128 n] (the row pitch makes the fragment writes conflict-free), then each thread takes 4 columns and
+  // every 8th row.
   float* tile = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int j = 0; j < 32; ++j)
@@ -272,9 +297,7 @@ __device__ __forceinline__ void store_output_tile(float (&acc)[128], unsigned ch
   if (vec && b_mul != 0.0f) {
     // Accumulating: a row's old values must be read before its store, and the compiler may not hoist a later
     // row's loads above an earlier row's store (they could alias), so one row at a time paid a memory round trip
-    // per row. Loading kBatch rows' old values first pays one per kBatch rows. Measured (H200, Llama-3-8B gate
-    // forward, M = 512): 128 -> 124 µs with beta = 1; beta = 0 (the bf16 stmatrix path) takes 99, and where the
-    // rest of that gap goes is not profiled yet.
+    // per row. Loading kBatch rows' old values first pays one per kBatch rows.
     constexpr int kBatch = 8;
     for (int ml0 = et / 32; ml0 < tile_rows; ml0 += 8 * kBatch) {
       float old[kBatch][4];
