@@ -439,6 +439,36 @@ void Bench::run_train() {
       record({"adamw_step", clip ? "clip" : "plain", a.label, 1, params, static_cast<std::int64_t>(shapes.size()), 1,
               0, bytes, time(step_once)});
     }
+
+  // lora_backward_dy on the gate/up projections' output gradients (dy [M, out], rank 16, bf16) against the two
+  // GEMMs it replaces, timed in turns. Bytes: dy once, plus t, b, dt and grad_b (read and written).
+  for (const Projection& p : projections()) {
+    if (p.label.find("gate_up") == std::string::npos || !selected("lora_backward_dy", p.label)) continue;
+    const std::int64_t n = p.n, r = 16;
+    for (std::int64_t m : only_selected_tokens(is_gpu_ ? std::vector<std::int64_t>{512, 2048, 4096}
+                                                       : std::vector<std::int64_t>{16})) {
+      const double bytes = 2.0 * m * n + 2.0 * (2 * m * r + n * r) + 8.0 * n * r;
+      const int sets = sets_for(bytes);
+      std::vector<Tensor> dy, t;
+      for (int i = 0; i < sets; ++i) {
+        dy.push_back(pool_.make(ctx_, DType::BF16, {m, n}, 800 + i));
+        t.push_back(pool_.make(ctx_, DType::BF16, {m, r}, 840 + i));
+      }
+      const Tensor b = pool_.make(ctx_, DType::BF16, {n, r}, 880), dt(DType::BF16, {m, r}, ctx_.device());
+      const Tensor gb(DType::F32, {n, r}, ctx_.device());
+      zero(ctx_, gb);
+      const std::vector<std::function<void(int)>> fns = {
+          [&](int i) { lora_backward_dy(ctx_, dy[i % sets], b, t[i % sets], dt, gb, 2.0f); },
+          [&](int i) {
+            gemm(ctx_, dy[i % sets], b, dt, {2.0f, 0.0f});
+            gemm_backward_b(ctx_, dy[i % sets], t[i % sets], gb, {2.0f, 1.0f});
+          }};
+      const std::vector<Stats> st = time_interleaved(fns, sets);
+      const double flops = 4.0 * m * n * r;
+      for (std::size_t i = 0; i < fns.size(); ++i)
+        record({"lora_backward_dy", i == 0 ? "bf16" : "2 gemms", p.label + " r16", 1, m, n, r, flops, bytes, st[i]});
+    }
+  }
 }
 
 double nf4_bytes(std::int64_t n, std::int64_t k, bool dq) {
@@ -609,7 +639,9 @@ void Bench::add_ratios() {
     const Result* base = nullptr;
     if (r.op == "nf4_gemm") base = find("gemm_bt", "bf16", r.m, r.n, r.k), r.baseline = "gemm_bt bf16";
     else if (r.op == "nf4_gemm_backward_a") base = find("gemm", "bf16", r.m, r.n, r.k), r.baseline = "gemm bf16";
-    else if (r.op == "mlp_block") {
+    else if (r.op == "lora_backward_dy") {
+      if (r.mode == "bf16") base = find(r.op, "2 gemms", r.m, r.n, r.k), r.baseline = "2 gemms";
+    } else if (r.op == "mlp_block") {
       if (r.mode != "bf16") base = find("mlp_block", "bf16", r.m, r.n, r.k), r.baseline = "bf16 base";
     } else if (r.op == "nf4_gate_up") {
       if (const Result* one = find("nf4_gemm", "dq auto", r.m, r.n, r.k)) {

@@ -239,8 +239,7 @@ void LoraLinear::backward(const TensorView& x, const TensorView& dy, const Tenso
   const Device dev = ctx_.device();
   const TensorView t = saved_t_.view(dev, act, m, config_.rank);  // same rows as forward: the saved memory
   const TensorView dt = scratch_->get(Scratch::kLoraGrad, dev, act, m, config_.rank);
-  gemm(ctx_, dy, working_b(), dt, gemm_opts(scale_, 0.0f));            // dt = s·dy·B      [M,r]
-  gemm_backward_b(ctx_, dy, t, grad_b_, gemm_opts(scale_, 1.0f));     // dB += s·dyᵀ·t    [N,r]
+  lora_backward_dy(ctx_, dy, working_b(), t, dt, grad_b_, scale_, config_.math);  // dt = s·dy·B, dB += s·dyᵀ·t
   TensorView xa = x;
   if (saved_dropout_) {  // the mask again, from its seed
     xa = scratch_->get(Scratch::kLoraInput, dev, act, m, in_features());

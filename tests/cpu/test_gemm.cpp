@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -544,6 +545,70 @@ TEST(Gemm, EveryValidationPathThrowsAndLeavesOutputUnchanged) {
     expect_rejected(what + " math", out, run(x, y, out, {1, 0, static_cast<MathMode>(7)}), invalid,
                     {nm.op, "math mode"});
   }
+}
+
+// lora_backward_dy on the CPU is the two GEMMs it names (the GPU's one-pass kernel is held to this).
+TEST(LoraBackwardDy, EqualsItsTwoGemmsInEveryDtypeAndMode) {
+  const Context ctx = Context::cpu();
+  std::uint64_t seed = 900;
+  struct Case {
+    DType dt;
+    MathMode math;
+  };
+  for (Case c : {Case{DType::BF16, MathMode::FP32}, Case{DType::F32, MathMode::FP32}, Case{DType::F32, MathMode::TF32},
+                 Case{DType::F32, MathMode::BF16}})
+    for (auto [m, n, r] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1, 8, 8}, {7, 65, 16}, {130, 63, 12}}) {
+      const Tensor dy = test::random_tensor(c.dt, {m, n}, ++seed), b = test::random_tensor(c.dt, {n, r}, ++seed);
+      const Tensor t = test::random_tensor(c.dt, {m, r}, ++seed), gb0 = test::random_tensor(DType::F32, {n, r}, ++seed);
+      Tensor dt(c.dt, {m, r}), dt_ref(c.dt, {m, r});
+      test::poison(dt);
+      Tensor gb = test::host_copy(gb0), gb_ref = test::host_copy(gb0);
+      lora_backward_dy(ctx, dy, b, t, dt, gb, 0.625f, c.math);
+      gemm(ctx, dy, b, dt_ref, {0.625f, 0.0f, c.math});
+      gemm_backward_b(ctx, dy, t, gb_ref, {0.625f, 1.0f, c.math});
+      const std::string what = std::string(dtype_name(c.dt)) + " " + math_mode_name(c.math) + " m" +
+                               std::to_string(m) + " n" + std::to_string(n) + " r" + std::to_string(r);
+      EXPECT_TRUE(test::bytes_equal(dt, dt_ref)) << what;
+      EXPECT_TRUE(test::bytes_equal(gb, gb_ref)) << what;
+    }
+}
+
+TEST(LoraBackwardDy, EveryValidationPathThrowsAndWritesNothing) {
+  const Context ctx = Context::cpu();
+  const std::int64_t m = 6, n = 5, r = 4;
+  const Tensor dy = test::random_tensor(DType::BF16, {m, n}, 1), b = test::random_tensor(DType::BF16, {n, r}, 2);
+  const Tensor t = test::random_tensor(DType::BF16, {m, r}, 3);
+  const Tensor dt = test::random_tensor(DType::BF16, {m, r}, 4), gb = test::random_tensor(DType::F32, {n, r}, 5);
+  auto rejected = [&](const std::string& what, auto&& fn, ErrorCode code, std::initializer_list<std::string> needles) {
+    const Tensor dt_before = test::host_copy(dt), gb_before = test::host_copy(gb);
+    EXPECT_TRUE(test::throws_error(fn, code, needles)) << what;
+    EXPECT_TRUE(test::bytes_equal(dt, dt_before)) << what << ": dt changed";
+    EXPECT_TRUE(test::bytes_equal(gb, gb_before)) << what << ": grad_b changed";
+  };
+  const ErrorCode shape = ErrorCode::ShapeMismatch, dtype = ErrorCode::DTypeMismatch,
+                  invalid = ErrorCode::InvalidArgument;
+  const char* op = "lora_backward_dy";
+  const Tensor b_n = test::random_tensor(DType::BF16, {n + 1, r}, 6), t_r = test::random_tensor(DType::BF16, {m, r + 1}, 7);
+  const Tensor t_m = test::random_tensor(DType::BF16, {m + 1, r}, 8), gb_r(DType::F32, {n, r + 1});
+  const Tensor t_f32 = test::random_tensor(DType::F32, {m, r}, 9), gb_bf16(DType::BF16, {n, r}), rank3(DType::BF16, {1, m, n});
+  rejected("b rows", [&] { lora_backward_dy(ctx, dy, b_n, t, dt, gb, 1.0f); }, shape, {op, "b is [6,4]", "dy's N"});
+  rejected("t rank", [&] { lora_backward_dy(ctx, dy, b, t_r, dt, gb, 1.0f); }, shape, {op, "t is [6,5]", "[6,4]"});
+  rejected("t rows", [&] { lora_backward_dy(ctx, dy, b, t_m, dt, gb, 1.0f); }, shape, {op, "t is [7,4]"});
+  rejected("grad_b shape", [&] { lora_backward_dy(ctx, dy, b, t, dt, gb_r, 1.0f); }, shape, {op, "grad_b"});
+  rejected("dy rank", [&] { lora_backward_dy(ctx, rank3, b, t, dt, gb, 1.0f); }, shape, {op, "dy", "rank"});
+  rejected("t dtype", [&] { lora_backward_dy(ctx, dy, b, t_f32, dt, gb, 1.0f); }, dtype, {op, "t", "f32"});
+  rejected("grad_b dtype", [&] { lora_backward_dy(ctx, dy, b, t, dt, gb_bf16, 1.0f); }, dtype, {op, "grad_b", "bf16"});
+  rejected("scale", [&] { lora_backward_dy(ctx, dy, b, t, dt, gb, std::numeric_limits<float>::infinity()); }, invalid,
+           {op, "scale"});
+  rejected("math", [&] { lora_backward_dy(ctx, dy, b, t, dt, gb, 1.0f, static_cast<MathMode>(9)); }, invalid,
+           {op, "math mode"});
+  rejected("null dt", [&] { lora_backward_dy(ctx, dy, b, t, TensorView(nullptr, DType::BF16, {m, r}), gb, 1.0f); },
+           invalid, {op, "dt", "null"});
+  const TensorView dt_on_t(t.data(), DType::BF16, {m, r});  // dt over t's memory
+  rejected("dt overlaps t", [&] { lora_backward_dy(ctx, dy, b, t, dt_on_t, gb, 1.0f); }, invalid, {op, "dt", "t", "overlap"});
+  const TensorView dy_gpu(dy.data(), DType::BF16, {m, n}, Device::cuda(0));
+  rejected("device", [&] { lora_backward_dy(ctx, dy_gpu, b, t, dt, gb, 1.0f); }, ErrorCode::DeviceMismatch,
+           {op, "dy", "cuda:0"});
 }
 
 TEST(Gemm, NamesOfMathModesAndPlanKeys) {

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "common/test_util.h"
@@ -340,6 +341,56 @@ TEST(GpuGemm, UnalignedViews) {
       EXPECT_TRUE(test::all_close(test::host_copy(dc.view), ref, tolerance_for(mode, d.k)))
           << case_text(op, d, mode, opts.alpha, opts.beta) << " (unaligned views)";
     }
+}
+
+// ---- lora_backward_dy ----------------------------------------------------------------------------------------------
+// The one-pass kernel (bf16, r 8/16/32, N % 8 == 0, 16-byte aligned) and the two-GEMM fallback (every other case)
+// against the CPU, which runs the two GEMMs. dt (bf16) is one rounding of an fp32 sum over N, grad_b (f32) an fp32
+// sum over M added to its old value: the GEMM family's tolerances for those outputs and reduction lengths.
+void expect_lora_backward_dy_matches(DType dtype, MathMode math, std::int64_t m, std::int64_t n, std::int64_t r,
+                                     std::uint64_t seed, bool unaligned = false) {
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  const Tensor dy = test::random_tensor(dtype, {m, n}, seed), b = test::random_tensor(dtype, {n, r}, seed + 1);
+  const Tensor t = test::random_tensor(dtype, {m, r}, seed + 2), gb0 = test::random_tensor(DType::F32, {n, r}, seed + 3);
+  Tensor dt_ref(dtype, {m, r});
+  Tensor gb_ref = test::host_copy(gb0);
+  lora_backward_dy(cpu, dy, b, t, dt_ref, gb_ref, 0.375f, math);
+
+  Tensor dt(dtype, {m, r}, gpu.device()), gb = to_device(gb0, gpu.device());
+  test::poison(dt);
+  OffsetView dy_d = offset_copy(dy, unaligned ? 1 : 0);
+  lora_backward_dy(gpu, dy_d.view, to_device(b, gpu.device()), to_device(t, gpu.device()), dt, gb, 0.375f, math);
+  gpu.synchronize();
+  const std::string what = std::string(dtype_name(dtype)) + " " + math_mode_name(math) + " m" + std::to_string(m) +
+                           " n" + std::to_string(n) + " r" + std::to_string(r) + (unaligned ? " unaligned dy" : "");
+  const test::Tolerance dt_tol = dtype == DType::BF16 ? test::bf16_output_tolerance(n)
+                                 : math == MathMode::TF32 ? test::tf32_tolerance(n)
+                                                          : test::fp32_accum_tolerance(n);
+  const test::Tolerance gb_tol = math == MathMode::TF32 ? test::tf32_tolerance(m) : test::fp32_accum_tolerance(m);
+  EXPECT_TRUE(test::all_close(test::host_copy(dt), dt_ref, dt_tol)) << what << ": dt";
+  EXPECT_TRUE(test::all_close(test::host_copy(gb), gb_ref, gb_tol)) << what << ": grad_b";
+}
+
+TEST(GpuLoraBackwardDy, OnePassKernelMatchesCpuOnRaggedShapes) {
+  QMM_REQUIRE_GPU();
+  std::uint64_t seed = 7000;
+  // M over tiles of 64 rows and their row splits, N over strips of 512 columns (ragged last strip).
+  for (auto [m, n, r] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1, 8, 8}, {7, 136, 16},
+                         {63, 520, 32}, {65, 1000, 16}, {130, 4104, 8}, {1000, 1536, 16}, {1000, 8960, 32},
+                         {4097, 64, 16}})
+    expect_lora_backward_dy_matches(DType::BF16, MathMode::FP32, m, n, r, seed += 10);
+}
+
+TEST(GpuLoraBackwardDy, FallbackCasesMatchCpu) {
+  QMM_REQUIRE_GPU();
+  std::uint64_t seed = 8000;
+  expect_lora_backward_dy_matches(DType::BF16, MathMode::FP32, 65, 1001, 16, seed += 10);        // N % 8 != 0
+  expect_lora_backward_dy_matches(DType::BF16, MathMode::FP32, 65, 520, 12, seed += 10);         // r not 8/16/32
+  expect_lora_backward_dy_matches(DType::BF16, MathMode::FP32, 65, 520, 64, seed += 10);
+  expect_lora_backward_dy_matches(DType::BF16, MathMode::FP32, 65, 520, 16, seed += 10, true);   // unaligned dy
+  for (MathMode math : {MathMode::FP32, MathMode::TF32, MathMode::BF16})
+    expect_lora_backward_dy_matches(DType::F32, math, 130, 520, 16, seed += 10);
 }
 
 // ---- the plan cache -----------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/nf4_lut.h"  // pack_bf16x2
+#include "cuda/common/mma.cuh"
 #include "qmm/nf4.h"
 
 namespace qmm::cuda::small_m {
@@ -103,14 +104,7 @@ __device__ __forceinline__ std::uint32_t codebook_base_after_barrier(const float
   return cb;
 }
 
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                                               std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+using common::mma_bf16_16816;
 
 __device__ __forceinline__ void store_out(void* c, bool c_bf16, std::int64_t idx, float v, float alpha, float beta) {
   if (c_bf16) {

@@ -1,0 +1,303 @@
+// lora_backward_dy's one-pass kernel (bf16): dt = scale·dy·B and grad_b += scale·dyᵀ·t from one read of dy.
+// The two cuBLASLt GEMMs it replaces each read all of dy [M,N] for a rank-r result; here each dy tile is loaded
+// into shared memory once and feeds both products on the tensor cores (mma.sync m16n8k16, fp32 accumulation).
+//
+// A CTA owns a strip of kStripCols columns of dy (the same rows of b and of grad_b) and walks every splits-th
+// tile of kTileRows rows through a kStages-deep cp.async ring (rows past M and columns past N arrive as zeros):
+//  - dt: warp w multiplies rows 16 (w % 2).. of the tile by its part w / 2 (kDtCols columns) of the strip (A = dy,
+//    B = the strip of b); the parts are added in shared memory and the strip's share written to
+//    dt_part[strip][M][r];
+//  - grad_b: warp w multiplies columns kGbCols w.. of dyᵀ (dy read transposed by ldmatrix.trans) by the tile's t,
+//    accumulating in registers over all of the CTA's tiles, then writes gb_part[split][N][r].
+// A second kernel adds the partials in a fixed order, so results do not depend on scheduling: dt = scale·Σ
+// rounded once to bf16, grad_b = scale·Σ + grad_b.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/common/check.h"
+#include "cuda/common/cuda_state.h"
+#include "cuda/common/mma.cuh"
+#include "cuda/cuda_backend.h"
+
+namespace qmm::cuda {
+namespace {
+
+// 8 warps, one CTA per SM (shared memory). ncu finds the kernel latency-bound (2 warps per scheduler, one issue
+// per 6 cycles each, DRAM 38% busy at Qwen2.5-1.5B gate/up, M = 2048), yet 16 warps (128 registers) measured
+// slower: 24.0 vs 19.7 µs there (H200, session 19).
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTileRows = 32;
+constexpr int kStripCols = 512;
+constexpr int kStages = 4;  // three tiles in flight while one is multiplied
+constexpr int kDtParts = kWarps / 2;               // column parts of dt (two 16-row halves of the tile each)
+constexpr int kDtCols = kStripCols / kDtParts;     // 128
+constexpr int kGbCols = kStripCols / kWarps;       // 64: grad_b rows (dy columns) per warp
+constexpr int kGbTiles = kGbCols / 16;             // their m16 tiles
+static_assert(kTileRows == 32 && kDtCols % 16 == 0 && kGbCols % 16 == 0, "the warp layout above");
+// Row pitches in bytes: an odd number of 16-byte units, so the 8 rows an ldmatrix reads fall on distinct banks.
+constexpr int kDyPitch = kStripCols * 2 + 16;
+
+template <int kR>
+struct Layout {
+  static constexpr int kNt = kR / 8;                                        // n8 tiles of the rank
+  static constexpr int kRPitch = 16 * (kNt % 2 == 0 ? kNt + 1 : kNt + 2);  // b strip and t tile rows
+  static constexpr int kDyBytes = kTileRows * kDyPitch;
+  static constexpr int kStageBytes = kDyBytes + kTileRows * kRPitch;      // dy tile, then its t rows
+  static constexpr int kStripBytes = kStripCols * kRPitch;
+  static constexpr int kDtSumBytes = (kDtParts - 1) * kTileRows * kR * 4;  // parts 1.. of dt, fp32
+  static constexpr int kBytes = kStages * kStageBytes + kStripBytes + kDtSumBytes;
+};
+
+__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; zeros instead where !valid (src is then not read).
+__device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(std::uint32_t& r0, std::uint32_t& r1, std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+
+// The mma B fragments (k16 x n8, one pair per n8 tile) of the 16 rows k0.. of a [k][kR] bf16 array in shared
+// memory (row pitch kRPitch): ldmatrix.trans turns its rows (k) into the fragment's columns.
+template <int kR>
+__device__ __forceinline__ void load_b_frags(std::uint32_t (&b)[kR / 8][2], std::uint32_t base, int k0, int lane) {
+  using L = Layout<kR>;
+  const int k = k0 + lane % 8 + 8 * ((lane / 8) % 2);
+  if constexpr (L::kNt == 1) {
+    ldmatrix_x2_trans(b[0][0], b[0][1], base + k * L::kRPitch);
+  } else {
+#pragma unroll
+    for (int j = 0; j < L::kNt; j += 2) {  // n8 tiles j and j + 1
+      std::uint32_t r[4];
+      ldmatrix_x4_trans(r, base + k * L::kRPitch + 2 * (8 * j + 8 * (lane / 16)));
+      b[j][0] = r[0];
+      b[j][1] = r[1];
+      b[j + 1][0] = r[2];
+      b[j + 1][1] = r[3];
+    }
+  }
+}
+
+template <int kR>
+__global__ void __launch_bounds__(kThreads, 1)
+    lora_backward_dy_kernel(const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ b,
+                            const __nv_bfloat16* __restrict__ t, std::int64_t M, std::int64_t N, int row_tiles,
+                            float* __restrict__ dt_part, float* __restrict__ gb_part) {
+  using L = Layout<kR>;
+  constexpr int kNt = L::kNt;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* strip_s = smem + kStages * L::kStageBytes;
+  float* dt_sum = reinterpret_cast<float*>(strip_s + L::kStripBytes);
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
+  const int strip = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+  const std::int64_t n0 = static_cast<std::int64_t>(strip) * kStripCols;
+
+  // The strip of b (rows n0.., all r columns), loaded once with the first tile.
+  for (int c = tid; c < kStripCols * kNt; c += kThreads) {
+    const int row = c / kNt, chunk = c % kNt;
+    const bool ok = n0 + row < N;
+    cp_async_16(smem_addr(strip_s + row * L::kRPitch + 16 * chunk), ok ? b + (n0 + row) * kR + 8 * chunk : b, ok);
+  }
+  auto load_tile = [&](int stage, int tile) {
+    unsigned char* st = smem + stage * L::kStageBytes;
+    const std::int64_t m0 = static_cast<std::int64_t>(tile) * kTileRows;
+    for (int c = tid; c < kTileRows * (kStripCols / 8); c += kThreads) {  // 8 per thread, a warp per 512 bytes
+      const int row = c / (kStripCols / 8), chunk = c % (kStripCols / 8);
+      const bool ok = m0 + row < M && n0 + 8 * chunk < N;
+      cp_async_16(smem_addr(st + row * kDyPitch + 16 * chunk), ok ? dy + (m0 + row) * N + n0 + 8 * chunk : dy, ok);
+    }
+    for (int c = tid; c < kTileRows * kNt; c += kThreads) {
+      const int row = c / kNt, chunk = c % kNt;
+      const bool ok = m0 + row < M;
+      cp_async_16(smem_addr(st + L::kDyBytes + row * L::kRPitch + 16 * chunk),
+                  ok ? t + (m0 + row) * kR + 8 * chunk : t, ok);
+    }
+  };
+
+  float gb[kGbTiles][kNt][4] = {};  // grad_b: columns kGbCols warp + 16 mt + g (+8), ranks 8 j + 2 q (+1)
+  const int dt_rows = 16 * (warp % 2), dt_part_index = warp / 2;
+  // The ring: tiles split, split + splits, ... in stages 0, 1, 2, 3, 0, ...; one commit group per tile (empty
+  // past the last), the strip in the first.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    const int tile = split + s * splits;
+    if (tile < row_tiles) load_tile(s, tile);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+  int stage = 0;
+  for (int tile = split; tile < row_tiles; tile += splits, stage = (stage + 1) % kStages) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");  // this tile has landed
+    __syncthreads();  // ... for every thread; and every thread is done with the previous tile's stage and sums
+    const int ahead = tile + (kStages - 1) * splits;
+    if (ahead < row_tiles) load_tile((stage + kStages - 1) % kStages, ahead);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    const std::uint32_t dy_s = smem_addr(smem + stage * L::kStageBytes);
+    const std::uint32_t t_s = dy_s + L::kDyBytes, strip_a = smem_addr(strip_s);
+
+    // dt: rows dt_rows.. x this warp's kDtCols columns of the strip.
+    float dt[kNt][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kDtCols / 16; ++ks) {
+      const int k0 = kDtCols * dt_part_index + 16 * ks;
+      std::uint32_t a[4];
+      ldmatrix_x4(a, dy_s + (dt_rows + lane % 16) * kDyPitch + 2 * (k0 + 8 * (lane / 16)));
+      std::uint32_t bf[kNt][2];
+      load_b_frags<kR>(bf, strip_a, k0, lane);
+#pragma unroll
+      for (int j = 0; j < kNt; ++j) common::mma_bf16_16816(dt[j], a, bf[j][0], bf[j][1]);
+    }
+    // grad_b: columns kGbCols warp.. of dyᵀ (rows of the product) x the tile's rows (the reduction).
+#pragma unroll
+    for (int ks = 0; ks < kTileRows / 16; ++ks) {
+      std::uint32_t tf[kNt][2];
+      load_b_frags<kR>(tf, t_s, 16 * ks, lane);
+#pragma unroll
+      for (int mt = 0; mt < kGbTiles; ++mt) {
+        std::uint32_t a[4];
+        ldmatrix_x4_trans(a, dy_s + (16 * ks + lane % 8 + 8 * (lane / 16)) * kDyPitch +
+                                 2 * (kGbCols * warp + 16 * mt + 8 * ((lane / 8) % 2)));
+#pragma unroll
+        for (int j = 0; j < kNt; ++j) common::mma_bf16_16816(gb[mt][j], a, tf[j][0], tf[j][1]);
+      }
+    }
+    // Parts 1.. hand their dt to part 0, which writes the strip's share.
+    if (dt_part_index > 0) {
+      float* sums = dt_sum + (dt_part_index - 1) * kTileRows * kR;
+#pragma unroll
+      for (int j = 0; j < kNt; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; i += 2)
+          *reinterpret_cast<float2*>(sums + (dt_rows + g + 4 * i) * kR + 8 * j + 2 * q) =
+              make_float2(dt[j][i], dt[j][i + 1]);
+    }
+    __syncthreads();
+    if (dt_part_index == 0) {
+      const std::int64_t m0 = static_cast<std::int64_t>(tile) * kTileRows;
+#pragma unroll
+      for (int i = 0; i < 4; i += 2) {
+        const std::int64_t m = m0 + dt_rows + g + 4 * i;
+        if (m >= M) continue;
+#pragma unroll
+        for (int j = 0; j < kNt; ++j) {
+          float2 v = make_float2(dt[j][i], dt[j][i + 1]);
+#pragma unroll
+          for (int o = 0; o < kDtParts - 1; ++o) {  // parts 1, 2, ... in order
+            const float2 w = *reinterpret_cast<const float2*>(dt_sum + (o * kTileRows + dt_rows + g + 4 * i) * kR +
+                                                              8 * j + 2 * q);
+            v.x += w.x;
+            v.y += w.y;
+          }
+          *reinterpret_cast<float2*>(dt_part + (static_cast<std::int64_t>(strip) * M + m) * kR + 8 * j + 2 * q) = v;
+        }
+      }
+    }
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+
+#pragma unroll
+  for (int mt = 0; mt < kGbTiles; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; i += 2) {
+      const std::int64_t n = n0 + kGbCols * warp + 16 * mt + g + 4 * i;
+      if (n >= N) continue;
+#pragma unroll
+      for (int j = 0; j < kNt; ++j)
+        *reinterpret_cast<float2*>(gb_part + (static_cast<std::int64_t>(split) * N + n) * kR + 8 * j + 2 * q) =
+            make_float2(gb[mt][j][i], gb[mt][j][i + 1]);
+    }
+}
+
+// dt[i] = bf16(scale·Σ_s dt_part[s][i]) for i < mr, then grad_b[j] += scale·Σ_z gb_part[z][j], each sum in
+// order; four consecutive elements per thread (mr and nr are multiples of 8; the partials are 16-byte aligned).
+constexpr int kReduceThreads = 256;
+__global__ void __launch_bounds__(kReduceThreads) lora_backward_dy_reduce_kernel(
+    const float* __restrict__ dt_part, int strips, std::int64_t mr, __nv_bfloat16* __restrict__ dt,
+    const float* __restrict__ gb_part, int splits, std::int64_t nr, float* __restrict__ grad_b, float scale) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t v = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < (mr + nr) / 4;
+       v += stride) {
+    const std::int64_t i = 4 * v;
+    const bool is_dt = i < mr;
+    const float* part = is_dt ? dt_part + i : gb_part + (i - mr);
+    const std::int64_t pitch = is_dt ? mr : nr;
+    const int count = is_dt ? strips : splits;
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+    for (int s = 0; s < count; ++s) {
+      const float4 p = __ldg(reinterpret_cast<const float4*>(part + s * pitch));
+      sum.x += p.x;
+      sum.y += p.y;
+      sum.z += p.z;
+      sum.w += p.w;
+    }
+    const float r[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (is_dt) dt[i + u] = __float2bfloat16_rn(scale * r[u]);
+      else grad_b[i - mr + u] += scale * r[u];
+    }
+  }
+}
+
+template <int kR>
+void launch(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
+            const TensorView& dt, const TensorView& grad_b, float scale) {
+  const std::int64_t M = dy.dim(0), N = dy.dim(1);
+  const int strips = static_cast<int>((N + kStripCols - 1) / kStripCols);
+  const int row_tiles = static_cast<int>((M + kTileRows - 1) / kTileRows);
+  // One CTA per SM (shared memory): as many row splits as fill the GPU once, at most one per tile.
+  const int splits = std::clamp(state(ctx).sm_count() / strips, 1, row_tiles);
+  const std::int64_t mr = M * kR, nr = N * kR;
+  ScratchBuffer part(state(ctx), static_cast<std::size_t>(strips * mr + splits * nr) * sizeof(float));
+  float* dt_part = part.at<float>(0);
+  float* gb_part = dt_part + strips * mr;
+
+  const auto kernel = lora_backward_dy_kernel<kR>;
+  allow_dynamic_shared(reinterpret_cast<const void*>(kernel), Layout<kR>::kBytes);
+  kernel<<<dim3(strips, splits), kThreads, Layout<kR>::kBytes, stream_of(ctx)>>>(
+      dy.data_as<const __nv_bfloat16>(), b.data_as<const __nv_bfloat16>(), t.data_as<const __nv_bfloat16>(), M,
+      N, row_tiles, dt_part, gb_part);
+  QMM_CUDA_CHECK_LAUNCH("lora_backward_dy_kernel");
+  const unsigned grid = grid_for(ctx, lora_backward_dy_reduce_kernel, kReduceThreads, (mr + nr) / 4);
+  lora_backward_dy_reduce_kernel<<<grid, kReduceThreads, 0, stream_of(ctx)>>>(
+      dt_part, strips, mr, dt.data_as<__nv_bfloat16>(), gb_part, splits, nr, grad_b.data_as<float>(), scale);
+  QMM_CUDA_CHECK_LAUNCH("lora_backward_dy_reduce_kernel");
+}
+
+}  // namespace
+
+bool lora_backward_dy_fused(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
+                            const TensorView& dt, const TensorView& grad_b, float scale) {
+  const std::int64_t M = dy.dim(0), N = dy.dim(1), r = b.dim(1);
+  if (dy.dtype() != DType::BF16 || M == 0 || N == 0 || N % 8 != 0) return false;
+  if (!aligned16(dy.data()) || !aligned16(b.data()) || !aligned16(t.data())) return false;
+  if (r != 8 && r != 16 && r != 32) return false;
+  const int smem = r == 8 ? Layout<8>::kBytes : r == 16 ? Layout<16>::kBytes : Layout<32>::kBytes;
+  if (static_cast<std::size_t>(smem) > state(ctx).props.sharedMemPerBlockOptin) return false;  // 163-192 KB
+  set_device(ctx);
+  if (r == 8) launch<8>(ctx, dy, b, t, dt, grad_b, scale);
+  else if (r == 16) launch<16>(ctx, dy, b, t, dt, grad_b, scale);
+  else launch<32>(ctx, dy, b, t, dt, grad_b, scale);
+  return true;
+}
+
+}  // namespace qmm::cuda
