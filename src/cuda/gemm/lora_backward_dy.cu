@@ -18,7 +18,7 @@
 
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
-#include "cuda/common/mma.cuh"
+#include "cuda/common/sm80_ptx.cuh"
 #include "cuda/cuda_backend.h"
 
 namespace qmm::cuda {
@@ -51,29 +51,12 @@ struct Layout {
   static constexpr int kBytes = kStages * kStageBytes + kStripBytes + kDtSumBytes;
 };
 
-__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared; zeros instead where !valid (src is then not read).
-__device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], std::uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x2_trans(std::uint32_t& r0, std::uint32_t& r1, std::uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
-}
+using common::cp_async_16_or_zero;
+using common::ldmatrix_x2_trans;
+using common::ldmatrix_x4;
+using common::ldmatrix_x4_trans;
+using common::mma_bf16_16816;
+using common::shared_address;
 
 // The mma B fragments (k16 x n8, one pair per n8 tile) of the 16 rows k0.. of a [k][kR] bf16 array in shared
 // memory (row pitch kRPitch): ldmatrix.trans turns its rows (k) into the fragment's columns.
@@ -115,7 +98,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int c = tid; c < kStripCols * kNt; c += kThreads) {
     const int row = c / kNt, chunk = c % kNt;
     const bool ok = n0 + row < N;
-    cp_async_16(smem_addr(strip_s + row * L::kRPitch + 16 * chunk), ok ? b + (n0 + row) * kR + 8 * chunk : b, ok);
+    cp_async_16_or_zero(shared_address(strip_s + row * L::kRPitch + 16 * chunk), ok ? b + (n0 + row) * kR + 8 * chunk : b, ok);
   }
   auto load_tile = [&](int stage, int tile) {
     unsigned char* st = smem + stage * L::kStageBytes;
@@ -123,12 +106,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int c = tid; c < kTileRows * (kStripCols / 8); c += kThreads) {  // 8 per thread, a warp per 512 bytes
       const int row = c / (kStripCols / 8), chunk = c % (kStripCols / 8);
       const bool ok = m0 + row < M && n0 + 8 * chunk < N;
-      cp_async_16(smem_addr(st + row * kDyPitch + 16 * chunk), ok ? dy + (m0 + row) * N + n0 + 8 * chunk : dy, ok);
+      cp_async_16_or_zero(shared_address(st + row * kDyPitch + 16 * chunk), ok ? dy + (m0 + row) * N + n0 + 8 * chunk : dy, ok);
     }
     for (int c = tid; c < kTileRows * kNt; c += kThreads) {
       const int row = c / kNt, chunk = c % kNt;
       const bool ok = m0 + row < M;
-      cp_async_16(smem_addr(st + L::kDyBytes + row * L::kRPitch + 16 * chunk),
+      cp_async_16_or_zero(shared_address(st + L::kDyBytes + row * L::kRPitch + 16 * chunk),
                   ok ? t + (m0 + row) * kR + 8 * chunk : t, ok);
     }
   };
@@ -150,8 +133,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int ahead = tile + (kStages - 1) * splits;
     if (ahead < row_tiles) load_tile((stage + kStages - 1) % kStages, ahead);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
-    const std::uint32_t dy_s = smem_addr(smem + stage * L::kStageBytes);
-    const std::uint32_t t_s = dy_s + L::kDyBytes, strip_a = smem_addr(strip_s);
+    const std::uint32_t dy_s = shared_address(smem + stage * L::kStageBytes);
+    const std::uint32_t t_s = dy_s + L::kDyBytes, strip_a = shared_address(strip_s);
 
     // dt: rows dt_rows.. x this warp's kDtCols columns of the strip.
     float dt[kNt][4] = {};
@@ -163,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       std::uint32_t bf[kNt][2];
       load_b_frags<kR>(bf, strip_a, k0, lane);
 #pragma unroll
-      for (int j = 0; j < kNt; ++j) common::mma_bf16_16816(dt[j], a, bf[j][0], bf[j][1]);
+      for (int j = 0; j < kNt; ++j) mma_bf16_16816(dt[j], a, bf[j][0], bf[j][1]);
     }
     // grad_b: columns kGbCols warp.. of dyᵀ (rows of the product) x the tile's rows (the reduction).
 #pragma unroll
@@ -176,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         ldmatrix_x4_trans(a, dy_s + (16 * ks + lane % 8 + 8 * (lane / 16)) * kDyPitch +
                                  2 * (kGbCols * warp + 16 * mt + 8 * ((lane / 8) % 2)));
 #pragma unroll
-        for (int j = 0; j < kNt; ++j) common::mma_bf16_16816(gb[mt][j], a, tf[j][0], tf[j][1]);
+        for (int j = 0; j < kNt; ++j) mma_bf16_16816(gb[mt][j], a, tf[j][0], tf[j][1]);
       }
     }
     // Parts 1.. hand their dt to part 0, which writes the strip's share.
@@ -247,9 +230,12 @@ __global__ void __launch_bounds__(kThreads) lora_backward_dy_reduce_kernel(
   }
 }
 
+// False, launching nothing, where the GPU has less shared memory per block than the kernel needs (163-192 KB).
 template <int kR>
-void launch(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
+bool launch(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
             const TensorView& dt, const TensorView& grad_b, float scale) {
+  if (static_cast<std::size_t>(Layout<kR>::kBytes) > state(ctx).props.sharedMemPerBlockOptin) return false;
+  set_device(ctx);
   const std::int64_t M = dy.dim(0), N = dy.dim(1);
   const int strips = static_cast<int>((N + kStripCols - 1) / kStripCols);
   const int row_tiles = static_cast<int>((M + kTileRows - 1) / kTileRows);
@@ -270,6 +256,7 @@ void launch(const Context& ctx, const TensorView& dy, const TensorView& b, const
   lora_backward_dy_reduce_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
       dt_part, strips, mr, dt.data_as<__nv_bfloat16>(), gb_part, splits, nr, grad_b.data_as<float>(), scale);
   QMM_CUDA_CHECK_LAUNCH("lora_backward_dy_reduce_kernel");
+  return true;
 }
 
 }  // namespace
@@ -279,14 +266,12 @@ bool lora_backward_dy_fused(const Context& ctx, const TensorView& dy, const Tens
   const std::int64_t M = dy.dim(0), N = dy.dim(1), r = b.dim(1);
   if (dy.dtype() != DType::BF16 || M == 0 || N == 0 || N % 8 != 0) return false;
   if (!aligned16(dy.data()) || !aligned16(b.data()) || !aligned16(t.data())) return false;
-  if (r != 8 && r != 16 && r != 32) return false;
-  const int smem = r == 8 ? Layout<8>::kBytes : r == 16 ? Layout<16>::kBytes : Layout<32>::kBytes;
-  if (static_cast<std::size_t>(smem) > state(ctx).props.sharedMemPerBlockOptin) return false;  // 163-192 KB
-  set_device(ctx);
-  if (r == 8) launch<8>(ctx, dy, b, t, dt, grad_b, scale);
-  else if (r == 16) launch<16>(ctx, dy, b, t, dt, grad_b, scale);
-  else launch<32>(ctx, dy, b, t, dt, grad_b, scale);
-  return true;
+  switch (r) {
+    case 8: return launch<8>(ctx, dy, b, t, dt, grad_b, scale);
+    case 16: return launch<16>(ctx, dy, b, t, dt, grad_b, scale);
+    case 32: return launch<32>(ctx, dy, b, t, dt, grad_b, scale);
+    default: return false;
+  }
 }
 
 }  // namespace qmm::cuda

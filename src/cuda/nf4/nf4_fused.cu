@@ -40,6 +40,7 @@
 
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
+#include "cuda/common/sm80_ptx.cuh"  // ldmatrix, cp.async
 #include "cuda/nf4/nf4_small_m.h"    // launch_nf4_split_k_reduce
 #include "core/nf4_lut.h"            // block tables and their byte-permute lookups (shared with a CPU test)
 #include "cuda/nf4/nf4_small_m.cuh"  // Scales, load_scale, finish_scale, store_out
@@ -236,7 +237,7 @@ __device__ __forceinline__ void store_output_tile(float (&acc)[128], unsigned ch
       if (n < n_out) {
         const auto* old = static_cast<const __nv_bfloat16*>(c) + (m0 + et / 16) * n_out + n;
         for (int ml = et / 16; ml < tile_rows; ml += 16, old += 16 * n_out)
-          small_m::cp_async_16(tile_s + ml * kCBf16Pitch + 16 * chunk, old);
+          common::cp_async_16(tile_s + ml * kCBf16Pitch + 16 * chunk, old);
       }
       asm volatile("cp.async.wait_all;\n" ::: "memory");
       asm volatile("bar.sync 1, 256;\n" ::: "memory");
@@ -249,8 +250,7 @@ __device__ __forceinline__ void store_output_tile(float (&acc)[128], unsigned ch
       float old[8] = {};  // matrix q's pair at 2q, 2q + 1
       if (accumulate) {
         std::uint32_t o[4];
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(o[0]), "=r"(o[1]), "=r"(o[2]), "=r"(o[3]) : "r"(at) : "memory");
+        common::ldmatrix_x4_trans(o, at);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           old[2 * q] = __uint_as_float(o[q] << 16);

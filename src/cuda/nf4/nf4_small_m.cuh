@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "core/nf4_lut.h"  // pack_bf16x2
-#include "cuda/common/mma.cuh"
+#include "cuda/common/sm80_ptx.cuh"
 #include "qmm/nf4.h"
 
 namespace qmm::cuda::small_m {
@@ -65,9 +65,7 @@ __device__ __forceinline__ float finish_scale(const Scales& s, RawScale r, const
 constexpr int kCode2Bytes = kNf4Code2Size * 4;
 constexpr int kTablesBytes = kCodebookBytes + kCode2Bytes;
 
-__device__ __forceinline__ std::uint32_t shared_address(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
+using common::shared_address;
 
 // The codebook inside the first kCodebookBytes of shared memory, 256-byte aligned: a lookup's address is then one
 // byte permute (code_at).
@@ -349,9 +347,7 @@ constexpr int kGemvSums = 256;                       // (row, k group) pairs per
 constexpr int kGemvSharedBytes =                     // 4096: alignment; code2 per warp
     4096 + kGemvWarps * (kLaneTablesBytes + kGemvRingBytes + kCode2Bytes) + kGemvSums * 32 * 4;
 
-__device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
+using common::cp_async_16;
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
