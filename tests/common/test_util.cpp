@@ -115,6 +115,41 @@ std::vector<double> to_doubles(const TensorView& t) {
   return ::testing::AssertionSuccess() << "rel " << rel;
 }
 
+Tensor nf4_scale_after_reference(const TensorView& a, const Nf4Weight& w, const TensorView& c0, float alpha,
+                                 float beta) {
+  const std::int64_t m_rows = a.dim(0), k = a.dim(1), n_rows = w.rows;
+  const std::vector<double> av = to_doubles(a), c0v = to_doubles(c0);
+  const auto* codes = w.codes.data_as<std::uint8_t>();
+  Tensor out(c0.dtype(), c0.shape());
+  for (std::int64_t n = 0; n < n_rows; ++n)
+    for (std::int64_t m = 0; m < m_rows; ++m) {
+      double total = 0.0, block_sum = 0.0;
+      for (std::int64_t j = 0; j < k; ++j) {
+        const std::int64_t e = n * k + j;
+        const double x = bf16_to_float(float_to_bf16(static_cast<float>(av[m * k + j])));
+        const double v = bf16_to_float(float_to_bf16(nf4_code_value(nf4_unpack(codes, e))));
+        block_sum += x * v;
+        if (j + 1 == k || (e + 1) % w.block_size == 0) {  // the block ends here (or the row does, mid-block)
+          total += static_cast<double>(nf4_block_scale(w, e / w.block_size)) * block_sum;
+          block_sum = 0.0;
+        }
+      }
+      const double prior = beta != 0.0f ? beta * c0v[m * n_rows + n] : 0.0;
+      store(out, m * n_rows + n, alpha * total + prior);
+    }
+  return out;
+}
+
+::testing::AssertionResult nf4_forward_close(const TensorView& got, const TensorView& exact,
+                                             const TensorView& scale_after, Tolerance tol) {
+  const ::testing::AssertionResult e = all_close(got, exact, tol);
+  if (e) return e;
+  const ::testing::AssertionResult s = all_close(got, scale_after, tol);
+  if (s) return s;
+  return ::testing::AssertionFailure() << "matches neither contract; against the dequantized weight: " << e.message()
+                                       << "\n against the scale-after contract: " << s.message();
+}
+
 ::testing::AssertionResult bytes_equal(const TensorView& got, const TensorView& ref) {
   if (got.nbytes() != ref.nbytes() || got.dtype() != ref.dtype())
     return ::testing::AssertionFailure() << got.str() << " vs " << ref.str();

@@ -43,6 +43,15 @@ Tensor filled(DType dtype, Shape shape, float value);
 
 // Compares got against ref element by element; reports the first failures and the norms.
 ::testing::AssertionResult all_close(const TensorView& got, const TensorView& ref, Tolerance tol);
+// The NF4 forward's scale-after contract (nf4_gemm in ops.h; the small-M path with bf16 A): alpha * the sum over
+// each row's NF4 blocks of scale * sum(bf16(a) * bf16(code value)) + beta * c0, in fp64, as a host tensor of
+// c0's dtype and shape. w is host memory.
+Tensor nf4_scale_after_reference(const TensorView& a, const Nf4Weight& w, const TensorView& c0, float alpha,
+                                 float beta);
+// Whether `got` matches one of the NF4 forward's two contracts to `tol`: `exact` (the dequantized weight's, the
+// CPU oracle) or `scale_after` (above).
+::testing::AssertionResult nf4_forward_close(const TensorView& got, const TensorView& exact,
+                                             const TensorView& scale_after, Tolerance tol);
 // Same bytes, element for element (for outputs that must not change, and for byte-identity).
 ::testing::AssertionResult bytes_equal(const TensorView& got, const TensorView& ref);
 

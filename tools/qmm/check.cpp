@@ -295,13 +295,17 @@ void add_nf4_cases(std::vector<Case>& cases, std::int64_t m, std::int64_t k, std
                       [&](auto p, auto j) { return round_to_bf16(w[static_cast<std::size_t>(j * k + p)]); });
   };
   auto f32 = [](std::vector<double> v) { for (double& x : v) x = static_cast<float>(x); return v; };
+  // The GPU's small-M forward (M <= 16, bf16 A) applies each block's scale after its product (ops.h): its weights
+  // are bf16(code) * scale rather than bf16(code * scale), both within 2^-9 of code * scale, which leaves ~2e-3
+  // relative Frobenius error against this reference (H200, 1x1536x4096).
+  const double tol_forward_gpu = m <= 16 ? 5e-3 : 1e-5;
   cases.push_back({"nf4_gemm bf16->f32", shape,
                    [=](const Context& ctx) {
                      Tensor a = on(ctx, *A), c = poisoned(ctx, DType::F32, {m, n});
                      nf4_gemm(ctx, a, nf4_on(ctx, *Qg), c);
                      return Outputs{c};
                    },
-                   [=] { return Reference{f32(gemm_ref(*Wdq))}; }, 1e-6, 1e-5});
+                   [=] { return Reference{f32(gemm_ref(*Wdq))}; }, 1e-6, tol_forward_gpu});
   cases.push_back({"nf4_gemm_backward_a bf16->f32", dims(m, n, k),
                    [=](const Context& ctx) {
                      Tensor dc = on(ctx, *dC), da = poisoned(ctx, DType::F32, {m, k});
@@ -329,7 +333,7 @@ void add_nf4_cases(std::vector<Case>& cases, std::int64_t m, std::int64_t k, std
                      for (std::size_t i = 0; i < g.size(); ++i) h[i] = static_cast<float>(silu(g[i]) * u[i]);
                      return Reference{g, u, h};
                    },
-                   1e-6, 1e-5});
+                   1e-6, tol_forward_gpu});
 }
 
 // Train ops. n elements for the element-wise ops; AdamW over rank-16 adapter factors of a [hidden, inter] MLP.

@@ -154,11 +154,76 @@ float* launch_gemv(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
   return partial;
 }
 
+// The pair kernel's preconditions beyond the small-M ones: bf16 A, M <= 16, blocks of 64, K a multiple of 256,
+// plain absmax 8-byte aligned (read in pairs), and a GPU that gives a block the kernel's shared memory (sm_90 does;
+// elsewhere, and for other shapes, the table kernel).
+bool pair_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
+  return a.dtype() == DType::BF16 && a.dim(0) <= 16 && w.block_size == 64 && w.cols % 256 == 0 &&
+         (w.double_quant() || (reinterpret_cast<std::uintptr_t>(w.absmax.data()) & 7u) == 0) &&
+         state(ctx).props.sharedMemPerBlockOptin >= static_cast<std::size_t>(small_m::kPairSharedBytes);
+}
+
+// Where the pair kernel beats the table kernel and the GEMV (H200, device µs, same run): every M = 1 (Llama-3-8B
+// gate/up 18.6 vs 20.1, down 21.5 vs 22.5) and the weights at least as tall as wide (gate/up: Llama M = 8 / 16
+// 21.3 / 27.0 vs 26.4 / 30.8, Qwen2.5-1.5B 9.5 / 10.9 vs 10.0 / 11.4); on the wide down projections its short
+// units lose above one row (Llama down M = 8 / 16 27.3 / 36.8 vs 26.5 / 35.2, Qwen down M = 16 14.4 vs 13.6).
+bool pair_wins(std::int64_t m, const Nf4Weight& w) { return m == 1 || w.rows >= w.cols; }
+
+// Split-K for the pair kernel: the split count with the shortest modelled time, units per warp x (steps per unit +
+// one step of per-unit cost), fewest splits on ties.
+small_m::PairGrid pair_grid(const Context& ctx, std::int64_t N, std::int64_t K, int weights) {
+  const std::int64_t warps = static_cast<std::int64_t>(state(ctx).sm_count()) * small_m::kPairWarps;
+  const std::int64_t row_groups = (N + 15) / 16, steps = K / 256;
+  small_m::PairGrid best{};
+  std::int64_t best_cost = -1;
+  for (std::int64_t splits = 1; splits <= std::min<std::int64_t>(steps, 64); ++splits) {
+    const std::int64_t per_split = (steps + splits - 1) / splits;
+    const std::int64_t units = weights * row_groups * splits;
+    const std::int64_t cost = (units + warps - 1) / warps * (per_split + 1);
+    if (best_cost < 0 || cost < best_cost) {
+      best_cost = cost;
+      best = {static_cast<int>(units), static_cast<int>(row_groups), static_cast<int>(splits),
+              static_cast<int>(per_split), static_cast<int>(steps)};
+    }
+  }
+  return best;
+}
+
+template <int NT8, bool kDq>
+float* launch_pair(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
+                   const TensorView& c, float alpha, float beta, std::unique_ptr<ScratchBuffer>& scratch,
+                   int* splits_out) {
+  using namespace small_m;
+  const std::int64_t M = a.dim(0), K = a.dim(1), N = w0.rows;
+  const PairGrid grid = pair_grid(ctx, N, K, weights);
+  auto kernel = nf4_small_m_pair_kernel<NT8, kDq>;
+  allow_dynamic_shared(reinterpret_cast<const void*>(kernel), kPairSharedBytes);
+  float* partial =
+      grid.splits > 1 || weights > 1 ? new_partials(ctx, scratch, weights * grid.splits * M * N) : nullptr;
+  kernel<<<state(ctx).sm_count(), kPairThreads, kPairSharedBytes, stream_of(ctx)>>>(
+      a.data_as<__nv_bfloat16>(), static_cast<int>(M), N, K, weight_args(w0), weight_args(w1), grid, partial,
+      c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16, alpha, beta);
+  QMM_CUDA_CHECK_LAUNCH("nf4_small_m_pair_kernel");
+  *splits_out = grid.splits;
+  return partial;
+}
+
+template <int NT8>
+float* launch_pair_scales(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
+                          int weights, const TensorView& c, float alpha, float beta,
+                          std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
+  return w0.double_quant() ? launch_pair<NT8, true>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits)
+                           : launch_pair<NT8, false>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
+}
+
 template <bool kAF32>
 float* launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
                    const TensorView& c, float alpha, float beta, std::unique_ptr<ScratchBuffer>& scratch,
                    int* splits) {
   const std::int64_t M = a.dim(0);
+  if (pair_wins(M, w0) && pair_fits(ctx, a, w0) && pair_fits(ctx, a, w1) && w0.double_quant() == w1.double_quant())
+    return M <= 8 ? launch_pair_scales<1>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits)
+                  : launch_pair_scales<2>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
   if (M == 1 && gemv_fits(ctx, a.dim(1), w0) && gemv_fits(ctx, a.dim(1), w1)) {
     *splits = 1;
     return launch_gemv<kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch);

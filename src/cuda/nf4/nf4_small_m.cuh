@@ -330,6 +330,278 @@ __global__ void __launch_bounds__(kTabThreads, tab_blocks_per_sm(NT8)) nf4_small
     }
 }
 
+using common::cp_async_16;
+using common::cp_async_16_or_zero;
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// ---- forward, M <= 16, bf16 A: code-byte pairs on the tensor cores, the block scale after the product -------
+// Here each 64-element block's product is summed unscaled and then multiplied by the block's scale in fp32:
+// s * sum(a * bf16(code)) rather than sum(a * bf16(code * s)) (both within 2^-9 relative of code * s per weight;
+// see nf4_gemm in ops.h). The weight fragment then needs no per-block table: one 64 KB table of the 256 code
+// bytes' value pairs (bf16x2, the high nibble's value in the low half, as the fragment wants) serves every block,
+// in 32 copies side by side so that a warp's 32 lookups always hit 32 banks (byte b for lane L at 256 b + 4 L),
+// and a lookup's address is one byte permute (the code byte as byte 1, 4 L as byte 0) plus the table's base,
+// which the compiler folds into the shared load as a uniform register. Per two weight elements: one permute and
+// one shared load; the mma does the products.
+//
+// Blocks of 64 and K a multiple of 256. Work: units of 16 weight rows x a k range (split-K), handed out
+// round-robin to every warp of a one-wave grid (one block of 16 warps per SM). A step is 256 k, four NF4 blocks:
+// for block c, lane (g, t) takes elements 16 t .. 16 t + 15 of rows g and g + 8 (8 code bytes each); mma i (of 4)
+// gives the fragment's slots {2t, 2t+1} and {2t+8, 2t+9} the bytes 2i and 2i + 1 of those, so A's fragment is the
+// lane's 16 consecutive activations of the block (rows of A as the n8 columns). The four blocks' mma chains are
+// independent and interleaved. Codes and scales travel by cp.async through a per-warp ring of steps that runs on
+// across units (the codes past L1, which keeps A's rows).
+constexpr int kPairWarps = 16;
+constexpr int kPairThreads = 32 * kPairWarps;
+constexpr int kPairTableBytes = 256 * 256;
+constexpr int kPairAhead = 4;  // ring steps per warp (kPairAhead - 1 in flight)
+// A step's codes: 16 rows of 128 bytes, each row's 16-byte pieces swizzled (pair_piece) so that a half warp's
+// 8-byte reads (rows g, 8 t bytes into a block) hit 32 different banks; then 16 bytes of scales per row: the four
+// absmax, or q's four bytes (one aligned word) and absmax2.
+constexpr int kPairRowBytes = 128;
+constexpr int kPairCodeBytes = 16 * kPairRowBytes;
+constexpr int kPairStepBytes = kPairCodeBytes + 16 * 16;
+constexpr int kPairRingBytes = kPairAhead * kPairStepBytes;
+// The table, code2 of both weights, the rings: 213 KB (sm_90 gives a block that much; sm_80/86/89 do not).
+constexpr int kPairSharedBytes = kPairTableBytes + 2 * kCode2Bytes + kPairWarps * kPairRingBytes;
+
+// Unit u of weights x splits x row groups (16 rows): its weight, split, first row and steps [st0, st_end) of
+// 256 k.
+struct PairUnit {
+  int which, split, st0, st_end;
+  std::int64_t n0;
+};
+struct PairGrid {
+  int units, row_groups, splits, steps_per_split, steps;  // steps: of a whole row
+  __device__ PairUnit unit(int u) const {
+    PairUnit p;
+    p.which = u / (splits * row_groups);
+    const int r = u - p.which * splits * row_groups;
+    p.split = r / row_groups;
+    p.n0 = static_cast<std::int64_t>(r - p.split * row_groups) * 16;
+    p.st0 = p.split * steps_per_split;
+    p.st_end = min(steps, p.st0 + steps_per_split);
+    return p;
+  }
+};
+
+// Where piece p (16 bytes) of row r sits in its ring row: rows g, g + 1, g + 2, g + 3 of a half warp's reads move
+// a block's two pieces to four different 32-byte places.
+__device__ __forceinline__ int pair_piece(int r, int p) { return p ^ (2 * (r & 3)); }
+
+// What lane L copies into the ring per step of a unit: half L & 1 of row L / 2's 128 code bytes (four 16-byte
+// pieces) and half of its scale slot: absmax 2 (L & 1) and + 1, or (double-quantized) q's word (L even) or absmax2
+// (L odd). Rows past N copy zeros. Built once per unit.
+template <bool kDq>
+struct PairIssue {
+  const std::uint8_t* code;  // the lane's first piece at the unit's first step
+  const void* scale;         // the lane's scale words at the unit's first step
+  int steps;                 // the unit's step count (0 past the warp's last unit)
+  bool row_ok;
+
+  __device__ void start(const PairGrid& grid, int u, std::int64_t N, std::int64_t K, const WeightArgs& w0,
+                        const WeightArgs& w1, int lane) {
+    steps = 0;
+    if (u >= grid.units) return;
+    const PairUnit un = grid.unit(u);
+    steps = un.st_end - un.st0;
+    const WeightArgs w = un.which ? w1 : w0;
+    const std::int64_t row = un.n0 + (lane >> 1);
+    row_ok = row < N;
+    const std::int64_t block = (min(row, N - 1) * K + static_cast<std::int64_t>(un.st0) * 256) >> 6;
+    code = w.codes + block * 32 + 64 * (lane & 1);
+    if constexpr (kDq)
+      scale = (lane & 1) ? static_cast<const void*>(w.scales.absmax2 + (block >> 8))
+                         : static_cast<const void*>(w.scales.q + block);
+    else
+      scale = w.scales.absmax + block + 2 * (lane & 1);
+  }
+
+  __device__ void copy(int st, std::uint32_t dst, int lane) const {
+    const std::uint32_t row_dst = dst + kPairRowBytes * (lane >> 1);
+    const int bytes = row_ok ? 16 : 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                       row_dst + 16 * pair_piece(lane >> 1, 4 * (lane & 1) + i)),
+                   "l"(code + 128 * st + 16 * i), "r"(bytes) : "memory");
+    const std::uint32_t sdst = dst + kPairCodeBytes + 16 * (lane >> 1);
+    if constexpr (kDq) {
+      // q: 4 bytes per step; absmax2: one per 256 blocks, i.e. per 64 steps.
+      const void* src = (lane & 1) ? static_cast<const void*>(static_cast<const float*>(scale) + (st >> 6))
+                                   : static_cast<const void*>(static_cast<const std::uint8_t*>(scale) + 4 * st);
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(sdst + 4 * (lane & 1)), "l"(src),
+                   "r"(row_ok ? 4 : 0) : "memory");
+    } else {
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(sdst + 8 * (lane & 1)),
+                   "l"(static_cast<const float*>(scale) + 4 * st), "r"(row_ok ? 8 : 0) : "memory");
+    }
+  }
+};
+
+// NT8 n8 tiles of A rows (M <= 8 NT8); kDq: double-quantized scales.
+template <int NT8, bool kDq>
+__global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
+    const __nv_bfloat16* __restrict__ a, int M, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1,
+    PairGrid grid, float* __restrict__ partial, void* __restrict__ out, bool out_bf16, float alpha, float beta) {
+  // Blocks of the step multiplied together: their B fragments (8 registers per n8 tile each) are loaded at once.
+  constexpr int kGroup = NT8 == 1 ? 4 : 2;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const std::uint32_t table = shared_address(smem);
+  float* code2_shared = reinterpret_cast<float*>(smem + kPairTableBytes);  // [which][256]
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const std::uint32_t ring = table + kPairTableBytes + 2 * kCode2Bytes + warp * kPairRingBytes;
+  const int warps = static_cast<int>(gridDim.x) * kPairWarps;
+  const int first_unit = warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x);  // SMs take turns
+
+  // The issue side runs kPairAhead - 1 steps ahead of the multiplies, across unit boundaries. One commit group
+  // per step, empty where there is nothing to copy, so that wait_group counts steps.
+  PairIssue<kDq> is;
+  int issue_u = first_unit, issue_st = 0, issue_slot = 0;
+  is.start(grid, issue_u, N, K, w0, w1, lane);
+  auto issue_next = [&] {
+    if (issue_st < is.steps) is.copy(issue_st, ring + issue_slot * kPairStepBytes, lane);
+    cp_async_commit();
+    issue_slot = issue_slot + 1 == kPairAhead ? 0 : issue_slot + 1;
+    if (++issue_st == grid.steps_per_split) {
+      issue_st = 0;
+      issue_u += warps;
+      is.start(grid, issue_u, N, K, w0, w1, lane);
+    }
+  };
+#pragma unroll 1
+  for (int s = 0; s + 1 < kPairAhead; ++s) issue_next();
+
+  // While the first steps fly: the pair table and code2.
+  static_assert(kPairWarps == 16, "the table fill gives warp w the bytes with low nibble w");
+  {
+    float lo = 0.0f;  // nf4_code_value(warp), by selects rather than an indexed local array
+#pragma unroll
+    for (int code = 0; code < 16; ++code) lo = warp == code ? nf4_code_value(code) : lo;
+#pragma unroll
+    for (int hi = 0; hi < 16; ++hi)
+      *reinterpret_cast<std::uint32_t*>(smem + 256 * (16 * hi + warp) + 4 * lane) =
+          pack_bf16x2(nf4_code_value(hi), lo);
+  }
+  if constexpr (kDq) {
+    for (int i = tid; i < kNf4Code2Size; i += kPairThreads) {
+      code2_shared[i] = __ldg(w0.scales.code2 + i);
+      code2_shared[kNf4Code2Size + i] = __ldg(w1.scales.code2 + i);
+    }
+  }
+  __syncthreads();
+  // The lookups (asm without memory effects) depend on lane4, taken after the barrier, so they stay below it.
+  std::uint32_t lane4 = 4u * lane;
+  asm volatile("" : "+r"(lane4)::"memory");
+
+  int slot = 0;
+#pragma unroll 1
+  for (int u = first_unit; u < grid.units; u += warps) {
+    const PairUnit un = grid.unit(u);
+    const int steps = un.st_end - un.st0;
+    const float* code2 = code2_shared + un.which * kNf4Code2Size;
+    const float offset = un.which ? w1.scales.offset : w0.scales.offset;
+    const __nv_bfloat16* a_at[NT8];  // the lane's activations at the unit's first step
+#pragma unroll
+    for (int j = 0; j < NT8; ++j)
+      a_at[j] = a + static_cast<std::int64_t>(min(8 * j + g, M - 1)) * K + un.st0 * 256 + 16 * t;
+    float acc[NT8][4] = {};
+#pragma unroll 1
+    for (int st = 0; st < grid.steps_per_split; ++st) {
+      __syncwarp();  // every lane is done with the slot that the next issue refills
+      issue_next();
+      if (st < steps) {
+        cp_async_wait<kPairAhead - 1>();
+        __syncwarp();  // the slot was filled by every lane of the warp
+        const std::uint32_t at = ring + slot * kPairStepBytes;
+        std::uint32_t sw[2][4];  // the scale slots of rows g and g + 8
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(sw[half][0]), "=r"(sw[half][1]), "=r"(sw[half][2]), "=r"(sw[half][3])
+                       : "r"(at + kPairCodeBytes + 16 * (g + 8 * half)) : "memory");
+#pragma unroll
+        for (int c0 = 0; c0 < 4; c0 += kGroup) {
+          std::uint32_t bf[kGroup][NT8][8];  // B of each block of the group: the lane's 16 activations
+#pragma unroll
+          for (int c = 0; c < kGroup; ++c)
+#pragma unroll
+            for (int j = 0; j < NT8; ++j) {
+              const uint4* p = reinterpret_cast<const uint4*>(a_at[j] + 256 * st + 64 * (c0 + c));
+              const uint4 x = __ldg(p), y = __ldg(p + 1);
+              bf[c][j][0] = x.x, bf[c][j][1] = x.y, bf[c][j][2] = x.z, bf[c][j][3] = x.w;
+              bf[c][j][4] = y.x, bf[c][j][5] = y.y, bf[c][j][6] = y.z, bf[c][j][7] = y.w;
+            }
+          std::uint32_t cw[kGroup][4];  // rows g and g + 8: the block's code bytes 8t .. 8t + 7
+#pragma unroll
+          for (int c = 0; c < kGroup; ++c)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+              asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(cw[c][2 * half]), "=r"(cw[c][2 * half + 1])
+                           : "r"(at + kPairRowBytes * (g + 8 * half) + 16 * pair_piece(g, 2 * (c0 + c) + (t >> 1)) +
+                                 8 * (t & 1)) : "memory");
+          float part[kGroup][NT8][4] = {};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            // Fragment registers (g, 2t..), (g + 8, 2t..), (g, 2t+8..), (g + 8, 2t+8..): bytes 2i and 2i + 1 of
+            // each row's 8, i.e. word i / 2 of the row, bytes 2 (i & 1) and 2 (i & 1) + 1.
+            std::uint32_t wf[kGroup][4];
+#pragma unroll
+            for (int c = 0; c < kGroup; ++c)
+#pragma unroll
+              for (int r = 0; r < 4; ++r) {
+                const std::uint32_t word = cw[c][(r & 1) * 2 + (i >> 1)];
+                const std::uint32_t b = 2 * (i & 1) + (r >> 1);
+                const std::uint32_t addr = __byte_perm(word, lane4, 0x7704u | (b << 4));
+                asm("ld.shared.b32 %0, [%1];\n" : "=r"(wf[c][r]) : "r"(table + addr));
+              }
+#pragma unroll
+            for (int c = 0; c < kGroup; ++c)
+#pragma unroll
+              for (int j = 0; j < NT8; ++j) mma_bf16_16816(part[c][j], wf[c], bf[c][j][2 * i], bf[c][j][2 * i + 1]);
+          }
+#pragma unroll
+          for (int c = 0; c < kGroup; ++c) {
+            float s[2];  // the block's scales of rows g and g + 8
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              if constexpr (kDq) {
+                const std::uint32_t q = (sw[half][0] >> (8 * (c0 + c))) & 0xFFu;
+                s[half] = __fadd_rn(__fmul_rn(code2[q], __uint_as_float(sw[half][1])), offset);
+              } else {
+                s[half] = __uint_as_float(sw[half][c0 + c]);
+              }
+            }
+#pragma unroll
+            for (int j = 0; j < NT8; ++j)
+#pragma unroll
+              for (int r = 0; r < 4; ++r) acc[j][r] = fmaf(s[r >> 1], part[c][j][r], acc[j][r]);
+          }
+        }
+      }
+      slot = slot + 1 == kPairAhead ? 0 : slot + 1;
+    }
+    // Fragment rows are weight rows (g, g + 8), columns rows of A (2t, 2t + 1 of each n8 tile).
+#pragma unroll
+    for (int j = 0; j < NT8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = j * 8 + 2 * t + (i & 1);
+        const std::int64_t n = un.n0 + g + 8 * (i >> 1);
+        if (m >= M || n >= N) continue;
+        if (partial)
+          partial[((static_cast<std::int64_t>(un.which) * grid.splits + un.split) * M + m) * N + n] = acc[j][i];
+        else
+          store_out(out, out_bf16, m * N + n, acc[j][i], alpha, beta);
+      }
+  }
+  cp_async_wait<0>();
+}
+
 // ---- forward with one row of A (M = 1: generation, evaluation): y[n] = sum_k a[k] * bf16(code * s) ---------
 // Without a tensor-core tile to fill, the work per element is what decides: here one byte permute, one shared
 // load and one FMA, plus the block's table (16 values per 64 elements). A lane's unit is a 64-element chunk of one
@@ -347,12 +619,6 @@ constexpr int kGemvSums = 256;                       // (row, k group) pairs per
 constexpr int kGemvSharedBytes =                     // 4096: alignment; code2 per warp
     4096 + kGemvWarps * (kLaneTablesBytes + kGemvRingBytes + kCode2Bytes) + kGemvSums * 32 * 4;
 
-using common::cp_async_16;
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
 
 // Grid: x over blocks of `rows_per_block` weight rows (of w0, then of w1). Warp w takes k groups w % slots,
 // + slots, ... (slots = min(groups, 8)) and every reps-th row of the block from w / slots, reps = 8 / slots;
