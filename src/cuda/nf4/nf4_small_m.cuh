@@ -399,7 +399,8 @@ __device__ __forceinline__ int pair_piece(int r, int p) { return p ^ (2 * (r & 3
 template <bool kDq>
 struct PairIssue {
   const std::uint8_t* code;  // the lane's first piece at the unit's first step
-  const void* scale;         // the lane's scale words at the unit's first step
+  const void* scale;         // the scale array the lane copies from (absmax, q or absmax2)
+  std::int64_t block;        // the row's first block at the unit's first step (a multiple of 4)
   int steps;                 // the unit's step count (0 past the warp's last unit)
   bool row_ok;
 
@@ -412,13 +413,12 @@ struct PairIssue {
     const WeightArgs w = un.which ? w1 : w0;
     const std::int64_t row = un.n0 + (lane >> 1);
     row_ok = row < N;
-    const std::int64_t block = (min(row, N - 1) * K + static_cast<std::int64_t>(un.st0) * 256) >> 6;
+    block = (min(row, N - 1) * K + static_cast<std::int64_t>(un.st0) * 256) >> 6;
     code = w.codes + block * 32 + 64 * (lane & 1);
     if constexpr (kDq)
-      scale = (lane & 1) ? static_cast<const void*>(w.scales.absmax2 + (block >> 8))
-                         : static_cast<const void*>(w.scales.q + block);
+      scale = (lane & 1) ? static_cast<const void*>(w.scales.absmax2) : static_cast<const void*>(w.scales.q);
     else
-      scale = w.scales.absmax + block + 2 * (lane & 1);
+      scale = w.scales.absmax;
   }
 
   __device__ void copy(int st, std::uint32_t dst, int lane) const {
@@ -430,15 +430,16 @@ struct PairIssue {
                        row_dst + 16 * pair_piece(lane >> 1, 4 * (lane & 1) + i)),
                    "l"(code + 128 * st + 16 * i), "r"(bytes) : "memory");
     const std::uint32_t sdst = dst + kPairCodeBytes + 16 * (lane >> 1);
+    const std::int64_t b = block + 4 * st;  // the step's first block
     if constexpr (kDq) {
-      // q: 4 bytes per step; absmax2: one per 256 blocks, i.e. per 64 steps.
-      const void* src = (lane & 1) ? static_cast<const void*>(static_cast<const float*>(scale) + (st >> 6))
-                                   : static_cast<const void*>(static_cast<const std::uint8_t*>(scale) + 4 * st);
+      // q: the step's 4 bytes (one aligned word); absmax2: that of b's group of 256 blocks (all four share it).
+      const void* src = (lane & 1) ? static_cast<const void*>(static_cast<const float*>(scale) + (b >> 8))
+                                   : static_cast<const void*>(static_cast<const std::uint8_t*>(scale) + b);
       asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(sdst + 4 * (lane & 1)), "l"(src),
                    "r"(row_ok ? 4 : 0) : "memory");
     } else {
       asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(sdst + 8 * (lane & 1)),
-                   "l"(static_cast<const float*>(scale) + 4 * st), "r"(row_ok ? 8 : 0) : "memory");
+                   "l"(static_cast<const float*>(scale) + b + 2 * (lane & 1)), "r"(row_ok ? 8 : 0) : "memory");
     }
   }
 };
