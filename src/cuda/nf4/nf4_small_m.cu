@@ -155,11 +155,12 @@ float* launch_gemv(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
 }
 
 // The pair kernel's preconditions beyond the small-M ones: bf16 A, M <= 16, blocks of 64, K a multiple of 256,
-// plain absmax 8-byte aligned (read in pairs), and a GPU that gives a block the kernel's shared memory (sm_90 does;
-// elsewhere, and for other shapes, the table kernel).
+// absmax read in aligned pairs (plain: 8 bytes) or q in aligned words (double-quantized: 4 bytes), and a GPU that
+// gives a block the kernel's shared memory (sm_90 does; elsewhere, and for other shapes, the table kernel).
 bool pair_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
+  const std::uintptr_t scale_align = w.double_quant() ? 4 : 8;
   return a.dtype() == DType::BF16 && a.dim(0) <= 16 && w.block_size == 64 && w.cols % 256 == 0 &&
-         (w.double_quant() || (reinterpret_cast<std::uintptr_t>(w.absmax.data()) & 7u) == 0) &&
+         reinterpret_cast<std::uintptr_t>(w.absmax.data()) % scale_align == 0 &&
          state(ctx).props.sharedMemPerBlockOptin >= static_cast<std::size_t>(small_m::kPairSharedBytes);
 }
 
