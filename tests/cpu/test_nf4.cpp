@@ -355,6 +355,34 @@ TEST(Nf4Gemm, MatchesNaiveLoopOverDequantizedWeight) {
     }
 }
 
+// The GPU tests' model of the small-M pair kernel's scale-after contract (ops.h): it must agree with the
+// dequantized weight's product to bf16 weight rounding (both weights are within 2^-9 of code * scale), differ from
+// it beyond fp32 accumulation (or the GPU tests could not tell the contracts apart), and equal it where no rounding
+// happens: integer activations, codes 0 and 15 only (values -1 and 1) and scales exact in bf16.
+TEST(Nf4Gemm, ScaleAfterReferenceIsTheDocumentedContract) {
+  const std::int64_t m = 3, n = 37, k = 512;
+  const Nf4Tensor w = nf4_quantize(cpu_ctx(), test::random_tensor(DType::F32, {n, k}, 310, -0.05f, 0.05f), true);
+  const Tensor a = test::random_tensor(DType::BF16, {m, k}, 311);
+  const Tensor c0 = test::random_tensor(DType::F32, {m, n}, 312);
+  Tensor exact = test::host_copy(c0);
+  nf4_gemm(cpu_ctx(), a, w, exact, {0.75f, 0.5f});
+  const Tensor after = test::nf4_scale_after_reference(a, w, c0, 0.75f, 0.5f);
+  EXPECT_TRUE(test::all_close(after, exact, test::bf16_output_tolerance(k)));
+  EXPECT_FALSE(test::all_close(after, exact, test::fp32_accum_tolerance(k)));
+
+  Nf4Tensor signs = nf4_quantize(cpu_ctx(), test::random_tensor(DType::F32, {n, k}, 314), false);
+  auto* bytes = signs.codes.data_as<std::uint8_t>();
+  for (std::int64_t i = 0; i < signs.codes.numel(); ++i) bytes[i] = (i % 3 == 0) ? 0x0F : (i % 3 == 1) ? 0xF0 : 0xFF;
+  auto* scales = signs.absmax.data_as<float>();
+  for (std::int64_t i = 0; i < signs.absmax.numel(); ++i) scales[i] = 0.25f * static_cast<float>(1 + i % 5);
+  const Tensor ai = test::random_int_tensor(DType::BF16, {m, k}, 313);
+  Tensor exact_signs(DType::F32, {m, n});
+  nf4_gemm(cpu_ctx(), ai, signs, exact_signs);
+  const Tensor zero = test::filled(DType::F32, {m, n}, 0.0f);
+  EXPECT_TRUE(test::all_close(test::nf4_scale_after_reference(ai, signs, zero, 1.0f, 0.0f), exact_signs,
+                              test::fp32_accum_tolerance(k)));
+}
+
 TEST(Nf4Gemm, BackwardMatchesNaiveLoopOverDequantizedWeight) {
   std::uint64_t seed = 200;
   for (const GemmCase& s : kRagged)
