@@ -366,7 +366,7 @@ constexpr int kPairRowBytes = 128;
 constexpr int kPairCodeBytes = 16 * kPairRowBytes;
 constexpr int kPairStepBytes = kPairCodeBytes + 16 * 16;
 constexpr int kPairRingBytes = kPairAhead * kPairStepBytes;
-// The table, code2 of both weights, the rings: 213 KB (sm_90 gives a block that much; sm_80/86/89 do not).
+// The table, code2 of both weights, the rings: 210 KB (sm_90 gives a block that much; sm_80/86/89 do not).
 constexpr int kPairSharedBytes = kPairTableBytes + 2 * kCode2Bytes + kPairWarps * kPairRingBytes;
 
 // Unit u of weights x splits x row groups (16 rows): its weight, split, first row and steps [st0, st_end) of
@@ -619,7 +619,6 @@ constexpr int kGemvRingBytes = kGemvAhead * 32 * 32; // per warp: 32 code bytes 
 constexpr int kGemvSums = 256;                       // (row, k group) pairs per block, 32 lane sums each
 constexpr int kGemvSharedBytes =                     // 4096: alignment; code2 per warp
     4096 + kGemvWarps * (kLaneTablesBytes + kGemvRingBytes + kCode2Bytes) + kGemvSums * 32 * 4;
-
 
 // Grid: x over blocks of `rows_per_block` weight rows (of w0, then of w1). Warp w takes k groups w % slots,
 // + slots, ... (slots = min(groups, 8)) and every reps-th row of the block from w / slots, reps = 8 / slots;
