@@ -423,12 +423,9 @@ struct PairIssue {
 
   __device__ void copy(int st, std::uint32_t dst, int lane) const {
     const std::uint32_t row_dst = dst + kPairRowBytes * (lane >> 1);
-    const int bytes = row_ok ? 16 : 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                       row_dst + 16 * pair_piece(lane >> 1, 4 * (lane & 1) + i)),
-                   "l"(code + 128 * st + 16 * i), "r"(bytes) : "memory");
+      cp_async_16_or_zero(row_dst + 16 * pair_piece(lane >> 1, 4 * (lane & 1) + i), code + 128 * st + 16 * i, row_ok);
     const std::uint32_t sdst = dst + kPairCodeBytes + 16 * (lane >> 1);
     const std::int64_t b = block + 4 * st;  // the step's first block
     if constexpr (kDq) {
