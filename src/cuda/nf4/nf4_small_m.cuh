@@ -344,9 +344,9 @@ __device__ __forceinline__ void cp_async_wait() {
 // see nf4_gemm in ops.h). The weight fragment then needs no per-block table: one 64 KB table of the 256 code
 // bytes' value pairs (bf16x2, the high nibble's value in the low half, as the fragment wants) serves every block,
 // in 32 copies side by side so that a warp's 32 lookups always hit 32 banks (byte b for lane L at 256 b + 4 L),
-// and a lookup's address is one byte permute (the code byte as byte 1, 4 L as byte 0) plus the table's base,
-// which the compiler folds into the shared load as a uniform register. Per two weight elements: one permute and
-// one shared load; the mma does the products.
+// at a 64 KB boundary of the shared window, so that a lookup's address is one byte permute (the code byte as byte
+// 1, 4 L as byte 0, the table's upper bytes). Per two weight elements: one permute and one shared load; the mma
+// does the products.
 //
 // Blocks of 64 and K a multiple of 256. Work: units of 16 weight rows x a k range (split-K), handed out
 // round-robin to every warp of a one-wave grid (one block of 16 warps per SM). A step is 256 k, four NF4 blocks:
@@ -366,8 +366,11 @@ constexpr int kPairRowBytes = 128;
 constexpr int kPairCodeBytes = 16 * kPairRowBytes;
 constexpr int kPairStepBytes = kPairCodeBytes + 16 * 16;
 constexpr int kPairRingBytes = kPairAhead * kPairStepBytes;
-// The table, code2 of both weights, the rings: 210 KB (sm_90 gives a block that much; sm_80/86/89 do not).
-constexpr int kPairSharedBytes = kPairTableBytes + 2 * kCode2Bytes + kPairWarps * kPairRingBytes;
+// The table at the first 64 KB boundary of the block's shared window, the rings of the first warps in front of it
+// (as many as fit), code2 of both weights and the other rings behind it. Whatever the window's base, that fits in
+// the table, code2 and one ring more than the warps have (the space in front lost to rounding is under one ring):
+// 219 KB (sm_90 gives a block that much; sm_80/86/89 do not).
+constexpr int kPairSharedBytes = kPairTableBytes + 2 * kCode2Bytes + (kPairWarps + 1) * kPairRingBytes;
 
 // Unit u of weights x splits x row groups (16 rows): its weight, split, first row and steps [st0, st_end) of
 // 256 k.
@@ -449,10 +452,15 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
   // Blocks of the step multiplied together: their B fragments (8 registers per n8 tile each) are loaded at once.
   constexpr int kGroup = NT8 == 1 ? 4 : 2;
   extern __shared__ __align__(16) unsigned char smem[];
-  const std::uint32_t table = shared_address(smem);
-  float* code2_shared = reinterpret_cast<float*>(smem + kPairTableBytes);  // [which][256]
+  const std::uint32_t base = shared_address(smem);
+  const std::uint32_t front = (0x10000u - (base & 0xFFFFu)) & 0xFFFFu;  // bytes in front of the table
+  const std::uint32_t table = base + front;
+  float* code2_shared = reinterpret_cast<float*>(smem + front + kPairTableBytes);  // [which][256]
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const std::uint32_t ring = table + kPairTableBytes + 2 * kCode2Bytes + warp * kPairRingBytes;
+  const int rings_in_front = static_cast<int>(front / kPairRingBytes);
+  const std::uint32_t ring = warp < rings_in_front
+                                 ? base + warp * kPairRingBytes
+                                 : table + kPairTableBytes + 2 * kCode2Bytes + (warp - rings_in_front) * kPairRingBytes;
   const int warps = static_cast<int>(gridDim.x) * kPairWarps;
   const int first_unit = warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x);  // SMs take turns
 
@@ -482,7 +490,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
     for (int code = 0; code < 16; ++code) lo = warp == code ? nf4_code_value(code) : lo;
 #pragma unroll
     for (int hi = 0; hi < 16; ++hi)
-      *reinterpret_cast<std::uint32_t*>(smem + 256 * (16 * hi + warp) + 4 * lane) =
+      *reinterpret_cast<std::uint32_t*>(smem + front + 256 * (16 * hi + warp) + 4 * lane) =
           pack_bf16x2(nf4_code_value(hi), lo);
   }
   if constexpr (kDq) {
@@ -492,9 +500,9 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
     }
   }
   __syncthreads();
-  // The lookups (asm without memory effects) depend on lane4, taken after the barrier, so they stay below it.
-  std::uint32_t lane4 = 4u * lane;
-  asm volatile("" : "+r"(lane4)::"memory");
+  // The lookups (asm without memory effects) depend on lane_table, taken after the barrier, so they stay below it.
+  std::uint32_t lane_table = table + 4u * lane;  // byte 1 is zero: the code byte goes there
+  asm volatile("" : "+r"(lane_table)::"memory");
 
   int slot = 0;
 #pragma unroll 1
@@ -554,8 +562,8 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
               for (int r = 0; r < 4; ++r) {
                 const std::uint32_t word = cw[c][(r & 1) * 2 + (i >> 1)];
                 const std::uint32_t b = 2 * (i & 1) + (r >> 1);
-                const std::uint32_t addr = __byte_perm(word, lane4, 0x7704u | (b << 4));
-                asm("ld.shared.b32 %0, [%1];\n" : "=r"(wf[c][r]) : "r"(table + addr));
+                const std::uint32_t addr = __byte_perm(word, lane_table, 0x7604u | (b << 4));
+                asm("ld.shared.b32 %0, [%1];\n" : "=r"(wf[c][r]) : "r"(addr));
               }
 #pragma unroll
             for (int c = 0; c < kGroup; ++c)
