@@ -1,6 +1,8 @@
 // The NF4 GEMM fast paths against the CPU oracle, forced by path: the small-M kernels (forward, input gradient,
 // gate+up) and the fused tensor-core kernels (sm_90a; in-loop and shared dequantization).
+#include <cstring>
 #include <tuple>
+#include <vector>
 
 #include "common/test_util.h"
 
@@ -312,6 +314,40 @@ TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
   const std::string why_n = fused_available() ? "N a multiple of 8" : "needs";
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, dc, q.w_dev, da, {1, 0, Nf4Path::Fused}); },
                                  ErrorCode::Unsupported, {"nf4_gemm_backward_a", "Fused", why_n}));
+}
+
+// Where the pair kernel splits K (or runs gate and up in one launch), the warp that stores a row group's last
+// partial sums them in split order: the same bits on every call, whichever warp that is, and its arrival counters
+// left at zero for the next call (a call in between on another shape must not disturb them).
+TEST(SmallMPath, PairKernelSumsAreTheSameOnEveryCall) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  Problem p = make_weight(2050, 4096, true, 21), q = make_weight(333, 1024, true, 22);
+  Problem other = make_weight(70, 512, true, 23);
+  const Tensor a = to_device(test::random_tensor(DType::BF16, {1, 4096}, 24), gpu.device());
+  const Tensor a2 = to_device(test::random_tensor(DType::BF16, {5, 1024}, 25), gpu.device());
+  const Tensor a_other = to_device(test::random_tensor(DType::BF16, {3, 512}, 26), gpu.device());
+  Tensor c_other(DType::F32, {3, 70}, gpu.device());
+  std::vector<Tensor> cs, hs;
+  for (int call = 0; call < 3; ++call) {
+    Tensor c(DType::F32, {1, 2050}, gpu.device()), h(DType::BF16, {5, 333}, gpu.device());
+    test::poison(c);
+    test::poison(h);
+    nf4_gemm(gpu, a, p.w_dev, c, {1.0f, 0.0f, Nf4Path::SmallM});
+    nf4_gate_up(gpu, a2, q.w_dev, q.w_dev, {TensorView(), TensorView(), h}, {1.0f, 0.0f, Nf4Path::SmallM});
+    nf4_gemm(gpu, a_other, other.w_dev, c_other, {1.0f, 0.0f, Nf4Path::SmallM});
+    gpu.synchronize();
+    cs.push_back(test::host_copy(c));
+    hs.push_back(test::host_copy(h));
+  }
+  for (int call = 1; call < 3; ++call) {
+    EXPECT_EQ(0, std::memcmp(cs[0].data(), cs[call].data(), cs[0].nbytes())) << "nf4_gemm, call " << call;
+    EXPECT_EQ(0, std::memcmp(hs[0].data(), hs[call].data(), hs[0].nbytes())) << "nf4_gate_up, call " << call;
+  }
+  Tensor ref(DType::F32, {1, 2050});
+  nf4_gemm(Context::cpu(), test::host_copy(a), p.w_host, ref);
+  EXPECT_TRUE(forward_close(Nf4Path::SmallM, test::host_copy(a), p.w_host, cs[0], ref, ref, 1.0f, 0.0f,
+                            test::fp32_accum_tolerance(4096)));
 }
 
 TEST(SmallMPath, ForcedOnUnsupportedShapeRaisesUnsupported) {
