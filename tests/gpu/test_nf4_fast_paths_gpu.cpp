@@ -316,9 +316,8 @@ TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
                                  ErrorCode::Unsupported, {"nf4_gemm_backward_a", "Fused", why_n}));
 }
 
-// Where the pair kernel splits K (or runs gate and up in one launch), the warp that stores a row group's last
-// partial sums them in split order: the same bits on every call, whichever warp that is, and its arrival counters
-// left at zero for the next call (a call in between on another shape must not disturb them).
+// Where the pair kernel splits K (or runs gate and up in one launch), its partial sums are reduced in a fixed
+// order: the same bits on every call, with calls on another shape in between.
 TEST(SmallMPath, PairKernelSumsAreTheSameOnEveryCall) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();

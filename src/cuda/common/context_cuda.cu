@@ -68,8 +68,6 @@ void init_context(Context::Impl& impl, int device, void* stream) {
   QMM_CUDA_CHECK(cudaMemPoolCreate(&s.pool, &pool_props));
   std::uint64_t keep = UINT64_MAX;  // never trim between ops: scratch sizes repeat from call to call
   QMM_CUDA_CHECK(cudaMemPoolSetAttribute(s.pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  QMM_CUDA_CHECK(cudaMalloc(&s.arrivals, CudaState::kArrivalCounters * sizeof(unsigned)));
-  QMM_CUDA_CHECK(cudaMemset(s.arrivals, 0, CudaState::kArrivalCounters * sizeof(unsigned)));
   QMM_CUDA_CHECK(cudaMalloc(&s.code2, kNf4Code2Size * sizeof(float)));
   QMM_CUDA_CHECK(cudaMemcpy(s.code2, nf4_code2_table(), kNf4Code2Size * sizeof(float), cudaMemcpyHostToDevice));
   impl.name = s.props.name;
@@ -89,7 +87,6 @@ void destroy_state(CudaState* s) {
   if (s->lt) cublasLtDestroy(s->lt);
   cudaFree(s->workspace);
   cudaFree(s->code2);
-  cudaFree(s->arrivals);
   if (s->pool) cudaMemPoolDestroy(s->pool);
   if (s->owns_stream) cudaStreamDestroy(s->stream);
   delete s;

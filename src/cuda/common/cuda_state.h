@@ -23,10 +23,6 @@ struct CudaState {
   std::size_t workspace_bytes = 0;
 
   float* code2 = nullptr;  // the 256 double-quantization values (nf4_code2_table), uploaded once
-  // Counters for kernels that finish their own split-K sums (the last block or warp to store a partial adds them up):
-  // zero between kernels (each kernel that counts on them leaves them zero), used only by work on `stream`.
-  static constexpr int kArrivalCounters = 1 << 16;
-  unsigned* arrivals = nullptr;
   cudaMemPool_t pool = nullptr;  // this context's stream-ordered pool for ScratchBuffer (keeps its memory)
   // cuBLASLt may enqueue several kernels per matmul that share `workspace`; this lock keeps one matmul's kernels
   // together on the stream when several host threads use the context.

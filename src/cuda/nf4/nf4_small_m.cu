@@ -54,13 +54,6 @@ void launch_nf4_split_k_reduce(const Context& ctx, const float* partial, int spl
 
 namespace {
 
-// What a forward call writes: C (one weight) or gate_up's outputs (two, C empty), alpha * sum (+ beta * old).
-struct ForwardOut {
-  TensorView c;
-  small_m::GateUpOut gate_up;
-  float alpha, beta;
-};
-
 // The forward kernels' view of a weight.
 small_m::WeightArgs weight_args(const Nf4Weight& w) {
   return {w.codes.data_as<std::uint8_t>(), small_m::scales_of(w)};
@@ -190,18 +183,17 @@ small_m::PairGrid pair_grid(const Context& ctx, std::int64_t N, std::int64_t K, 
     const std::int64_t cost = (units + warps - 1) / warps * (per_split + 1);
     if (best_cost < 0 || cost < best_cost) {
       best_cost = cost;
-      best = {static_cast<int>(units), weights, static_cast<int>(row_groups), static_cast<int>(splits),
+      best = {static_cast<int>(units), static_cast<int>(row_groups), static_cast<int>(splits),
               static_cast<int>(per_split), static_cast<int>(steps)};
     }
   }
   return best;
 }
 
-// The kernel sums its own partials (split-K, gate and up) where the context's arrival counters cover its row
-// groups (every weight up to a million rows); otherwise it returns them for the caller's reduction.
 template <int NT8, bool kDq>
 float* launch_pair(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
-                   const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch, int* splits_out) {
+                   const TensorView& c, float alpha, float beta, std::unique_ptr<ScratchBuffer>& scratch,
+                   int* splits_out) {
   using namespace small_m;
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w0.rows;
   const PairGrid grid = pair_grid(ctx, N, K, weights);
@@ -209,32 +201,30 @@ float* launch_pair(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), kPairSharedBytes);
   float* partial =
       grid.splits > 1 || weights > 1 ? new_partials(ctx, scratch, weights * grid.splits * M * N) : nullptr;
-  const bool finish = grid.row_groups <= CudaState::kArrivalCounters;
-  const PairFinish fin{o.c.empty() ? nullptr : o.c.data(), o.c.dtype() == DType::BF16, o.gate_up, o.alpha, o.beta,
-                       finish ? state(ctx).arrivals : nullptr};
   kernel<<<state(ctx).sm_count(), kPairThreads, kPairSharedBytes, stream_of(ctx)>>>(
-      a.data_as<__nv_bfloat16>(), static_cast<int>(M), N, K, weight_args(w0), weight_args(w1), grid, partial, fin);
+      a.data_as<__nv_bfloat16>(), static_cast<int>(M), N, K, weight_args(w0), weight_args(w1), grid, partial,
+      c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16, alpha, beta);
   QMM_CUDA_CHECK_LAUNCH("nf4_small_m_pair_kernel");
   *splits_out = grid.splits;
-  return finish ? nullptr : partial;
+  return partial;
 }
 
 template <int NT8>
 float* launch_pair_scales(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
-                          int weights, const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
-  return w0.double_quant() ? launch_pair<NT8, true>(ctx, a, w0, w1, weights, o, scratch, splits)
-                           : launch_pair<NT8, false>(ctx, a, w0, w1, weights, o, scratch, splits);
+                          int weights, const TensorView& c, float alpha, float beta,
+                          std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
+  return w0.double_quant() ? launch_pair<NT8, true>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits)
+                           : launch_pair<NT8, false>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
 }
 
 template <bool kAF32>
 float* launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
-                   const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
+                   const TensorView& c, float alpha, float beta, std::unique_ptr<ScratchBuffer>& scratch,
+                   int* splits) {
   const std::int64_t M = a.dim(0);
   if (pair_wins(M, w0) && pair_fits(ctx, a, w0) && pair_fits(ctx, a, w1) && w0.double_quant() == w1.double_quant())
-    return M <= 8 ? launch_pair_scales<1>(ctx, a, w0, w1, weights, o, scratch, splits)
-                  : launch_pair_scales<2>(ctx, a, w0, w1, weights, o, scratch, splits);
-  const TensorView& c = o.c;
-  const float alpha = o.alpha, beta = o.beta;
+    return M <= 8 ? launch_pair_scales<1>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits)
+                  : launch_pair_scales<2>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
   if (M == 1 && gemv_fits(ctx, a.dim(1), w0) && gemv_fits(ctx, a.dim(1), w1)) {
     *splits = 1;
     return launch_gemv<kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch);
@@ -244,12 +234,13 @@ float* launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
   return launch_table<4, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
 }
 
-// Returns the partials (in `scratch`) when the caller must reduce them into `o`, else nullptr.
+// Returns the partials (in `scratch`) when the caller must reduce them, else nullptr.
 float* launch_forward(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
-                      int weights, const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
+                      int weights, const TensorView& c, float alpha, float beta,
+                      std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
   set_device(ctx);
-  return a.dtype() == DType::F32 ? launch_rows<true>(ctx, a, w0, w1, weights, o, scratch, splits)
-                                 : launch_rows<false>(ctx, a, w0, w1, weights, o, scratch, splits);
+  return a.dtype() == DType::F32 ? launch_rows<true>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits)
+                                 : launch_rows<false>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
 }
 
 template <int MT8, bool kDcF32>
@@ -306,7 +297,7 @@ void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4W
                              float alpha, float beta) {
   int splits = 1;
   std::unique_ptr<ScratchBuffer> scratch;
-  const float* partial = launch_forward(ctx, a, w, w, 1, {c, {}, alpha, beta}, scratch, &splits);
+  const float* partial = launch_forward(ctx, a, w, w, 1, c, alpha, beta, scratch, &splits);
   if (partial) launch_nf4_split_k_reduce(ctx, partial, splits, a.dim(0) * w.rows, c, alpha, beta);
 }
 
@@ -314,12 +305,11 @@ void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const N
                                 const Nf4Weight& w_up, const GateUpOutputs& out, float alpha, float beta) {
   int splits = 1;
   std::unique_ptr<ScratchBuffer> scratch;
+  const float* partial = launch_forward(ctx, a, w_gate, w_up, 2, TensorView(), 1.0f, 0.0f, scratch, &splits);
+  const std::int64_t mn = a.dim(0) * w_gate.rows;
   auto ptr = [](const TensorView& v) { return v.empty() ? nullptr : v.data(); };
   const small_m::GateUpOut o{ptr(out.gate), ptr(out.up), ptr(out.h), out.gate.dtype() == DType::BF16,
                              out.up.dtype() == DType::BF16, out.h.dtype() == DType::BF16};
-  const float* partial = launch_forward(ctx, a, w_gate, w_up, 2, {TensorView(), o, alpha, beta}, scratch, &splits);
-  if (!partial) return;
-  const std::int64_t mn = a.dim(0) * w_gate.rows;
   launch_by_lanes(ctx, splits, mn, [&](auto lanes, unsigned blocks) {
     small_m::nf4_gate_up_reduce_kernel<decltype(lanes)::value><<<blocks, kReduceThreads, 0, stream_of(ctx)>>>(
         partial, splits, mn, o, alpha, beta);
