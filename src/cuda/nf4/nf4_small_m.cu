@@ -54,6 +54,13 @@ void launch_nf4_split_k_reduce(const Context& ctx, const float* partial, int spl
 
 namespace {
 
+// What a forward call writes: C (one weight) or gate_up's outputs (two, C empty), alpha * sum (+ beta * old).
+struct ForwardOut {
+  TensorView c;
+  small_m::GateUpOut gate_up;
+  float alpha, beta;
+};
+
 // The forward kernels' view of a weight.
 small_m::WeightArgs weight_args(const Nf4Weight& w) {
   return {w.codes.data_as<std::uint8_t>(), small_m::scales_of(w)};
@@ -170,61 +177,63 @@ bool pair_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
 // units lose above one row (Llama down M = 8 / 16 27.3 / 36.8 vs 26.5 / 35.2, Qwen down M = 16 14.4 vs 13.6).
 bool pair_wins(std::int64_t m, const Nf4Weight& w) { return m == 1 || w.rows >= w.cols; }
 
-// Split-K for the pair kernel: the split count with the shortest modelled time, units per warp x (steps per unit +
-// one step of per-unit cost), fewest splits on ties.
+// Split-K for the pair kernel: a row group's units (splits x weights, at most the block's 16 warps) share a block
+// and a round, so that the block sums them. Among the split counts, the one with the shortest modelled time,
+// rounds x (steps per split + one step of per-round cost), fewest splits on ties.
 small_m::PairGrid pair_grid(const Context& ctx, std::int64_t N, std::int64_t K, int weights) {
-  const std::int64_t warps = static_cast<std::int64_t>(state(ctx).sm_count()) * small_m::kPairWarps;
+  using small_m::kPairWarps;
+  const std::int64_t blocks = state(ctx).sm_count();
   const std::int64_t row_groups = (N + 15) / 16, steps = K / 256;
   small_m::PairGrid best{};
   std::int64_t best_cost = -1;
-  for (std::int64_t splits = 1; splits <= std::min<std::int64_t>(steps, 64); ++splits) {
+  for (std::int64_t splits = 1; splits <= std::min<std::int64_t>(steps, kPairWarps / weights); ++splits) {
     const std::int64_t per_split = (steps + splits - 1) / splits;
-    const std::int64_t units = weights * row_groups * splits;
-    const std::int64_t cost = (units + warps - 1) / warps * (per_split + 1);
+    if ((steps + per_split - 1) / per_split != splits) continue;  // the same split as fewer splits, one left empty
+    const std::int64_t members = weights * splits, groups = kPairWarps / members;
+    const std::int64_t rounds = (row_groups + blocks * groups - 1) / (blocks * groups);
+    const std::int64_t cost = rounds * (per_split + 1);
     if (best_cost < 0 || cost < best_cost) {
       best_cost = cost;
-      best = {static_cast<int>(units), static_cast<int>(row_groups), static_cast<int>(splits),
-              static_cast<int>(per_split), static_cast<int>(steps)};
+      best = {weights, static_cast<int>(row_groups), static_cast<int>(splits), static_cast<int>(members),
+              static_cast<int>(groups), static_cast<int>(rounds), static_cast<int>(per_split),
+              static_cast<int>(steps)};
     }
   }
   return best;
 }
 
 template <int NT8, bool kDq>
-float* launch_pair(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
-                   const TensorView& c, float alpha, float beta, std::unique_ptr<ScratchBuffer>& scratch,
-                   int* splits_out) {
+void launch_pair(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
+                 const ForwardOut& o) {
   using namespace small_m;
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w0.rows;
   const PairGrid grid = pair_grid(ctx, N, K, weights);
   auto kernel = nf4_small_m_pair_kernel<NT8, kDq>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), kPairSharedBytes);
-  float* partial =
-      grid.splits > 1 || weights > 1 ? new_partials(ctx, scratch, weights * grid.splits * M * N) : nullptr;
+  const PairOut out{o.c.empty() ? nullptr : o.c.data(), o.c.dtype() == DType::BF16, o.gate_up, o.alpha, o.beta};
   kernel<<<state(ctx).sm_count(), kPairThreads, kPairSharedBytes, stream_of(ctx)>>>(
-      a.data_as<__nv_bfloat16>(), static_cast<int>(M), N, K, weight_args(w0), weight_args(w1), grid, partial,
-      c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16, alpha, beta);
+      a.data_as<__nv_bfloat16>(), static_cast<int>(M), N, K, weight_args(w0), weight_args(w1), grid, out);
   QMM_CUDA_CHECK_LAUNCH("nf4_small_m_pair_kernel");
-  *splits_out = grid.splits;
-  return partial;
 }
 
 template <int NT8>
-float* launch_pair_scales(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
-                          int weights, const TensorView& c, float alpha, float beta,
-                          std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
-  return w0.double_quant() ? launch_pair<NT8, true>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits)
-                           : launch_pair<NT8, false>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
+void launch_pair_scales(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
+                        int weights, const ForwardOut& o) {
+  if (w0.double_quant()) launch_pair<NT8, true>(ctx, a, w0, w1, weights, o);
+  else launch_pair<NT8, false>(ctx, a, w0, w1, weights, o);
 }
 
 template <bool kAF32>
 float* launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
-                   const TensorView& c, float alpha, float beta, std::unique_ptr<ScratchBuffer>& scratch,
-                   int* splits) {
+                   const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
   const std::int64_t M = a.dim(0);
-  if (pair_wins(M, w0) && pair_fits(ctx, a, w0) && pair_fits(ctx, a, w1) && w0.double_quant() == w1.double_quant())
-    return M <= 8 ? launch_pair_scales<1>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits)
-                  : launch_pair_scales<2>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
+  if (pair_wins(M, w0) && pair_fits(ctx, a, w0) && pair_fits(ctx, a, w1) && w0.double_quant() == w1.double_quant()) {
+    if (M <= 8) launch_pair_scales<1>(ctx, a, w0, w1, weights, o);
+    else launch_pair_scales<2>(ctx, a, w0, w1, weights, o);
+    return nullptr;
+  }
+  const TensorView& c = o.c;
+  const float alpha = o.alpha, beta = o.beta;
   if (M == 1 && gemv_fits(ctx, a.dim(1), w0) && gemv_fits(ctx, a.dim(1), w1)) {
     *splits = 1;
     return launch_gemv<kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch);
@@ -234,13 +243,12 @@ float* launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
   return launch_table<4, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
 }
 
-// Returns the partials (in `scratch`) when the caller must reduce them, else nullptr.
+// Returns the partials (in `scratch`) when the caller must reduce them into `o`, else nullptr.
 float* launch_forward(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
-                      int weights, const TensorView& c, float alpha, float beta,
-                      std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
+                      int weights, const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
   set_device(ctx);
-  return a.dtype() == DType::F32 ? launch_rows<true>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits)
-                                 : launch_rows<false>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
+  return a.dtype() == DType::F32 ? launch_rows<true>(ctx, a, w0, w1, weights, o, scratch, splits)
+                                 : launch_rows<false>(ctx, a, w0, w1, weights, o, scratch, splits);
 }
 
 template <int MT8, bool kDcF32>
@@ -297,7 +305,7 @@ void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4W
                              float alpha, float beta) {
   int splits = 1;
   std::unique_ptr<ScratchBuffer> scratch;
-  const float* partial = launch_forward(ctx, a, w, w, 1, c, alpha, beta, scratch, &splits);
+  const float* partial = launch_forward(ctx, a, w, w, 1, {c, {}, alpha, beta}, scratch, &splits);
   if (partial) launch_nf4_split_k_reduce(ctx, partial, splits, a.dim(0) * w.rows, c, alpha, beta);
 }
 
@@ -305,11 +313,12 @@ void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const N
                                 const Nf4Weight& w_up, const GateUpOutputs& out, float alpha, float beta) {
   int splits = 1;
   std::unique_ptr<ScratchBuffer> scratch;
-  const float* partial = launch_forward(ctx, a, w_gate, w_up, 2, TensorView(), 1.0f, 0.0f, scratch, &splits);
-  const std::int64_t mn = a.dim(0) * w_gate.rows;
   auto ptr = [](const TensorView& v) { return v.empty() ? nullptr : v.data(); };
   const small_m::GateUpOut o{ptr(out.gate), ptr(out.up), ptr(out.h), out.gate.dtype() == DType::BF16,
                              out.up.dtype() == DType::BF16, out.h.dtype() == DType::BF16};
+  const float* partial = launch_forward(ctx, a, w_gate, w_up, 2, {TensorView(), o, alpha, beta}, scratch, &splits);
+  if (!partial) return;  // the pair kernel wrote the outputs
+  const std::int64_t mn = a.dim(0) * w_gate.rows;
   launch_by_lanes(ctx, splits, mn, [&](auto lanes, unsigned blocks) {
     small_m::nf4_gate_up_reduce_kernel<decltype(lanes)::value><<<blocks, kReduceThreads, 0, stream_of(ctx)>>>(
         partial, splits, mn, o, alpha, beta);

@@ -118,6 +118,21 @@ __device__ __forceinline__ void store_out(void* c, bool c_bf16, std::int64_t idx
   }
 }
 
+// gate_up's outputs: gate, up and h = silu(gate) * up, each optional.
+struct GateUpOut {
+  void* gate;
+  void* up;
+  void* h;
+  bool gate_bf16, up_bf16, h_bf16;
+};
+
+// Writes output i of gate_up from the sums gs and us (alpha applied); beta != 0 only without h.
+__device__ __forceinline__ void store_gate_up(const GateUpOut& out, std::int64_t i, float gs, float us, float beta) {
+  if (out.gate) store_out(out.gate, out.gate_bf16, i, gs, 1.0f, beta);
+  if (out.up) store_out(out.up, out.up_bf16, i, us, 1.0f, beta);
+  if (out.h) store_out(out.h, out.h_bf16, i, gs / (1.0f + __expf(-gs)) * us, 1.0f, 0.0f);
+}
+
 // Two weights of one shape may share a launch (gate and up): blocks [0, blocks_per_weight) take w0, the rest w1,
 // and the partials of w1 follow those of w0.
 struct WeightArgs {
@@ -348,8 +363,10 @@ __device__ __forceinline__ void cp_async_wait() {
 // 1, 4 L as byte 0, the table's upper bytes). Per two weight elements: one permute and one shared load; the mma
 // does the products.
 //
-// Blocks of 64 and K a multiple of 256. Work: units of 16 weight rows x a k range (split-K), handed out
-// round-robin to every warp of a one-wave grid (one block of 16 warps per SM). A step is 256 k, four NF4 blocks:
+// Blocks of 64 and K a multiple of 256. Work: units of 16 weight rows (a row group) x a k range (split-K) of one
+// weight, in rounds over a one-wave grid (one block of 16 warps per SM): a row group's units (every split, and
+// both weights for gate_up) run in the same block and round, so the block adds them up itself in shared memory
+// (no partials in global memory, no second kernel). A step is 256 k, four NF4 blocks:
 // for block c, lane (g, t) takes elements 16 t .. 16 t + 15 of rows g and g + 8 (8 code bytes each); mma i (of 4)
 // gives the fragment's slots {2t, 2t+1} and {2t+8, 2t+9} the bytes 2i and 2i + 1 of those, so A's fragment is the
 // lane's 16 consecutive activations of the block (rows of A as the n8 columns). The four blocks' mma chains are
@@ -367,29 +384,41 @@ constexpr int kPairCodeBytes = 16 * kPairRowBytes;
 constexpr int kPairStepBytes = kPairCodeBytes + 16 * 16;
 constexpr int kPairRingBytes = kPairAhead * kPairStepBytes;
 // The table at the first 64 KB boundary of the block's shared window, the rings of the first warps in front of it
-// (as many as fit), code2 of both weights and the other rings behind it. Whatever the window's base, that fits in
+// (as many as fit), code2 of both weights and the other rings behind it. The table's rows use 128 of their 256
+// bytes; the other halves hold each warp's sums of a round (pair_sum_at). Whatever the window's base, that fits in
 // the table, code2 and one ring more than the warps have (the space in front lost to rounding is under one ring):
 // 219 KB (sm_90 gives a block that much; sm_80/86/89 do not).
 constexpr int kPairSharedBytes = kPairTableBytes + 2 * kCode2Bytes + (kPairWarps + 1) * kPairRingBytes;
 
-// Unit u of weights x splits x row groups (16 rows): its weight, split, first row and steps [st0, st_end) of
-// 256 k.
+// A warp's unit in a round: its weight, split, first row and steps [st0, st0 + steps) of 256 k; steps is 0
+// where the warp has no unit in that round.
 struct PairUnit {
-  int which, split, st0, st_end;
+  int which, split, st0, steps;
   std::int64_t n0;
 };
+// In round r, block b takes row groups (r * blocks + b) * groups + i, i < groups; warp w serves row group i =
+// w / members as member w % members = which * splits + split. Warps past groups * members idle.
 struct PairGrid {
-  int units, row_groups, splits, steps_per_split, steps;  // steps: of a whole row
-  __device__ PairUnit unit(int u) const {
+  int weights, row_groups, splits, members, groups, rounds, steps_per_split, steps;  // steps: of a whole row
+  __device__ PairUnit unit(int round, int block, int blocks, int warp) const {
     PairUnit p;
-    p.which = u / (splits * row_groups);
-    const int r = u - p.which * splits * row_groups;
-    p.split = r / row_groups;
-    p.n0 = static_cast<std::int64_t>(r - p.split * row_groups) * 16;
+    const int group = warp / members, member = warp - group * members;
+    const std::int64_t row_group = (static_cast<std::int64_t>(round) * blocks + block) * groups + group;
+    p.which = member / splits;
+    p.split = member - p.which * splits;
+    p.n0 = row_group * 16;
     p.st0 = p.split * steps_per_split;
-    p.st_end = min(steps, p.st0 + steps_per_split);
+    p.steps = group < groups && row_group < row_groups ? max(0, min(steps - p.st0, steps_per_split)) : 0;
     return p;
   }
+};
+
+// Where the pair kernel writes: C (one weight) or gate_up's outputs (two), alpha * sum (+ beta * old).
+struct PairOut {
+  void* c;
+  bool c_bf16;
+  GateUpOut gate_up;
+  float alpha, beta;
 };
 
 // Where piece p (16 bytes) of row r sits in its ring row: rows g, g + 1, g + 2, g + 3 of a half warp's reads move
@@ -407,12 +436,10 @@ struct PairIssue {
   int steps;                 // the unit's step count (0 past the warp's last unit)
   bool row_ok;
 
-  __device__ void start(const PairGrid& grid, int u, std::int64_t N, std::int64_t K, const WeightArgs& w0,
+  __device__ void start(const PairUnit& un, std::int64_t N, std::int64_t K, const WeightArgs& w0,
                         const WeightArgs& w1, int lane) {
-    steps = 0;
-    if (u >= grid.units) return;
-    const PairUnit un = grid.unit(u);
-    steps = un.st_end - un.st0;
+    steps = un.steps;
+    if (steps == 0) return;
     const WeightArgs w = un.which ? w1 : w0;
     const std::int64_t row = un.n0 + (lane >> 1);
     row_ok = row < N;
@@ -444,11 +471,16 @@ struct PairIssue {
   }
 };
 
+// Warp w's sum for element e = 16 m + r (row r of its 16, row m of A) in the table's unused halves: 8 of its rows.
+__device__ __forceinline__ float* pair_sum_at(unsigned char* table, int w, int e) {
+  return reinterpret_cast<float*>(table + 256 * (8 * w + (e >> 5)) + 128 + 4 * (e & 31));
+}
+
 // NT8 n8 tiles of A rows (M <= 8 NT8); kDq: double-quantized scales.
 template <int NT8, bool kDq>
 __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
     const __nv_bfloat16* __restrict__ a, int M, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1,
-    PairGrid grid, float* __restrict__ partial, void* __restrict__ out, bool out_bf16, float alpha, float beta) {
+    PairGrid grid, PairOut out) {
   // Blocks of the step multiplied together: their B fragments (8 registers per n8 tile each) are loaded at once.
   constexpr int kGroup = NT8 == 1 ? 4 : 2;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -461,22 +493,21 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
   const std::uint32_t ring = warp < rings_in_front
                                  ? base + warp * kPairRingBytes
                                  : table + kPairTableBytes + 2 * kCode2Bytes + (warp - rings_in_front) * kPairRingBytes;
-  const int warps = static_cast<int>(gridDim.x) * kPairWarps;
-  const int first_unit = warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x);  // SMs take turns
+  const int block = static_cast<int>(blockIdx.x), blocks = static_cast<int>(gridDim.x);
 
-  // The issue side runs kPairAhead - 1 steps ahead of the multiplies, across unit boundaries. One commit group
-  // per step, empty where there is nothing to copy, so that wait_group counts steps.
+  // The issue side runs kPairAhead - 1 steps ahead of the multiplies, across rounds. One commit group per step,
+  // empty where there is nothing to copy, so that wait_group counts steps.
   PairIssue<kDq> is;
-  int issue_u = first_unit, issue_st = 0, issue_slot = 0;
-  is.start(grid, issue_u, N, K, w0, w1, lane);
+  int issue_round = 0, issue_st = 0, issue_slot = 0;
+  is.start(grid.unit(0, block, blocks, warp), N, K, w0, w1, lane);
   auto issue_next = [&] {
     if (issue_st < is.steps) is.copy(issue_st, ring + issue_slot * kPairStepBytes, lane);
     cp_async_commit();
     issue_slot = issue_slot + 1 == kPairAhead ? 0 : issue_slot + 1;
     if (++issue_st == grid.steps_per_split) {
       issue_st = 0;
-      issue_u += warps;
-      is.start(grid, issue_u, N, K, w0, w1, lane);
+      if (++issue_round < grid.rounds) is.start(grid.unit(issue_round, block, blocks, warp), N, K, w0, w1, lane);
+      else is.steps = 0;
     }
   };
   // code2 (thread t: value t % 256 of weight t / 256) and the first step of every warp go out first, the other
@@ -510,9 +541,9 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
 
   int slot = 0;
 #pragma unroll 1
-  for (int u = first_unit; u < grid.units; u += warps) {
-    const PairUnit un = grid.unit(u);
-    const int steps = un.st_end - un.st0;
+  for (int round = 0; round < grid.rounds; ++round) {
+    const PairUnit un = grid.unit(round, block, blocks, warp);
+    const int steps = un.steps;
     const float* code2 = code2_shared + un.which * kNf4Code2Size;
     const float offset = un.which ? w1.scales.offset : w0.scales.offset;
     const __nv_bfloat16* a_at[NT8];  // the lane's activations at the unit's first step
@@ -595,19 +626,44 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
       }
       slot = slot + 1 == kPairAhead ? 0 : slot + 1;
     }
-    // Fragment rows are weight rows (g, g + 8), columns rows of A (2t, 2t + 1 of each n8 tile).
+    // Fragment rows are weight rows (g, g + 8), columns rows of A (2t, 2t + 1 of each n8 tile). A row group of
+    // one member (one weight, no split) is written at once; otherwise every member leaves its sums in shared
+    // memory and member 0 adds them up in member order (weight 0's splits, then weight 1's) and writes them.
+    if (grid.members == 1) {
+      if (steps == 0) continue;
+#pragma unroll
+      for (int j = 0; j < NT8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int m = j * 8 + 2 * t + (i & 1);
+          const std::int64_t n = un.n0 + g + 8 * (i >> 1);
+          if (m < M && n < N) store_out(out.c, out.c_bf16, m * N + n, acc[j][i], out.alpha, out.beta);
+        }
+      continue;
+    }
 #pragma unroll
     for (int j = 0; j < NT8; ++j)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = j * 8 + 2 * t + (i & 1);
-        const std::int64_t n = un.n0 + g + 8 * (i >> 1);
-        if (m >= M || n >= N) continue;
-        if (partial)
-          partial[((static_cast<std::int64_t>(un.which) * grid.splits + un.split) * M + m) * N + n] = acc[j][i];
-        else
-          store_out(out, out_bf16, m * N + n, acc[j][i], alpha, beta);
+      for (int i = 0; i < 4; ++i)
+        *pair_sum_at(smem + front, warp, 16 * (j * 8 + 2 * t + (i & 1)) + g + 8 * (i >> 1)) = acc[j][i];
+    __syncthreads();
+    if (steps > 0 && warp % grid.members == 0) {
+      const int rows = static_cast<int>(min(static_cast<std::int64_t>(16), N - un.n0));
+      for (int e = lane; e < 16 * M; e += 32) {
+        const int m = e >> 4, r = e & 15;
+        if (r >= rows) continue;
+        float gs = 0.0f, us = 0.0f;  // weight 0 (C or gate), weight 1 (up)
+        for (int sp = 0; sp < grid.splits; ++sp) gs += *pair_sum_at(smem + front, warp + sp, e);
+        const std::int64_t i = m * N + un.n0 + r;
+        if (grid.weights == 1) {
+          store_out(out.c, out.c_bf16, i, gs, out.alpha, out.beta);
+        } else {
+          for (int sp = 0; sp < grid.splits; ++sp) us += *pair_sum_at(smem + front, warp + grid.splits + sp, e);
+          store_gate_up(out.gate_up, i, out.alpha * gs, out.alpha * us, out.beta);
+        }
       }
+    }
+    __syncthreads();  // the sums are read before the next round writes them
   }
   cp_async_wait<0>();
 }
@@ -958,12 +1014,6 @@ __global__ void nf4_split_k_reduce_kernel(const float* __restrict__ partial, int
 }
 
 // gate_up: sums both weights' partials, then writes gate, up (alpha applied) and h = silu(gate)*up where asked.
-struct GateUpOut {
-  void* gate;
-  void* up;
-  void* h;
-  bool gate_bf16, up_bf16, h_bf16;
-};
 
 template <int kLanes>
 __global__ void nf4_gate_up_reduce_kernel(const float* __restrict__ partial, int splits, std::int64_t mn,
@@ -974,10 +1024,7 @@ __global__ void nf4_gate_up_reduce_kernel(const float* __restrict__ partial, int
   for (std::int64_t i = w.first; i < mn; i += w.step) {
     const float gs = alpha * sum_splits<kLanes>(partial, splits, mn, i, lane);
     const float us = alpha * sum_splits<kLanes>(pu, splits, mn, i, lane);
-    if (lane != 0) continue;
-    if (out.gate) store_out(out.gate, out.gate_bf16, i, gs, 1.0f, beta);  // beta != 0 only without h
-    if (out.up) store_out(out.up, out.up_bf16, i, us, 1.0f, beta);
-    if (out.h) store_out(out.h, out.h_bf16, i, gs / (1.0f + __expf(-gs)) * us, 1.0f, 0.0f);
+    if (lane == 0) store_gate_up(out, i, gs, us, beta);
   }
 }
 
