@@ -396,14 +396,15 @@ struct PairUnit {
   int which, split, st0, steps;
   std::int64_t n0;
 };
-// In round r, block b takes row groups (r * blocks + b) * groups + i, i < groups; warp w serves row group i =
-// w / members as member w % members = which * splits + split. Warps past groups * members idle.
+// In round r, block b takes row groups (r * groups + i) * blocks + b, i < groups (the blocks take turns, so that
+// a short last round spreads over every SM); warp w serves row group i = w / members as member w % members =
+// which * splits + split. Warps past groups * members idle.
 struct PairGrid {
   int weights, row_groups, splits, members, groups, rounds, steps_per_split, steps;  // steps: of a whole row
   __device__ PairUnit unit(int round, int block, int blocks, int warp) const {
     PairUnit p;
     const int group = warp / members, member = warp - group * members;
-    const std::int64_t row_group = (static_cast<std::int64_t>(round) * blocks + block) * groups + group;
+    const std::int64_t row_group = (static_cast<std::int64_t>(round) * groups + group) * blocks + block;
     p.which = member / splits;
     p.split = member - p.which * splits;
     p.n0 = row_group * 16;
