@@ -171,10 +171,12 @@ bool pair_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
          state(ctx).props.sharedMemPerBlockOptin >= static_cast<std::size_t>(small_m::kPairSharedBytes);
 }
 
-// Where the pair kernel beats the table kernel and the GEMV (H200, device µs, same run): every M = 1 (Llama-3-8B
-// gate/up 18.6 vs 20.1, down 21.5 vs 22.5) and the weights at least as tall as wide (gate/up: Llama M = 8 / 16
-// 21.3 / 27.0 vs 26.4 / 30.8, Qwen2.5-1.5B 9.5 / 10.9 vs 10.0 / 11.4); on the wide down projections its short
-// units lose above one row (Llama down M = 8 / 16 27.3 / 36.8 vs 26.5 / 35.2, Qwen down M = 16 14.4 vs 13.6).
+// Where the pair kernel beat the table kernel and the GEMV (H200, device µs, session 20, same run): every M = 1
+// (Llama-3-8B gate/up 18.6 vs 20.1, down 21.5 vs 22.5) and the weights at least as tall as wide (gate/up: Llama
+// M = 8 / 16 21.3 / 27.0 vs 26.4 / 30.8, Qwen2.5-1.5B 9.5 / 10.9 vs 10.0 / 11.4); on the wide down projections its
+// short units lost above one row (Llama down M = 8 / 16 27.3 / 36.8 vs 26.5 / 35.2, Qwen down M = 16 14.4 vs
+// 13.6). Since session 21 it is faster (16.3 µs on Llama gate/up at M = 1); the down projections above one row
+// were not measured again.
 bool pair_wins(std::int64_t m, const Nf4Weight& w) { return m == 1 || w.rows >= w.cols; }
 
 // Split-K for the pair kernel: a row group's units (splits x weights, at most the block's 16 warps) share a block

@@ -513,7 +513,8 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
   };
   // code2 (thread t: value t % 256 of weight t / 256) and the first step of every warp go out first, the other
   // steps in flight after the table's fill: the first multiplies wait for those two (H200, Llama-3-8B gate/up
-  // M = 1: 17.6 vs 18.2 µs with every step issued before the fill and code2 loaded after them).
+  // M = 1: 17.6 vs 18.2 µs with only the first step issued before the fill instead of all three; ncu had shown
+  // code2's loads, queued behind every warp's three steps, holding up the block's first barrier).
   static_assert(kPairThreads == 2 * kNf4Code2Size, "one code2 value per thread");
   float code2_value = 0.0f;
   if constexpr (kDq) {
