@@ -316,8 +316,9 @@ TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
                                  ErrorCode::Unsupported, {"nf4_gemm_backward_a", "Fused", why_n}));
 }
 
-// Where the pair kernel splits K (or runs gate and up in one launch), its partial sums are reduced in a fixed
-// order: the same bits on every call, with calls on another shape in between.
+// Where the pair kernel splits K (or runs gate and up in one launch), a block adds its row groups' partial sums
+// in a fixed order (member 0's warp, through shared memory): the same bits on every call, with calls on another
+// shape in between.
 TEST(SmallMPath, PairKernelSumsAreTheSameOnEveryCall) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();
