@@ -99,7 +99,8 @@ TEST_P(SmallMForward, MatchesCpuOracle) {
 }
 
 // M = 2-16 with bf16 A, N >= K and K a multiple of 256 take the pair kernel (N ragged around its 16-row units,
-// one and two n8 tiles, one split and several), the rest the table kernel: one n8 tile of A rows (M <= 8), two
+// one and two n8 tiles, one split and several, and on an H200 (132 SMs) two splits in three rounds: 36000 rows),
+// the rest the table kernel: one n8 tile of A rows (M <= 8), two
 // (<= 16) or four; K not a multiple of the 256-element span (64, 192, 576: lanes past K idle), N ragged around
 // the 16-row warp tile and the 128-row block, split-K with a partial last span (4160 = 65 blocks) and with many
 // splits (18432).
@@ -108,15 +109,18 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SmallMForward,
                                            Shape3{8, 129, 4160}, Shape3{9, 65, 1536}, Shape3{16, 129, 1536},
                                            Shape3{17, 257, 512}, Shape3{32, 300, 1024}, Shape3{5, 14336 / 16, 4096},
                                            Shape3{13, 70, 18432}, Shape3{3, 1537, 1536}, Shape3{9, 1000, 512},
-                                           Shape3{16, 300, 256}, Shape3{6, 5000, 1024}));
+                                           Shape3{16, 300, 256}, Shape3{6, 5000, 1024},
+                                           Shape3{4, 36000, 1024}));
 
-// M = 1: bf16 A with K a multiple of 256 takes the pair kernel (2048, 18432, 4096), f32 A and other K (64, 4160)
+// M = 1: bf16 A with K a multiple of 256 takes the pair kernel (2048, 18432, 4096; 40000 x 256: one unit per row
+// group, two rounds on an H200), f32 A and other K (64, 4160)
 // the GEMV kernel: one k group with 1 and all 32 lanes busy, three groups on six warps (65 chunks), nine groups
 // (warps take two in turn), and enough rows per block (10560 on an H200: 40 per block, 5 per warp) that each
 // warp's ring of code rows wraps around.
 INSTANTIATE_TEST_SUITE_P(Gemv, SmallMForward,
                          ::testing::Values(Shape3{1, 1, 64}, Shape3{1, 63, 2048}, Shape3{1, 1000, 4160},
-                                           Shape3{1, 130, 18432}, Shape3{1, 10560, 64}, Shape3{1, 2050, 4096}));
+                                           Shape3{1, 130, 18432}, Shape3{1, 10560, 64}, Shape3{1, 2050, 4096},
+                                           Shape3{1, 40000, 256}));
 
 // Both scale formats and dC/dA dtypes, beta in {0, 1} (dA poisoned when beta is 0).
 void expect_backward_matches(Nf4Path path, std::int64_t m, std::int64_t n, std::int64_t k, int block_size) {
@@ -203,6 +207,7 @@ TEST(SmallMGateUp, AllOutputCombinationsMatchCpu) {
   QMM_REQUIRE_GPU();
   expect_gate_up_matches(Nf4Path::SmallM, 7, 333, 1088, DType::BF16);
   expect_gate_up_matches(Nf4Path::SmallM, 7, 333, 1024, DType::BF16);  // the pair kernel, both weights in a launch
+  expect_gate_up_matches(Nf4Path::SmallM, 2, 20000, 256, DType::BF16);  // the same in two rounds (132 SMs)
   expect_gate_up_matches(Nf4Path::SmallM, 20, 70, 576, DType::F32);  // four n8 tiles of A rows
   expect_gate_up_matches(Nf4Path::SmallM, 1, 333, 1088, DType::F32);  // the GEMV kernel, both weights in a launch
 }
