@@ -21,6 +21,14 @@ __device__ __forceinline__ void cp_async_16_or_zero(std::uint32_t dst, const voi
                : "memory");
 }
 
+// Closes the copies issued since the last commit into one group; waits until at most kPending groups are in
+// flight (each thread for its own copies: a barrier makes them visible to the others).
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 // Four 8 x 8 b16 matrices from shared memory (lanes 8i.. give matrix i's row addresses), as mma fragments; .trans
 // hands each lane the transposed matrices' elements.
 __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t addr) {

@@ -52,6 +52,8 @@ struct Layout {
 };
 
 using common::cp_async_16_or_zero;
+using common::cp_async_commit;
+using common::cp_async_wait;
 using common::ldmatrix_x2_trans;
 using common::ldmatrix_x4;
 using common::ldmatrix_x4_trans;
@@ -124,15 +126,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int s = 0; s < kStages - 1; ++s) {
     const int tile = split + s * splits;
     if (tile < row_tiles) load_tile(s, tile);
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    cp_async_commit();
   }
   int stage = 0;
   for (int tile = split; tile < row_tiles; tile += splits, stage = (stage + 1) % kStages) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");  // this tile has landed
+    cp_async_wait<kStages - 2>();  // this tile has landed
     __syncthreads();  // ... for every thread; and every thread is done with the previous tile's stage and sums
     const int ahead = tile + (kStages - 1) * splits;
     if (ahead < row_tiles) load_tile((stage + kStages - 1) % kStages, ahead);
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    cp_async_commit();
     const std::uint32_t dy_s = shared_address(smem + stage * L::kStageBytes);
     const std::uint32_t t_s = dy_s + L::kDyBytes, strip_a = shared_address(strip_s);
 
@@ -194,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  cp_async_wait<0>();
 
 #pragma unroll
   for (int mt = 0; mt < kGbTiles; ++mt)

@@ -347,11 +347,8 @@ __global__ void __launch_bounds__(kTabThreads, tab_blocks_per_sm(NT8)) nf4_small
 
 using common::cp_async_16;
 using common::cp_async_16_or_zero;
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
+using common::cp_async_commit;
+using common::cp_async_wait;
 
 // ---- forward, M <= 16, bf16 A: code-byte pairs on the tensor cores, the block scale after the product -------
 // Here each 64-element block's product is summed unscaled and then multiplied by the block's scale in fp32:
@@ -371,7 +368,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // gives the fragment's slots {2t, 2t+1} and {2t+8, 2t+9} the bytes 2i and 2i + 1 of those, so A's fragment is the
 // lane's 16 consecutive activations of the block (rows of A as the n8 columns). The four blocks' mma chains are
 // independent and interleaved. Codes and scales travel by cp.async through a per-warp ring of steps that runs on
-// across units (the codes past L1, which keeps A's rows).
+// across rounds (the codes past L1, which keeps A's rows).
 constexpr int kPairWarps = 16;
 constexpr int kPairThreads = 32 * kPairWarps;
 constexpr int kPairTableBytes = 256 * 256;
