@@ -170,14 +170,10 @@ bool pair_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
          reinterpret_cast<std::uintptr_t>(w.absmax.data()) % scale_align == 0 &&
          state(ctx).props.sharedMemPerBlockOptin >= static_cast<std::size_t>(small_m::kPairSharedBytes);
 }
-
-// Where the pair kernel beat the table kernel and the GEMV (H200, device µs, session 20, same run): every M = 1
-// (Llama-3-8B gate/up 18.6 vs 20.1, down 21.5 vs 22.5) and the weights at least as tall as wide (gate/up: Llama
-// M = 8 / 16 21.3 / 27.0 vs 26.4 / 30.8, Qwen2.5-1.5B 9.5 / 10.9 vs 10.0 / 11.4); on the wide down projections its
-// short units lost above one row (Llama down M = 8 / 16 27.3 / 36.8 vs 26.5 / 35.2, Qwen down M = 16 14.4 vs
-// 13.6). Since session 21 it is faster (16.3 µs on Llama gate/up at M = 1); the down projections above one row
-// were not measured again.
-bool pair_wins(std::int64_t m, const Nf4Weight& w) { return m == 1 || w.rows >= w.cols; }
+// Where it fits, the pair kernel beats the table kernel and the GEMV on every shape measured (H200, device µs,
+// bf16, double-quantized, session 22, same run): also on the wide down projections above one row, which it lost
+// before session 21's block-local sums (Llama-3-8B down M = 8 / 16: 23.9 / 31.6 vs 26.5 / 35.3; Qwen2.5-1.5B
+// down 10.0 / 13.1 vs 11.2 / 13.6).
 
 // Split-K for the pair kernel: a row group's units (splits x weights, at most the block's 16 warps) share a block
 // and a round, so that the block sums them. Among the split counts, the one with the shortest modelled time,
@@ -229,7 +225,7 @@ template <bool kAF32>
 float* launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
                    const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
   const std::int64_t M = a.dim(0);
-  if (pair_wins(M, w0) && pair_fits(ctx, a, w0) && pair_fits(ctx, a, w1) && w0.double_quant() == w1.double_quant()) {
+  if (pair_fits(ctx, a, w0) && pair_fits(ctx, a, w1) && w0.double_quant() == w1.double_quant()) {
     if (M <= 8) launch_pair_scales<1>(ctx, a, w0, w1, weights, o);
     else launch_pair_scales<2>(ctx, a, w0, w1, weights, o);
     return nullptr;
