@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <utility>
 
 #include "core/context_impl.h"
 
@@ -58,6 +59,26 @@ void set_device(const Context& ctx);
 
 // Lets `kernel` launch with `bytes` of dynamic shared memory on the current device (raised once, then cached).
 void allow_dynamic_shared(const void* kernel, int bytes);
+
+// Launches `kernel` with programmatic dependent launch: on sm_90 it may start while the stream's previous kernel
+// drains (that kernel's blocks exit or call pdl_launch_dependents), so its launch and its prologue overlap that
+// kernel's tail. The kernel must call pdl_wait (sm80_ptx.cuh) before it reads or writes global memory; elsewhere
+// the attribute is ignored and the launch is an ordinary one.
+template <class... Params, class... Args>
+cudaError_t launch_overlapping(const Context& ctx, void (*kernel)(Params...), unsigned grid, unsigned threads,
+                        int shared_bytes, Args&&... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = static_cast<std::size_t>(shared_bytes);
+  config.stream = stream_of(ctx);
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 

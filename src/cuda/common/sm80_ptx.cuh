@@ -1,5 +1,5 @@
 // The sm_80+ PTX the warp-level kernels share: shared-state addresses, cp.async, ldmatrix and mma.sync (bf16
-// operands, fp32 accumulation), each a thin inline wrapper.
+// operands, fp32 accumulation), and programmatic dependent launch (sm_90), each a thin inline wrapper.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +27,21 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Programmatic dependent launch (sm_90; no-ops on older GPUs, where launch_overlapping's attribute is ignored).
+// pdl_wait: blocks until the stream's previous kernel has finished and its writes are visible; a kernel launched
+// with launch_overlapping calls it before its first global read or write. pdl_launch_dependents: lets the stream's
+// next such kernel launch its blocks as this one's leave the SMs.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 // Four 8 x 8 b16 matrices from shared memory (lanes 8i.. give matrix i's row addresses), as mma fragments; .trans

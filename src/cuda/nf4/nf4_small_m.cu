@@ -209,9 +209,9 @@ void launch_pair(const Context& ctx, const TensorView& a, const Nf4Weight& w0, c
   auto kernel = nf4_small_m_pair_kernel<NT8, kDq>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), kPairSharedBytes);
   const PairOut out{o.c.empty() ? nullptr : o.c.data(), o.c.dtype() == DType::BF16, o.gate_up, o.alpha, o.beta};
-  kernel<<<state(ctx).sm_count(), kPairThreads, kPairSharedBytes, stream_of(ctx)>>>(
-      a.data_as<__nv_bfloat16>(), static_cast<int>(M), N, K, weight_args(w0), weight_args(w1), grid, out);
-  QMM_CUDA_CHECK_LAUNCH("nf4_small_m_pair_kernel");
+  QMM_CUDA_CHECK(launch_overlapping(ctx, kernel, state(ctx).sm_count(), kPairThreads, kPairSharedBytes,
+                                    a.data_as<__nv_bfloat16>(), static_cast<int>(M), N, K, weight_args(w0),
+                                    weight_args(w1), grid, out));
 }
 
 template <int NT8>

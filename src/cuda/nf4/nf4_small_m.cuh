@@ -349,6 +349,8 @@ using common::cp_async_16;
 using common::cp_async_16_or_zero;
 using common::cp_async_commit;
 using common::cp_async_wait;
+using common::pdl_launch_dependents;
+using common::pdl_wait;
 
 // ---- forward, M <= 16, bf16 A: code-byte pairs on the tensor cores, the block scale after the product -------
 // Here each 64-element block's product is summed unscaled and then multiplied by the block's scale in fp32:
@@ -508,18 +510,12 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
       else is.steps = 0;
     }
   };
-  // code2 (thread t: value t % 256 of weight t / 256) and the first step of every warp go out first, the other
-  // steps in flight after the table's fill: the first multiplies wait for those two (H200, Llama-3-8B gate/up
-  // M = 1: 17.6 vs 18.2 µs with only the first step issued before the fill instead of all three; ncu had shown
-  // code2's loads, queued behind every warp's three steps, holding up the block's first barrier).
-  static_assert(kPairThreads == 2 * kNf4Code2Size, "one code2 value per thread");
-  float code2_value = 0.0f;
-  if constexpr (kDq) {
-    const float* code2 = tid < kNf4Code2Size ? w0.scales.code2 : w1.scales.code2;  // pointers, not the structs
-    code2_value = __ldg(code2 + tid % kNf4Code2Size);
-  }
-  issue_next();
-
+  // Launched overlapping (launch_overlapping): the table, which reads no global memory, is filled while the
+  // stream's previous kernel drains; everything after pdl_wait reads what that kernel may have written. Then
+  // code2 (thread t: value t % 256 of weight t / 256) and the first step of every warp go out before the other
+  // steps: the first multiplies wait for those two (ncu had shown code2's loads, queued behind every warp's three
+  // steps, holding up the block's first barrier).
+  pdl_launch_dependents();
   static_assert(kPairWarps == 16, "the table fill gives warp w the bytes with low nibble w");
   {
     float lo = 0.0f;  // nf4_code_value(warp), by selects rather than an indexed local array
@@ -530,6 +526,14 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
       *reinterpret_cast<std::uint32_t*>(smem + front + 256 * (16 * hi + warp) + 4 * lane) =
           pack_bf16x2(nf4_code_value(hi), lo);
   }
+  pdl_wait();
+  static_assert(kPairThreads == 2 * kNf4Code2Size, "one code2 value per thread");
+  float code2_value = 0.0f;
+  if constexpr (kDq) {
+    const float* code2 = tid < kNf4Code2Size ? w0.scales.code2 : w1.scales.code2;  // pointers, not the structs
+    code2_value = __ldg(code2 + tid % kNf4Code2Size);
+  }
+  issue_next();
 #pragma unroll 1
   for (int s = 1; s + 1 < kPairAhead; ++s) issue_next();
   if constexpr (kDq) code2_shared[tid] = code2_value;  // [which][256]
