@@ -1,5 +1,7 @@
 // The NF4 GEMM fast paths against the CPU oracle, forced by path: the small-M kernels (forward, input gradient,
 // gate+up) and the fused tensor-core kernels (sm_90a; in-loop and shared dequantization).
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -351,6 +353,50 @@ TEST(SmallMPath, PairKernelSumsAreTheSameOnEveryCall) {
   nf4_gemm(Context::cpu(), test::host_copy(a), p.w_host, ref);
   EXPECT_TRUE(forward_close(Nf4Path::SmallM, test::host_copy(a), p.w_host, cs[0], ref, ref, 1.0f, 0.0f,
                             test::fp32_accum_tolerance(4096)));
+}
+
+// The small-M kernels launch overlapping the stream's previous kernel (programmatic dependent launch on sm_90):
+// each must still wait for what that kernel writes. A chain of calls, each reading the previous call's output
+// with no synchronization in between, must give bitwise what the same calls give one at a time (the kernels are
+// deterministic); every output is poisoned (NaN) first, so a call that read its input too early would show. bf16
+// activations take the pair kernel (K multiples of 256), f32 ones the table kernel with its split-K reduce
+// (4160) and, at M = 1, the GEMV; the chain ends in nf4_gate_up.
+TEST(SmallMPath, BackToBackCallsSeeTheirInputs) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  for (DType dt : {DType::BF16, DType::F32})
+    for (std::int64_t m : {1, 5}) {
+      const std::int64_t k1 = dt == DType::BF16 ? 1024 : 4160, k2 = dt == DType::BF16 ? 512 : 320;
+      Problem w1 = make_weight(k2, k1, true, 31), w2 = make_weight(k1, k2, true, 32);
+      const Tensor x0 = to_device(test::random_tensor(dt, {m, k1}, 33), gpu.device());
+      std::vector<Tensor> xs = {Tensor(dt, {m, k2}, gpu.device()), Tensor(dt, {m, k1}, gpu.device()),
+                                Tensor(dt, {m, k2}, gpu.device()), Tensor(dt, {m, k1}, gpu.device()),
+                                Tensor(DType::BF16, {m, k2}, gpu.device())};
+      auto run = [&](bool sync_each) {
+        for (Tensor& x : xs) test::poison(x);
+        gpu.synchronize();
+        const Tensor* in = &x0;
+        for (int i = 0; i < 4; ++i) {
+          nf4_gemm(gpu, *in, (i % 2 == 0 ? w1 : w2).w_dev, xs[i], {1.0f, 0.0f, Nf4Path::SmallM});
+          if (sync_each) gpu.synchronize();
+          in = &xs[i];
+        }
+        nf4_gate_up(gpu, xs[3], w1.w_dev, w1.w_dev, {TensorView(), TensorView(), xs[4]},
+                    {1.0f, 0.0f, Nf4Path::SmallM});
+        gpu.synchronize();
+        std::vector<Tensor> got;
+        for (const Tensor& x : xs) got.push_back(test::host_copy(x));
+        return got;
+      };
+      const std::vector<Tensor> one_at_a_time = run(true), back_to_back = run(false);
+      for (std::size_t i = 0; i < xs.size(); ++i) {
+        const std::vector<double> v = test::to_doubles(one_at_a_time[i]);
+        EXPECT_TRUE(std::all_of(v.begin(), v.end(), [](double x) { return std::isfinite(x); }))
+            << dtype_name(dt) << " M " << m << " call " << i;
+        EXPECT_EQ(0, std::memcmp(one_at_a_time[i].data(), back_to_back[i].data(), one_at_a_time[i].nbytes()))
+            << dtype_name(dt) << " M " << m << " call " << i;
+      }
+    }
 }
 
 TEST(SmallMPath, ForcedOnUnsupportedShapeRaisesUnsupported) {

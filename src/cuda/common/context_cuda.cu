@@ -251,6 +251,21 @@ void allow_dynamic_shared(const void* kernel, int bytes) {
   }
 }
 
+bool kernel_has_pdl_wait(const void* kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, bool> cache;
+  int device = 0;
+  QMM_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto [it, added] = cache.try_emplace({kernel, device}, false);
+  if (added) {
+    cudaFuncAttributes attr{};
+    QMM_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    it->second = attr.ptxVersion >= 90;
+  }
+  return it->second;
+}
+
 std::int64_t wave_blocks(const Context& ctx, const void* kernel, int threads) {
   static std::mutex mutex;
   static std::map<std::tuple<const void*, int, int>, int> per_sm_cache;

@@ -60,23 +60,28 @@ void set_device(const Context& ctx);
 // Lets `kernel` launch with `bytes` of dynamic shared memory on the current device (raised once, then cached).
 void allow_dynamic_shared(const void* kernel, int bytes);
 
+// Whether the current device runs `kernel` from code compiled for sm_90 or later (cudaFuncGetAttributes'
+// ptxVersion, cached per kernel and device): only there does pdl_wait wait. A build for sm_80 alone, which an
+// H200 runs through the driver's JIT, has no wait in its kernels and must not be launched overlapping.
+bool kernel_has_pdl_wait(const void* kernel);
+
 // Launches `kernel` with programmatic dependent launch: on sm_90 it may start while the stream's previous kernel
 // drains (that kernel's blocks exit or call pdl_launch_dependents), so its launch and its prologue overlap that
-// kernel's tail. The kernel must call pdl_wait (sm80_ptx.cuh) before it reads or writes global memory; elsewhere
-// the attribute is ignored and the launch is an ordinary one.
+// kernel's tail. The kernel must call pdl_wait (sm80_ptx.cuh) before it reads or writes global memory. Where its
+// code predates sm_90 the launch is an ordinary one.
 template <class... Params, class... Args>
-cudaError_t launch_overlapping(const Context& ctx, void (*kernel)(Params...), unsigned grid, unsigned threads,
-                        int shared_bytes, Args&&... args) {
+cudaError_t launch_overlapping(const Context& ctx, void (*kernel)(Params...), dim3 grid, unsigned threads,
+                               int shared_bytes, Args&&... args) {
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
+  config.gridDim = grid;
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = static_cast<std::size_t>(shared_bytes);
   config.stream = stream_of(ctx);
   config.attrs = &attr;
-  config.numAttrs = 1;
+  config.numAttrs = kernel_has_pdl_wait(reinterpret_cast<const void*>(kernel)) ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 

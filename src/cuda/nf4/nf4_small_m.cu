@@ -46,10 +46,9 @@ void launch_nf4_split_k_reduce(const Context& ctx, const float* partial, int spl
                                const TensorView& c, float alpha, float beta) {
   const bool bf16 = c.dtype() == DType::BF16;
   launch_by_lanes(ctx, splits, mn, [&](auto lanes, unsigned blocks) {
-    small_m::nf4_split_k_reduce_kernel<decltype(lanes)::value><<<blocks, kReduceThreads, 0, stream_of(ctx)>>>(
-        partial, splits, mn, c.data(), bf16, alpha, beta);
+    QMM_CUDA_CHECK(launch_overlapping(ctx, small_m::nf4_split_k_reduce_kernel<decltype(lanes)::value>, blocks,
+                                      kReduceThreads, 0, partial, splits, mn, c.data(), bf16, alpha, beta));
   });
-  QMM_CUDA_CHECK_LAUNCH("nf4_split_k_reduce_kernel");
 }
 
 namespace {
@@ -121,11 +120,9 @@ float* launch_table(const Context& ctx, const TensorView& a, const Nf4Weight& w0
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), ts.smem);
   float* partial =
       ts.splits > 1 || weights > 1 ? new_partials(ctx, scratch, weights * ts.splits * M * N) : nullptr;
-  kernel<<<grid, kTabThreads, ts.smem, stream_of(ctx)>>>(a.data(), M, N, K, weight_args(w0), weight_args(w1),
-                                                         blocks_n, ts.spans, partial,
-                                                         c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16,
-                                                         alpha, beta);
-  QMM_CUDA_CHECK_LAUNCH("nf4_small_m_table_kernel");
+  QMM_CUDA_CHECK(launch_overlapping(ctx, kernel, grid, kTabThreads, ts.smem, a.data(), M, N, K, weight_args(w0),
+                                    weight_args(w1), blocks_n, ts.spans, partial,
+                                    c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16, alpha, beta));
   *splits_out = ts.splits;
   return partial;
 }
@@ -154,10 +151,10 @@ float* launch_gemv(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
   auto kernel = nf4_gemv_kernel<kAF32>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), kGemvSharedBytes);
   float* partial = weights > 1 ? new_partials(ctx, scratch, weights * N) : nullptr;
-  kernel<<<blocks_n * weights, kGemvThreads, kGemvSharedBytes, stream_of(ctx)>>>(
-      a.data(), N, K, weight_args(w0), weight_args(w1), blocks_n, static_cast<int>(rows), partial,
-      c.empty() ? nullptr : c.data(), c.dtype() == DType::BF16, alpha, beta);
-  QMM_CUDA_CHECK_LAUNCH("nf4_gemv_kernel");
+  QMM_CUDA_CHECK(launch_overlapping(ctx, kernel, static_cast<unsigned>(blocks_n * weights), kGemvThreads,
+                                    kGemvSharedBytes, a.data(), N, K, weight_args(w0), weight_args(w1), blocks_n,
+                                    static_cast<int>(rows), partial, c.empty() ? nullptr : c.data(),
+                                    c.dtype() == DType::BF16, alpha, beta));
   return partial;
 }
 
@@ -318,10 +315,9 @@ void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const N
   if (!partial) return;  // the pair kernel wrote the outputs
   const std::int64_t mn = a.dim(0) * w_gate.rows;
   launch_by_lanes(ctx, splits, mn, [&](auto lanes, unsigned blocks) {
-    small_m::nf4_gate_up_reduce_kernel<decltype(lanes)::value><<<blocks, kReduceThreads, 0, stream_of(ctx)>>>(
-        partial, splits, mn, o, alpha, beta);
+    QMM_CUDA_CHECK(launch_overlapping(ctx, small_m::nf4_gate_up_reduce_kernel<decltype(lanes)::value>, blocks,
+                                      kReduceThreads, 0, partial, splits, mn, o, alpha, beta));
   });
-  QMM_CUDA_CHECK_LAUNCH("nf4_gate_up_reduce_kernel");
 }
 
 }  // namespace qmm::cuda

@@ -65,6 +65,8 @@ __device__ __forceinline__ float finish_scale(const Scales& s, RawScale r, const
 constexpr int kCode2Bytes = kNf4Code2Size * 4;
 constexpr int kTablesBytes = kCodebookBytes + kCode2Bytes;
 
+using common::pdl_launch_dependents;
+using common::pdl_wait;
 using common::shared_address;
 
 // The codebook inside the first kCodebookBytes of shared memory, 256-byte aligned: a lookup's address is then one
@@ -215,6 +217,8 @@ __global__ void __launch_bounds__(kTabThreads, tab_blocks_per_sm(NT8)) nf4_small
     const void* __restrict__ a, std::int64_t M, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1,
     int blocks_per_weight, int spans, float* __restrict__ partial, void* __restrict__ c, bool c_bf16, float alpha,
     float beta) {
+  pdl_launch_dependents();  // launched overlapping (launch_overlapping): the launch overlaps the previous kernel
+  pdl_wait();
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* aligned = smem + ((4096u - (shared_address(smem) & 4095u)) & 4095u);
   float* code2_shared = reinterpret_cast<float*>(aligned + kTabWarps * kLaneTablesBytes);
@@ -349,8 +353,6 @@ using common::cp_async_16;
 using common::cp_async_16_or_zero;
 using common::cp_async_commit;
 using common::cp_async_wait;
-using common::pdl_launch_dependents;
-using common::pdl_wait;
 
 // ---- forward, M <= 16, bf16 A: code-byte pairs on the tensor cores, the block scale after the product -------
 // Here each 64-element block's product is summed unscaled and then multiplied by the block's scale in fp32:
@@ -700,6 +702,8 @@ template <bool kAF32>
 __global__ void __launch_bounds__(kGemvThreads, 2) nf4_gemv_kernel(
     const void* __restrict__ a, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1, int blocks_per_weight,
     int rows_per_block, float* __restrict__ partial, void* __restrict__ c, bool c_bf16, float alpha, float beta) {
+  pdl_launch_dependents();  // launched overlapping (launch_overlapping): the launch overlaps the previous kernel
+  pdl_wait();
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* aligned = smem + ((4096u - (shared_address(smem) & 4095u)) & 4095u);
   unsigned char* rings = aligned + kGemvWarps * kLaneTablesBytes;
@@ -1008,6 +1012,8 @@ struct LaneGroups {
 template <int kLanes>
 __global__ void nf4_split_k_reduce_kernel(const float* __restrict__ partial, int splits, std::int64_t mn,
                                           void* __restrict__ c, bool c_bf16, float alpha, float beta) {
+  pdl_launch_dependents();  // launched overlapping (launch_overlapping): the launch overlaps the kernel it sums
+  pdl_wait();
   const LaneGroups<kLanes> w;
   const int lane = w.lane;
   for (std::int64_t i = w.first; i < mn; i += w.step) {
@@ -1021,6 +1027,8 @@ __global__ void nf4_split_k_reduce_kernel(const float* __restrict__ partial, int
 template <int kLanes>
 __global__ void nf4_gate_up_reduce_kernel(const float* __restrict__ partial, int splits, std::int64_t mn,
                                           GateUpOut out, float alpha, float beta) {
+  pdl_launch_dependents();  // launched overlapping (launch_overlapping): the launch overlaps the kernel it sums
+  pdl_wait();
   const float* pu = partial + static_cast<std::int64_t>(splits) * mn;
   const LaneGroups<kLanes> w;
   const int lane = w.lane;
