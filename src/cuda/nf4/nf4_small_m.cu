@@ -160,17 +160,17 @@ float* launch_gemv(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
 
 // The pair kernel's preconditions beyond the small-M ones: bf16 A, M <= 16, blocks of 64, K a multiple of 256,
 // absmax read in aligned pairs (plain: 8 bytes) or q in aligned words (double-quantized: 4 bytes), and a GPU that
-// gives a block the kernel's shared memory (sm_90 does; elsewhere, and for other shapes, the table kernel).
+// gives a block the kernel's shared memory (sm_90 does; elsewhere, and for other shapes, the table kernel). Where
+// it fits it beats the table kernel and the GEMV on every shape measured (H200, device µs, bf16, double-quantized,
+// session 22, same run), also on the wide down projections above one row, which it lost before session 21's
+// block-local sums (Llama-3-8B down M = 8 / 16: 23.9 / 31.6 vs 26.5 / 35.3; Qwen2.5-1.5B down 10.0 / 13.1 vs
+// 11.2 / 13.6), so launch_rows takes it whenever it fits.
 bool pair_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
   const std::uintptr_t scale_align = w.double_quant() ? 4 : 8;
   return a.dtype() == DType::BF16 && a.dim(0) <= 16 && w.block_size == 64 && w.cols % 256 == 0 &&
          reinterpret_cast<std::uintptr_t>(w.absmax.data()) % scale_align == 0 &&
          state(ctx).props.sharedMemPerBlockOptin >= static_cast<std::size_t>(small_m::kPairSharedBytes);
 }
-// Where it fits, the pair kernel beats the table kernel and the GEMV on every shape measured (H200, device µs,
-// bf16, double-quantized, session 22, same run): also on the wide down projections above one row, which it lost
-// before session 21's block-local sums (Llama-3-8B down M = 8 / 16: 23.9 / 31.6 vs 26.5 / 35.3; Qwen2.5-1.5B
-// down 10.0 / 13.1 vs 11.2 / 13.6).
 
 // Split-K for the pair kernel: a row group's units (splits x weights, at most the block's 16 warps) share a block
 // and a round, so that the block sums them. Among the split counts, the one with the shortest modelled time,
