@@ -47,8 +47,8 @@ test::Tolerance tolerance_for(DType out, std::int64_t k) {
 
 // The small-M forward with bf16 A, M <= 16, blocks of 64 and K a multiple of 256 takes the pair kernel, which
 // applies the block scale after each block's product (ops.h) where the GPU gives a block its shared memory (sm_90:
-// on the H200 it must); elsewhere the table kernel or the GEMV keep the dequantized weight's contract. Each is checked against its own fp64 reference to fp32
-// accumulation precision.
+// on the H200 it must); elsewhere the table kernel or the GEMV keep the dequantized weight's contract. Each is
+// checked against its own fp64 reference to fp32 accumulation precision.
 bool scale_after_expected(Nf4Path path, const TensorView& a, const Nf4Weight& w) {
   const std::int64_t m = a.dim(0);
   return (path == Nf4Path::SmallM || path == Nf4Path::Auto) && a.dtype() == DType::BF16 &&
