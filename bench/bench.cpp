@@ -531,12 +531,15 @@ void Bench::run_nf4() {
       const double wbytes = nf4_bytes(N, K, true);
       const int sets = sets_for(wbytes + 2.0 * (M * K + M * N));
       std::vector<Nf4Tensor> ws, ws2;
-      std::vector<Tensor> as, cs, dcs, das, hs;
+      std::vector<Tensor> as, as32, cs, dcs, das, hs;
+      // f32 activations too where the small-M kernels serve them (Auto; they round A to bf16 as every path does).
+      const bool f32_a = fwd && is_gpu_ && M <= 16;
       for (int s = 0; s < sets; ++s) {
         Tensor w = pool_.make(ctx_, DType::BF16, {N, K}, 400 + s);
         ws.push_back(nf4_quantize(ctx_, w, true));
         if (gu) ws2.push_back(nf4_quantize(ctx_, pool_.make(ctx_, DType::BF16, {N, K}, 450 + s), true));
         as.push_back(pool_.make(ctx_, DType::BF16, {M, K}, 500 + s));
+        if (f32_a) as32.push_back(pool_.make(ctx_, DType::F32, {M, K}, 520 + s));
         cs.emplace_back(DType::BF16, Shape{M, N}, ctx_.device());
         if (bwd) {
           dcs.push_back(pool_.make(ctx_, DType::BF16, {M, N}, 540 + s));
@@ -568,6 +571,11 @@ void Bench::run_nf4() {
           bwd_fns.push_back(
               [&, po](int i) { nf4_gemm_backward_a(ctx_, dcs[i % sets], ws[i % sets], das[i % sets], po); });
         }
+      }
+      if (f32_a) {
+        const double io32 = wbytes + 4.0 * M * K + 2.0 * M * N;
+        fwd_rows.push_back({"nf4_gemm", "dq auto a-f32", p.label, 1, M, N, K, flops, io32});
+        fwd_fns.push_back([&](int i) { nf4_gemm(ctx_, as32[i % sets], ws[i % sets], cs[i % sets]); });
       }
       for (auto [rows, fns] : {std::pair{&fwd_rows, &fwd_fns}, std::pair{&bwd_rows, &bwd_fns}}) {
         const std::vector<Stats> st = time_interleaved(*fns, sets);
