@@ -21,6 +21,13 @@ __device__ __forceinline__ void cp_async_16_or_zero(std::uint32_t dst, const voi
                : "memory");
 }
 
+// kBytes (4, 8 or 16) global -> shared through L1, or zeros where !valid (src is then not read).
+template <int kBytes>
+__device__ __forceinline__ void cp_async_ca_or_zero(std::uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(kBytes),
+               "r"(valid ? kBytes : 0) : "memory");
+}
+
 // Closes the copies issued since the last commit into one group; waits until at most kPending groups are in
 // flight (each thread for its own copies: a barrier makes them visible to the others).
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }

@@ -351,6 +351,7 @@ __global__ void __launch_bounds__(kTabThreads, tab_blocks_per_sm(NT8)) nf4_small
 
 using common::cp_async_16;
 using common::cp_async_16_or_zero;
+using common::cp_async_ca_or_zero;
 using common::cp_async_commit;
 using common::cp_async_wait;
 
@@ -464,11 +465,9 @@ struct PairIssue {
       // q: the step's 4 bytes (one aligned word); absmax2: that of b's group of 256 blocks (all four share it).
       const void* src = (lane & 1) ? static_cast<const void*>(static_cast<const float*>(scale) + (b >> 8))
                                    : static_cast<const void*>(static_cast<const std::uint8_t*>(scale) + b);
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(sdst + 4 * (lane & 1)), "l"(src),
-                   "r"(row_ok ? 4 : 0) : "memory");
+      cp_async_ca_or_zero<4>(sdst + 4 * (lane & 1), src, row_ok);
     } else {
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(sdst + 8 * (lane & 1)),
-                   "l"(static_cast<const float*>(scale) + b + 2 * (lane & 1)), "r"(row_ok ? 8 : 0) : "memory");
+      cp_async_ca_or_zero<8>(sdst + 8 * (lane & 1), static_cast<const float*>(scale) + b + 2 * (lane & 1), row_ok);
     }
   }
 };
@@ -1044,7 +1043,6 @@ __global__ void nf4_split_k_reduce_kernel(const float* __restrict__ partial, int
 }
 
 // gate_up: sums both weights' partials, then writes gate, up (alpha applied) and h = silu(gate)*up where asked.
-
 template <int kLanes>
 __global__ void nf4_gate_up_reduce_kernel(const float* __restrict__ partial, int splits, std::int64_t mn,
                                           GateUpOut out, float alpha, float beta) {
