@@ -262,12 +262,13 @@ class Bench {
     return is_gpu_ ? bench::token_counts() : std::vector<std::int64_t>{1, 16};
   }
   std::vector<std::int64_t> token_counts() const { return only_selected_tokens(all_token_counts()); }
-  // The token counts that --tokens selects (all without it).
+  // The token counts given with --tokens, any values (e.g. to find where a dispatch rule should switch), in
+  // place of an op's built-in list `ms`.
   std::vector<std::int64_t> only_selected_tokens(std::vector<std::int64_t> ms) const {
     if (opts_.tokens.empty()) return ms;
-    std::erase_if(ms, [&](std::int64_t m) {
-      return std::find(opts_.tokens.begin(), opts_.tokens.end(), m) == opts_.tokens.end();
-    });
+    ms = opts_.tokens;
+    std::sort(ms.begin(), ms.end());
+    ms.erase(std::unique(ms.begin(), ms.end()), ms.end());
     return ms;
   }
   std::vector<Projection> projections() const {

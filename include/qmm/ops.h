@@ -91,11 +91,11 @@ struct Nf4GemmOptions {
 // NF4 GEMMs multiply bf16 operands with fp32 accumulation: A (or dC) rounded to bf16 (nearest even) and the
 // weight dequantized to bf16. A and C are f32 or bf16, independently.
 // One exception, the small-M forward's pair kernel (SmallM, and Auto at small M; nf4_gemm and nf4_gate_up): with
-// bf16 A, M <= 16, blocks of 64, K a multiple of 256, on GPUs that give a block 219 KB of shared memory (sm_90),
-// it applies each NF4 block's scale to the block's fp32 product, i.e. a weight enters as bf16(code) * scale (fp32)
-// rather than bf16(code * scale), which saves the per-element multiply and rounding. Both are within 2^-9 relative
-// of code * scale, so results agree with the dequantized weight's to bf16 precision of the weight, not to fp32
-// accumulation order (tests check each contract against its own reference).
+// M <= 16 (A bf16 or f32), blocks of 64, K a multiple of 256, on GPUs that give a block 219 KB of shared memory
+// (sm_90), it applies each NF4 block's scale to the block's fp32 product, i.e. a weight enters as
+// bf16(code) * scale (fp32) rather than bf16(code * scale), which saves the per-element multiply and rounding. Both
+// are within 2^-9 relative of code * scale, so results agree with the dequantized weight's to bf16 precision of the
+// weight, not to fp32 accumulation order (tests check each contract against its own reference).
 // C[M,N] = A[M,K] * dequant(W)^T, W [N,K]
 void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
               const Nf4GemmOptions& opts = {});

@@ -45,14 +45,13 @@ test::Tolerance tolerance_for(DType out, std::int64_t k) {
   return out == DType::BF16 ? test::bf16_output_tolerance(k) : test::fp32_accum_tolerance(k);
 }
 
-// The small-M forward with bf16 A, M <= 16, blocks of 64 and K a multiple of 256 takes the pair kernel, which
-// applies the block scale after each block's product (ops.h) where the GPU gives a block its shared memory (sm_90:
-// on the H200 it must); elsewhere the table kernel or the GEMV keep the dequantized weight's contract. Each is
-// checked against its own fp64 reference to fp32 accumulation precision.
+// The small-M forward with M <= 16 (A bf16 or f32), blocks of 64 and K a multiple of 256 takes the pair kernel,
+// which applies the block scale after each block's product (ops.h) where the GPU gives a block its shared memory
+// (sm_90: on the H200 it must); elsewhere the table kernel or the GEMV keep the dequantized weight's contract.
+// Each is checked against its own fp64 reference to fp32 accumulation precision.
 bool scale_after_expected(Nf4Path path, const TensorView& a, const Nf4Weight& w) {
-  const std::int64_t m = a.dim(0);
-  return (path == Nf4Path::SmallM || path == Nf4Path::Auto) && a.dtype() == DType::BF16 &&
-         m <= 16 && w.block_size == 64 && w.cols % 256 == 0;
+  return (path == Nf4Path::SmallM || path == Nf4Path::Auto) && a.dim(0) <= 16 && w.block_size == 64 &&
+         w.cols % 256 == 0;
 }
 ::testing::AssertionResult forward_close(Nf4Path path, const TensorView& a, const Nf4Weight& w_host,
                                          const TensorView& got, const TensorView& exact, const TensorView& c0,
@@ -99,9 +98,10 @@ TEST_P(SmallMForward, MatchesCpuOracle) {
   expect_forward_matches(Nf4Path::SmallM, m, n, k, kNf4DefaultBlockSize);
 }
 
-// M = 2-16 with bf16 A and K a multiple of 256 take the pair kernel (N ragged around its 16-row units, one and
-// two n8 tiles, one split and up to 16 (18432), and on an H200 (132 SMs) two splits in three rounds: 36000 rows);
-// f32 A, and bf16 A with other K or M, the table kernel: one n8 tile of A rows (M <= 8), two (<= 16) or four;
+// M = 2-16 with K a multiple of 256 take the pair kernel (N ragged around its 16-row units, one and two n8
+// tiles, one split and up to 16 (18432), and on an H200 (132 SMs) two splits in three rounds: 36000 rows), bf16 A
+// read directly but for 9-16 rows with K >= 4096 (13 x 70 x 18432), f32 A packed first by a kernel of its own;
+// other K or M, the table kernel: one n8 tile of A rows (M <= 8), two (<= 16) or four;
 // K not a multiple of the 256-element span (64, 192, 320, 576: lanes past K idle), N ragged around the 16-row warp
 // tile and the 128-row block, split-K with a partial last span (4160 = 65 blocks) and with many splits (18432).
 INSTANTIATE_TEST_SUITE_P(Shapes, SmallMForward,
@@ -112,11 +112,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SmallMForward,
                                            Shape3{16, 300, 256}, Shape3{6, 5000, 1024},
                                            Shape3{4, 36000, 1024}, Shape3{12, 77, 320}));
 
-// M = 1: bf16 A with K a multiple of 256 takes the pair kernel (2048, 18432, 4096; 40000 x 256: one unit per row
-// group, two rounds on an H200), f32 A and other K (64, 4160)
-// the GEMV kernel: one k group with 1 and all 32 lanes busy, three groups on six warps (65 chunks), nine groups
-// (warps take two in turn), and enough rows per block (10560 on an H200: 40 per block, 5 per warp) that each
-// warp's ring of code rows wraps around.
+// M = 1: K a multiple of 256 takes the pair kernel (2048, 18432, 4096; 40000 x 256: one unit per row group, two
+// rounds on an H200), bf16 A read directly, f32 A packed first; other K (64, 4160) the GEMV kernel: one k group
+// with 1 and all 32 lanes busy, three groups on six warps (65 chunks), and enough rows per block (10560 on an
+// H200: 40 per block, 5 per warp) that each warp's ring of code rows wraps around.
 INSTANTIATE_TEST_SUITE_P(Gemv, SmallMForward,
                          ::testing::Values(Shape3{1, 1, 64}, Shape3{1, 63, 2048}, Shape3{1, 1000, 4160},
                                            Shape3{1, 130, 18432}, Shape3{1, 10560, 64}, Shape3{1, 2050, 4096},
@@ -359,14 +358,15 @@ TEST(SmallMPath, PairKernelSumsAreTheSameOnEveryCall) {
 // each must still wait for what that kernel writes. A chain of calls, each reading the previous call's output
 // with no synchronization in between, must give bitwise what the same calls give one at a time (the kernels are
 // deterministic); every output is poisoned (NaN) first, so a call that read its input too early would show. bf16
-// activations take the pair kernel (K multiples of 256), f32 ones the table kernel with its split-K reduce
-// (4160) and, at M = 1, the GEMV; the chain ends in nf4_gate_up.
+// activations take the pair kernel (K multiples of 256; at M = 12 the K = 4096 calls after the packing kernel),
+// f32 ones the table kernel with its split-K reduce (4160) and, at M = 1, the GEMV; the chain ends in
+// nf4_gate_up.
 TEST(SmallMPath, BackToBackCallsSeeTheirInputs) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();
   for (DType dt : {DType::BF16, DType::F32})
-    for (std::int64_t m : {1, 5}) {
-      const std::int64_t k1 = dt == DType::BF16 ? 1024 : 4160, k2 = dt == DType::BF16 ? 512 : 320;
+    for (std::int64_t m : {1, 5, 12}) {
+      const std::int64_t k1 = dt == DType::BF16 ? 4096 : 4160, k2 = dt == DType::BF16 ? 512 : 320;
       Problem w1 = make_weight(k2, k1, true, 31), w2 = make_weight(k1, k2, true, 32);
       const Tensor x0 = to_device(test::random_tensor(dt, {m, k1}, 33), gpu.device());
       std::vector<Tensor> xs = {Tensor(dt, {m, k2}, gpu.device()), Tensor(dt, {m, k1}, gpu.device()),

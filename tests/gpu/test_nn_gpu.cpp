@@ -42,6 +42,10 @@ Tol tol_for(DType act) { return act == DType::BF16 ? kBf16Tol : kF32Tol; }
 // (measured on the H200), and the MLP's outputs then differ by a relative Frobenius error of up to ~6e-3 (H200,
 // the runs below).
 constexpr Tol kBf16MlpTol{1.6e-2, 1.6e-2, 1e-2};
+// f32 activations at M <= 16 take the NF4 pair kernel, whose weights enter as bf16(code) * scale, within 2^-9
+// relative of the CPU's bf16(code * scale) (ops.h): through the block's three layers that is bf16-sized error
+// (relative Frobenius ~0.004 measured), not fp32 accumulation's.
+constexpr Tol kNf4PairF32Tol{5e-3, 2e-3, 1e-2};
 
 ::testing::AssertionResult matches(const TensorView& gpu_t, const TensorView& cpu_t, Tol tol) {
   double max_ref = 0;
@@ -192,7 +196,7 @@ TEST(NnGpu, SwiGluMlpMatchesCpu) {
     on_gpu.backward(b.x, b.dy, b.dx);
     gpu.synchronize();
     const std::string what = describe(r.nf4, r.act, r.m) + (r.recompute ? " recompute" : "");
-    const Tol tol = r.act == DType::BF16 ? kBf16MlpTol : kF32Tol;
+    const Tol tol = r.act == DType::BF16 ? kBf16MlpTol : r.nf4 && r.m <= 16 ? kNf4PairF32Tol : kF32Tol;
     EXPECT_TRUE(matches(b.y, b.y_cpu, tol)) << "y " << what;
     EXPECT_TRUE(matches(b.dx, b.dx_cpu, tol)) << "dx " << what;
     const LoraLinear* cpu_parts[3] = {&on_cpu.gate(), &on_cpu.up(), &on_cpu.down()};

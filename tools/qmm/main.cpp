@@ -18,7 +18,7 @@ int main(int argc, char** argv) {
   auto* bench_cmd = app.add_subcommand("bench", "Time every op at the model shapes against the roofline");
   bench_cmd->add_option("--op", bench.ops, "Only these ops (repeatable)");
   bench_cmd->add_option("--shape", bench.shapes, "Only shapes whose label contains this text (repeatable)");
-  bench_cmd->add_option("--tokens", bench.tokens, "Only these token counts M (repeatable)")
+  bench_cmd->add_option("--tokens", bench.tokens, "Token counts M to run instead of each op's built-in list (repeatable)")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 24));
   bench_cmd->add_option("--json", bench.json_path, "Write the results as JSON to this file");
   bench_cmd->add_option("--repeats", bench.repeats, "Timed repetitions per case")->check(CLI::Range(1, 100000));

@@ -477,8 +477,43 @@ __device__ __forceinline__ float* pair_sum_at(unsigned char* table, int w, int e
   return reinterpret_cast<float*>(table + 256 * (8 * w + (e >> 5)) + 128 + 4 * (e & 31));
 }
 
-// NT8 n8 tiles of A rows (M <= 8 NT8); kDq: double-quantized scales.
-template <int NT8, bool kDq>
+// A for the pair kernel in its fragment order, so that a warp's load of one block's B fragment reads two
+// contiguous 512-byte runs (four cache lines each) rather than 16 bytes of each of 8 rows (8 lines per load,
+// half of each used): per 64-element block b and n8 tile j, 1 KB, first every lane's activations 16 t .. 16 t + 7
+// of row 8 j + g, then its 16 t + 8 .. 16 t + 15; rows past M zero. A piece (16 bytes) per thread. f32 A is
+// rounded to bf16 here (nearest even, as every NF4 GEMM rounds A), so the pair kernel serves it too.
+constexpr int kPairPackThreads = 256;
+template <int NT8, bool kAF32>
+__global__ void nf4_pair_pack_a_kernel(const void* __restrict__ a, int M, std::int64_t K,
+                                       __nv_bfloat16* __restrict__ packed) {
+  pdl_launch_dependents();  // launched overlapping (launch_overlapping)
+  pdl_wait();
+  const std::int64_t pieces = K / 64 * NT8 * 64;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < pieces;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const int lane = static_cast<int>(i & 31), half = static_cast<int>((i >> 5) & 1);
+    const std::int64_t tile = i >> 6;  // b * NT8 + j
+    const int row = 8 * static_cast<int>(tile % NT8) + (lane >> 2);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < M) {
+      const std::int64_t at = row * K + 64 * (tile / NT8) + 16 * (lane & 3) + 8 * half;
+      if constexpr (kAF32) {
+        const float4 lo = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(a) + at));
+        const float4 hi = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(a) + at) + 1);
+        v = make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y),
+                       pack_bf16x2(hi.z, hi.w));
+      } else {
+        v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a) + at));
+      }
+    }
+    reinterpret_cast<uint4*>(packed)[i] = v;
+  }
+}
+constexpr int kPairPackedBlockElems = 512;  // per 64-element block and n8 tile
+
+// NT8 n8 tiles of A rows (M <= 8 NT8); kDq: double-quantized scales. kPackedA: `a` is A packed by
+// nf4_pair_pack_a_kernel; otherwise A itself (bf16 [M, K]; with one n8 tile lanes past M load nothing).
+template <int NT8, bool kDq, bool kPackedA>
 __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
     const __nv_bfloat16* __restrict__ a, int M, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1,
     PairGrid grid, PairOut out) {
@@ -560,10 +595,19 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
     const float* code2 = code2_shared + un.which * kNf4Code2Size;
     const std::uint32_t code2_at = shared_address(code2);
     const float offset = un.which ? w1.scales.offset : w0.scales.offset;
-    const __nv_bfloat16* a_at[NT8];  // the lane's activations at the unit's first step
+    // Packed: the lane's activations at the current step (block 4 (st0 + st), tile 0), advanced per step so
+    // that each block's and tile's loads are constant offsets from it. Direct: its row's at the unit's first step.
+    const __nv_bfloat16* a_at[NT8];
+    bool a_row[NT8];  // direct: whether the lane's row of A exists (the others' columns are never stored)
+    if constexpr (kPackedA) {
+      a_at[0] = a + static_cast<std::int64_t>(un.st0) * 4 * NT8 * kPairPackedBlockElems + 8 * lane;
+    } else {
 #pragma unroll
-    for (int j = 0; j < NT8; ++j)
-      a_at[j] = a + static_cast<std::int64_t>(min(8 * j + g, M - 1)) * K + un.st0 * 256 + 16 * t;
+      for (int j = 0; j < NT8; ++j) {
+        a_row[j] = 8 * j + g < M;
+        a_at[j] = a + static_cast<std::int64_t>(min(8 * j + g, M - 1)) * K + un.st0 * 256 + 16 * t;
+      }
+    }
     float acc[NT8][4] = {};
 #pragma unroll 1
     for (int st = 0; st < grid.steps_per_split; ++st) {
@@ -586,8 +630,16 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
           for (int c = 0; c < kGroup; ++c)
 #pragma unroll
             for (int j = 0; j < NT8; ++j) {
-              const uint4* p = reinterpret_cast<const uint4*>(a_at[j] + 256 * st + 64 * (c0 + c));
-              const uint4 x = __ldg(p), y = __ldg(p + 1);
+              uint4 x = make_uint4(0, 0, 0, 0), y = x;
+              if constexpr (kPackedA) {
+                const __nv_bfloat16* p = a_at[0] + ((c0 + c) * NT8 + j) * kPairPackedBlockElems;
+                x = __ldg(reinterpret_cast<const uint4*>(p));
+                y = __ldg(reinterpret_cast<const uint4*>(p + kPairPackedBlockElems / 2));
+              } else if (NT8 == 2 || a_row[j]) {  // one tile: lanes past M skip the data path (M = 1: 7/8)
+                const uint4* p = reinterpret_cast<const uint4*>(a_at[j] + 256 * st + 64 * (c0 + c));
+                x = __ldg(p);
+                y = __ldg(p + 1);
+              }
               bf[c][j][0] = x.x, bf[c][j][1] = x.y, bf[c][j][2] = x.z, bf[c][j][3] = x.w;
               bf[c][j][4] = y.x, bf[c][j][5] = y.y, bf[c][j][6] = y.z, bf[c][j][7] = y.w;
             }
@@ -650,6 +702,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
         }
       }
       slot = slot + 1 == kPairAhead ? 0 : slot + 1;
+      if constexpr (kPackedA) a_at[0] += 4 * NT8 * kPairPackedBlockElems;
     }
     // Fragment rows are weight rows (g, g + 8), columns rows of A (2t, 2t + 1 of each n8 tile). A row group of
     // one member (one weight, no split) is written at once; otherwise every member leaves its sums in shared

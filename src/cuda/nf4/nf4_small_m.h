@@ -1,8 +1,9 @@
 // The fused small-M NF4 GEMM (C = A * dequant(W)^T for M <= 32): reads each weight byte once with 16-byte loads
-// and multiplies on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate). With bf16 A, blocks of 64 and
-// K a multiple of 256, up to 16 rows take the pair kernel on sm_90 (one table of code-byte pairs, the block scale
-// applied after the product: the scale-after contract in ops.h); otherwise per-lane tables of the block's 16
-// scaled values, on the tensor cores, or at M = 1 a GEMV kernel (same tables, FMAs). See nf4_small_m.cuh.
+// and multiplies on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate). With blocks of 64 and K a
+// multiple of 256, up to 16 rows take the pair kernel on sm_90 (one table of code-byte pairs, the block scale
+// applied after the product: the scale-after contract in ops.h; f32 A rounded to bf16 by a packing kernel);
+// otherwise per-lane tables of the block's 16 scaled values, on the tensor cores, or at M = 1 a GEMV kernel (same
+// tables, FMAs). See nf4_small_m.cuh.
 #pragma once
 
 #include "qmm/context.h"
