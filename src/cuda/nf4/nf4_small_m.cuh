@@ -355,7 +355,7 @@ using common::cp_async_ca_or_zero;
 using common::cp_async_commit;
 using common::cp_async_wait;
 
-// ---- forward, M <= 16, bf16 A: code-byte pairs on the tensor cores, the block scale after the product -------
+// ---- forward, M <= 16, A as bf16: code-byte pairs on the tensor cores, the block scale after the product ----
 // Here each 64-element block's product is summed unscaled and then multiplied by the block's scale in fp32:
 // s * sum(a * bf16(code)) rather than sum(a * bf16(code * s)) (both within 2^-9 relative of code * s per weight;
 // see nf4_gemm in ops.h). The weight fragment then needs no per-block table: one 64 KB table of the 256 code
@@ -373,7 +373,8 @@ using common::cp_async_wait;
 // gives the fragment's slots {2t, 2t+1} and {2t+8, 2t+9} the bytes 2i and 2i + 1 of those, so A's fragment is the
 // lane's 16 consecutive activations of the block (rows of A as the n8 columns). The four blocks' mma chains are
 // independent and interleaved. Codes and scales travel by cp.async through a per-warp ring of steps that runs on
-// across rounds (the codes past L1, which keeps A's rows).
+// across rounds (the codes past L1, which keeps A's rows). A is read from its rows, or (f32 A; many rows) from a
+// copy in fragment order (nf4_pair_pack_a_kernel below; launch_pair in nf4_small_m.cu has the rule).
 constexpr int kPairWarps = 16;
 constexpr int kPairThreads = 32 * kPairWarps;
 constexpr int kPairTableBytes = 256 * 256;
