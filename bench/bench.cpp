@@ -261,10 +261,10 @@ class Bench {
   std::vector<std::int64_t> all_token_counts() const {
     return is_gpu_ ? bench::token_counts() : std::vector<std::int64_t>{1, 16};
   }
-  std::vector<std::int64_t> token_counts() const { return only_selected_tokens(all_token_counts()); }
+  std::vector<std::int64_t> token_counts() const { return requested_tokens_or(all_token_counts()); }
   // The token counts given with --tokens, any values (e.g. to find where a dispatch rule should switch), in
   // place of an op's built-in list `ms`.
-  std::vector<std::int64_t> only_selected_tokens(std::vector<std::int64_t> ms) const {
+  std::vector<std::int64_t> requested_tokens_or(std::vector<std::int64_t> ms) const {
     if (opts_.tokens.empty()) return ms;
     ms = opts_.tokens;
     std::sort(ms.begin(), ms.end());
@@ -446,7 +446,7 @@ void Bench::run_train() {
   for (const Projection& p : projections()) {
     if (p.label.find("gate_up") == std::string::npos || !selected("lora_backward_dy", p.label)) continue;
     const std::int64_t n = p.n, r = 16;
-    for (std::int64_t m : only_selected_tokens(is_gpu_ ? std::vector<std::int64_t>{512, 2048, 4096}
+    for (std::int64_t m : requested_tokens_or(is_gpu_ ? std::vector<std::int64_t>{512, 2048, 4096}
                                                        : std::vector<std::int64_t>{16})) {
       const double bytes = 2.0 * m * n + 2.0 * (2 * m * r + n * r) + 8.0 * n * r;
       const int sets = sets_for(bytes);
@@ -521,7 +521,7 @@ void Bench::run_nf4() {
   nf4_tokens.insert(nf4_tokens.end(), {8, 32});
   if (is_gpu_) nf4_tokens.insert(nf4_tokens.end(), {256, 1024});
   std::sort(nf4_tokens.begin(), nf4_tokens.end());
-  nf4_tokens = only_selected_tokens(nf4_tokens);
+  nf4_tokens = requested_tokens_or(nf4_tokens);
   for (const Projection& p : projections())
     for (std::int64_t m : nf4_tokens) {
       const std::int64_t M = m, N = p.n, K = p.k;
