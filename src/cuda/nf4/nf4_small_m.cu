@@ -217,7 +217,7 @@ void launch_pair(const Context& ctx, const TensorView& a, const Nf4Weight& w0, c
   const bool packed = a.dtype() == DType::F32 || (M >= kPairPackMinRows && K >= kPairPackMinK);
   const void* a_arg = a.data();
   if (packed) {  // a kernel of its own, overlapping like the pair kernel
-    const std::int64_t pieces = K / 64 * NT8 * 64;
+    const std::int64_t pieces = pair_packed_pieces(K, NT8);
     scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(pieces) * 16);
     a_arg = scratch->data();
     const auto pack_blocks = static_cast<unsigned>(

@@ -484,12 +484,18 @@ __device__ __forceinline__ float* pair_sum_at(unsigned char* table, int w, int e
 // of row 8 j + g, then its 16 t + 8 .. 16 t + 15; rows past M zero. A piece (16 bytes) per thread. f32 A is
 // rounded to bf16 here (nearest even, as every NF4 GEMM rounds A), so the pair kernel serves it too.
 constexpr int kPairPackThreads = 256;
+constexpr int kPairPackedBlockElems = 512;  // per 64-element block and n8 tile: 64 pieces
+// The packed copy's 16-byte pieces for K columns and NT8 tiles (its size, and the pack kernel's work items).
+__host__ __device__ constexpr std::int64_t pair_packed_pieces(std::int64_t K, int nt8) {
+  return K / 64 * nt8 * (kPairPackedBlockElems / 8);
+}
 template <int NT8, bool kAF32>
 __global__ void nf4_pair_pack_a_kernel(const void* __restrict__ a, int M, std::int64_t K,
                                        __nv_bfloat16* __restrict__ packed) {
   pdl_launch_dependents();  // launched overlapping (launch_overlapping)
   pdl_wait();
-  const std::int64_t pieces = K / 64 * NT8 * 64;
+  const std::int64_t pieces = pair_packed_pieces(K, NT8);
+  static_assert(kPairPackedBlockElems / 8 == 64, "a tile's pieces: two halves of 32 lanes");
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < pieces;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const int lane = static_cast<int>(i & 31), half = static_cast<int>((i >> 5) & 1);
@@ -510,7 +516,6 @@ __global__ void nf4_pair_pack_a_kernel(const void* __restrict__ a, int M, std::i
     reinterpret_cast<uint4*>(packed)[i] = v;
   }
 }
-constexpr int kPairPackedBlockElems = 512;  // per 64-element block and n8 tile
 
 // NT8 n8 tiles of A rows (M <= 8 NT8); kDq: double-quantized scales. kPackedA: `a` is A packed by
 // nf4_pair_pack_a_kernel; otherwise A itself (bf16 [M, K]; with one n8 tile lanes past M load nothing).
