@@ -303,6 +303,42 @@ TEST(FusedPath, LargeSharedDequantMatchesDequantGemm) {
   EXPECT_TRUE(test::all_close(test::host_copy(c_shared), test::host_copy(c_ref), test::fp32_accum_tolerance(k)));
 }
 
+// With a bf16 output and more tiles than SMs the shared-dequantization kernel runs a persistent grid: each CTA
+// loops over tiles, loading and claiming for the next while its epilogue stages the current one 64 rows at a time.
+// 150 tiles each way (ragged M, ragged last strip), bf16 out, beta 0 and 1, against dequantize + cuBLASLt.
+TEST(FusedPath, SharedDequantPersistentGridMatchesDequantGemm) {
+  QMM_REQUIRE_GPU();
+  if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
+  Context& gpu = *test::gpu_context();
+  const std::int64_t m = 600, wide = 6392, narrow = 256;  // 3 x 50 tiles of 256 x 128
+  for (bool backward : {false, true}) {
+    const std::int64_t n = backward ? narrow : wide, k = backward ? wide : narrow;  // W [n, k]
+    const std::int64_t n_out = backward ? k : n, k_red = backward ? n : k;
+    const Nf4Tensor w = nf4_quantize(gpu, to_device(test::random_tensor(DType::BF16, {n, k}, 93, -0.05f, 0.05f),
+                                                    gpu.device()), true);
+    const Tensor a = to_device(test::random_tensor(DType::BF16, {m, k_red}, 94), gpu.device());
+    const Tensor c0 = to_device(test::random_tensor(DType::BF16, {m, n_out}, 95), gpu.device());
+    for (float beta : {0.0f, 1.0f}) {
+      Tensor c_shared(DType::BF16, {m, n_out}, gpu.device()), c_ref(DType::BF16, {m, n_out}, gpu.device());
+      copy(gpu, c_shared, c0);
+      copy(gpu, c_ref, c0);
+      if (beta == 0.0f) test::poison(c_shared);
+      const Nf4GemmOptions shared{1.0f, beta, Nf4Path::FusedShared}, ref{1.0f, beta, Nf4Path::DequantGemm};
+      if (backward) {
+        nf4_gemm_backward_a(gpu, a, w, c_shared, shared);
+        nf4_gemm_backward_a(gpu, a, w, c_ref, ref);
+      } else {
+        nf4_gemm(gpu, a, w, c_shared, shared);
+        nf4_gemm(gpu, a, w, c_ref, ref);
+      }
+      gpu.synchronize();
+      EXPECT_TRUE(test::all_close(test::host_copy(c_shared), test::host_copy(c_ref),
+                                  test::bf16_output_tolerance(k_red)))
+          << (backward ? "input gradient" : "forward") << " beta=" << beta;
+    }
+  }
+}
+
 TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();

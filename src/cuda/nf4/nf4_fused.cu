@@ -205,47 +205,38 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const std::
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
-// The epilogue of both kernels, run by the 256 consumer threads (et = 0..255: warpgroup cw, its warp, lane) once
-// their wgmmas are issued: the m64n256 accumulators of warpgroup cw to rows m0.. and columns n0.. of the output
-// (alpha * sum + beta * out), or raw to split `split` of `partial` [splits][M][n_out] for the split-K reduction.
-template <bool kCBf16>
-__device__ __forceinline__ void store_output_tile(float (&acc)[128], unsigned char* smem, int cw, int warp, int lane,
-                                                  int et, std::int64_t M, int m0, std::int64_t n0,
-                                                  std::int64_t n_out, float* __restrict__ partial, int split,
-                                                  void* __restrict__ c, float alpha, float beta) {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-
-  // Epilogue. Accumulator d[4j + i] holds weight row (output n) 64 cw + 16 warp + g + 8 (i >> 1) and activation
-  // row (output m) 8j + 2t + (i & 1). The tile goes through shared memory (the pipeline's, idle now: every stage
-  // the producer loaded has been consumed) so that global stores run along n.
-  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's wgmmas are done with the stages
-  const int g = lane / 4, t = lane % 4;
-  // Output rows of this tile (activation rows m0 ..): kBlockA, or what is left of M.
-  const int tile_rows = M - m0 < kBlockA ? static_cast<int>(M - m0) : kBlockA;
-  if (kCBf16 && !partial && n_out % 8 == 0 && (reinterpret_cast<std::uintptr_t>(c) & 15u) == 0) {
-    // bf16 out: transpose the 8 x 8 fragments with stmatrix into a bf16 [256 m][128 n] tile (pitch 272 bytes: the
-    // eight 16-byte rows of a matrix hit distinct banks), then 16-byte copies along n. With beta != 0 the old
-    // values come into the same tile first (16-byte cp.async along n, as the stores go) and each warp reads its
-    // fragments' old values back with ldmatrix.trans, the inverse of its stmatrix.trans, so alpha * sum +
-    // beta * old is rounded once, as on the other paths.
-    unsigned char* tile = smem;
-    const std::uint32_t tile_s = shared_address(tile);
-    const int chunk = et % 16;  // 8 outputs along n
-    const std::int64_t n = n0 + 8 * chunk;
-    const bool accumulate = beta != 0.0f;
+// The bf16 epilogue (bf16 out in 16-byte aligned rows, no split): the accumulators of warpgroup cw (et = 0..255:
+// consumer thread) transposed with stmatrix into a bf16 staging tile of kPassRows activation rows (pitch
+// kCBf16Pitch: the eight 16-byte rows of a matrix hit distinct banks), then 16-byte copies along n, one pass per
+// kPassRows rows of the tile. With beta != 0 the old values come into the staging tile first (16-byte cp.async
+// along n, as the stores go) and each warp reads its fragments' old values back with ldmatrix.trans, the inverse
+// of its stmatrix.trans, so alpha * sum + beta * old is rounded once, as on the other paths. Every pass ends at a
+// consumer barrier, so the staging tile can be written again at once.
+template <int kPassRows>
+__device__ __forceinline__ void store_bf16_tile(const float (&acc)[128], std::uint32_t tile_s, const unsigned char* tile,
+                                                int cw, int warp, int lane, int et, int tile_rows, int m0,
+                                                std::int64_t n0, std::int64_t n_out, __nv_bfloat16* __restrict__ c,
+                                                float alpha, float beta) {
+  static_assert(kBlockA % kPassRows == 0 && kPassRows % 16 == 0, "passes of whole 16-row matrix pairs");
+  const int chunk = et % 16;  // 8 outputs along n
+  const std::int64_t n = n0 + 8 * chunk;
+  const bool accumulate = beta != 0.0f;
+  const int mat = lane / 8, r = lane % 8;  // the row of matrix `mat` whose address this lane gives
+#pragma unroll
+  for (int row0 = 0; row0 < kBlockA; row0 += kPassRows) {
+    const int rows = min(kPassRows, tile_rows - row0);  // rows of this pass that exist (may be <= 0)
     if (accumulate) {
       if (n < n_out) {
-        const auto* old = static_cast<const __nv_bfloat16*>(c) + (m0 + et / 16) * n_out + n;
-        for (int ml = et / 16; ml < tile_rows; ml += 16, old += 16 * n_out)
+        const auto* old = c + (m0 + row0 + et / 16) * n_out + n;
+        for (int ml = et / 16; ml < rows; ml += 16, old += 16 * n_out)
           common::cp_async_16(tile_s + ml * kCBf16Pitch + 16 * chunk, old);
       }
       asm volatile("cp.async.wait_all;\n" ::: "memory");
       asm volatile("bar.sync 1, 256;\n" ::: "memory");
     }
-    const int mat = lane / 8, r = lane % 8;  // the row of matrix `mat` whose address this lane gives
 #pragma unroll
-    for (int j0 = 0; j0 < 32; j0 += 2) {
-      const std::uint32_t at = tile_s + (8 * (j0 + mat / 2) + r) * kCBf16Pitch +
+    for (int j0 = row0 / 8; j0 < (row0 + kPassRows) / 8; j0 += 2) {
+      const std::uint32_t at = tile_s + (8 * (j0 - row0 / 8 + mat / 2) + r) * kCBf16Pitch +
                                2 * (64 * cw + 16 * warp + 8 * (mat % 2));
       float old[8] = {};  // matrix q's pair at 2q, 2q + 1
       if (accumulate) {
@@ -268,11 +259,41 @@ __device__ __forceinline__ void store_output_tile(float (&acc)[128], unsigned ch
     }
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
     if (n < n_out) {
-      auto* out = static_cast<__nv_bfloat16*>(c) + (m0 + et / 16) * n_out + n;
+      auto* out = c + (m0 + row0 + et / 16) * n_out + n;
 #pragma unroll 4
-      for (int ml = et / 16; ml < tile_rows; ml += 16, out += 16 * n_out)
+      for (int ml = et / 16; ml < rows; ml += 16, out += 16 * n_out)
         *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(tile + ml * kCBf16Pitch + 16 * chunk);
     }
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the staging tile is read before anyone writes it again
+  }
+}
+
+// Whether the bf16 epilogue serves an output: bf16, 16-byte aligned rows, no split-K partials.
+__host__ __device__ inline bool bf16_epilogue_fits(bool c_bf16, bool split, std::int64_t n_out, const void* c) {
+  return c_bf16 && !split && n_out % 8 == 0 && (reinterpret_cast<std::uintptr_t>(c) & 15u) == 0;
+}
+
+// The epilogue of both kernels, run by the 256 consumer threads (et = 0..255: warpgroup cw, its warp, lane) once
+// their wgmmas are issued: the m64n256 accumulators of warpgroup cw to rows m0.. and columns n0.. of the output
+// (alpha * sum + beta * out), or raw to split `split` of `partial` [splits][M][n_out] for the split-K reduction.
+// The tile goes through shared memory (the pipeline's, idle now: every stage the producer loaded has been
+// consumed) so that global stores run along n.
+template <bool kCBf16>
+__device__ __forceinline__ void store_output_tile(float (&acc)[128], unsigned char* smem, int cw, int warp, int lane,
+                                                  int et, std::int64_t M, int m0, std::int64_t n0,
+                                                  std::int64_t n_out, float* __restrict__ partial, int split,
+                                                  void* __restrict__ c, float alpha, float beta) {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+
+  // Accumulator d[4j + i] holds weight row (output n) 64 cw + 16 warp + g + 8 (i >> 1) and activation row
+  // (output m) 8j + 2t + (i & 1).
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // every consumer's wgmmas are done with the stages
+  const int g = lane / 4, t = lane % 4;
+  // Output rows of this tile (activation rows m0 ..): kBlockA, or what is left of M.
+  const int tile_rows = M - m0 < kBlockA ? static_cast<int>(M - m0) : kBlockA;
+  if (kCBf16 && bf16_epilogue_fits(true, partial != nullptr, n_out, c)) {
+    store_bf16_tile<kBlockA>(acc, shared_address(smem), smem, cw, warp, lane, et, tile_rows, m0, n0, n_out,
+                             static_cast<__nv_bfloat16*>(c), alpha, beta);
     return;
   }
   // Any other output (f32, bf16 rows that are not 16-byte aligned, split-K partials): the fp32 tile as
@@ -592,7 +613,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 // proxy (TMA) through a proxy fence on both sides of the flag.
 constexpr int kShStageBytes = kWTileBytes + kATileBytes;  // the T tile by TMA, the activation tile
 constexpr int kShStages = 4;
-constexpr int kShCodebookOffset = kShStages * kShStageBytes;
+// The persistent launch's epilogue stages 64 output rows at a time outside the pipeline, which is by then loading
+// the CTA's next tile.
+constexpr int kShEpilogueRows = 64;
+constexpr int kShEpilogueOffset = kShStages * kShStageBytes;
+constexpr int kShCodebookOffset = kShEpilogueOffset + kShEpilogueRows * kCBf16Pitch;
 constexpr int kShCode2Offset = kShCodebookOffset + 64;
 constexpr int kShSlotOffset = kShCode2Offset + small_m::kCode2Bytes;  // the tile the dequantizing warps claimed
 constexpr int kShBarriersOffset = kShSlotOffset + 16;
@@ -615,16 +640,28 @@ __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
-// Grid: x over 256-row activation tiles (a strip's CTAs launch together), y over 128-row tiles of n_out, z over
-// k_red ranges (split-K). `sync` (zeroed before the launch): [gridDim.z][gridDim.y] claim counters, then
-// [gridDim.y][k tiles of k_red] ready flags. t_map: the workspace w16 [N][K] bf16, boxes of 128 rows x 64 columns
-// (forward: T = W's rows) or 64 x 64 (input gradient: W's rows k_red, two boxes side by side along K = n_out).
+// The tiles: t = m_tile + tiles_m * (n_tile + tiles_n * split), so that a strip's tiles (same n_tile and split,
+// different activation tiles) are neighbours. CTA b takes tiles b, b + gridDim.x, ...: one each when the grid has
+// a CTA per tile; a persistent grid (one CTA per SM, `persistent`) loops, and its producer loads and its
+// dequantizing warps claim for the next tile while the consumers finish the current one, whose epilogue then
+// stages its output outside the pipeline (bf16 out only, no split-K: the host checks). `sync` (zeroed before the
+// launch): [splits][tiles_n] claim counters, then [tiles_n][k tiles of k_red] ready flags. t_map: the workspace
+// w16 [N][K] bf16, boxes of 128 rows x 64 columns (forward: T = W's rows) or 64 x 64 (input gradient: W's rows
+// k_red, two boxes side by side along K = n_out).
+struct ShTile {
+  int m0, kt_begin, k_tiles;
+  std::int64_t n0;
+  int* claims;
+  int* ready;
+};
+
 template <bool kBackward, bool kCBf16>
 __global__ void __launch_bounds__(kThreads, 1)
     nf4_shared_dequant_gemm_kernel(const __grid_constant__ CUtensorMap b_map, const __grid_constant__ CUtensorMap t_map,
                                    const std::uint8_t* __restrict__ codes, Scales scales,
                                    __nv_bfloat16* __restrict__ w16, int* __restrict__ sync, std::int64_t M,
-                                   std::int64_t rows, std::int64_t cols, int k_tiles_per_split, int a_box_rows,
+                                   std::int64_t rows, std::int64_t cols, int tiles_m, int tiles_n, int splits,
+                                   int k_tiles_per_split, int a_box_rows, bool persistent,
                                    float* __restrict__ partial, void* __restrict__ c, float alpha, float beta) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -641,14 +678,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const std::int64_t n_out = kBackward ? cols : rows, k_red = kBackward ? rows : cols;
   const int tid = threadIdx.x, wg = tid / 128;
-  const int m0 = static_cast<int>(blockIdx.x) * kBlockA;
-  const std::int64_t n0 = static_cast<std::int64_t>(blockIdx.y) * kBlockW;
   const int k_tiles_total = static_cast<int>((k_red + kBlockK - 1) / kBlockK);
-  const int kt_begin = static_cast<int>(blockIdx.z) * k_tiles_per_split;
-  const int k_tiles = min(k_tiles_per_split, k_tiles_total - kt_begin);
-  int* claims = sync + blockIdx.z * gridDim.y + blockIdx.y;
-  int* ready = sync + static_cast<std::int64_t>(gridDim.y) * gridDim.z +
-               static_cast<std::int64_t>(blockIdx.y) * k_tiles_total;
+  const int num_tiles = tiles_m * tiles_n * splits;
+  auto tile_at = [&](int t) {
+    ShTile x;
+    const int m_tile = t % tiles_m, rest = t / tiles_m, n_tile = rest % tiles_n, split = rest / tiles_n;
+    x.m0 = m_tile * kBlockA;
+    x.n0 = static_cast<std::int64_t>(n_tile) * kBlockW;
+    x.kt_begin = split * k_tiles_per_split;
+    x.k_tiles = min(k_tiles_per_split, k_tiles_total - x.kt_begin);
+    x.claims = sync + split * tiles_n + n_tile;
+    x.ready = sync + static_cast<std::int64_t>(tiles_n) * splits + static_cast<std::int64_t>(n_tile) * k_tiles_total;
+    return x;
+  };
 
   if (tid == 0) {
     for (int s = 0; s < kShStages; ++s) {
@@ -667,68 +709,78 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     if (tid == 0) {
-      // ---- TMA: per stage, once its tile is in the workspace, T and the activation tile ----
-      for (int i = 0; i < k_tiles; ++i) {
-        const int s = i % kShStages, kt = kt_begin + i;
-        mbar_wait(empty(s), ((i / kShStages) & 1) ^ 1);  // passes at once on the first round
-        while (ld_acquire_gpu(ready + kt) == 0) __nanosleep(32);
-        fence_proxy_async_global();  // the flag's acquire, then the async proxy's reads of the tile
-        mbar_expect_tx(full(s), a_box_rows * (kBlockK * 2) + kWTileBytes);
-        tma_load_2d(a_tile(s), &b_map, kt * kBlockK, m0, full(s));
-        if constexpr (kBackward) {  // W rows 64 kt.., columns n0.. and n0 + 64..: each warpgroup's M-major half
-          tma_load_2d(w_tile(s), &t_map, static_cast<int>(n0), kt * kBlockK, full(s));
-          tma_load_2d(w_tile(s) + 64 * 128, &t_map, static_cast<int>(n0) + 64, kt * kBlockK, full(s));
-        } else {
-          tma_load_2d(w_tile(s), &t_map, kt * kBlockK, static_cast<int>(n0), full(s));
+      // ---- TMA: per stage, once its tile is in the workspace, T and the activation tile; the stage ring runs
+      // on across the CTA's tiles (it counts every stage this thread loads) ----
+      int it = 0;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const ShTile x = tile_at(t);
+        for (int i = 0; i < x.k_tiles; ++i, ++it) {
+          const int s = it % kShStages, kt = x.kt_begin + i;
+          mbar_wait(empty(s), ((it / kShStages) & 1) ^ 1);  // passes at once on the first round
+          while (ld_acquire_gpu(x.ready + kt) == 0) __nanosleep(32);
+          fence_proxy_async_global();  // the flag's acquire, then the async proxy's reads of the tile
+          mbar_expect_tx(full(s), a_box_rows * (kBlockK * 2) + kWTileBytes);
+          tma_load_2d(a_tile(s), &b_map, kt * kBlockK, x.m0, full(s));
+          if constexpr (kBackward) {  // W rows 64 kt.., columns n0.. and n0 + 64..: each warpgroup's M-major half
+            tma_load_2d(w_tile(s), &t_map, static_cast<int>(x.n0), kt * kBlockK, full(s));
+            tma_load_2d(w_tile(s) + 64 * 128, &t_map, static_cast<int>(x.n0) + 64, kt * kBlockK, full(s));
+          } else {
+            tma_load_2d(w_tile(s), &t_map, kt * kBlockK, static_cast<int>(x.n0), full(s));
+          }
+          mbar_arrive(full(s));
         }
-        mbar_arrive(full(s));
       }
     } else if (tid >= 32) {
-      // ---- warps 1-3: claim this strip's k tiles until none are left, dequantize each into the workspace ----
+      // ---- warps 1-3: per tile of the CTA, claim its strip's k tiles until none are left, dequantize each into
+      // the workspace ----
       // A tile is 256 runs of 32 elements (16 code bytes, one NF4 block): forward W row n0 + q / 2, k 64 kt +
       // 32 (q % 2); input gradient W row 64 kt + q / 4, column n0 + 32 (q % 4). Each thread loads its (up to)
       // three runs at once, then converts and stores them; the next claim is in flight meanwhile.
       const int dt = tid - 32;
-      if (dt == 0) slots[0] = atomicAdd(claims, 1);
-      asm volatile("bar.sync 4, %0;\n" ::"n"(kDequantThreads) : "memory");
-      for (int round = 0;; ++round) {
-        const int i = slots[round & 1];
-        if (i >= k_tiles) break;  // every thread read the same claim
-        const int next = dt == 0 ? atomicAdd(claims, 1) : 0;
-        const int kt = kt_begin + i;
-        uint4 words[kRunsPerThread];
-        small_m::RawScale raw[kRunsPerThread];
-        std::int64_t at[kRunsPerThread];
-#pragma unroll
-        for (int u = 0; u < kRunsPerThread; ++u) {
-          const int q = dt + u * kDequantThreads;
-          const std::int64_t r = kBackward ? 64ll * kt + q / 4 : n0 + q / 2;
-          const std::int64_t col = kBackward ? n0 + 32 * (q % 4) : 64ll * kt + 32 * (q % 2);
-          at[u] = q < kTileRuns && r < rows && col < cols ? r * cols + col : -1;
-          words[u] = at[u] >= 0 ? __ldg(reinterpret_cast<const uint4*>(codes + (at[u] >> 1)))
-                                : make_uint4(0, 0, 0, 0);
-          raw[u] = at[u] >= 0 ? small_m::load_scale(scales, at[u] >> scales.block_shift)
-                              : small_m::RawScale{0.0f, 0u};
-        }
-#pragma unroll
-        for (int u = 0; u < kRunsPerThread; ++u) {
-          if (at[u] < 0) continue;
-          const float sc = small_m::finish_scale(scales, raw[u], code2_shared);
-          const std::uint32_t w4[4] = {words[u].x, words[u].y, words[u].z, words[u].w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {  // 8 elements per word
-            float v[8];
-            nf4_lut::scaled_word(w4[j], sc, codebook, v);
-            *reinterpret_cast<uint4*>(w16 + at[u] + 8 * j) =
-                make_uint4(nf4_lut::pack_bf16x2(v[0], v[1]), nf4_lut::pack_bf16x2(v[2], v[3]),
-                           nf4_lut::pack_bf16x2(v[4], v[5]), nf4_lut::pack_bf16x2(v[6], v[7]));
-          }
-        }
-        fence_proxy_async_global();  // this thread's stores, before the flag, for the async proxy
-        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");  // ... and for the other CTAs (dt 0 releases it)
-        if (dt == 0) slots[(round + 1) & 1] = next;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const ShTile x = tile_at(t);
+        if (dt == 0) slots[0] = atomicAdd(x.claims, 1);
         asm volatile("bar.sync 4, %0;\n" ::"n"(kDequantThreads) : "memory");
-        if (dt == 0) st_release_gpu(ready + kt, 1);
+        for (int round = 0;; ++round) {
+          const int i = slots[round & 1];
+          if (i >= x.k_tiles) break;  // every thread read the same claim
+          const int next = dt == 0 ? atomicAdd(x.claims, 1) : 0;
+          const int kt = x.kt_begin + i;
+          uint4 words[kRunsPerThread];
+          small_m::RawScale raw[kRunsPerThread];
+          std::int64_t at[kRunsPerThread];
+#pragma unroll
+          for (int u = 0; u < kRunsPerThread; ++u) {
+            const int q = dt + u * kDequantThreads;
+            const std::int64_t r = kBackward ? 64ll * kt + q / 4 : x.n0 + q / 2;
+            const std::int64_t col = kBackward ? x.n0 + 32 * (q % 4) : 64ll * kt + 32 * (q % 2);
+            at[u] = q < kTileRuns && r < rows && col < cols ? r * cols + col : -1;
+            words[u] = at[u] >= 0 ? __ldg(reinterpret_cast<const uint4*>(codes + (at[u] >> 1)))
+                                  : make_uint4(0, 0, 0, 0);
+            raw[u] = at[u] >= 0 ? small_m::load_scale(scales, at[u] >> scales.block_shift)
+                                : small_m::RawScale{0.0f, 0u};
+          }
+#pragma unroll
+          for (int u = 0; u < kRunsPerThread; ++u) {
+            if (at[u] < 0) continue;
+            const float sc = small_m::finish_scale(scales, raw[u], code2_shared);
+            const std::uint32_t w4[4] = {words[u].x, words[u].y, words[u].z, words[u].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {  // 8 elements per word
+              float v[8];
+              nf4_lut::scaled_word(w4[j], sc, codebook, v);
+              *reinterpret_cast<uint4*>(w16 + at[u] + 8 * j) =
+                  make_uint4(nf4_lut::pack_bf16x2(v[0], v[1]), nf4_lut::pack_bf16x2(v[2], v[3]),
+                             nf4_lut::pack_bf16x2(v[4], v[5]), nf4_lut::pack_bf16x2(v[6], v[7]));
+            }
+          }
+          fence_proxy_async_global();  // this thread's stores, before the flag, for the async proxy
+          asm volatile("fence.acq_rel.gpu;\n" ::: "memory");  // ... and for the other CTAs (dt 0 releases it)
+          if (dt == 0) slots[(round + 1) & 1] = next;
+          asm volatile("bar.sync 4, %0;\n" ::"n"(kDequantThreads) : "memory");
+          if (dt == 0) st_release_gpu(x.ready + kt, 1);
+        }
+        asm volatile("bar.sync 4, %0;\n" ::"n"(kDequantThreads) : "memory");  // slots read before the next tile's claim
       }
     }
     return;
@@ -736,31 +788,45 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- consumers: both operands from shared memory ----
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
-  const int cw = wg - 1, wt = tid % 128, warp = wt / 32, lane = tid % 32;
+  const int cw = wg - 1, wt = tid % 128, warp = wt / 32, lane = tid % 32, et = tid - kProducerThreads;
+  const std::uint32_t staging = shared_address(smem + kShEpilogueOffset);
   float acc[128];
+  int it = 0;  // stages consumed, over the CTA's tiles (the producer's count)
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const ShTile x = tile_at(t);
 #pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-  for (int i = 0; i < k_tiles; ++i) {
-    const int s = i % kShStages;
-    mbar_wait(full(s), (i / kShStages) & 1);
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    const std::uint64_t da = sw128_desc(a_tile(s));
-    if constexpr (kBackward) {  // T M-major: k step kk is the 16 weight rows 16 kk.., 2048 bytes further on
-      const std::uint64_t dw = sw128_mn_desc(w_tile(s) + cw * 64 * 128);
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < x.k_tiles; ++i, ++it) {
+      const int s = it % kShStages;
+      mbar_wait(full(s), (it / kShStages) & 1);
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      const std::uint64_t da = sw128_desc(a_tile(s));
+      if constexpr (kBackward) {  // T M-major: k step kk is the 16 weight rows 16 kk.., 2048 bytes further on
+        const std::uint64_t dw = sw128_mn_desc(w_tile(s) + cw * 64 * 128);
 #pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16_ss<1>(acc, dw + (2048 >> 4) * kk, da + 2 * kk);
-    } else {  // T K-major: this warpgroup's 64 rows
-      const std::uint64_t dw = sw128_desc(w_tile(s) + cw * 64 * 128);
+        for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16_ss<1>(acc, dw + (2048 >> 4) * kk, da + 2 * kk);
+      } else {  // T K-major: this warpgroup's 64 rows
+        const std::uint64_t dw = sw128_desc(w_tile(s) + cw * 64 * 128);
 #pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16_ss<0>(acc, dw + 2 * kk, da + 2 * kk);
+        for (int kk = 0; kk < kBlockK / 16; ++kk) wgmma_m64n256k16_ss<0>(acc, dw + 2 * kk, da + 2 * kk);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      // The previous stage's wgmmas have finished reading shared memory once at most this one is pending.
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+      if (i > 0) mbar_arrive(empty((it - 1) % kShStages));
     }
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    // The previous stage's wgmmas have finished reading shared memory once at most this one is pending.
-    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-    if (i > 0) mbar_arrive(empty((i - 1) % kShStages));
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    if (x.k_tiles > 0) mbar_arrive(empty((it - 1) % kShStages));  // the tile's last stage is free too
+    const int split = t / (tiles_m * tiles_n);
+    if (persistent) {
+      const int tile_rows = M - x.m0 < kBlockA ? static_cast<int>(M - x.m0) : kBlockA;
+      store_bf16_tile<kShEpilogueRows>(acc, staging, smem + kShEpilogueOffset, cw, warp, lane, et, tile_rows, x.m0,
+                                       x.n0, n_out, static_cast<__nv_bfloat16*>(c), alpha, beta);
+    } else {
+      store_output_tile<kCBf16>(acc, smem, cw, warp, lane, et, M, x.m0, x.n0, n_out, partial, split, c, alpha,
+                                beta);
+    }
   }
-  store_output_tile<kCBf16>(acc, smem, cw, warp, lane, tid - kProducerThreads, M, m0, n0, n_out, partial,
-                            static_cast<int>(blockIdx.z), c, alpha, beta);
 #endif
 }
 
@@ -904,15 +970,17 @@ void launch_fused(const Context& ctx, const void* b16, std::int64_t M, const Nf4
   if (partial) launch_nf4_split_k_reduce(ctx, partial, static_cast<int>(splits), M * n_out, out, alpha, beta);
 }
 
-// The shared-dequantization kernel: the same tiles and split-K as launch_fused (the grid's x and y swapped so
-// that a strip's CTAs launch together), plus one scratch allocation for the bf16 workspace of W's size, the
-// claim counters and ready flags (zeroed here, in stream order) and the split-K partials.
+// The shared-dequantization kernel: the same tiles and split-K as launch_fused, ordered so that a strip's tiles
+// are neighbours, plus one scratch allocation for the bf16 workspace of W's size, the claim counters and ready
+// flags (zeroed here, in stream order) and the split-K partials. Where the bf16 epilogue serves the output (no
+// split-K), the grid is persistent: one CTA per SM at most, each looping over tiles.
 template <bool kBackward>
 void launch_shared_dequant(const Context& ctx, const void* b16, std::int64_t M, const Nf4Weight& w,
                            const TensorView& out, float alpha, float beta) {
   const std::int64_t n_out = kBackward ? w.cols : w.rows, k_red = kBackward ? w.rows : w.cols;
   const int a_box_rows = activation_box_rows(M);
-  const FusedGrid g = fused_grid(state(ctx).sm_count(), M, n_out, k_red);
+  const std::int64_t sms = state(ctx).sm_count();
+  const FusedGrid g = fused_grid(sms, M, n_out, k_red);
   const std::int64_t k_tiles = (k_red + fused::kBlockK - 1) / fused::kBlockK;
   const std::size_t w16_bytes = static_cast<std::size_t>(w.numel()) * 2;
   const std::size_t sync_bytes = static_cast<std::size_t>(g.tiles_n * (g.splits + k_tiles)) * 4;
@@ -927,12 +995,16 @@ void launch_shared_dequant(const Context& ctx, const void* b16, std::int64_t M, 
   const CUtensorMap t_map = tensor_map_2d(w16, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w.rows, w.cols,
                                           kBackward ? 64 : fused::kBlockW, fused::kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
   const small_m::Scales scales = small_m::scales_of(w);
-  const dim3 grid(static_cast<unsigned>(g.tiles_m), static_cast<unsigned>(g.tiles_n), static_cast<unsigned>(g.splits));
+  const std::int64_t tiles = g.tiles_m * g.tiles_n * g.splits;
+  const bool persistent =
+      fused::bf16_epilogue_fits(out.dtype() == DType::BF16, partial != nullptr, n_out, out.data());
+  const auto grid = static_cast<unsigned>(persistent ? std::min(tiles, sms) : tiles);
   auto launch = [&](auto kernel) {
     allow_dynamic_shared(reinterpret_cast<const void*>(kernel), fused::kShSmemBytes);
     kernel<<<grid, fused::kThreads, fused::kShSmemBytes, stream_of(ctx)>>>(
         map, t_map, w.codes.data_as<const std::uint8_t>(), scales, w16, sync, M, w.rows, w.cols,
-        static_cast<int>(g.k_tiles_per_split), a_box_rows, partial, out.data(), alpha, beta);
+        static_cast<int>(g.tiles_m), static_cast<int>(g.tiles_n), static_cast<int>(g.splits),
+        static_cast<int>(g.k_tiles_per_split), a_box_rows, persistent, partial, out.data(), alpha, beta);
   };
   if (out.dtype() == DType::BF16) launch(fused::nf4_shared_dequant_gemm_kernel<kBackward, true>);
   else launch(fused::nf4_shared_dequant_gemm_kernel<kBackward, false>);
