@@ -305,13 +305,15 @@ TEST(FusedPath, LargeSharedDequantMatchesDequantGemm) {
 
 // With a bf16 output and more tiles than SMs the shared-dequantization kernel runs a persistent grid: each CTA
 // loops over tiles, loading and claiming for the next while its epilogue stages the current one 64 rows at a time.
-// 150 tiles each way (ragged M, ragged last strip), bf16 out, beta 0 and 1, against dequantize + cuBLASLt.
+// 150 tiles each way (ragged M, a ragged last strip: 6392 outputs forward, 6336 = 99 x 64 for the input
+// gradient, whose K must be a multiple of 64), bf16 out, beta 0 and 1, against dequantize + cuBLASLt.
 TEST(FusedPath, SharedDequantPersistentGridMatchesDequantGemm) {
   QMM_REQUIRE_GPU();
   if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
   Context& gpu = *test::gpu_context();
-  const std::int64_t m = 600, wide = 6392, narrow = 256;  // 3 x 50 tiles of 256 x 128
+  const std::int64_t m = 600, narrow = 256;  // 3 x 50 tiles of 256 x 128
   for (bool backward : {false, true}) {
+    const std::int64_t wide = backward ? 6336 : 6392;
     const std::int64_t n = backward ? narrow : wide, k = backward ? wide : narrow;  // W [n, k]
     const std::int64_t n_out = backward ? k : n, k_red = backward ? n : k;
     const Nf4Tensor w = nf4_quantize(gpu, to_device(test::random_tensor(DType::BF16, {n, k}, 93, -0.05f, 0.05f),
