@@ -268,9 +268,9 @@ __device__ __forceinline__ void store_bf16_tile(const float (&acc)[128], std::ui
   }
 }
 
-// Whether the bf16 epilogue serves an output: bf16, 16-byte aligned rows, no split-K partials.
-__host__ __device__ inline bool bf16_epilogue_fits(bool c_bf16, bool split, std::int64_t n_out, const void* c) {
-  return c_bf16 && !split && n_out % 8 == 0 && (reinterpret_cast<std::uintptr_t>(c) & 15u) == 0;
+// Whether the bf16 epilogue serves a bf16 output: 16-byte aligned rows, no split-K partials.
+__host__ __device__ inline bool bf16_epilogue_fits(bool split, std::int64_t n_out, const void* c) {
+  return !split && n_out % 8 == 0 && (reinterpret_cast<std::uintptr_t>(c) & 15u) == 0;
 }
 
 // The epilogue of both kernels, run by the 256 consumer threads (et = 0..255: warpgroup cw, its warp, lane) once
@@ -291,7 +291,7 @@ __device__ __forceinline__ void store_output_tile(float (&acc)[128], unsigned ch
   const int g = lane / 4, t = lane % 4;
   // Output rows of this tile (activation rows m0 ..): kBlockA, or what is left of M.
   const int tile_rows = M - m0 < kBlockA ? static_cast<int>(M - m0) : kBlockA;
-  if (kCBf16 && bf16_epilogue_fits(true, partial != nullptr, n_out, c)) {
+  if (kCBf16 && bf16_epilogue_fits(partial != nullptr, n_out, c)) {
     store_bf16_tile<kBlockA>(acc, shared_address(smem), smem, cw, warp, lane, et, tile_rows, m0, n0, n_out,
                              static_cast<__nv_bfloat16*>(c), alpha, beta);
     return;
@@ -997,7 +997,7 @@ void launch_shared_dequant(const Context& ctx, const void* b16, std::int64_t M, 
   const small_m::Scales scales = small_m::scales_of(w);
   const std::int64_t tiles = g.tiles_m * g.tiles_n * g.splits;
   const bool persistent =
-      fused::bf16_epilogue_fits(out.dtype() == DType::BF16, partial != nullptr, n_out, out.data());
+      out.dtype() == DType::BF16 && fused::bf16_epilogue_fits(partial != nullptr, n_out, out.data());
   const auto grid = static_cast<unsigned>(persistent ? std::min(tiles, sms) : tiles);
   auto launch = [&](auto kernel) {
     allow_dynamic_shared(reinterpret_cast<const void*>(kernel), fused::kShSmemBytes);
