@@ -304,7 +304,8 @@ TEST(FusedPath, LargeSharedDequantMatchesDequantGemm) {
 }
 
 // With a bf16 output and more tiles than SMs the shared-dequantization kernel runs a persistent grid: each CTA
-// loops over tiles, loading and claiming for the next while its epilogue stages the current one 64 rows at a time.
+// loops over tiles, loading and claiming for the next while its epilogue stores the current one (TMA boxes with
+// beta = 0, 64 staged rows at a time with beta = 1).
 // 150 tiles each way (ragged M, a ragged last strip: 6392 outputs forward, 6336 = 99 x 64 for the input
 // gradient, whose K must be a multiple of 64), bf16 out, beta 0 and 1, against dequantize + cuBLASLt.
 TEST(FusedPath, SharedDequantPersistentGridMatchesDequantGemm) {

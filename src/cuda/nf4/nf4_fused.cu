@@ -123,6 +123,19 @@ __device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap
       : "memory");
 }
 
+// TMA store: the shared-memory box at `src` to the tensor map's box at (column, row), as one bulk group.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, int col, std::int64_t row, std::uint32_t src) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+               "cp.async.bulk.commit_group;\n" ::"l"(reinterpret_cast<std::uint64_t>(map)),
+               "r"(col), "r"(static_cast<int>(row)), "r"(src)
+               : "memory");
+}
+// Waits until at most kPending of this thread's bulk stores have yet to read their shared memory.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+
 // wgmma shared-memory descriptor of a K-major tile with 128-byte rows and the 128-byte swizzle: 8-row core
 // groups 1024 bytes apart (stride byte offset); the leading byte offset is unused for this layout. Moving 16
 // elements along k is +32 bytes on the start address (the swizzle is applied to absolute address bits, hence the
@@ -265,6 +278,51 @@ __device__ __forceinline__ void store_bf16_tile(const float (&acc)[128], std::ui
         *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(tile + ml * kCBf16Pitch + 16 * chunk);
     }
     asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the staging tile is read before anyone writes it again
+  }
+}
+
+// Named barrier 2 + cw among consumer warpgroup cw's 128 threads (literal ids: a register id makes ptxas reserve
+// all 16).
+__device__ __forceinline__ void warpgroup_barrier(int cw) {
+  if (cw == 0) asm volatile("bar.sync 2, 128;\n" ::: "memory");
+  else asm volatile("bar.sync 3, 128;\n" ::: "memory");
+}
+
+// The persistent kernel's bf16 epilogue when nothing is read back (beta = 0): warpgroup cw stores its 64 output
+// columns (weight rows n0 + 64 cw ..) of the tile in passes of 64 activation rows, each through one of its two
+// 8 KB boxes (wt = 0..127: its thread; the box is [64 m][64 n] bf16 in the 128-byte swizzle of c_map, so that
+// stmatrix.trans's eight 16-byte rows per matrix hit distinct banks). Its thread 0 hands a filled box to TMA and
+// the warpgroup moves on (the next pass, then the next tile's wgmmas) while the copy engine writes it out, so the
+// stores no longer hold up the tensor cores (v14's thread stores, timed by leaving them out, took ~3 µs per tile).
+// A box is written again only after its previous store has read it. TMA clips rows past M and columns past n_out.
+__device__ __forceinline__ void store_bf16_tile_tma(const float (&acc)[128], std::uint32_t boxes,
+                                                    const CUtensorMap* c_map, int cw, int warp, int lane, int wt,
+                                                    int tile_rows, std::int64_t m0, std::int64_t n0, float alpha) {
+  const int mat = lane / 8, r = lane % 8;  // the row of matrix `mat` whose address this lane gives
+  const int chunk = 2 * warp + mat % 2;    // its 16-byte chunk of a box row: weight rows 16 warp + 8 (mat % 2) ..
+#pragma unroll
+  for (int pass = 0; pass < kBlockA / 64; ++pass) {
+    if (64 * pass >= tile_rows) break;
+    const std::uint32_t box = boxes + (pass % 2) * 8192;
+    if (wt == 0) bulk_wait_read<1>();  // the store of two passes ago (this box's) has read it
+    warpgroup_barrier(cw);
+#pragma unroll
+    for (int jj = 0; jj < 8; jj += 2) {  // the pass's 8-row groups, two per stmatrix.x4
+      const int row = 8 * (jj + mat / 2) + r;
+      const std::uint32_t at = box + 128 * row + 16 * (chunk ^ (row % 8));
+      const int j0 = 8 * pass + jj;
+      std::uint32_t v[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // matrix q: activation rows 8 (j0 + q / 2) .., weight rows + 8 (q % 2)
+        const int i = 4 * (j0 + q / 2) + 2 * (q % 2);
+        v[q] = nf4_lut::pack_bf16x2(alpha * acc[i], alpha * acc[i + 1]);
+      }
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                   ::"r"(at), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stmatrix writes, for the copy engine
+    warpgroup_barrier(cw);
+    if (wt == 0) tma_store_2d(c_map, static_cast<int>(n0) + 64 * cw, m0 + 64 * pass, box);
   }
 }
 
@@ -613,11 +671,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 // proxy (TMA) through a proxy fence on both sides of the flag.
 constexpr int kShStageBytes = kWTileBytes + kATileBytes;  // the T tile by TMA, the activation tile
 constexpr int kShStages = 4;
-// The persistent launch's epilogue stages 64 output rows at a time outside the pipeline, which is by then loading
-// the CTA's next tile.
+// The persistent launch's epilogue stages its output outside the pipeline, which is by then loading the CTA's
+// next tile: two 8 KB TMA boxes per consumer warpgroup (store_bf16_tile_tma), or with beta != 0 64 rows at a time
+// through store_bf16_tile.
 constexpr int kShEpilogueRows = 64;
 constexpr int kShEpilogueOffset = kShStages * kShStageBytes;
-constexpr int kShCodebookOffset = kShEpilogueOffset + kShEpilogueRows * kCBf16Pitch;
+constexpr int kShEpilogueBytes = std::max(2 * 2 * 8192, kShEpilogueRows * kCBf16Pitch);
+constexpr int kShCodebookOffset = kShEpilogueOffset + kShEpilogueBytes;
 constexpr int kShCode2Offset = kShCodebookOffset + 64;
 constexpr int kShSlotOffset = kShCode2Offset + small_m::kCode2Bytes;  // the tile the dequantizing warps claimed
 constexpr int kShBarriersOffset = kShSlotOffset + 16;
@@ -642,14 +702,14 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 
 // The tiles: t = m_tile + tiles_m * (n_tile + tiles_n * split), so that a strip's tiles (same n_tile and split,
 // different activation tiles) are neighbours. CTA b takes tiles b, b + gridDim.x, ...: one each when the grid has
-// a CTA per tile; a persistent grid (one CTA per SM, `persistent`) loops, and its producer loads and its
-// dequantizing warps claim for the next tile while the consumers finish the current one, whose epilogue then
-// stages its output outside the pipeline (bf16 out only, no split-K: the host checks). `sync` (zeroed before the
-// launch): [splits][tiles_n] claim counters, then [tiles_n][k tiles of k_red] ready flags. t_map: the workspace
-// w16 [N][K] bf16, boxes of 128 rows x 64 columns (forward: T = W's rows) or 64 x 64 (input gradient: W's rows
-// k_red, two boxes side by side along K = n_out).
+// a CTA per tile; a persistent grid (one CTA per SM where the bf16 epilogue serves the output: bf16 out, no
+// split-K) loops, and its producer loads and its dequantizing warps claim for the next tile while the consumers
+// finish the current one, whose epilogue then stages its output outside the pipeline (c_map: the output's TMA
+// boxes, used with beta = 0). `sync` (zeroed before the launch): [splits][tiles_n] claim counters, then
+// [tiles_n][k tiles of k_red] ready flags. t_map: the workspace w16 [N][K] bf16, boxes of 128 rows x 64 columns
+// (forward: T = W's rows) or 64 x 64 (input gradient: W's rows k_red, two boxes side by side along K = n_out).
 struct ShTile {
-  int m0, kt_begin, k_tiles;
+  int m0, split, kt_begin, k_tiles;
   std::int64_t n0;
   int* claims;
   int* ready;
@@ -658,11 +718,11 @@ struct ShTile {
 template <bool kBackward, bool kCBf16>
 __global__ void __launch_bounds__(kThreads, 1)
     nf4_shared_dequant_gemm_kernel(const __grid_constant__ CUtensorMap b_map, const __grid_constant__ CUtensorMap t_map,
-                                   const std::uint8_t* __restrict__ codes, Scales scales,
-                                   __nv_bfloat16* __restrict__ w16, int* __restrict__ sync, std::int64_t M,
-                                   std::int64_t rows, std::int64_t cols, int tiles_m, int tiles_n, int splits,
-                                   int k_tiles_per_split, int a_box_rows, bool persistent,
-                                   float* __restrict__ partial, void* __restrict__ c, float alpha, float beta) {
+                                   const __grid_constant__ CUtensorMap c_map, const std::uint8_t* __restrict__ codes,
+                                   Scales scales, __nv_bfloat16* __restrict__ w16, int* __restrict__ sync,
+                                   std::int64_t M, std::int64_t rows, std::int64_t cols, int tiles_m, int tiles_n,
+                                   int splits, int k_tiles_per_split, int a_box_rows, float* __restrict__ partial,
+                                   void* __restrict__ c, float alpha, float beta) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (shared_address(smem_raw) & 1023u)) & 1023u);
@@ -680,10 +740,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, wg = tid / 128;
   const int k_tiles_total = static_cast<int>((k_red + kBlockK - 1) / kBlockK);
   const int num_tiles = tiles_m * tiles_n * splits;
+  // The epilogue that launch_shared_dequant sized the grid for: persistent (staged outside the pipeline), and then
+  // by TMA where nothing is read back.
+  const bool persistent = kCBf16 && bf16_epilogue_fits(partial != nullptr, n_out, c);
+  const bool tma_store = persistent && beta == 0.0f;
   auto tile_at = [&](int t) {
     ShTile x;
     const int m_tile = t % tiles_m, rest = t / tiles_m, n_tile = rest % tiles_n, split = rest / tiles_n;
     x.m0 = m_tile * kBlockA;
+    x.split = split;
     x.n0 = static_cast<std::int64_t>(n_tile) * kBlockW;
     x.kt_begin = split * k_tiles_per_split;
     x.k_tiles = min(k_tiles_per_split, k_tiles_total - x.kt_begin);
@@ -700,6 +765,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&b_map)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&t_map)) : "memory");
+    if (tma_store) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(&c_map)) : "memory");
   }
   if (tid < 16) codebook[tid] = nf4_code_value(tid);
   if (!scales.absmax)
@@ -817,16 +883,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     if (x.k_tiles > 0) mbar_arrive(empty((it - 1) % kShStages));  // the tile's last stage is free too
-    const int split = t / (tiles_m * tiles_n);
-    if (persistent) {
-      const int tile_rows = M - x.m0 < kBlockA ? static_cast<int>(M - x.m0) : kBlockA;
+    const int tile_rows = M - x.m0 < kBlockA ? static_cast<int>(M - x.m0) : kBlockA;
+    if (tma_store) {
+      store_bf16_tile_tma(acc, staging + cw * 2 * 8192, &c_map, cw, warp, lane, wt, tile_rows, x.m0, x.n0, alpha);
+    } else if (persistent) {
       store_bf16_tile<kShEpilogueRows>(acc, staging, smem + kShEpilogueOffset, cw, warp, lane, et, tile_rows, x.m0,
                                        x.n0, n_out, static_cast<__nv_bfloat16*>(c), alpha, beta);
     } else {
-      store_output_tile<kCBf16>(acc, smem, cw, warp, lane, et, M, x.m0, x.n0, n_out, partial, split, c, alpha,
+      store_output_tile<kCBf16>(acc, smem, cw, warp, lane, et, M, x.m0, x.n0, n_out, partial, x.split, c, alpha,
                                 beta);
     }
   }
+  if (tma_store && wt == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // before the CTA's exit
 #endif
 }
 
@@ -996,15 +1064,21 @@ void launch_shared_dequant(const Context& ctx, const void* b16, std::int64_t M, 
                                           kBackward ? 64 : fused::kBlockW, fused::kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
   const small_m::Scales scales = small_m::scales_of(w);
   const std::int64_t tiles = g.tiles_m * g.tiles_n * g.splits;
+  // The kernel derives the same from its arguments (its epilogue).
   const bool persistent =
       out.dtype() == DType::BF16 && fused::bf16_epilogue_fits(partial != nullptr, n_out, out.data());
   const auto grid = static_cast<unsigned>(persistent ? std::min(tiles, sms) : tiles);
+  // The output's TMA boxes for the persistent epilogue with beta = 0 (unused otherwise: t_map stands in).
+  const CUtensorMap c_map = persistent && beta == 0.0f
+                                ? tensor_map_2d(out.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, M, n_out, 64, 64,
+                                                CU_TENSOR_MAP_SWIZZLE_128B)
+                                : t_map;
   auto launch = [&](auto kernel) {
     allow_dynamic_shared(reinterpret_cast<const void*>(kernel), fused::kShSmemBytes);
     kernel<<<grid, fused::kThreads, fused::kShSmemBytes, stream_of(ctx)>>>(
-        map, t_map, w.codes.data_as<const std::uint8_t>(), scales, w16, sync, M, w.rows, w.cols,
+        map, t_map, c_map, w.codes.data_as<const std::uint8_t>(), scales, w16, sync, M, w.rows, w.cols,
         static_cast<int>(g.tiles_m), static_cast<int>(g.tiles_n), static_cast<int>(g.splits),
-        static_cast<int>(g.k_tiles_per_split), a_box_rows, persistent, partial, out.data(), alpha, beta);
+        static_cast<int>(g.k_tiles_per_split), a_box_rows, partial, out.data(), alpha, beta);
   };
   if (out.dtype() == DType::BF16) launch(fused::nf4_shared_dequant_gemm_kernel<kBackward, true>);
   else launch(fused::nf4_shared_dequant_gemm_kernel<kBackward, false>);

@@ -210,7 +210,8 @@ constexpr double kMinWaveFill = 0.9;
 // and the graph-timed block got slower with Auto taking it (5469-5540 vs 5303-5366 µs; forward only 5413-5429):
 // so the kernel stays opt-in. Session 24's persistent grid made it 3-9% faster per op on those weights at 2048 and
 // 4096 rows (e.g. Llama-3-8B gate/up input gradient 678 vs 746 µs for dequantize + cuBLASLt), but with Auto taking
-// it from 513 rows on large weights the same block still took 5729 µs against 5333 (one build each, one call).
+// it from 513 rows on large weights the same block still took 5729 µs against 5333 (one build each, one call);
+// with session 25's TMA-store epilogue 5487 against 5267 (bf16 base 4997-5002).
 // The fused kernel a path takes for this problem, if any: forced (Fused, FusedShared) or chosen by Auto.
 std::optional<FusedKernel> fused_choice(const Context& ctx, Nf4Path path, std::int64_t m, const Nf4Weight& w,
                                         bool small_m, bool backward) {
