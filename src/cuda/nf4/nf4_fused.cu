@@ -293,7 +293,7 @@ __device__ __forceinline__ void warpgroup_barrier(int cw) {
 // 8 KB boxes (wt = 0..127: its thread; the box is [64 m][64 n] bf16 in the 128-byte swizzle of c_map, so that
 // stmatrix.trans's eight 16-byte rows per matrix hit distinct banks). Its thread 0 hands a filled box to TMA and
 // the warpgroup moves on (the next pass, then the next tile's wgmmas) while the copy engine writes it out, so the
-// stores no longer hold up the tensor cores (v14's thread stores, timed by leaving them out, took ~3 µs per tile).
+// stores no longer hold up the tensor cores (v14's whole epilogue, timed by leaving it out, took ~3 µs per tile).
 // A box is written again only after its previous store has read it. TMA clips rows past M and columns past n_out.
 __device__ __forceinline__ void store_bf16_tile_tma(const float (&acc)[128], std::uint32_t boxes,
                                                     const CUtensorMap* c_map, int cw, int warp, int lane, int wt,
