@@ -124,10 +124,10 @@ __device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap
 }
 
 // TMA store: the shared-memory box at `src` to the tensor map's box at (column, row), as one bulk group.
-__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, int col, std::int64_t row, std::uint32_t src) {
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, int col, int row, std::uint32_t src) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
                "cp.async.bulk.commit_group;\n" ::"l"(reinterpret_cast<std::uint64_t>(map)),
-               "r"(col), "r"(static_cast<int>(row)), "r"(src)
+               "r"(col), "r"(row), "r"(src)
                : "memory");
 }
 // Waits until at most kPending of this thread's bulk stores have yet to read their shared memory.
@@ -218,6 +218,11 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const std::
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
+// The accumulator pair (i, i + 1) that a thread gives matrix q of a stmatrix.x4.trans over activation rows
+// 8 j0 .. 8 j0 + 15 (two 8-row groups, q / 2) and its warp's 16 weight rows (two halves, q % 2): accumulator
+// d[4j + i] holds weight row 64 cw + 16 warp + g + 8 (i >> 1) and activation row 8j + 2t + (i & 1).
+__device__ __forceinline__ int stmatrix_acc(int j0, int q) { return 4 * (j0 + q / 2) + 2 * (q % 2); }
+
 // The bf16 epilogue (bf16 out in 16-byte aligned rows, no split): the accumulators of warpgroup cw (et = 0..255:
 // consumer thread) transposed with stmatrix into a bf16 staging tile of kPassRows activation rows (pitch
 // kCBf16Pitch: the eight 16-byte rows of a matrix hit distinct banks), then 16-byte copies along n, one pass per
@@ -263,8 +268,8 @@ __device__ __forceinline__ void store_bf16_tile(const float (&acc)[128], std::ui
       }
       std::uint32_t v[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {  // matrix q: j = j0 + q / 2, weight rows + 8 (q % 2)
-        const int i = 4 * (j0 + q / 2) + 2 * (q % 2);
+      for (int q = 0; q < 4; ++q) {
+        const int i = stmatrix_acc(j0, q);
         v[q] = nf4_lut::pack_bf16x2(alpha * acc[i] + beta * old[2 * q], alpha * acc[i + 1] + beta * old[2 * q + 1]);
       }
       asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
@@ -297,7 +302,7 @@ __device__ __forceinline__ void warpgroup_barrier(int cw) {
 // A box is written again only after its previous store has read it. TMA clips rows past M and columns past n_out.
 __device__ __forceinline__ void store_bf16_tile_tma(const float (&acc)[128], std::uint32_t boxes,
                                                     const CUtensorMap* c_map, int cw, int warp, int lane, int wt,
-                                                    int tile_rows, std::int64_t m0, std::int64_t n0, float alpha) {
+                                                    int tile_rows, int m0, std::int64_t n0, float alpha) {
   const int mat = lane / 8, r = lane % 8;  // the row of matrix `mat` whose address this lane gives
   const int chunk = 2 * warp + mat % 2;    // its 16-byte chunk of a box row: weight rows 16 warp + 8 (mat % 2) ..
 #pragma unroll
@@ -313,8 +318,8 @@ __device__ __forceinline__ void store_bf16_tile_tma(const float (&acc)[128], std
       const int j0 = 8 * pass + jj;
       std::uint32_t v[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {  // matrix q: activation rows 8 (j0 + q / 2) .., weight rows + 8 (q % 2)
-        const int i = 4 * (j0 + q / 2) + 2 * (q % 2);
+      for (int q = 0; q < 4; ++q) {
+        const int i = stmatrix_acc(j0, q);
         v[q] = nf4_lut::pack_bf16x2(alpha * acc[i], alpha * acc[i + 1]);
       }
       asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
