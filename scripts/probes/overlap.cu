@@ -9,29 +9,16 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
-#include <random>
 #include <vector>
 
+#include "probe_common.h"
 #include "qmm/qmm.h"
 
 using namespace qmm;
+using probe::check;
+using probe::random_bf16;
 
 namespace {
-
-void check(cudaError_t e) {
-  if (e != cudaSuccess) throw std::runtime_error(cudaGetErrorString(e));
-}
-
-Tensor random_bf16(const Context& ctx, std::int64_t rows, std::int64_t cols, unsigned seed) {
-  Tensor host(DType::BF16, {rows, cols});
-  std::mt19937 g(seed);
-  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
-  auto* p = host.data_as<std::uint16_t>();
-  for (std::int64_t i = 0; i < rows * cols; ++i) p[i] = float_to_bf16(d(g));
-  Tensor t(DType::BF16, {rows, cols}, ctx.device());
-  copy(t, host);
-  return t;
-}
 
 // Median microseconds of fn over 30 runs (after 5 warm-ups), timed by events on stream s.
 double median_us(cudaStream_t s, const std::function<void()>& fn) {

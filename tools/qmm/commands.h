@@ -20,6 +20,7 @@ struct BenchOptions {
   std::vector<std::int64_t> tokens;  // empty: all token counts (M) of the shape list
   std::string json_path;
   int repeats = 50;
+  int hold_ms = 0;   // > 0: each GPU case replayed back to back this long before it is timed (sustained clocks)
   bool cpu = false;  // force the CPU backend
 };
 int run_bench(const BenchOptions& opts);

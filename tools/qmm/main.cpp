@@ -22,6 +22,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 24));
   bench_cmd->add_option("--json", bench.json_path, "Write the results as JSON to this file");
   bench_cmd->add_option("--repeats", bench.repeats, "Timed repetitions per case")->check(CLI::Range(1, 100000));
+  bench_cmd->add_option("--hold-ms", bench.hold_ms,
+                        "Replay each GPU case back to back this long before timing it, so that it is timed at the "
+                        "clocks of sustained load (the power limit) rather than those of a short burst")
+      ->check(CLI::Range(0, 60000));
   bench_cmd->add_flag("--cpu", bench.cpu, "Benchmark the CPU backend even where a GPU is present");
 
   qmm::tool::FinetuneOptions ft;
