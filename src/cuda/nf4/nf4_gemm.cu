@@ -211,7 +211,10 @@ constexpr double kMinWaveFill = 0.9;
 // so the kernel stays opt-in. Session 24's persistent grid made it 3-9% faster per op on those weights at 2048 and
 // 4096 rows (e.g. Llama-3-8B gate/up input gradient 678 vs 746 µs for dequantize + cuBLASLt), but with Auto taking
 // it from 513 rows on large weights the same block still took 5729 µs against 5333 (one build each, one call);
-// with session 25's TMA-store epilogue 5487 against 5267 (bf16 base 4997-5002).
+// with session 25's TMA-store epilogue 5487 against 5267 (bf16 base 4997-5002). Session 26 found why: its per-op
+// wins are in the first ~100 ms of back-to-back calls; sustained, at the power limit, it draws more power per
+// product than cuBLAS and runs slower than dequantize + cuBLASLt (Llama-3-8B gate/up forward M = 4096: 776 vs
+// 751 µs; bench --hold-ms, scripts/probes/sustained.cu, docs/BENCHMARKS.md).
 // The fused kernel a path takes for this problem, if any: forced (Fused, FusedShared) or chosen by Auto.
 std::optional<FusedKernel> fused_choice(const Context& ctx, Nf4Path path, std::int64_t m, const Nf4Weight& w,
                                         bool small_m, bool backward) {
