@@ -14,7 +14,10 @@ def main(bench_path, compare_path=None):
         r.setdefault("tokens", r["m"])
     by = {(r["op"], r["mode"], r["shape"], r["tokens"]): r for r in res}
     c = d["ceilings"]
-    print(f"Run: {d['device']}, {d['date']}, commit {d['commit']}, {d['repeats']} timed calls per case (median).\n")
+    hold = d.get("hold_ms", 0)
+    held = f", each case held {hold} ms before timing (sustained clocks)" if hold else ""
+    print(f"Run: {d['device']}, {d['date']}, commit {d['commit']}, {d['repeats']} timed calls per case (median)"
+          f"{held}.\n")
     print(f"Ceilings measured at the start: copy {c['copy_GBps']:.0f} GB/s (read + write), bf16 GEMM "
           f"{c['bf16_TFLOPs']:.0f} TFLOP/s, TF32 {c['tf32_TFLOPs']:.0f}, FP32 {c['fp32_TFLOPs']:.1f}.\n")
 
