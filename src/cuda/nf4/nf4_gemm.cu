@@ -202,19 +202,10 @@ struct RowRange {
 constexpr RowRange kAutoFusedRowsLarge[2] = {{kAutoSmallMRows + 1, 512}, {0, 512}};
 constexpr RowRange kAutoFusedRows = {32, 512};                       // smaller weights, either direction
 constexpr double kMinWaveFill = 0.9;
-// Auto never takes the shared-dequantization kernel (FusedShared). In the per-op bench it beats dequantize +
-// cuBLASLt on large weights from 2048 rows with a long reduction (H200, session 17: Llama-3-8B gate/up input
-// gradient M = 4096 682 vs 772 µs), but there cuBLAS runs power-throttled (657 µs) while FusedShared does not
-// gain from the headroom. Inside the Llama-3-8B MLP block the kernels themselves, timed one by one by ncu
-// (session 18), take 676-729 µs for FusedShared against 45 (dequantize) + 605 (cuBLAS) for the dequantize path,
-// and the graph-timed block got slower with Auto taking it (5469-5540 vs 5303-5366 µs; forward only 5413-5429):
-// so the kernel stays opt-in. Session 24's persistent grid made it 3-9% faster per op on those weights at 2048 and
-// 4096 rows (e.g. Llama-3-8B gate/up input gradient 678 vs 746 µs for dequantize + cuBLASLt), but with Auto taking
-// it from 513 rows on large weights the same block still took 5729 µs against 5333 (one build each, one call);
-// with session 25's TMA-store epilogue 5487 against 5267 (bf16 base 4997-5002). Session 26 found why: its per-op
-// wins are in the first ~100 ms of back-to-back calls; sustained, at the power limit, it draws more power per
-// product than cuBLAS and runs slower than dequantize + cuBLASLt (Llama-3-8B gate/up forward M = 4096: 776 vs
-// 751 µs; bench --hold-ms, scripts/probes/sustained.cu, docs/BENCHMARKS.md).
+// Auto never takes the shared-dequantization kernel (FusedShared). It wins per op only in the first ~100 ms of
+// back-to-back calls; under sustained load, at the power limit, it draws more power per product than cuBLAS and
+// runs slower than dequantize + cuBLASLt (H200, session 26: Llama-3-8B gate/up forward M = 4096 776 vs 751 µs),
+// and every MLP block measured with Auto taking it was slower (sessions 18-25). History: docs/BENCHMARKS.md.
 // The fused kernel a path takes for this problem, if any: forced (Fused, FusedShared) or chosen by Auto.
 std::optional<FusedKernel> fused_choice(const Context& ctx, Nf4Path path, std::int64_t m, const Nf4Weight& w,
                                         bool small_m, bool backward) {
