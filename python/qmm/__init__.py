@@ -1,0 +1,353 @@
+"""qmm for PyTorch: qmm's GEMMs, SwiGLU and NF4 ops on torch tensors, on the CPU (reference backend) or a GPU.
+
+Ops run on the tensors' device: CPU tensors on qmm's CPU reference backend, CUDA tensors on the GPU backend, in
+PyTorch's current stream. Inputs are taken as they are when dense row-major (otherwise as a contiguous copy);
+outputs are allocated here unless passed as `out=`, which must be dense row-major (qmm writes it in place). Every
+error is a `qmm.Error` (a RuntimeError) whose `code` names the kind ("ShapeMismatch", "Unsupported", ...); no
+output is written when an op fails. On the GPU, qmm keeps one context per (device, stream) with its own cuBLASLt
+workspace and, for NF4 GEMMs that dequantize first, a scratch buffer of the weight's size in bf16: memory that
+PyTorch's allocator does not see.
+
+    import qmm, torch
+    w4 = qmm.Nf4Weight.quantize(w.cuda())               # W [out, in] -> NF4, bitsandbytes' layout
+    y = qmm.nf4_linear(x, w4)                          # x [..., in] -> [..., out], differentiable in x
+    layer = qmm.QLoraLinear(w4, rank=16, alpha=32)     # frozen NF4 base + trainable LoRA adapters
+"""
+import json
+import math
+
+import torch
+
+from . import _qmm
+from ._qmm import Error
+
+__all__ = [
+    "Error", "Nf4Weight", "QLoraLinear", "batched_gemm", "cuda_device_count", "gemm", "gemm_backward_a",
+    "gemm_backward_b", "gemm_bt", "nf4_gate_up", "nf4_gemm", "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu",
+    "swiglu", "swiglu_backward",
+]
+
+NF4_NESTED_BLOCK_SIZE = 256  # blocks per absmax2 group when double-quantized (bitsandbytes' nested block size)
+
+
+def cuda_device_count():
+    """GPUs qmm can use (0 where qmm was built without CUDA or none is usable)."""
+    return _qmm.cuda_device_count()
+
+
+def _error(code, message):
+    e = Error(message)
+    e.code = code
+    return e
+
+
+def _stream(t):
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _in(t):
+    """An input as qmm takes it: detached (DLPack refuses tensors that require grad) and dense row-major."""
+    t = t.detach()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _out(op, out, shape, dtype, like, beta):
+    if out is None:
+        if beta != 0.0:
+            raise _error("InvalidArgument", f"{op}: beta = {beta} needs out= (the tensor to accumulate into)")
+        return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+    return out
+
+
+def _dim(t, i):
+    """t's extent i, or 0 where t has no such dimension (qmm then names the bad rank)."""
+    return t.shape[i] if -t.dim() <= i < t.dim() else 0
+
+
+# ---- dense GEMMs ------------------------------------------------------------------------------------------------
+
+
+def _gemm(fn, op, x, y, shape, out, alpha, beta, math_mode, out_dtype):
+    x, y = _in(x), _in(y)
+    out = _out(op, out, shape, out_dtype, x, beta)
+    fn(x, y, out.detach(), alpha=alpha, beta=beta, math=math_mode, stream=_stream(x))
+    return out
+
+
+def gemm(a, b, *, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
+    """out[M,N] = alpha * a[M,K] @ b[K,N] + beta * out. a and b share a dtype (float32 or bfloat16); out is that
+    dtype or float32. math ("fp32", "tf32", "bf16") sets how float32 operands multiply (bf16 truncates them)."""
+    return _gemm(_qmm.gemm, "gemm", a, b, (_dim(a, 0), _dim(b, 1)), out, alpha, beta, math, out_dtype)
+
+
+def gemm_bt(a, b, *, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
+    """out[M,N] = alpha * a[M,K] @ b[N,K]^T + beta * out (a linear layer's forward)."""
+    return _gemm(_qmm.gemm_bt, "gemm_bt", a, b, (_dim(a, 0), _dim(b, 0)), out, alpha, beta, math, out_dtype)
+
+
+def gemm_backward_a(dc, b, *, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
+    """da[M,K] = alpha * dc[M,N] @ b[K,N]^T + beta * da (gemm's input gradient)."""
+    return _gemm(_qmm.gemm_backward_a, "gemm_backward_a", dc, b, (_dim(dc, 0), _dim(b, 0)), out, alpha, beta, math,
+                 out_dtype)
+
+
+def gemm_backward_b(a, dc, *, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
+    """db[K,N] = alpha * a[M,K]^T @ dc[M,N] + beta * db (gemm's weight gradient)."""
+    return _gemm(_qmm.gemm_backward_b, "gemm_backward_b", a, dc, (_dim(a, 1), _dim(dc, 1)), out, alpha, beta, math,
+                 out_dtype)
+
+
+def batched_gemm(a, b, *, transpose_b=False, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
+    """out[B,H,M,N] = alpha * a[B,H,M,K] @ b[B,H,K,N] (or b[B,H,N,K]^T with transpose_b) + beta * out."""
+    a, b = _in(a), _in(b)
+    shape = (_dim(a, 0), _dim(a, 1), _dim(a, 2), _dim(b, 2) if transpose_b else _dim(b, 3))
+    out = _out("batched_gemm", out, shape, out_dtype, a, beta)
+    _qmm.batched_gemm(a, b, out.detach(), transpose_b=transpose_b, alpha=alpha, beta=beta, math=math,
+                      stream=_stream(a))
+    return out
+
+
+# ---- SwiGLU -----------------------------------------------------------------------------------------------------
+
+
+def swiglu(gate, up, *, out=None):
+    """h = silu(gate) * up (float32 or bfloat16, one shape and dtype for all three)."""
+    gate, up = _in(gate), _in(up)
+    out = _out("swiglu", out, gate.shape, None, gate, 0.0)
+    _qmm.swiglu(gate, up, out.detach(), stream=_stream(gate))
+    return out
+
+
+def swiglu_backward(gate, up, dh):
+    """(dgate, dup) = (dh * up * silu'(gate), dh * silu(gate))."""
+    gate, up, dh = _in(gate), _in(up), _in(dh)
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    _qmm.swiglu_backward(gate, up, dh, dgate, dup, stream=_stream(gate))
+    return dgate, dup
+
+
+# ---- NF4 --------------------------------------------------------------------------------------------------------
+
+
+class Nf4Weight:
+    """A frozen weight W [rows, cols] = [out_features, in_features] in NF4, bitsandbytes' layout (docs/FORMAT.md):
+    codes uint8 [ceil(rows*cols/2)] (element 2i in the high nibble of byte i) and one scale per block of
+    block_size elements: absmax float32 [nblocks] (plain), or absmax uint8 [nblocks] indexing code2 float32 [256],
+    scaled by absmax2 float32 [ceil(nblocks/256)] plus offset (double-quantized). All tensors on one device."""
+
+    def __init__(self, codes, absmax, shape, block_size=64, absmax2=None, code2=None, offset=0.0):
+        self.codes, self.absmax, self.absmax2, self.code2 = codes, absmax, absmax2, code2
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.block_size = int(block_size)
+        self.offset = float(offset)
+
+    @property
+    def double_quant(self):
+        return self.absmax.dtype == torch.uint8
+
+    @property
+    def device(self):
+        return self.codes.device
+
+    def _views(self):
+        """The same weight with dense row-major, detached tensors, as qmm takes them."""
+        c = lambda t: None if t is None else _in(t).reshape(-1)  # noqa: E731
+        return Nf4Weight(c(self.codes), c(self.absmax), self.shape, self.block_size, c(self.absmax2), c(self.code2),
+                         self.offset)
+
+    @classmethod
+    def quantize(cls, w, double_quant=True, block_size=64):
+        """NF4 of w [rows, cols] (float32, bfloat16 or float16), byte-identical to bitsandbytes' quantize_4bit."""
+        w = _in(w)
+        rows, cols = _dim(w, 0), _dim(w, 1)
+        n = rows * cols
+        nblocks = -(-n // block_size) if block_size > 0 else 0
+        alloc = lambda count, dtype: torch.empty(count, dtype=dtype, device=w.device)  # noqa: E731
+        out = cls(alloc(-(-n // 2), torch.uint8), alloc(nblocks, torch.uint8 if double_quant else torch.float32),
+                  (rows, cols), block_size)
+        if double_quant:
+            out.absmax2 = alloc(-(-nblocks // NF4_NESTED_BLOCK_SIZE), torch.float32)
+            out.code2 = alloc(256, torch.float32)
+        out.offset = _qmm.nf4_quantize(w, out, stream=_stream(w))
+        return out
+
+    def dequantize(self, dtype=torch.bfloat16):
+        """W [rows, cols] = codebook[code] * scale, in float32 or bfloat16 (rounded to nearest even)."""
+        out = torch.empty(self.shape, dtype=dtype, device=self.device)
+        _qmm.nf4_dequantize(self._views(), out, stream=_stream(out))
+        return out
+
+    def to(self, device):
+        t = lambda x: None if x is None else x.to(device)  # noqa: E731
+        return Nf4Weight(t(self.codes), t(self.absmax), self.shape, self.block_size, t(self.absmax2), t(self.code2),
+                         self.offset)
+
+    @classmethod
+    def from_bnb(cls, data, quant_state):
+        """Wraps a bitsandbytes 4-bit weight without copying: `data` is Params4bit's packed uint8 tensor and
+        `quant_state` its QuantState (quant_type "nf4"; plain or nested scales)."""
+        qs = quant_state
+        if qs.quant_type != "nf4":
+            raise _error("Unsupported", f"Nf4Weight.from_bnb: quant_type '{qs.quant_type}' (qmm takes nf4)")
+        if getattr(qs, "state2", None) is None:
+            return cls(data.reshape(-1), qs.absmax, tuple(qs.shape), qs.blocksize)
+        if qs.state2.blocksize != NF4_NESTED_BLOCK_SIZE:
+            raise _error("Unsupported", f"Nf4Weight.from_bnb: nested block size {qs.state2.blocksize} "
+                                        f"(qmm takes {NF4_NESTED_BLOCK_SIZE})")
+        return cls(data.reshape(-1), qs.absmax, tuple(qs.shape), qs.blocksize, qs.state2.absmax, qs.state2.code,
+                   float(qs.offset))
+
+    @classmethod
+    def from_bnb_state_dict(cls, state_dict, prefix="weight"):
+        """The weight `prefix` of a bitsandbytes 4-bit checkpoint's state dict: `prefix` (packed codes),
+        `prefix.absmax`, `prefix.quant_state.bitsandbytes__nf4` (JSON: shape, blocksize, nested_offset, ...), and
+        when double-quantized `prefix.nested_absmax` and `prefix.nested_quant_map`."""
+        key = f"{prefix}.quant_state.bitsandbytes__nf4"
+        if key not in state_dict:
+            found = [k for k in state_dict if k.startswith(f"{prefix}.quant_state.")]
+            raise _error("Unsupported" if found else "InvalidArgument",
+                         f"Nf4Weight.from_bnb_state_dict: no '{key}'" + (f" (found {found[0]})" if found else ""))
+        meta = json.loads(bytes(state_dict[key].cpu().to(torch.uint8).tolist()).decode("utf-8"))
+        shape, block_size = tuple(meta["shape"]), int(meta["blocksize"])
+        codes, absmax = state_dict[prefix].reshape(-1), state_dict[f"{prefix}.absmax"]
+        if f"{prefix}.nested_absmax" not in state_dict:
+            return cls(codes, absmax, shape, block_size)
+        if int(meta.get("nested_blocksize", NF4_NESTED_BLOCK_SIZE)) != NF4_NESTED_BLOCK_SIZE:
+            raise _error("Unsupported", f"Nf4Weight.from_bnb_state_dict: nested block size "
+                                        f"{meta['nested_blocksize']} (qmm takes {NF4_NESTED_BLOCK_SIZE})")
+        return cls(codes, absmax, shape, block_size, state_dict[f"{prefix}.nested_absmax"],
+                   state_dict[f"{prefix}.nested_quant_map"], float(meta["nested_offset"]))
+
+
+def _rows(op, name, t, cols, output=False):
+    """t [..., cols] as the [rows, cols] matrix qmm takes: a view, never a copy for an output."""
+    if t.dim() < 1 or t.shape[-1] != cols:
+        raise _error("ShapeMismatch", f"{op}: argument '{name}' has shape {list(t.shape)}; its last dimension "
+                                      f"must be {cols} (the weight's)")
+    if output and not t.is_contiguous():
+        raise _error("InvalidArgument", f"{op}: argument '{name}' is not contiguous (qmm writes outputs in place)")
+    return (t.detach() if output else _in(t)).reshape(-1, cols)
+
+
+def _nf4_gemm(fn, op, x, x_name, out_name, in_cols, out_cols, w, out, alpha, beta, path, out_dtype):
+    x2 = _rows(op, x_name, x, in_cols)
+    out = _out(op, out, (*x.shape[:-1], out_cols), out_dtype, x, beta)
+    out2 = _rows(op, out_name, out, out_cols, output=True)
+    fn(x2, w._views(), out2, alpha=alpha, beta=beta, path=path, stream=_stream(x2))
+    return out
+
+
+def nf4_gemm(a, w, *, out=None, alpha=1.0, beta=0.0, path="auto", out_dtype=None):
+    """out[..., N] = alpha * a[..., K] @ dequant(W)^T + beta * out for W [N, K]: bf16 products, fp32 sums (see
+    include/qmm/ops.h for the small-M kernels' scale-after contract). path forces an implementation: "auto",
+    "dequant_gemm", "small_m", "fused", "fused_shared", or "reference" (CPU)."""
+    n, k = w.shape
+    return _nf4_gemm(_qmm.nf4_gemm, "nf4_gemm", a, "a", "c", k, n, w, out, alpha, beta, path, out_dtype)
+
+
+def nf4_gemm_backward_a(dc, w, *, out=None, alpha=1.0, beta=0.0, path="auto", out_dtype=None):
+    """da[..., K] = alpha * dc[..., N] @ dequant(W) + beta * da for W [N, K] (nf4_gemm's input gradient)."""
+    n, k = w.shape
+    return _nf4_gemm(_qmm.nf4_gemm_backward_a, "nf4_gemm_backward_a", dc, "dc", "da", n, k, w, out, alpha, beta,
+                     path, out_dtype)
+
+
+def nf4_gate_up(a, w_gate, w_up, *, gate=True, up=True, h=True, path="auto", out_dtype=None):
+    """Both MLP input projections from one read of a [..., K]: gate = a @ dequant(Wg)^T, up = a @ dequant(Wu)^T
+    and h = silu(gate) * up. Returns (gate, up, h), each None where not asked for."""
+    n, k = w_gate.shape
+    a2 = _rows("nf4_gate_up", "a", a, k)
+    shape = (*a.shape[:-1], n)
+    outs = [torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device) if want else None
+            for want in (gate, up, h)]
+    views = [None if t is None else t.view(-1, n) for t in outs]
+    _qmm.nf4_gate_up(a2, w_gate._views(), w_up._views(), *views, path=path, stream=_stream(a2))
+    return tuple(outs)
+
+
+# ---- autograd: frozen NF4 bases, differentiable in the activations ------------------------------------------------
+
+
+class _Nf4Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, path):
+        ctx.w, ctx.path, ctx.x_dtype = w, path, x.dtype
+        return nf4_gemm(x, w, path=path)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = nf4_gemm_backward_a(dy, ctx.w, path=ctx.path, out_dtype=ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        return dx, None, None
+
+
+def nf4_linear(x, w, bias=None, path="auto"):
+    """y = x @ dequant(W)^T (+ bias) for x [..., in] (float32 or bfloat16; y has x's dtype). Differentiable in x
+    and bias; W is frozen (no weight gradient)."""
+    y = _Nf4Linear.apply(x, w, path)
+    return y if bias is None else y + bias
+
+
+class _SwiGlu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return swiglu(gate, up)
+
+    @staticmethod
+    def backward(ctx, dh):
+        gate, up = ctx.saved_tensors
+        return swiglu_backward(gate, up, dh)
+
+
+def swiglu_autograd(gate, up):
+    """h = silu(gate) * up, differentiable in gate and up (qmm's forward and backward kernels)."""
+    return _SwiGlu.apply(gate, up)
+
+
+class _Nf4SwiGlu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, path):
+        gate, up, h = nf4_gate_up(x, w_gate, w_up, path=path)
+        ctx.save_for_backward(gate, up)
+        ctx.weights, ctx.path, ctx.x_dtype = (w_gate, w_up), path, x.dtype
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        gate, up = ctx.saved_tensors
+        dgate, dup = swiglu_backward(gate, up, dh)
+        w_gate, w_up = ctx.weights
+        dx = nf4_gemm_backward_a(dgate, w_gate, path=ctx.path, out_dtype=ctx.x_dtype)
+        nf4_gemm_backward_a(dup, w_up, out=dx, beta=1.0, path=ctx.path)
+        return dx, None, None, None
+
+
+def nf4_swiglu(x, w_gate, w_up, path="auto"):
+    """h = silu(x @ dequant(Wg)^T) * (x @ dequant(Wu)^T): an MLP's input half with frozen NF4 weights, both
+    projections from one read of x (nf4_gate_up). Differentiable in x; keeps gate and up for the backward."""
+    return _Nf4SwiGlu.apply(x, w_gate, w_up, path)
+
+
+class QLoraLinear(torch.nn.Module):
+    """y = x @ dequant(W)^T + bias + (alpha / rank) * dropout(x) @ A^T @ B^T: a frozen NF4 base run by qmm and
+    trainable LoRA adapters A [rank, in] (Kaiming-uniform) and B [out, rank] (zeros) held in `adapter_dtype`.
+    The base stays on its own device; move the module's parameters there too."""
+
+    def __init__(self, weight, rank=16, alpha=32.0, dropout=0.0, bias=None, adapter_dtype=torch.float32, path="auto"):
+        super().__init__()
+        if rank <= 0:
+            raise _error("InvalidArgument", f"QLoraLinear: rank must be positive, got {rank}")
+        out_features, in_features = weight.shape
+        self.weight, self.path, self.scale = weight, path, alpha / rank
+        self.lora_a = torch.nn.Parameter(torch.empty(rank, in_features, dtype=adapter_dtype, device=weight.device))
+        self.lora_b = torch.nn.Parameter(torch.zeros(out_features, rank, dtype=adapter_dtype, device=weight.device))
+        torch.nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone())
+        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+
+    def forward(self, x):
+        y = nf4_linear(x, self.weight, self.bias, self.path)
+        adapter = (self.dropout(x).to(self.lora_a.dtype) @ self.lora_a.t()) @ self.lora_b.t()
+        return y + (self.scale * adapter).to(y.dtype)

@@ -1,0 +1,295 @@
+// The `qmm._qmm` extension: qmm's ops on DLPack tensors (PyTorch, NumPy, ...) in place, without copies.
+// This layer only converts arguments; python/qmm/__init__.py allocates outputs and adds autograd. Every check that
+// the library makes stays the library's: an op's qmm::Error reaches Python as qmm.Error with its code.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "qmm/qmm.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+using In = nb::ndarray<nb::ro>;  // read-only arrays (NumPy's may be) are fine as inputs
+using Out = nb::ndarray<>;
+
+[[noreturn]] void fail(qmm::ErrorCode code, const char* op, const std::string& what) {
+  throw qmm::Error(code, std::string(op) + ": " + what);
+}
+
+qmm::DType dtype_of(const nb::dlpack::dtype& t, const char* op, const char* name) {
+  using Code = nb::dlpack::dtype_code;
+  if (t.lanes == 1) {
+    if (t.code == static_cast<std::uint8_t>(Code::Float) && t.bits == 32) return qmm::DType::F32;
+    if (t.code == static_cast<std::uint8_t>(Code::Bfloat) && t.bits == 16) return qmm::DType::BF16;
+    if (t.code == static_cast<std::uint8_t>(Code::Float) && t.bits == 16) return qmm::DType::F16;
+    if (t.code == static_cast<std::uint8_t>(Code::UInt) && t.bits == 8) return qmm::DType::U8;
+  }
+  fail(qmm::ErrorCode::DTypeMismatch, op,
+       std::string("argument '") + name + "' has a dtype qmm does not take (code " + std::to_string(t.code) +
+           ", " + std::to_string(t.bits) + " bits; qmm takes float32, bfloat16, float16 and uint8)");
+}
+
+// A TensorView of a dense row-major array. Strided arrays are refused rather than copied: an output written into a
+// copy would be lost, and a silent copy of an input hides a cost.
+template <class Array>
+qmm::TensorView view_of(const Array& a, const char* op, const char* name) {
+  const int rank = static_cast<int>(a.ndim());
+  if (rank > qmm::kMaxRank)
+    fail(qmm::ErrorCode::ShapeMismatch, op,
+         std::string("argument '") + name + "' has rank " + std::to_string(rank) + " (at most 4)");
+  qmm::Shape shape;
+  shape.rank = rank;
+  std::int64_t expected = 1;
+  for (int i = rank - 1; i >= 0; --i) {
+    shape.dims[static_cast<std::size_t>(i)] = static_cast<std::int64_t>(a.shape(static_cast<std::size_t>(i)));
+    const std::int64_t extent = shape.dims[static_cast<std::size_t>(i)];
+    if (extent > 1 && a.stride(static_cast<std::size_t>(i)) != expected)
+      fail(qmm::ErrorCode::InvalidArgument, op,
+           std::string("argument '") + name + "' is not contiguous (qmm takes dense row-major tensors)");
+    expected *= extent;
+  }
+  qmm::Device device;
+  if (a.device_type() == nb::device::cpu::value) {
+    device = qmm::Device::cpu();
+  } else if (a.device_type() == nb::device::cuda::value) {
+    device = qmm::Device::cuda(static_cast<int>(a.device_id()));
+  } else {
+    fail(qmm::ErrorCode::DeviceMismatch, op,
+         std::string("argument '") + name + "' is on a device qmm does not run on (DLPack device type " +
+             std::to_string(a.device_type()) + ")");
+  }
+  return qmm::TensorView(const_cast<void*>(static_cast<const void*>(a.data())), dtype_of(a.dtype(), op, name),
+                         shape, device);
+}
+
+qmm::TensorView view_or_empty(const nb::object& a, const char* op, const char* name) {
+  if (a.is_none()) return {};
+  return view_of(nb::cast<In>(a), op, name);
+}
+
+qmm::TensorView out_or_empty(const nb::object& a, const char* op, const char* name) {
+  if (a.is_none()) return {};
+  return view_of(nb::cast<Out>(a), op, name);
+}
+
+// One Context per (GPU, stream), kept for the life of the process: a CUDA context holds a cuBLASLt handle, its
+// workspace and the plan cache, too costly to make per call. The map is never destroyed on purpose: at exit the
+// CUDA runtime may already be gone when static destructors run.
+qmm::Context context_for(const qmm::TensorView& first, std::uintptr_t stream) {
+  if (first.device().is_cpu()) {
+    static const qmm::Context cpu = qmm::Context::cpu();
+    return cpu;
+  }
+  static std::mutex mutex;
+  static auto* contexts = new std::map<std::pair<int, std::uintptr_t>, qmm::Context>();
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(first.device().index, stream);
+  auto it = contexts->find(key);
+  if (it == contexts->end())
+    it = contexts->emplace(key, qmm::Context::cuda(key.first, reinterpret_cast<void*>(stream))).first;
+  return it->second;
+}
+
+qmm::MathMode math_of(const std::string& name, const char* op) {
+  for (qmm::MathMode m : {qmm::MathMode::FP32, qmm::MathMode::TF32, qmm::MathMode::BF16})
+    if (name == qmm::math_mode_name(m)) return m;
+  fail(qmm::ErrorCode::InvalidArgument, op, "math must be 'fp32', 'tf32' or 'bf16', not '" + name + "'");
+}
+
+qmm::Nf4Path path_of(const std::string& name, const char* op) {
+  using P = qmm::Nf4Path;
+  for (P p : {P::Auto, P::Reference, P::DequantGemm, P::SmallM, P::Fused, P::FusedShared})
+    if (name == qmm::nf4_path_name(p)) return p;
+  fail(qmm::ErrorCode::InvalidArgument, op,
+       "path must be one of auto, reference, dequant_gemm, small_m, fused, fused_shared, not '" + name + "'");
+}
+
+// The NF4 weight from any object with the attributes of qmm.Nf4Weight (codes, absmax, absmax2, code2, offset,
+// shape, block_size); absmax2 and code2 are None unless double-quantized.
+qmm::Nf4Weight nf4_of(const nb::handle& w, const char* op, bool writable = false) {
+  qmm::Nf4Weight v;
+  auto field = [&](const char* name) {
+    return writable ? out_or_empty(w.attr(name), op, name) : view_or_empty(w.attr(name), op, name);
+  };
+  v.codes = field("codes");
+  v.absmax = field("absmax");
+  v.absmax2 = field("absmax2");
+  v.code2 = field("code2");
+  v.offset = nb::cast<float>(w.attr("offset"));
+  const nb::object shape = w.attr("shape");
+  if (nb::len(shape) != 2) fail(qmm::ErrorCode::ShapeMismatch, op, "the NF4 weight's shape must be (rows, cols)");
+  v.rows = nb::cast<std::int64_t>(shape[0]);
+  v.cols = nb::cast<std::int64_t>(shape[1]);
+  v.block_size = nb::cast<int>(w.attr("block_size"));
+  return v;
+}
+
+qmm::GemmOptions gemm_options(float alpha, float beta, const std::string& math, const char* op) {
+  return {alpha, beta, math_of(math, op)};
+}
+
+qmm::Nf4GemmOptions nf4_options(float alpha, float beta, const std::string& path, const char* op) {
+  return {alpha, beta, path_of(path, op)};
+}
+
+// Runs an op with the GIL released: the arguments are plain views by now.
+template <class F>
+void run(F&& f) {
+  nb::gil_scoped_release nogil;
+  f();
+}
+
+using GemmFn = void (*)(const qmm::Context&, const qmm::TensorView&, const qmm::TensorView&,
+                        const qmm::TensorView&, const qmm::GemmOptions&);
+
+template <GemmFn fn>
+void def_gemm(nb::module_& m, const char* name, const char* x_name, const char* y_name, const char* out_name,
+              const char* doc) {
+  m.def(
+      name,
+      [name, x_name, y_name, out_name](const In& x, const In& y, const Out& out, float alpha, float beta,
+                                       const std::string& math, std::uintptr_t stream) {
+        const qmm::TensorView xv = view_of(x, name, x_name), yv = view_of(y, name, y_name),
+                              ov = view_of(out, name, out_name);
+        const qmm::GemmOptions opts = gemm_options(alpha, beta, math, name);
+        const qmm::Context ctx = context_for(xv, stream);
+        run([&] { fn(ctx, xv, yv, ov, opts); });
+      },
+      nb::arg(x_name), nb::arg(y_name), nb::arg(out_name), nb::arg("alpha") = 1.0f, nb::arg("beta") = 0.0f,
+      nb::arg("math") = "fp32", nb::arg("stream") = 0, doc);
+}
+
+using Nf4GemmFn = void (*)(const qmm::Context&, const qmm::TensorView&, const qmm::Nf4Weight&,
+                           const qmm::TensorView&, const qmm::Nf4GemmOptions&);
+
+template <Nf4GemmFn fn>
+void def_nf4_gemm(nb::module_& m, const char* name, const char* x_name, const char* out_name, const char* doc) {
+  m.def(
+      name,
+      [name, x_name, out_name](const In& x, nb::handle w, const Out& out, float alpha, float beta,
+                               const std::string& path, std::uintptr_t stream) {
+        const qmm::TensorView xv = view_of(x, name, x_name), ov = view_of(out, name, out_name);
+        const qmm::Nf4Weight wv = nf4_of(w, name);
+        const qmm::Nf4GemmOptions opts = nf4_options(alpha, beta, path, name);
+        const qmm::Context ctx = context_for(xv, stream);
+        run([&] { fn(ctx, xv, wv, ov, opts); });
+      },
+      nb::arg(x_name), nb::arg("w"), nb::arg(out_name), nb::arg("alpha") = 1.0f, nb::arg("beta") = 0.0f,
+      nb::arg("path") = "auto", nb::arg("stream") = 0, doc);
+}
+
+}  // namespace
+
+NB_MODULE(_qmm, m) {
+  m.doc() = "qmm's ops on DLPack tensors, in place (use the qmm package, which allocates outputs)";
+
+  // qmm.Error(RuntimeError) with .code, the qmm::ErrorCode's name ("ShapeMismatch", ...).
+  static PyObject* error_type = PyErr_NewException("qmm.Error", PyExc_RuntimeError, nullptr);
+  m.attr("Error") = nb::handle(error_type);
+  nb::register_exception_translator(
+      [](const std::exception_ptr& p, void*) {
+        try {
+          std::rethrow_exception(p);
+        } catch (const qmm::Error& e) {
+          nb::object value = nb::handle(error_type)(e.what());
+          value.attr("code") = qmm::error_code_name(e.code());
+          PyErr_SetObject(error_type, value.ptr());
+        }
+      },
+      nullptr);
+
+  m.def("cuda_device_count", &qmm::Context::cuda_device_count);
+  m.def("cuda_unavailable_reason", &qmm::Context::cuda_unavailable_reason);
+
+  def_gemm<qmm::gemm>(m, "gemm", "a", "b", "c", "c = alpha * a[M,K] @ b[K,N] + beta * c");
+  def_gemm<qmm::gemm_bt>(m, "gemm_bt", "a", "b", "c", "c = alpha * a[M,K] @ b[N,K]^T + beta * c");
+  def_gemm<qmm::gemm_backward_a>(m, "gemm_backward_a", "dc", "b", "da", "da = alpha * dc @ b^T + beta * da");
+  def_gemm<qmm::gemm_backward_b>(m, "gemm_backward_b", "a", "dc", "db", "db = alpha * a^T @ dc + beta * db");
+
+  m.def(
+      "batched_gemm",
+      [](const In& a, const In& b, const Out& c, bool transpose_b, float alpha, float beta, const std::string& math,
+         std::uintptr_t stream) {
+        const char* op = "batched_gemm";
+        const qmm::TensorView av = view_of(a, op, "a"), bv = view_of(b, op, "b"), cv = view_of(c, op, "c");
+        const qmm::GemmOptions opts = gemm_options(alpha, beta, math, op);
+        const qmm::Context ctx = context_for(av, stream);
+        run([&] { qmm::batched_gemm(ctx, av, bv, cv, transpose_b, opts); });
+      },
+      nb::arg("a"), nb::arg("b"), nb::arg("c"), nb::arg("transpose_b") = false, nb::arg("alpha") = 1.0f,
+      nb::arg("beta") = 0.0f, nb::arg("math") = "fp32", nb::arg("stream") = 0);
+
+  m.def(
+      "swiglu",
+      [](const In& gate, const In& up, const Out& h, std::uintptr_t stream) {
+        const char* op = "swiglu";
+        const qmm::TensorView g = view_of(gate, op, "gate"), u = view_of(up, op, "up"), hv = view_of(h, op, "h");
+        const qmm::Context ctx = context_for(g, stream);
+        run([&] { qmm::swiglu(ctx, g, u, hv); });
+      },
+      nb::arg("gate"), nb::arg("up"), nb::arg("h"), nb::arg("stream") = 0);
+
+  m.def(
+      "swiglu_backward",
+      [](const In& gate, const In& up, const In& dh, const Out& dgate, const Out& dup, std::uintptr_t stream) {
+        const char* op = "swiglu_backward";
+        const qmm::TensorView g = view_of(gate, op, "gate"), u = view_of(up, op, "up"), d = view_of(dh, op, "dh"),
+                              dg = view_of(dgate, op, "dgate"), du = view_of(dup, op, "dup");
+        const qmm::Context ctx = context_for(g, stream);
+        run([&] { qmm::swiglu_backward(ctx, g, u, d, dg, du); });
+      },
+      nb::arg("gate"), nb::arg("up"), nb::arg("dh"), nb::arg("dgate"), nb::arg("dup"), nb::arg("stream") = 0);
+
+  m.def(
+      "nf4_quantize",
+      [](const In& w, nb::handle out, std::uintptr_t stream) {
+        const char* op = "nf4_quantize";
+        const qmm::TensorView wv = view_of(w, op, "w");
+        qmm::Nf4Weight ov = nf4_of(out, op, /*writable=*/true);
+        const qmm::Context ctx = context_for(wv, stream);
+        run([&] { qmm::nf4_quantize(ctx, wv, ov); });
+        return ov.offset;
+      },
+      nb::arg("w"), nb::arg("out"), nb::arg("stream") = 0,
+      "Quantizes w into out's buffers (sized for w); returns the double-quantization offset (0 when plain).");
+
+  m.def(
+      "nf4_dequantize",
+      [](nb::handle w, const Out& out, std::uintptr_t stream) {
+        const char* op = "nf4_dequantize";
+        const qmm::Nf4Weight wv = nf4_of(w, op);
+        const qmm::TensorView ov = view_of(out, op, "out");
+        const qmm::Context ctx = context_for(ov, stream);
+        run([&] { qmm::nf4_dequantize(ctx, wv, ov); });
+      },
+      nb::arg("w"), nb::arg("out"), nb::arg("stream") = 0);
+
+  def_nf4_gemm<qmm::nf4_gemm>(m, "nf4_gemm", "a", "c", "c = alpha * a @ dequant(W)^T + beta * c");
+  def_nf4_gemm<qmm::nf4_gemm_backward_a>(m, "nf4_gemm_backward_a", "dc", "da",
+                                         "da = alpha * dc @ dequant(W) + beta * da");
+
+  m.def(
+      "nf4_gate_up",
+      [](const In& a, nb::handle w_gate, nb::handle w_up, const nb::object& gate, const nb::object& up,
+         const nb::object& h, float alpha, float beta, const std::string& path, std::uintptr_t stream) {
+        const char* op = "nf4_gate_up";
+        const qmm::TensorView av = view_of(a, op, "a");
+        const qmm::Nf4Weight wg = nf4_of(w_gate, op), wu = nf4_of(w_up, op);
+        const qmm::GateUpOutputs outs{out_or_empty(gate, op, "gate"), out_or_empty(up, op, "up"),
+                                      out_or_empty(h, op, "h")};
+        const qmm::Nf4GemmOptions opts = nf4_options(alpha, beta, path, op);
+        const qmm::Context ctx = context_for(av, stream);
+        run([&] { qmm::nf4_gate_up(ctx, av, wg, wu, outs, opts); });
+      },
+      nb::arg("a"), nb::arg("w_gate"), nb::arg("w_up"), nb::arg("gate").none(), nb::arg("up").none(),
+      nb::arg("h").none(), nb::arg("alpha") = 1.0f, nb::arg("beta") = 0.0f, nb::arg("path") = "auto",
+      nb::arg("stream") = 0);
+}

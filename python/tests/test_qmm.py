@@ -1,0 +1,415 @@
+"""The Python package against fp64 references computed here with PyTorch, on every device qmm can use (the CPU
+always, CUDA where a GPU is present). The C++ suites test the kernels path by path; these test what the package
+adds: argument passing, allocation, leading dimensions, errors, bitsandbytes interop and autograd.
+
+Tolerances (written per case below) follow the contracts of include/qmm/ops.h: fp64 sums on the CPU, fp32 sums of
+bf16 products on the GPU, and the small-M kernels' scale-after contract (a weight within 2^-9 of its bf16 value).
+"""
+import json
+import os
+import struct
+import types
+
+import pytest
+import torch
+
+import qmm
+
+DATA = os.environ.get("QMM_TEST_DATA_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data"))
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and qmm.cuda_device_count() > 0 else [])
+NF4_CODEBOOK = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+
+
+def load_safetensors(path):
+    """A safetensors file as a dict of CPU tensors (the format: u64 header length, JSON header, raw data)."""
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8}
+    with open(path, "rb") as f:
+        blob = f.read()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        raw = bytearray(blob[8 + n + begin:8 + n + end])
+        t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        out[name] = t.view(dtypes[info["dtype"]]).reshape(info["shape"]).clone()
+    return out
+
+
+def nf4_reference_dequant(w4):
+    """dequant(W) in float32 from the format's definition (docs/FORMAT.md), computed here with PyTorch."""
+    rows, cols = w4.shape
+    n = rows * cols
+    codes = w4.codes.cpu().long()
+    nibbles = torch.stack([codes >> 4, codes & 15], dim=1).reshape(-1)[:n]
+    block = torch.arange(n) // w4.block_size
+    if w4.double_quant:
+        q = w4.absmax.cpu().long()
+        scales = (w4.code2.cpu()[q] * w4.absmax2.cpu()[torch.arange(q.numel()) // 256]) + w4.offset
+    else:
+        scales = w4.absmax.cpu()
+    return (torch.tensor(NF4_CODEBOOK)[nibbles] * scales[block]).reshape(rows, cols)
+
+
+def bf16(t):
+    return t.to(torch.bfloat16).double()
+
+
+def trunc_bf16(t):
+    """float32 with the low 16 bits cleared: the BF16-compute contract's operands."""
+    return (t.float().contiguous().view(torch.int32) & -65536).view(torch.float32).double()
+
+
+def assert_close(got, ref, bound, what):
+    """|got - ref| <= bound element-wise (bound a tensor of ref's shape, or a number)."""
+    err = (got.double().cpu() - ref.double().cpu()).abs()
+    excess = err - (bound.cpu() if torch.is_tensor(bound) else bound)
+    assert torch.isfinite(got.double()).all(), f"{what}: non-finite values"
+    assert excess.max().item() <= 0, f"{what}: max error {err.max().item():.3g} over its bound"
+
+
+def poisoned(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(shape, seed, device, dtype=torch.float32):
+    return torch.randn(shape, generator=gen(seed)).to(dtype).to(device)
+
+
+# ---- NF4 format and bitsandbytes interop ----------------------------------------------------------------------
+
+
+GOLDEN = ["case0_64x64_f32", "case1_128x320_bf16", "case2_7x100_f32", "case3_96x1536_bf16", "case4_33x130_f16"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", GOLDEN)
+@pytest.mark.parametrize("dq", [False, True])
+def test_quantize_matches_bitsandbytes_bytes(device, case, dq):
+    g = load_safetensors(os.path.join(DATA, "nf4-bnb", case + ("_dq" if dq else "") + ".safetensors"))
+    w4 = qmm.Nf4Weight.quantize(g["input"].to(device), double_quant=dq)
+    assert w4.shape == tuple(g["input"].shape) and w4.double_quant == dq
+    assert torch.equal(w4.codes.cpu(), g["codes"].reshape(-1))
+    if dq:
+        assert torch.equal(w4.absmax.cpu(), g["absmax_q"].reshape(-1))
+        assert torch.equal(w4.absmax2.cpu(), g["absmax2"].reshape(-1))
+        assert torch.equal(w4.code2.cpu(), g["code2"].reshape(-1))
+        assert w4.offset == g["offset"].reshape(-1)[0].item()
+    else:
+        assert torch.equal(w4.absmax.cpu(), g["absmax"].reshape(-1))
+    ref = nf4_reference_dequant(w4)
+    assert torch.equal(w4.dequantize(torch.float32).cpu(), ref)
+    assert torch.equal(w4.dequantize(torch.bfloat16).cpu(), ref.to(torch.bfloat16))
+    if g["dequant"].dtype != torch.float16:  # bitsandbytes' own output, in the input's dtype
+        assert torch.equal(w4.dequantize(g["dequant"].dtype).cpu(), g["dequant"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bnb_linear4bit_checkpoint(device):
+    sd = {k: v.to(device) for k, v in load_safetensors(os.path.join(DATA, "nf4-bnb",
+                                                                      "linear4bit_state_dict.safetensors")).items()}
+    w4 = qmm.Nf4Weight.from_bnb_state_dict(sd, "weight")
+    assert w4.shape == (256, 512) and w4.double_quant
+    assert torch.equal(w4.dequantize(torch.float32), sd["_ref.weight_dequant"])
+    x = sd["_ref.x"]  # bf16 [3, 512]
+    y = qmm.nf4_linear(x, w4, bias=sd["bias"])
+    xw = bf16(x) @ bf16(sd["_ref.weight_dequant"]).t()
+    bias = sd["bias"].double()
+    # Against the exact product of the bf16 operands (the NF4 GEMM contract): our one bf16 rounding of x @ W^T
+    # (2^-8 relative) and fp32 sums, with room.
+    assert_close(y, xw + bias, 2.0 ** -7 * xw.abs() + 1e-5, "Linear4bit forward, exact")
+    # Against bitsandbytes' layer output (bf16 compute): it also rounds the bias and the sum to bf16, and its sums
+    # are not fp32 throughout: measured 2^-10 of sum |x||w| off the exact product on this file; bound 2^-9.
+    mag = bf16(x).abs() @ sd["_ref.weight_dequant"].double().abs().t()
+    ref = sd["_ref.y"].double()
+    assert_close(y, ref, 2.0 ** -8 * (2 * xw.abs() + bias.abs() + ref.abs()) + 2.0 ** -9 * mag, "Linear4bit forward")
+    # The same weight through the QuantState-like object a live bitsandbytes layer carries.
+    state2 = types.SimpleNamespace(absmax=sd["weight.nested_absmax"], code=sd["weight.nested_quant_map"],
+                                   blocksize=256)
+    qs = types.SimpleNamespace(quant_type="nf4", absmax=sd["weight.absmax"], shape=torch.Size([256, 512]),
+                               blocksize=64, state2=state2, offset=torch.tensor(w4.offset))
+    assert torch.equal(qmm.Nf4Weight.from_bnb(sd["weight"], qs).dequantize(torch.float32), sd["_ref.weight_dequant"])
+    qs.quant_type = "fp4"
+    with pytest.raises(qmm.Error) as e:
+        qmm.Nf4Weight.from_bnb(sd["weight"], qs)
+    assert e.value.code == "Unsupported" and "fp4" in str(e.value)
+    fp4 = {k.replace("bitsandbytes__nf4", "bitsandbytes__fp4"): v for k, v in sd.items()}
+    with pytest.raises(qmm.Error) as e:
+        qmm.Nf4Weight.from_bnb_state_dict(fp4, "weight")
+    assert e.value.code == "Unsupported"
+
+
+# ---- NF4 GEMMs --------------------------------------------------------------------------------------------------
+
+
+def nf4_bound(a, wd, device, out_dtype):
+    """Error bound of an NF4 GEMM against the fp64 product of bf16(a) and the bf16 dequantized weight: the CPU sums
+    in fp64 (1e-6 of sum |a||w| for the fp32 output's rounding, with room); the GPU sums in fp32 and its small-M
+    kernels may use bf16(code) * scale for the weight (2^-9 relative to it): 2^-8 of sum |a||w|. A bf16 output adds
+    its rounding, 2^-8 of the result."""
+    mag = bf16(a).abs() @ wd.abs().t()
+    bound = mag * (1e-6 if device == "cpu" else 2.0 ** -8)
+    if out_dtype == torch.bfloat16:
+        bound = bound + 2.0 ** -8 * (bf16(a) @ wd.t()).abs()
+    return bound + 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,n,k", [(1, 7, 64), (7, 63, 128), (65, 65, 100), (16, 96, 512), (3, 33, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dq", [False, True])
+def test_nf4_gemm_and_input_gradient(device, m, n, k, dtype, dq):
+    seed = m * 1000 + n * 10 + k
+    w4 = qmm.Nf4Weight.quantize(randn((n, k), seed, device), double_quant=dq)
+    wd = w4.dequantize(torch.bfloat16).double().cpu()
+    a = randn((m, k), seed + 1, device, dtype)
+    c = qmm.nf4_gemm(a, w4)
+    assert c.shape == (m, n) and c.dtype == dtype and c.device.type == device
+    assert_close(c, bf16(a.cpu()) @ wd.t(), nf4_bound(a.cpu(), wd, device, dtype), "nf4_gemm")
+    dc = randn((m, n), seed + 2, device, dtype)
+    da = qmm.nf4_gemm_backward_a(dc, w4)
+    assert da.shape == (m, k) and da.dtype == dtype
+    assert_close(da, bf16(dc.cpu()) @ wd, nf4_bound(dc.cpu(), wd.t(), device, dtype), "nf4_gemm_backward_a")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nf4_gemm_leading_dims_alpha_beta_and_out(device):
+    w4 = qmm.Nf4Weight.quantize(randn((40, 128), 1, device), double_quant=True)
+    wd = w4.dequantize(torch.bfloat16).double().cpu()
+    a = randn((2, 3, 128), 2, device)
+    prior = randn((2, 3, 40), 3, device)
+    out = prior.clone()
+    got = qmm.nf4_gemm(a, w4, out=out, alpha=0.5, beta=2.0, out_dtype=torch.float32)
+    assert got is out
+    ref = 0.5 * (bf16(a.cpu()) @ wd.t()) + 2.0 * prior.cpu().double()
+    assert_close(out, ref, 0.5 * nf4_bound(a.cpu(), wd, device, torch.float32) + 1e-5, "alpha/beta nf4_gemm")
+    # bf16 output from f32 activations.
+    c = qmm.nf4_gemm(a, w4, out_dtype=torch.bfloat16)
+    assert c.dtype == torch.bfloat16 and c.shape == (2, 3, 40)
+    assert_close(c, bf16(a.cpu()) @ wd.t(), nf4_bound(a.cpu(), wd, device, torch.bfloat16), "bf16 out")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_nf4_gate_up(device, m):
+    k, n = 256, 72
+    wg = qmm.Nf4Weight.quantize(randn((n, k), 10 + m, device, torch.bfloat16))
+    wu = qmm.Nf4Weight.quantize(randn((n, k), 20 + m, device, torch.bfloat16))
+    a = randn((m, k), 30 + m, device, torch.bfloat16)
+    gate, up, h = qmm.nf4_gate_up(a, wg, wu)
+    for got, w in ((gate, wg), (up, wu)):
+        wd = w.dequantize(torch.bfloat16).double().cpu()
+        assert_close(got, bf16(a.cpu()) @ wd.t(), nf4_bound(a.cpu(), wd, device, torch.bfloat16), "gate/up")
+    # h comes from the fp32 gate and up, the reference from their bf16 roundings (2^-8 relative each), and h is
+    # rounded once more: 2^-8 of |h| + |silu'(g) g u| + |silu(g) u|, doubled for room.
+    g, u = gate.double().cpu(), up.double().cpu()
+    s = torch.sigmoid(g)
+    ref = g * s * u
+    assert_close(h, ref, 2.0 ** -7 * (2 * ref.abs() + (s * (1 + g * (1 - s)) * g * u).abs()) + 1e-6, "h")
+    only_h = qmm.nf4_gate_up(a, wg, wu, gate=False, up=False)
+    assert only_h[0] is None and only_h[1] is None
+    assert_close(only_h[2], h, 2.0 ** -7 * h.double().abs() + 1e-6, "h alone")
+
+
+# ---- dense GEMMs and SwiGLU ---------------------------------------------------------------------------------------
+
+
+def operand(t, math, dtype):
+    if dtype == torch.bfloat16:
+        return t.double()
+    return trunc_bf16(t) if math == "bf16" else t.double()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,math", [(torch.float32, "fp32"), (torch.float32, "bf16"), (torch.bfloat16, "fp32")])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (7, 63, 65), (65, 7, 1000)])
+def test_dense_gemm_family(device, dtype, math, m, n, k):
+    seed = m + 10 * n + 100 * k
+    x = lambda shape, s: randn(shape, seed + s, device, dtype)  # noqa: E731
+    a, b, bt, dc = x((m, k), 1), x((k, n), 2), x((n, k), 3), x((m, n), 4)
+    op = lambda t: operand(t.cpu(), math, dtype)  # noqa: E731
+    # Sums of k products: fp64 on the CPU, fp32 on the GPU (k * 2^-24 of sum |x||y|, with room); a bf16 output
+    # rounds once more (2^-8 of the result).
+    rel = 1e-6 if device == "cpu" else 4 * k * 2.0 ** -24
+    cases = [
+        ("gemm", qmm.gemm(a, b, math=math), op(a) @ op(b), op(a).abs() @ op(b).abs()),
+        ("gemm_bt", qmm.gemm_bt(a, bt, math=math), op(a) @ op(bt).t(), op(a).abs() @ op(bt).abs().t()),
+        ("gemm_backward_a", qmm.gemm_backward_a(dc, b, math=math), op(dc) @ op(b).t(), op(dc).abs() @ op(b).abs().t()),
+        ("gemm_backward_b", qmm.gemm_backward_b(a, dc, math=math), op(a).t() @ op(dc), op(a).abs().t() @ op(dc).abs()),
+    ]
+    for name, got, ref, mag in cases:
+        assert got.dtype == dtype and got.shape == ref.shape, name
+        bound = rel * mag + 1e-6 + (2.0 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
+        assert_close(got, ref, bound, f"{name} {math}")
+    # Accumulation into an f32 output.
+    prior = randn((m, n), seed + 5, device)
+    out = prior.clone()
+    qmm.gemm(a, b, out=out, alpha=2.0, beta=1.0, math=math)
+    ref = 2.0 * (op(a) @ op(b)) + prior.double().cpu()
+    assert_close(out, ref, 2 * rel * (op(a).abs() @ op(b).abs()) + 1e-5, "gemm beta = 1")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_batched_gemm(device, transpose_b):
+    a = randn((2, 3, 7, 33), 1, device)
+    b = randn((2, 3, 9, 33) if transpose_b else (2, 3, 33, 9), 2, device)
+    c = qmm.batched_gemm(a, b, transpose_b=transpose_b)
+    bb = b.cpu().double().transpose(-1, -2) if transpose_b else b.cpu().double()
+    ref = a.cpu().double() @ bb
+    rel = 1e-6 if device == "cpu" else 4 * 33 * 2.0 ** -24
+    assert c.shape == (2, 3, 7, 9)
+    assert_close(c, ref, rel * (a.cpu().double().abs() @ bb.abs()) + 1e-6, "batched_gemm")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_forward_and_backward(device, dtype):
+    shape = (7, 65)
+    g, u, dh = (randn(shape, s, device, dtype) * 3 for s in (1, 2, 3))
+    gd, ud, dhd = (t.cpu().double() for t in (g, u, dh))
+    s = torch.sigmoid(gd)
+    # f32: a few fp32 roundings (1e-5 relative, with room); bf16: the result's rounding (2^-8) and the inputs' f32
+    # math in between.
+    rel = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+    h = qmm.swiglu(g, u)
+    assert_close(h, gd * s * ud, rel * (gd * s * ud).abs() + 1e-6, "swiglu")
+    dgate, dup = qmm.swiglu_backward(g, u, dh)
+    ref_dg = dhd * ud * s * (1 + gd * (1 - s))
+    ref_du = dhd * gd * s
+    assert_close(dgate, ref_dg, rel * (dhd * ud).abs() * (s * (1 + gd.abs() * (1 - s))) + 1e-6, "dgate")
+    assert_close(dup, ref_du, rel * ref_du.abs() + 1e-6, "dup")
+
+
+# ---- errors -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_errors_name_the_op_and_leave_outputs_untouched(device):
+    a, b = randn((4, 8), 1, device), randn((9, 5), 2, device)
+    out = poisoned((4, 5), torch.float32, device)
+
+    def expect(code, fragment, fn):
+        with pytest.raises(qmm.Error) as e:
+            fn()
+        assert e.value.code == code, str(e.value)
+        assert fragment in str(e.value), str(e.value)
+        assert isinstance(e.value, RuntimeError)
+
+    expect("ShapeMismatch", "gemm", lambda: qmm.gemm(a, b, out=out))
+    strided = poisoned((5, 4), torch.float32, device).t()
+    expect("InvalidArgument", "'c' is not contiguous", lambda: qmm.gemm(a, randn((8, 5), 3, device), out=strided))
+    expect("DTypeMismatch", "'a'", lambda: qmm.gemm(a.double(), b.double()))
+    expect("InvalidArgument", "beta", lambda: qmm.gemm(a, randn((8, 5), 3, device), beta=1.0))
+    expect("InvalidArgument", "math", lambda: qmm.gemm(a, randn((8, 5), 3, device), out=out, math="fp8"))
+    assert torch.isnan(out).all() and torch.isnan(strided).all()
+
+    w4 = qmm.Nf4Weight.quantize(randn((16, 64), 4, device))
+    expect("ShapeMismatch", "nf4_gemm: argument 'a'", lambda: qmm.nf4_gemm(randn((3, 32), 5, device), w4))
+    expect("InvalidArgument", "path", lambda: qmm.nf4_gemm(randn((3, 64), 5, device), w4, path="fastest"))
+    nf4_out = poisoned((3, 16), torch.float32, device)
+    wrong_rows = poisoned((4, 16), torch.float32, device)
+    expect("ShapeMismatch", "nf4_gemm", lambda: qmm.nf4_gemm(randn((3, 64), 5, device), w4, out=wrong_rows))
+    if device == "cpu":
+        expect("Unsupported", "fused", lambda: qmm.nf4_gemm(randn((3, 64), 5, device), w4, out=nf4_out,
+                                                            path="fused"))
+    else:
+        expect("Unsupported", "reference", lambda: qmm.nf4_gemm(randn((3, 64), 5, device), w4, out=nf4_out,
+                                                                path="reference"))
+        expect("DeviceMismatch", "nf4_gemm", lambda: qmm.nf4_gemm(randn((3, 64), 5, "cpu"), w4))
+    assert torch.isnan(nf4_out).all() and torch.isnan(wrong_rows).all()
+    with pytest.raises(qmm.Error) as e:
+        qmm.QLoraLinear(w4, rank=0)
+    assert e.value.code == "InvalidArgument"
+
+
+# ---- autograd ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nf4_linear_autograd(device, dtype):
+    w4 = qmm.Nf4Weight.quantize(randn((48, 128), 1, device))
+    wd = w4.dequantize(torch.bfloat16).double().cpu()
+    x = randn((2, 5, 128), 2, device, dtype).requires_grad_()
+    bias = randn((48,), 3, device, dtype).requires_grad_()
+    y = qmm.nf4_linear(x, w4, bias)
+    dy = randn((2, 5, 48), 4, device, dtype)
+    y.backward(dy)
+    assert x.grad.shape == x.shape and x.grad.dtype == dtype
+    ref_dx = bf16(dy.cpu()) @ wd
+    assert_close(x.grad, ref_dx, nf4_bound(dy.cpu().reshape(-1, 48), wd.t(), device, dtype).reshape(2, 5, 128),
+                 "nf4_linear dx")
+    # PyTorch sums the bias gradient in dy's dtype: 10 terms, a rounding each in bf16 (2^-8 of the running sum).
+    rel = 10 * 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5
+    assert_close(bias.grad, dy.cpu().double().sum((0, 1)), rel * dy.cpu().double().abs().sum((0, 1)), "bias grad")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nf4_swiglu_autograd_matches_torch(device):
+    k, n = 128, 40
+    wg = qmm.Nf4Weight.quantize(randn((n, k), 1, device))
+    wu = qmm.Nf4Weight.quantize(randn((n, k), 2, device))
+    x = randn((3, k), 3, device).requires_grad_()
+    h = qmm.nf4_swiglu(x, wg, wu)
+    dh = randn((3, n), 4, device)
+    h.backward(dh)
+    # PyTorch in fp64 on the same bf16 operands.
+    xd = bf16(x.detach().cpu()).requires_grad_()
+    gd, ud = (w.dequantize(torch.bfloat16).double().cpu() for w in (wg, wu))
+    g, u = xd @ gd.t(), xd @ ud.t()
+    ref = torch.nn.functional.silu(g) * u
+    ref.backward(dh.cpu().double())
+    # f32 sums of 128 bf16 products and f32 SwiGLU math: 2^-8 of the magnitudes involved, with room.
+    scale = (xd.detach().abs() @ gd.abs().t()) * (xd.detach().abs() @ ud.abs().t())
+    assert_close(h, ref, 2.0 ** -8 * scale + 1e-5, "nf4_swiglu h")
+    mag = (dh.cpu().double().abs() * (xd.detach().abs() @ (gd.abs() + ud.abs()).t())) @ (gd.abs() + ud.abs())
+    assert_close(x.grad, xd.grad, 2.0 ** -7 * mag + 1e-5, "nf4_swiglu dx")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlora_linear_trains_like_torch(device):
+    torch.manual_seed(0)
+    w4 = qmm.Nf4Weight.quantize(randn((24, 64), 1, device))
+    layer = qmm.QLoraLinear(w4, rank=4, alpha=8.0)
+    with torch.no_grad():
+        layer.lora_b.copy_(randn((24, 4), 2, device) * 0.1)  # B starts at zero; make the adapter path count
+    x = randn((6, 64), 3, device)
+    y = layer(x)
+    dy = randn((6, 24), 4, device)
+    y.backward(dy)
+    # The same layer in PyTorch on the dequantized weight, fp64.
+    wd = w4.dequantize(torch.float32).double().cpu()
+    a_ref = layer.lora_a.detach().cpu().double().requires_grad_()
+    b_ref = layer.lora_b.detach().cpu().double().requires_grad_()
+    xd = x.cpu().double()
+    y_ref = bf16(xd) @ bf16(wd).t() + 2.0 * (xd @ a_ref.t()) @ b_ref.t()
+    y_ref.backward(dy.cpu().double())
+    assert_close(y, y_ref, nf4_bound(xd, bf16(wd), device, torch.float32) + 1e-5, "QLoraLinear forward")
+    assert_close(layer.lora_a.grad, a_ref.grad, 1e-4 * a_ref.grad.abs().max(), "lora_a grad")
+    assert_close(layer.lora_b.grad, b_ref.grad, 1e-4 * b_ref.grad.abs().max(), "lora_b grad")
+    assert layer.lora_a.grad.abs().sum() > 0 and layer.lora_b.grad.abs().sum() > 0
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU")
+def test_runs_on_torchs_current_stream():
+    w4 = qmm.Nf4Weight.quantize(randn((256, 512), 1, "cuda"))
+    a = randn((4, 512), 2, "cuda", torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        c = qmm.nf4_gemm(a, w4)
+        c2 = qmm.nf4_gemm(a, w4, out_dtype=torch.float32)
+    side.synchronize()
+    wd = w4.dequantize(torch.bfloat16).double().cpu()
+    assert_close(c2, bf16(a.cpu()) @ wd.t(), nf4_bound(a.cpu(), wd, "cuda", torch.float32), "side stream")
+    assert_close(c, c2, 2.0 ** -8 * c2.double().abs().cpu() + 1e-6, "side stream bf16")
