@@ -5,8 +5,8 @@ PyTorch's current stream. Inputs are taken as they are when dense row-major (oth
 outputs are allocated here unless passed as `out=`, which must be dense row-major (qmm writes it in place). Every
 error is a `qmm.Error` (a RuntimeError) whose `code` names the kind ("ShapeMismatch", "Unsupported", ...); no
 output is written when an op fails. On the GPU, qmm keeps one context per (device, stream) with its own cuBLASLt
-workspace and, for NF4 GEMMs that dequantize first, a scratch buffer of the weight's size in bf16: memory that
-PyTorch's allocator does not see.
+workspace and a CUDA memory pool for scratch (the bf16 copy of the weight that the dequantize-then-GEMM path
+writes, for one): memory that PyTorch's allocator does not see.
 
     import qmm, torch
     w4 = qmm.Nf4Weight.quantize(w.cuda())               # W [out, in] -> NF4, bitsandbytes' layout
@@ -24,10 +24,11 @@ from ._qmm import Error
 __all__ = [
     "Error", "Nf4Weight", "QLoraLinear", "batched_gemm", "cuda_device_count", "gemm", "gemm_backward_a",
     "gemm_backward_b", "gemm_bt", "nf4_gate_up", "nf4_gemm", "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu",
-    "swiglu", "swiglu_backward",
+    "swiglu", "swiglu_autograd", "swiglu_backward",
 ]
 
 NF4_NESTED_BLOCK_SIZE = 256  # blocks per absmax2 group when double-quantized (bitsandbytes' nested block size)
+NF4_CODEBOOK = tuple(_qmm.nf4_codebook())  # the 16 NF4 values (float32), bitsandbytes' quant_map for nf4
 
 
 def cuda_device_count():
@@ -136,7 +137,9 @@ class Nf4Weight:
     scaled by absmax2 float32 [ceil(nblocks/256)] plus offset (double-quantized). All tensors on one device."""
 
     def __init__(self, codes, absmax, shape, block_size=64, absmax2=None, code2=None, offset=0.0):
-        self.codes, self.absmax, self.absmax2, self.code2 = codes, absmax, absmax2, code2
+        # Kept as qmm takes them, once: detached, dense and flat (views of the given tensors where they are dense).
+        flat = lambda t: None if t is None else _in(t).reshape(-1)  # noqa: E731
+        self.codes, self.absmax, self.absmax2, self.code2 = flat(codes), flat(absmax), flat(absmax2), flat(code2)
         self.shape = (int(shape[0]), int(shape[1]))
         self.block_size = int(block_size)
         self.offset = float(offset)
@@ -148,12 +151,6 @@ class Nf4Weight:
     @property
     def device(self):
         return self.codes.device
-
-    def _views(self):
-        """The same weight with dense row-major, detached tensors, as qmm takes them."""
-        c = lambda t: None if t is None else _in(t).reshape(-1)  # noqa: E731
-        return Nf4Weight(c(self.codes), c(self.absmax), self.shape, self.block_size, c(self.absmax2), c(self.code2),
-                         self.offset)
 
     @classmethod
     def quantize(cls, w, double_quant=True, block_size=64):
@@ -174,7 +171,7 @@ class Nf4Weight:
     def dequantize(self, dtype=torch.bfloat16):
         """W [rows, cols] = codebook[code] * scale, in float32 or bfloat16 (rounded to nearest even)."""
         out = torch.empty(self.shape, dtype=dtype, device=self.device)
-        _qmm.nf4_dequantize(self._views(), out, stream=_stream(out))
+        _qmm.nf4_dequantize(self, out, stream=_stream(out))
         return out
 
     def to(self, device):
@@ -219,6 +216,22 @@ class Nf4Weight:
                    state_dict[f"{prefix}.nested_quant_map"], float(meta["nested_offset"]))
 
 
+    def to_bnb_state_dict(self, prefix="weight", dtype=torch.bfloat16):
+        """The weight as a bitsandbytes 4-bit checkpoint stores it (the keys from_bnb_state_dict reads, plus
+        `prefix.quant_map`); `dtype` is the layer's weight dtype that bitsandbytes records."""
+        meta = {"quant_type": "nf4", "blocksize": self.block_size, "dtype": str(dtype).replace("torch.", ""),
+                "shape": list(self.shape)}
+        sd = {prefix: self.codes.reshape(-1, 1), f"{prefix}.absmax": self.absmax,
+              f"{prefix}.quant_map": torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=self.device)}
+        if self.double_quant:
+            meta.update(nested_blocksize=NF4_NESTED_BLOCK_SIZE, nested_dtype="float32", nested_offset=self.offset)
+            sd[f"{prefix}.nested_absmax"] = self.absmax2
+            sd[f"{prefix}.nested_quant_map"] = self.code2
+        sd[f"{prefix}.quant_state.bitsandbytes__nf4"] = torch.tensor(list(json.dumps(meta).encode("utf-8")),
+                                                                     dtype=torch.uint8)
+        return sd
+
+
 def _rows(op, name, t, cols, output=False):
     """t [..., cols] as the [rows, cols] matrix qmm takes: a view, never a copy for an output."""
     if t.dim() < 1 or t.shape[-1] != cols:
@@ -229,11 +242,17 @@ def _rows(op, name, t, cols, output=False):
     return (t.detach() if output else _in(t)).reshape(-1, cols)
 
 
+def _nf4(op, name, w):
+    if not isinstance(w, Nf4Weight):
+        raise _error("InvalidArgument", f"{op}: argument '{name}' must be a qmm.Nf4Weight, not {type(w).__name__}")
+    return w.shape
+
+
 def _nf4_gemm(fn, op, x, x_name, out_name, in_cols, out_cols, w, out, alpha, beta, path, out_dtype):
     x2 = _rows(op, x_name, x, in_cols)
     out = _out(op, out, (*x.shape[:-1], out_cols), out_dtype, x, beta)
     out2 = _rows(op, out_name, out, out_cols, output=True)
-    fn(x2, w._views(), out2, alpha=alpha, beta=beta, path=path, stream=_stream(x2))
+    fn(x2, w, out2, alpha=alpha, beta=beta, path=path, stream=_stream(x2))
     return out
 
 
@@ -241,13 +260,13 @@ def nf4_gemm(a, w, *, out=None, alpha=1.0, beta=0.0, path="auto", out_dtype=None
     """out[..., N] = alpha * a[..., K] @ dequant(W)^T + beta * out for W [N, K]: bf16 products, fp32 sums (see
     include/qmm/ops.h for the small-M kernels' scale-after contract). path forces an implementation: "auto",
     "dequant_gemm", "small_m", "fused", "fused_shared", or "reference" (CPU)."""
-    n, k = w.shape
+    n, k = _nf4("nf4_gemm", "w", w)
     return _nf4_gemm(_qmm.nf4_gemm, "nf4_gemm", a, "a", "c", k, n, w, out, alpha, beta, path, out_dtype)
 
 
 def nf4_gemm_backward_a(dc, w, *, out=None, alpha=1.0, beta=0.0, path="auto", out_dtype=None):
     """da[..., K] = alpha * dc[..., N] @ dequant(W) + beta * da for W [N, K] (nf4_gemm's input gradient)."""
-    n, k = w.shape
+    n, k = _nf4("nf4_gemm_backward_a", "w", w)
     return _nf4_gemm(_qmm.nf4_gemm_backward_a, "nf4_gemm_backward_a", dc, "dc", "da", n, k, w, out, alpha, beta,
                      path, out_dtype)
 
@@ -255,13 +274,14 @@ def nf4_gemm_backward_a(dc, w, *, out=None, alpha=1.0, beta=0.0, path="auto", ou
 def nf4_gate_up(a, w_gate, w_up, *, gate=True, up=True, h=True, path="auto", out_dtype=None):
     """Both MLP input projections from one read of a [..., K]: gate = a @ dequant(Wg)^T, up = a @ dequant(Wu)^T
     and h = silu(gate) * up. Returns (gate, up, h), each None where not asked for."""
-    n, k = w_gate.shape
+    n, k = _nf4("nf4_gate_up", "w_gate", w_gate)
+    _nf4("nf4_gate_up", "w_up", w_up)
     a2 = _rows("nf4_gate_up", "a", a, k)
     shape = (*a.shape[:-1], n)
     outs = [torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device) if want else None
             for want in (gate, up, h)]
     views = [None if t is None else t.view(-1, n) for t in outs]
-    _qmm.nf4_gate_up(a2, w_gate._views(), w_up._views(), *views, path=path, stream=_stream(a2))
+    _qmm.nf4_gate_up(a2, w_gate, w_up, *views, path=path, stream=_stream(a2))
     return tuple(outs)
 
 

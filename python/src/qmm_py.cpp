@@ -4,12 +4,14 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "qmm/qmm.h"
 
@@ -207,6 +209,11 @@ NB_MODULE(_qmm, m) {
       nullptr);
 
   m.def("cuda_device_count", &qmm::Context::cuda_device_count);
+  m.def("nf4_codebook", [] {
+    std::vector<float> values(16);
+    for (int i = 0; i < 16; ++i) values[static_cast<std::size_t>(i)] = qmm::nf4_code_value(i);
+    return values;
+  }, "The 16 NF4 values (float32), ascending: bitsandbytes' quant_map for nf4.");
   m.def("cuda_unavailable_reason", &qmm::Context::cuda_unavailable_reason);
 
   def_gemm<qmm::gemm>(m, "gemm", "a", "b", "c", "c = alpha * a[M,K] @ b[K,N] + beta * c");

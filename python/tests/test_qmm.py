@@ -142,6 +142,18 @@ def test_bnb_linear4bit_checkpoint(device):
     with pytest.raises(qmm.Error) as e:
         qmm.Nf4Weight.from_bnb(sd["weight"], qs)
     assert e.value.code == "Unsupported" and "fp4" in str(e.value)
+    # Back to a checkpoint: the same tensors and the same metadata bitsandbytes wrote.
+    out = w4.to_bnb_state_dict("weight", dtype=torch.float32)
+    for key, value in out.items():
+        if key.endswith("bitsandbytes__nf4"):
+            meta = lambda t: json.loads(bytes(t.cpu().tolist()).decode("utf-8"))  # noqa: E731
+            assert meta(value) == meta(sd[key])
+        else:
+            assert torch.equal(value.cpu(), sd[key].cpu()), key
+    assert set(out) == {k for k in sd if k.startswith("weight")}
+    plain = qmm.Nf4Weight.quantize(sd["_ref.weight_dequant"], double_quant=False)
+    again = qmm.Nf4Weight.from_bnb_state_dict(plain.to_bnb_state_dict("w"), "w")
+    assert torch.equal(again.dequantize(torch.float32), plain.dequantize(torch.float32)) and not again.double_quant
     fp4 = {k.replace("bitsandbytes__nf4", "bitsandbytes__fp4"): v for k, v in sd.items()}
     with pytest.raises(qmm.Error) as e:
         qmm.Nf4Weight.from_bnb_state_dict(fp4, "weight")
@@ -315,6 +327,8 @@ def test_errors_name_the_op_and_leave_outputs_untouched(device):
 
     w4 = qmm.Nf4Weight.quantize(randn((16, 64), 4, device))
     expect("ShapeMismatch", "nf4_gemm: argument 'a'", lambda: qmm.nf4_gemm(randn((3, 32), 5, device), w4))
+    dense_weight = randn((16, 64), 6, device)
+    expect("InvalidArgument", "qmm.Nf4Weight", lambda: qmm.nf4_gemm(randn((3, 64), 5, device), dense_weight))
     expect("InvalidArgument", "path", lambda: qmm.nf4_gemm(randn((3, 64), 5, device), w4, path="fastest"))
     nf4_out = poisoned((3, 16), torch.float32, device)
     wrong_rows = poisoned((4, 16), torch.float32, device)
