@@ -427,3 +427,33 @@ def test_runs_on_torchs_current_stream():
     wd = w4.dequantize(torch.bfloat16).double().cpu()
     assert_close(c2, bf16(a.cpu()) @ wd.t(), nf4_bound(a.cpu(), wd, "cuda", torch.float32), "side stream")
     assert_close(c, c2, 2.0 ** -8 * c2.double().abs().cpu() + 1e-6, "side stream bf16")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlora_mlp_learns_a_low_rank_change(device):
+    """A SwiGLU MLP on frozen NF4 weights with LoRA adapters on its three projections, trained with torch's AdamW
+    to match the same MLP whose down projection moved by a rank-2 change: the adapters must recover it (the loss
+    falls below 1% of its start; 80 steps took it to 0.03% on the CPU)."""
+    torch.manual_seed(0)
+    k, n, tokens = 64, 96, 256
+    w_gate, w_up, w_down = (randn(shape, s, device) * 0.2 for s, shape in ((1, (n, k)), (2, (n, k)), (3, (k, n))))
+    layers = [qmm.QLoraLinear(qmm.Nf4Weight.quantize(w), rank=4, alpha=8.0) for w in (w_gate, w_up, w_down)]
+    delta = (randn((k, 2), 4, device) @ randn((2, n), 5, device)) * 0.05
+    x = randn((tokens, k), 6, device)
+    with torch.no_grad():
+        deq = [layer.weight.dequantize(torch.float32) for layer in layers]
+        target = torch.nn.functional.silu(x @ deq[0].t()) * (x @ deq[1].t()) @ (deq[2] + delta).t()
+
+    def mlp(inp):
+        return layers[2](qmm.swiglu_autograd(layers[0](inp), layers[1](inp)))
+
+    params = [p for layer in layers for p in (layer.lora_a, layer.lora_b)]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+    losses = []
+    for _ in range(80):
+        loss = torch.nn.functional.mse_loss(mlp(x), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.01 * losses[0], f"loss {losses[0]:.3g} -> {losses[-1]:.3g}"
