@@ -42,8 +42,13 @@ def _error(code, message):
     return e
 
 
-def _stream(t):
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+def _call(fn, like, *args, **kwargs):
+    """Runs a `_qmm` op for tensors on like's device: on a GPU in PyTorch's current stream there, with that GPU
+    current for the call only (qmm makes its context's GPU current; PyTorch's choice is restored after)."""
+    if not like.is_cuda:
+        return fn(*args, **kwargs, stream=0)
+    with torch.cuda.device(like.device):
+        return fn(*args, **kwargs, stream=torch.cuda.current_stream(like.device).cuda_stream)
 
 
 def _in(t):
@@ -71,7 +76,7 @@ def _dim(t, i):
 def _gemm(fn, op, x, y, shape, out, alpha, beta, math_mode, out_dtype):
     x, y = _in(x), _in(y)
     out = _out(op, out, shape, out_dtype, x, beta)
-    fn(x, y, out.detach(), alpha=alpha, beta=beta, math=math_mode, stream=_stream(x))
+    _call(fn, x, x, y, out.detach(), alpha=alpha, beta=beta, math=math_mode)
     return out
 
 
@@ -103,8 +108,7 @@ def batched_gemm(a, b, *, transpose_b=False, out=None, alpha=1.0, beta=0.0, math
     a, b = _in(a), _in(b)
     shape = (_dim(a, 0), _dim(a, 1), _dim(a, 2), _dim(b, 2) if transpose_b else _dim(b, 3))
     out = _out("batched_gemm", out, shape, out_dtype, a, beta)
-    _qmm.batched_gemm(a, b, out.detach(), transpose_b=transpose_b, alpha=alpha, beta=beta, math=math,
-                      stream=_stream(a))
+    _call(_qmm.batched_gemm, a, a, b, out.detach(), transpose_b=transpose_b, alpha=alpha, beta=beta, math=math)
     return out
 
 
@@ -115,7 +119,7 @@ def swiglu(gate, up, *, out=None):
     """h = silu(gate) * up (float32 or bfloat16, one shape and dtype for all three)."""
     gate, up = _in(gate), _in(up)
     out = _out("swiglu", out, gate.shape, None, gate, 0.0)
-    _qmm.swiglu(gate, up, out.detach(), stream=_stream(gate))
+    _call(_qmm.swiglu, gate, gate, up, out.detach())
     return out
 
 
@@ -123,7 +127,7 @@ def swiglu_backward(gate, up, dh):
     """(dgate, dup) = (dh * up * silu'(gate), dh * silu(gate))."""
     gate, up, dh = _in(gate), _in(up), _in(dh)
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-    _qmm.swiglu_backward(gate, up, dh, dgate, dup, stream=_stream(gate))
+    _call(_qmm.swiglu_backward, gate, gate, up, dh, dgate, dup)
     return dgate, dup
 
 
@@ -165,13 +169,13 @@ class Nf4Weight:
         if double_quant:
             out.absmax2 = alloc(-(-nblocks // NF4_NESTED_BLOCK_SIZE), torch.float32)
             out.code2 = alloc(256, torch.float32)
-        out.offset = _qmm.nf4_quantize(w, out, stream=_stream(w))
+        out.offset = _call(_qmm.nf4_quantize, w, w, out)
         return out
 
     def dequantize(self, dtype=torch.bfloat16):
         """W [rows, cols] = codebook[code] * scale, in float32 or bfloat16 (rounded to nearest even)."""
         out = torch.empty(self.shape, dtype=dtype, device=self.device)
-        _qmm.nf4_dequantize(self, out, stream=_stream(out))
+        _call(_qmm.nf4_dequantize, out, self, out)
         return out
 
     def to(self, device):
@@ -252,7 +256,7 @@ def _nf4_gemm(fn, op, x, x_name, out_name, in_cols, out_cols, w, out, alpha, bet
     x2 = _rows(op, x_name, x, in_cols)
     out = _out(op, out, (*x.shape[:-1], out_cols), out_dtype, x, beta)
     out2 = _rows(op, out_name, out, out_cols, output=True)
-    fn(x2, w, out2, alpha=alpha, beta=beta, path=path, stream=_stream(x2))
+    _call(fn, x2, x2, w, out2, alpha=alpha, beta=beta, path=path)
     return out
 
 
@@ -281,7 +285,7 @@ def nf4_gate_up(a, w_gate, w_up, *, gate=True, up=True, h=True, path="auto", out
     outs = [torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device) if want else None
             for want in (gate, up, h)]
     views = [None if t is None else t.view(-1, n) for t in outs]
-    _qmm.nf4_gate_up(a2, w_gate, w_up, *views, path=path, stream=_stream(a2))
+    _call(_qmm.nf4_gate_up, a2, a2, w_gate, w_up, *views, path=path)
     return tuple(outs)
 
 
