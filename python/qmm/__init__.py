@@ -357,13 +357,14 @@ def nf4_swiglu(x, w_gate, w_up, path="auto"):
 class QLoraLinear(torch.nn.Module):
     """y = x @ dequant(W)^T + bias + (alpha / rank) * dropout(x) @ A^T @ B^T: a frozen NF4 base run by qmm and
     trainable LoRA adapters A [rank, in] (Kaiming-uniform) and B [out, rank] (zeros) held in `adapter_dtype`.
-    The base stays on its own device; move the module's parameters there too."""
+    The base stays on its own device (the module's parameters are created there) and is not in the state dict,
+    which holds the adapters and bias, as PEFT saves them; Nf4Weight.to_bnb_state_dict saves the base."""
 
     def __init__(self, weight, rank=16, alpha=32.0, dropout=0.0, bias=None, adapter_dtype=torch.float32, path="auto"):
         super().__init__()
         if rank <= 0:
             raise _error("InvalidArgument", f"QLoraLinear: rank must be positive, got {rank}")
-        out_features, in_features = weight.shape
+        out_features, in_features = _nf4("QLoraLinear", "weight", weight)
         self.weight, self.path, self.scale = weight, path, alpha / rank
         self.lora_a = torch.nn.Parameter(torch.empty(rank, in_features, dtype=adapter_dtype, device=weight.device))
         self.lora_b = torch.nn.Parameter(torch.zeros(out_features, rank, dtype=adapter_dtype, device=weight.device))
