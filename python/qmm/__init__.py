@@ -12,6 +12,7 @@ writes, for one): memory that PyTorch's allocator does not see.
     w4 = qmm.Nf4Weight.quantize(w.cuda())               # W [out, in] -> NF4, bitsandbytes' layout
     y = qmm.nf4_linear(x, w4)                          # x [..., in] -> [..., out], differentiable in x
     layer = qmm.QLoraLinear(w4, rank=16, alpha=32)     # frozen NF4 base + trainable LoRA adapters
+    mlp = qmm.QLoraSwiGluMlp(w4_gate, w4_up, w4_down)  # an MLP block on NF4 weights, LoRA on all three
 """
 import json
 import math
@@ -22,9 +23,9 @@ from . import _qmm
 from ._qmm import Error
 
 __all__ = [
-    "Error", "Nf4Weight", "QLoraLinear", "batched_gemm", "cuda_device_count", "gemm", "gemm_backward_a",
-    "gemm_backward_b", "gemm_bt", "nf4_gate_up", "nf4_gemm", "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu",
-    "swiglu", "swiglu_autograd", "swiglu_backward",
+    "Error", "LoraAdapter", "Nf4Weight", "QLoraLinear", "QLoraSwiGluMlp", "batched_gemm", "cuda_device_count", "gemm",
+    "gemm_backward_a", "gemm_backward_b", "gemm_bt", "nf4_gate_up", "nf4_gate_up_linear", "nf4_gemm",
+    "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu", "swiglu", "swiglu_autograd", "swiglu_backward",
 ]
 
 NF4_NESTED_BLOCK_SIZE = 256  # blocks per absmax2 group when double-quantized (bitsandbytes' nested block size)
@@ -328,6 +329,37 @@ def swiglu_autograd(gate, up):
     return _SwiGlu.apply(gate, up)
 
 
+def _gate_up_input_grad(dgate, dup, w_gate, w_up, path, x_dtype, x_shape, device):
+    """dx = dgate @ dequant(Wg) + dup @ dequant(Wu), either gradient possibly None (an output not used)."""
+    dx = None
+    for d, w in ((dgate, w_gate), (dup, w_up)):
+        if d is not None:
+            dx = nf4_gemm_backward_a(d, w, path=path, out_dtype=x_dtype) if dx is None else \
+                nf4_gemm_backward_a(d, w, out=dx, beta=1.0, path=path)
+    return dx if dx is not None else torch.zeros(x_shape, dtype=x_dtype, device=device)
+
+
+class _Nf4GateUp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, path):
+        gate, up, _ = nf4_gate_up(x, w_gate, w_up, h=False, path=path)
+        ctx.weights, ctx.path = (w_gate, w_up), path
+        ctx.x_dtype, ctx.x_shape, ctx.x_device = x.dtype, x.shape, x.device
+        return gate, up
+
+    @staticmethod
+    def backward(ctx, dgate, dup):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        return _gate_up_input_grad(dgate, dup, *ctx.weights, ctx.path, ctx.x_dtype, ctx.x_shape, ctx.x_device), \
+            None, None, None
+
+
+def nf4_gate_up_linear(x, w_gate, w_up, path="auto"):
+    """(x @ dequant(Wg)^T, x @ dequant(Wu)^T) from one read of x, differentiable in x (frozen NF4 weights)."""
+    return _Nf4GateUp.apply(x, w_gate, w_up, path)
+
+
 class _Nf4SwiGlu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, path):
@@ -342,10 +374,7 @@ class _Nf4SwiGlu(torch.autograd.Function):
             return None, None, None, None
         gate, up = ctx.saved_tensors
         dgate, dup = swiglu_backward(gate, up, dh)
-        w_gate, w_up = ctx.weights
-        dx = nf4_gemm_backward_a(dgate, w_gate, path=ctx.path, out_dtype=ctx.x_dtype)
-        nf4_gemm_backward_a(dup, w_up, out=dx, beta=1.0, path=ctx.path)
-        return dx, None, None, None
+        return _gate_up_input_grad(dgate, dup, *ctx.weights, ctx.path, ctx.x_dtype, None, None), None, None, None
 
 
 def nf4_swiglu(x, w_gate, w_up, path="auto"):
@@ -354,25 +383,60 @@ def nf4_swiglu(x, w_gate, w_up, path="auto"):
     return _Nf4SwiGlu.apply(x, w_gate, w_up, path)
 
 
-class QLoraLinear(torch.nn.Module):
-    """y = x @ dequant(W)^T + bias + (alpha / rank) * dropout(x) @ A^T @ B^T: a frozen NF4 base run by qmm and
-    trainable LoRA adapters A [rank, in] (Kaiming-uniform) and B [out, rank] (zeros) held in `adapter_dtype`.
-    The base stays on its own device (the module's parameters are created there) and is not in the state dict,
-    which holds the adapters and bias, as PEFT saves them; Nf4Weight.to_bnb_state_dict saves the base."""
+class LoraAdapter(torch.nn.Module):
+    """(alpha / rank) * dropout(x) @ A^T @ B^T with A [rank, in] (Kaiming-uniform) and B [out, rank] (zeros), both
+    trainable and held in `dtype`: LoRA's low-rank update, as PEFT initializes it. Returns x's dtype."""
 
-    def __init__(self, weight, rank=16, alpha=32.0, dropout=0.0, bias=None, adapter_dtype=torch.float32, path="auto"):
+    def __init__(self, in_features, out_features, rank=16, alpha=32.0, dropout=0.0, dtype=torch.float32,
+                 device=None):
         super().__init__()
         if rank <= 0:
-            raise _error("InvalidArgument", f"QLoraLinear: rank must be positive, got {rank}")
-        out_features, in_features = _nf4("QLoraLinear", "weight", weight)
-        self.weight, self.path, self.scale = weight, path, alpha / rank
-        self.lora_a = torch.nn.Parameter(torch.empty(rank, in_features, dtype=adapter_dtype, device=weight.device))
-        self.lora_b = torch.nn.Parameter(torch.zeros(out_features, rank, dtype=adapter_dtype, device=weight.device))
+            raise _error("InvalidArgument", f"LoraAdapter: rank must be positive, got {rank}")
+        self.scale = alpha / rank
+        self.lora_a = torch.nn.Parameter(torch.empty(rank, in_features, dtype=dtype, device=device))
+        self.lora_b = torch.nn.Parameter(torch.zeros(out_features, rank, dtype=dtype, device=device))
         torch.nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone())
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
 
     def forward(self, x):
-        y = nf4_linear(x, self.weight, self.bias, self.path)
-        adapter = (self.dropout(x).to(self.lora_a.dtype) @ self.lora_a.t()) @ self.lora_b.t()
-        return y + (self.scale * adapter).to(y.dtype)
+        t = self.dropout(x).to(self.lora_a.dtype) @ self.lora_a.t()
+        return (self.scale * (t @ self.lora_b.t())).to(x.dtype)
+
+
+class QLoraLinear(torch.nn.Module):
+    """y = x @ dequant(W)^T + bias + lora(x): a frozen NF4 base run by qmm and a trainable LoraAdapter (`.lora`).
+    The base stays on its own device (the adapter is created there) and is not in the state dict, which holds the
+    adapter and bias, as PEFT saves them; Nf4Weight.to_bnb_state_dict saves the base."""
+
+    def __init__(self, weight, rank=16, alpha=32.0, dropout=0.0, bias=None, adapter_dtype=torch.float32, path="auto"):
+        super().__init__()
+        out_features, in_features = _nf4("QLoraLinear", "weight", weight)
+        self.weight, self.path = weight, path
+        self.lora = LoraAdapter(in_features, out_features, rank, alpha, dropout, adapter_dtype, weight.device)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone())
+
+    def forward(self, x):
+        return nf4_linear(x, self.weight, self.bias, self.path) + self.lora(x)
+
+
+class QLoraSwiGluMlp(torch.nn.Module):
+    """y = down(silu(gate(x)) * up(x)): an LLM's MLP block on frozen NF4 weights W_gate, W_up [I, H] and W_down
+    [H, I], with a LoraAdapter on each projection (`gate_lora`, `up_lora`, `down.lora`). Both input projections'
+    base products come from one read of x (nf4_gate_up); the SwiGLU and its gradient are qmm's kernels."""
+
+    def __init__(self, w_gate, w_up, w_down, rank=16, alpha=32.0, dropout=0.0, adapter_dtype=torch.float32,
+                 path="auto"):
+        super().__init__()
+        inter, hidden = _nf4("QLoraSwiGluMlp", "w_gate", w_gate)
+        if _nf4("QLoraSwiGluMlp", "w_up", w_up) != (inter, hidden) or \
+                _nf4("QLoraSwiGluMlp", "w_down", w_down) != (hidden, inter):
+            raise _error("ShapeMismatch", f"QLoraSwiGluMlp: w_gate and w_up must be [I, H] and w_down [H, I]; got "
+                                          f"{w_gate.shape}, {w_up.shape}, {w_down.shape}")
+        self.w_gate, self.w_up, self.path = w_gate, w_up, path
+        lora = lambda: LoraAdapter(hidden, inter, rank, alpha, dropout, adapter_dtype, w_gate.device)  # noqa: E731
+        self.gate_lora, self.up_lora = lora(), lora()
+        self.down = QLoraLinear(w_down, rank, alpha, dropout, None, adapter_dtype, path)
+
+    def forward(self, x):
+        gate, up = nf4_gate_up_linear(x, self.w_gate, self.w_up, self.path)
+        return self.down(swiglu_autograd(gate + self.gate_lora(x), up + self.up_lora(x)))

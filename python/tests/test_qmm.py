@@ -396,22 +396,22 @@ def test_qlora_linear_trains_like_torch(device):
     w4 = qmm.Nf4Weight.quantize(randn((24, 64), 1, device))
     layer = qmm.QLoraLinear(w4, rank=4, alpha=8.0)
     with torch.no_grad():
-        layer.lora_b.copy_(randn((24, 4), 2, device) * 0.1)  # B starts at zero; make the adapter path count
+        layer.lora.lora_b.copy_(randn((24, 4), 2, device) * 0.1)  # B starts at zero; make the adapter path count
     x = randn((6, 64), 3, device)
     y = layer(x)
     dy = randn((6, 24), 4, device)
     y.backward(dy)
     # The same layer in PyTorch on the dequantized weight, fp64.
     wd = w4.dequantize(torch.float32).double().cpu()
-    a_ref = layer.lora_a.detach().cpu().double().requires_grad_()
-    b_ref = layer.lora_b.detach().cpu().double().requires_grad_()
+    a_ref = layer.lora.lora_a.detach().cpu().double().requires_grad_()
+    b_ref = layer.lora.lora_b.detach().cpu().double().requires_grad_()
     xd = x.cpu().double()
     y_ref = bf16(xd) @ bf16(wd).t() + 2.0 * (xd @ a_ref.t()) @ b_ref.t()
     y_ref.backward(dy.cpu().double())
     assert_close(y, y_ref, nf4_bound(xd, bf16(wd), device, torch.float32) + 1e-5, "QLoraLinear forward")
-    assert_close(layer.lora_a.grad, a_ref.grad, 1e-4 * a_ref.grad.abs().max(), "lora_a grad")
-    assert_close(layer.lora_b.grad, b_ref.grad, 1e-4 * b_ref.grad.abs().max(), "lora_b grad")
-    assert layer.lora_a.grad.abs().sum() > 0 and layer.lora_b.grad.abs().sum() > 0
+    assert_close(layer.lora.lora_a.grad, a_ref.grad, 1e-4 * a_ref.grad.abs().max(), "lora_a grad")
+    assert_close(layer.lora.lora_b.grad, b_ref.grad, 1e-4 * b_ref.grad.abs().max(), "lora_b grad")
+    assert layer.lora.lora_a.grad.abs().sum() > 0 and layer.lora.lora_b.grad.abs().sum() > 0
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU")
@@ -429,26 +429,74 @@ def test_runs_on_torchs_current_stream():
     assert_close(c, c2, 2.0 ** -8 * c2.double().abs().cpu() + 1e-6, "side stream bf16")
 
 
+def mlp_weights(device, hidden, inter):
+    return [qmm.Nf4Weight.quantize(randn(shape, s, device) * 0.2)
+            for s, shape in ((1, (inter, hidden)), (2, (inter, hidden)), (3, (hidden, inter)))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nf4_gate_up_linear_autograd(device):
+    wg, wu, _ = mlp_weights(device, 64, 40)
+    x = randn((2, 3, 64), 4, device).requires_grad_()
+    gate, up = qmm.nf4_gate_up_linear(x, wg, wu)
+    dgate = randn(gate.shape, 5, device)
+    (gate * dgate).sum().backward()  # up unused: its gradient is None
+    ref = bf16(dgate.cpu()) @ wg.dequantize(torch.bfloat16).double().cpu()
+    wd = wg.dequantize(torch.bfloat16).double().cpu()
+    assert_close(x.grad, ref, nf4_bound(dgate.cpu().reshape(-1, 40), wd.t(), device, torch.float32).reshape(2, 3, 64),
+                 "gate-only dx")
+    assert_close(up, qmm.nf4_gemm(x.detach(), wu), 0.0, "up equals nf4_gemm")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlora_swiglu_mlp_matches_torch(device):
+    torch.manual_seed(0)
+    hidden, inter = 64, 96
+    mlp = qmm.QLoraSwiGluMlp(*mlp_weights(device, hidden, inter), rank=4, alpha=8.0)
+    adapters = [mlp.gate_lora, mlp.up_lora, mlp.down.lora]
+    with torch.no_grad():
+        for i, ad in enumerate(adapters):
+            ad.lora_b.copy_(randn(ad.lora_b.shape, 10 + i, device) * 0.1)
+    x = randn((5, hidden), 4, device).requires_grad_()
+    y = mlp(x)
+    dy = randn((5, hidden), 5, device)
+    y.backward(dy)
+    # PyTorch in fp64 on the dequantized bf16 weights and the same adapters (f32 masters, widened).
+    wg, wu, wd = (w.dequantize(torch.bfloat16).double().cpu() for w in (mlp.w_gate, mlp.w_up, mlp.down.weight))
+    ref_ad = [(ad.lora_a.detach().cpu().double().requires_grad_(), ad.lora_b.detach().cpu().double().requires_grad_())
+              for ad in adapters]
+    xd = x.detach().cpu().double().requires_grad_()
+    lora = lambda t, ab: 2.0 * (t @ ab[0].t()) @ ab[1].t()  # noqa: E731
+    g = xd @ wg.t() + lora(xd, ref_ad[0])
+    u = xd @ wu.t() + lora(xd, ref_ad[1])
+    h = torch.nn.functional.silu(g) * u
+    y_ref = h @ wd.t() + lora(h, ref_ad[2])
+    y_ref.backward(dy.cpu().double())
+    # Two chained products with f32 intermediates (gate, up and h held in f32 here, operands rounded to bf16 for the
+    # NF4 GEMMs): 2^-7 of the chain's magnitudes, with room; gradients to 1e-2 of their largest entry.
+    mag = (torch.nn.functional.silu(g).abs() * u.abs()) @ wd.abs().t()
+    assert_close(y, y_ref, 2.0 ** -6 * mag.detach() + 1e-5, "QLoraSwiGluMlp forward")
+    assert_close(x.grad, xd.grad, 1e-2 * xd.grad.abs().max(), "QLoraSwiGluMlp dx")
+    for ad, (a_ref, b_ref) in zip(adapters, ref_ad):
+        assert_close(ad.lora_a.grad, a_ref.grad, 1e-2 * a_ref.grad.abs().max(), "lora_a grad")
+        assert_close(ad.lora_b.grad, b_ref.grad, 1e-2 * b_ref.grad.abs().max(), "lora_b grad")
+        assert ad.lora_a.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_qlora_mlp_learns_a_low_rank_change(device):
-    """A SwiGLU MLP on frozen NF4 weights with LoRA adapters on its three projections, trained with torch's AdamW
-    to match the same MLP whose down projection moved by a rank-2 change: the adapters must recover it (the loss
-    falls below 1% of its start; 80 steps took it to 0.03% on the CPU)."""
+    """QLoraSwiGluMlp, trained with torch's AdamW to match the same MLP whose down projection moved by a rank-2
+    change: the adapters must recover it (the loss falls below 1% of its start; 80 steps took it to ~0.03% on the
+    CPU)."""
     torch.manual_seed(0)
-    k, n, tokens = 64, 96, 256
-    w_gate, w_up, w_down = (randn(shape, s, device) * 0.2 for s, shape in ((1, (n, k)), (2, (n, k)), (3, (k, n))))
-    layers = [qmm.QLoraLinear(qmm.Nf4Weight.quantize(w), rank=4, alpha=8.0) for w in (w_gate, w_up, w_down)]
-    delta = (randn((k, 2), 4, device) @ randn((2, n), 5, device)) * 0.05
-    x = randn((tokens, k), 6, device)
+    hidden, inter, tokens = 64, 96, 256
+    mlp = qmm.QLoraSwiGluMlp(*mlp_weights(device, hidden, inter), rank=4, alpha=8.0)
+    delta = (randn((hidden, 2), 4, device) @ randn((2, inter), 5, device)) * 0.05
+    x = randn((tokens, hidden), 6, device)
     with torch.no_grad():
-        deq = [layer.weight.dequantize(torch.float32) for layer in layers]
+        deq = [w.dequantize(torch.float32) for w in (mlp.w_gate, mlp.w_up, mlp.down.weight)]
         target = torch.nn.functional.silu(x @ deq[0].t()) * (x @ deq[1].t()) @ (deq[2] + delta).t()
-
-    def mlp(inp):
-        return layers[2](qmm.swiglu_autograd(layers[0](inp), layers[1](inp)))
-
-    params = [p for layer in layers for p in (layer.lora_a, layer.lora_b)]
-    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+    opt = torch.optim.AdamW(mlp.parameters(), lr=1e-2, weight_decay=0.0)
     losses = []
     for _ in range(80):
         loss = torch.nn.functional.mse_loss(mlp(x), target)
