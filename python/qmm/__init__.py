@@ -16,6 +16,7 @@ writes, for one): memory that PyTorch's allocator does not see.
 """
 import json
 import math
+import types
 
 import torch
 
@@ -48,13 +49,17 @@ def _call(fn, like, *args, **kwargs):
     current for the call only (qmm makes its context's GPU current; PyTorch's choice is restored after)."""
     if not like.is_cuda:
         return fn(*args, **kwargs, stream=0)
+    stream = torch.cuda.current_stream(like.device).cuda_stream
+    if like.device.index == torch.cuda.current_device():
+        return fn(*args, **kwargs, stream=stream)
     with torch.cuda.device(like.device):
-        return fn(*args, **kwargs, stream=torch.cuda.current_stream(like.device).cuda_stream)
+        return fn(*args, **kwargs, stream=stream)
 
 
 def _in(t):
     """An input as qmm takes it: detached (DLPack refuses tensors that require grad) and dense row-major."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     return t if t.is_contiguous() else t.contiguous()
 
 
@@ -142,12 +147,14 @@ class Nf4Weight:
     scaled by absmax2 float32 [ceil(nblocks/256)] plus offset (double-quantized). All tensors on one device."""
 
     def __init__(self, codes, absmax, shape, block_size=64, absmax2=None, code2=None, offset=0.0):
-        # Kept as qmm takes them, once: detached, dense and flat (views of the given tensors where they are dense).
+        # Kept as qmm takes them, once: detached, dense and flat (views of the given tensors where they are dense),
+        # and converted for the ops once (`_native`, which checks dtypes and devices). Treat it as immutable.
         flat = lambda t: None if t is None else _in(t).reshape(-1)  # noqa: E731
         self.codes, self.absmax, self.absmax2, self.code2 = flat(codes), flat(absmax), flat(absmax2), flat(code2)
         self.shape = (int(shape[0]), int(shape[1]))
         self.block_size = int(block_size)
         self.offset = float(offset)
+        self._native = _qmm.nf4_handle(self)
 
     @property
     def double_quant(self):
@@ -165,18 +172,18 @@ class Nf4Weight:
         n = rows * cols
         nblocks = -(-n // block_size) if block_size > 0 else 0
         alloc = lambda count, dtype: torch.empty(count, dtype=dtype, device=w.device)  # noqa: E731
-        out = cls(alloc(-(-n // 2), torch.uint8), alloc(nblocks, torch.uint8 if double_quant else torch.float32),
-                  (rows, cols), block_size)
-        if double_quant:
-            out.absmax2 = alloc(-(-nblocks // NF4_NESTED_BLOCK_SIZE), torch.float32)
-            out.code2 = alloc(256, torch.float32)
-        out.offset = _call(_qmm.nf4_quantize, w, w, out)
-        return out
+        out = types.SimpleNamespace(
+            codes=alloc(-(-n // 2), torch.uint8), absmax=alloc(nblocks, torch.uint8 if double_quant else torch.float32),
+            absmax2=alloc(-(-nblocks // NF4_NESTED_BLOCK_SIZE), torch.float32) if double_quant else None,
+            code2=alloc(256, torch.float32) if double_quant else None, offset=0.0, shape=(rows, cols),
+            block_size=block_size)
+        offset = _call(_qmm.nf4_quantize, w, w, out)
+        return cls(out.codes, out.absmax, (rows, cols), block_size, out.absmax2, out.code2, offset)
 
     def dequantize(self, dtype=torch.bfloat16):
         """W [rows, cols] = codebook[code] * scale, in float32 or bfloat16 (rounded to nearest even)."""
         out = torch.empty(self.shape, dtype=dtype, device=self.device)
-        _call(_qmm.nf4_dequantize, out, self, out)
+        _call(_qmm.nf4_dequantize, out, self._native, out)
         return out
 
     def to(self, device):
@@ -239,12 +246,14 @@ class Nf4Weight:
 
 def _rows(op, name, t, cols, output=False):
     """t [..., cols] as the [rows, cols] matrix qmm takes: a view, never a copy for an output."""
-    if t.dim() < 1 or t.shape[-1] != cols:
-        raise _error("ShapeMismatch", f"{op}: argument '{name}' has shape {list(t.shape)}; its last dimension "
+    shape = t.shape
+    if not shape or shape[-1] != cols:
+        raise _error("ShapeMismatch", f"{op}: argument '{name}' has shape {list(shape)}; its last dimension "
                                       f"must be {cols} (the weight's)")
     if output and not t.is_contiguous():
         raise _error("InvalidArgument", f"{op}: argument '{name}' is not contiguous (qmm writes outputs in place)")
-    return (t.detach() if output else _in(t)).reshape(-1, cols)
+    t = _in(t)
+    return t if len(shape) == 2 else t.reshape(-1, cols)
 
 
 def _nf4(op, name, w):
@@ -257,7 +266,7 @@ def _nf4_gemm(fn, op, x, x_name, out_name, in_cols, out_cols, w, out, alpha, bet
     x2 = _rows(op, x_name, x, in_cols)
     out = _out(op, out, (*x.shape[:-1], out_cols), out_dtype, x, beta)
     out2 = _rows(op, out_name, out, out_cols, output=True)
-    _call(fn, x2, x2, w, out2, alpha=alpha, beta=beta, path=path)
+    _call(fn, x2, x2, w._native, out2, alpha=alpha, beta=beta, path=path)
     return out
 
 
@@ -286,7 +295,7 @@ def nf4_gate_up(a, w_gate, w_up, *, gate=True, up=True, h=True, path="auto", out
     outs = [torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device) if want else None
             for want in (gate, up, h)]
     views = [None if t is None else t.view(-1, n) for t in outs]
-    _call(_qmm.nf4_gate_up, a2, a2, w_gate, w_up, *views, path=path)
+    _call(_qmm.nf4_gate_up, a2, a2, w_gate._native, w_up._native, *views, path=path)
     return tuple(outs)
 
 

@@ -134,6 +134,14 @@ qmm::Nf4Weight nf4_of(const nb::handle& w, const char* op, bool writable = false
   return v;
 }
 
+// An NF4 weight converted once (qmm.Nf4Weight makes one when it is built): the views, and references to the
+// tensors they point into (not to the weight object, which holds the handle: no reference cycle). Ops take it
+// instead of the Python object, so a call imports only its activations.
+struct Nf4Handle {
+  qmm::Nf4Weight view;
+  nb::object codes, absmax, absmax2, code2;
+};
+
 qmm::GemmOptions gemm_options(float alpha, float beta, const std::string& math, const char* op) {
   return {alpha, beta, math_of(math, op)};
 }
@@ -176,10 +184,10 @@ template <Nf4GemmFn fn>
 void def_nf4_gemm(nb::module_& m, const char* name, const char* x_name, const char* out_name, const char* doc) {
   m.def(
       name,
-      [name, x_name, out_name](const In& x, nb::handle w, const Out& out, float alpha, float beta,
+      [name, x_name, out_name](const In& x, const Nf4Handle& w, const Out& out, float alpha, float beta,
                                const std::string& path, std::uintptr_t stream) {
         const qmm::TensorView xv = view_of(x, name, x_name), ov = view_of(out, name, out_name);
-        const qmm::Nf4Weight wv = nf4_of(w, name);
+        const qmm::Nf4Weight wv = w.view;
         const qmm::Nf4GemmOptions opts = nf4_options(alpha, beta, path, name);
         const qmm::Context ctx = context_for(xv, stream);
         run([&] { fn(ctx, xv, wv, ov, opts); });
@@ -207,6 +215,15 @@ NB_MODULE(_qmm, m) {
         }
       },
       nullptr);
+
+  nb::class_<Nf4Handle>(m, "Nf4Handle", "An NF4 weight as the ops take it (qmm.Nf4Weight builds one)");
+  m.def(
+      "nf4_handle",
+      [](nb::handle w) {
+        return Nf4Handle{nf4_of(w, "Nf4Weight"), w.attr("codes"), w.attr("absmax"), w.attr("absmax2"),
+                         w.attr("code2")};
+      },
+      nb::arg("w"), "Converts an object with qmm.Nf4Weight's tensors and fields once (checks dtypes and layout).");
 
   m.def("cuda_device_count", &qmm::Context::cuda_device_count);
   m.def("nf4_codebook", [] {
@@ -270,9 +287,9 @@ NB_MODULE(_qmm, m) {
 
   m.def(
       "nf4_dequantize",
-      [](nb::handle w, const Out& out, std::uintptr_t stream) {
+      [](const Nf4Handle& w, const Out& out, std::uintptr_t stream) {
         const char* op = "nf4_dequantize";
-        const qmm::Nf4Weight wv = nf4_of(w, op);
+        const qmm::Nf4Weight wv = w.view;
         const qmm::TensorView ov = view_of(out, op, "out");
         const qmm::Context ctx = context_for(ov, stream);
         run([&] { qmm::nf4_dequantize(ctx, wv, ov); });
@@ -285,11 +302,11 @@ NB_MODULE(_qmm, m) {
 
   m.def(
       "nf4_gate_up",
-      [](const In& a, nb::handle w_gate, nb::handle w_up, const nb::object& gate, const nb::object& up,
+      [](const In& a, const Nf4Handle& w_gate, const Nf4Handle& w_up, const nb::object& gate, const nb::object& up,
          const nb::object& h, float alpha, float beta, const std::string& path, std::uintptr_t stream) {
         const char* op = "nf4_gate_up";
         const qmm::TensorView av = view_of(a, op, "a");
-        const qmm::Nf4Weight wg = nf4_of(w_gate, op), wu = nf4_of(w_up, op);
+        const qmm::Nf4Weight wg = w_gate.view, wu = w_up.view;
         const qmm::GateUpOutputs outs{out_or_empty(gate, op, "gate"), out_or_empty(up, op, "up"),
                                       out_or_empty(h, op, "h")};
         const qmm::Nf4GemmOptions opts = nf4_options(alpha, beta, path, op);
