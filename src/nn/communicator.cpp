@@ -20,7 +20,10 @@ namespace qmm {
 
 namespace {
 
-[[noreturn]] void fail(const std::string& what) { throw Error(ErrorCode::Distributed, "Communicator: " + what); }
+// Unused where NCCL is absent (every failure it reports is an NCCL one).
+[[noreturn, maybe_unused]] void fail(const std::string& what) {
+  throw Error(ErrorCode::Distributed, "Communicator: " + what);
+}
 
 // FNV-1a over the bytes of the tensors, copied to the host (one wait for all the copies).
 std::uint64_t hash_tensors(const Context& ctx, const std::vector<TensorView>& tensors) {
