@@ -271,6 +271,23 @@ def test_dense_gemm_family(device, dtype, math, m, n, k):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_views_with_offsets_are_read_and_written_in_place(device):
+    """Row slices of larger tensors (dense, at a storage offset) as inputs and as out=: qmm must use the offset."""
+    big_a, b = randn((9, 65), 1, device), randn((65, 7), 2, device)
+    big_c = poisoned((10, 7), torch.float32, device)
+    qmm.gemm(big_a[3:6], b, out=big_c[4:7])
+    ref = big_a[3:6].cpu().double() @ b.cpu().double()
+    rel = 1e-6 if device == "cpu" else 4 * 65 * 2.0 ** -24
+    assert_close(big_c[4:7], ref, rel * (big_a[3:6].cpu().double().abs() @ b.cpu().double().abs()) + 1e-6, "slice")
+    assert torch.isnan(big_c[:4]).all() and torch.isnan(big_c[7:]).all()
+    w4 = qmm.Nf4Weight.quantize(randn((16, 64), 3, device))
+    big_x = randn((5, 64), 4, device, torch.bfloat16)
+    wd = w4.dequantize(torch.bfloat16).double().cpu()
+    assert_close(qmm.nf4_gemm(big_x[2:4], w4), bf16(big_x[2:4].cpu()) @ wd.t(),
+                 nf4_bound(big_x[2:4].cpu(), wd, device, torch.bfloat16), "nf4 slice")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("transpose_b", [False, True])
 def test_batched_gemm(device, transpose_b):
     a = randn((2, 3, 7, 33), 1, device)
