@@ -164,6 +164,17 @@ class Nf4Weight:
     def device(self):
         return self.codes.device
 
+    @property
+    def nbytes(self):
+        """Bytes the weight occupies (codes and scales): about 0.52 per element double-quantized, 0.56 plain."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.absmax, self.absmax2, self.code2)
+                   if t is not None)
+
+    def __repr__(self):
+        scales = "double-quantized" if self.double_quant else "plain"
+        return (f"Nf4Weight(shape={self.shape}, block_size={self.block_size}, {scales}, device={self.device}, "
+                f"{self.nbytes} bytes)")
+
     @classmethod
     def quantize(cls, w, double_quant=True, block_size=64):
         """NF4 of w [rows, cols] (float32, bfloat16 or float16), byte-identical to bitsandbytes' quantize_4bit."""

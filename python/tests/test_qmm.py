@@ -119,6 +119,8 @@ def test_bnb_linear4bit_checkpoint(device):
                                                                       "linear4bit_state_dict.safetensors")).items()}
     w4 = qmm.Nf4Weight.from_bnb_state_dict(sd, "weight")
     assert w4.shape == (256, 512) and w4.double_quant
+    # 65536 code bytes, 2048 q bytes, 8 absmax2 and 256 code2 floats.
+    assert w4.nbytes == 65536 + 2048 + 4 * 8 + 4 * 256 and "double-quantized" in repr(w4)
     assert torch.equal(w4.dequantize(torch.float32), sd["_ref.weight_dequant"])
     x = sd["_ref.x"]  # bf16 [3, 512]
     y = qmm.nf4_linear(x, w4, bias=sd["bias"])
