@@ -329,7 +329,7 @@ def nf4_linear(x, w, bias=None, path="auto"):
     """y = x @ dequant(W)^T (+ bias) for x [..., in] (float32 or bfloat16; y has x's dtype). Differentiable in x
     and bias; W is frozen (no weight gradient)."""
     y = _Nf4Linear.apply(x, w, path)
-    return y if bias is None else y + bias
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 class _SwiGlu(torch.autograd.Function):
