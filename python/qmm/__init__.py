@@ -328,7 +328,7 @@ class _Nf4Linear(torch.autograd.Function):
 def nf4_linear(x, w, bias=None, path="auto"):
     """y = x @ dequant(W)^T (+ bias) for x [..., in] (float32 or bfloat16; y has x's dtype). Differentiable in x
     and bias; W is frozen (no weight gradient)."""
-    y = _Nf4Linear.apply(x, w, path)
+    y = _ops.nf4_linear(x, *_w_args(w), path) if _compiling() else _Nf4Linear.apply(x, w, path)
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -346,7 +346,7 @@ class _SwiGlu(torch.autograd.Function):
 
 def swiglu_autograd(gate, up):
     """h = silu(gate) * up, differentiable in gate and up (qmm's forward and backward kernels)."""
-    return _SwiGlu.apply(gate, up)
+    return _ops.swiglu(gate, up) if _compiling() else _SwiGlu.apply(gate, up)
 
 
 def _gate_up_input_grad(dgate, dup, w_gate, w_up, path, x_dtype, x_shape, device):
@@ -377,6 +377,8 @@ class _Nf4GateUp(torch.autograd.Function):
 
 def nf4_gate_up_linear(x, w_gate, w_up, path="auto"):
     """(x @ dequant(Wg)^T, x @ dequant(Wu)^T) from one read of x, differentiable in x (frozen NF4 weights)."""
+    if _compiling():
+        return _ops.nf4_gate_up(x, *_w_args(w_gate), *_w_args(w_up), path)
     return _Nf4GateUp.apply(x, w_gate, w_up, path)
 
 
@@ -400,6 +402,8 @@ class _Nf4SwiGlu(torch.autograd.Function):
 def nf4_swiglu(x, w_gate, w_up, path="auto"):
     """h = silu(x @ dequant(Wg)^T) * (x @ dequant(Wu)^T): an MLP's input half with frozen NF4 weights, both
     projections from one read of x (nf4_gate_up). Differentiable in x; keeps gate and up for the backward."""
+    if _compiling():  # the compiled graph takes the projections and the SwiGLU as two ops
+        return swiglu_autograd(*nf4_gate_up_linear(x, w_gate, w_up, path))
     return _Nf4SwiGlu.apply(x, w_gate, w_up, path)
 
 
@@ -460,3 +464,123 @@ class QLoraSwiGluMlp(torch.nn.Module):
     def forward(self, x):
         gate, up = nf4_gate_up_linear(x, self.w_gate, self.w_up, self.path)
         return self.down(swiglu_autograd(gate + self.gate_lora(x), up + self.up_lora(x)))
+
+
+# ---- torch.compile: the differentiable ops as PyTorch custom ops (PyTorch >= 2.4) ------------------------------
+# torch.compile cannot trace into qmm's C++ calls. As custom ops with shape-only ("fake") implementations and their
+# backward registered, they stay whole in a compiled graph (fullgraph=True works). Eager calls keep the
+# autograd.Functions above: a custom op's dispatch costs more per call. An NF4 weight enters a custom op as its
+# tensors and fields (_w_args), since an op's arguments must be tensors and scalars.
+
+
+def _w_args(w):
+    _nf4("qmm op", "w", w)
+    return w.codes, w.absmax, w.absmax2, w.code2, w.offset, w.shape[0], w.shape[1], w.block_size
+
+
+def _w_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size):
+    return Nf4Weight(codes, absmax, (rows, cols), block_size, absmax2, code2, offset)
+
+
+def _register_compile_ops():
+    from typing import Optional, Tuple  # noqa: F401 (the custom ops' annotations name them)
+
+    Tensor = torch.Tensor  # noqa: N806
+    op = torch.library.custom_op
+
+    @op("qmm::nf4_linear", mutates_args=())
+    def nf4_linear_op(x: Tensor, codes: Tensor, absmax: Tensor, absmax2: Optional[Tensor], code2: Optional[Tensor],
+                      offset: float, rows: int, cols: int, block_size: int, path: str) -> Tensor:
+        return nf4_gemm(x, _w_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size), path=path)
+
+    @nf4_linear_op.register_fake
+    def _(x, codes, absmax, absmax2, code2, offset, rows, cols, block_size, path):
+        return x.new_empty((*x.shape[:-1], rows))
+
+    @op("qmm::nf4_input_grad", mutates_args=())
+    def nf4_input_grad_op(dy: Tensor, codes: Tensor, absmax: Tensor, absmax2: Optional[Tensor],
+                          code2: Optional[Tensor], offset: float, rows: int, cols: int, block_size: int,
+                          path: str) -> Tensor:
+        return nf4_gemm_backward_a(dy, _w_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size),
+                                   path=path)
+
+    @nf4_input_grad_op.register_fake
+    def _(dy, codes, absmax, absmax2, code2, offset, rows, cols, block_size, path):
+        return dy.new_empty((*dy.shape[:-1], cols))
+
+    def input_grad(dy, w_args, path, dtype):
+        return None if dy is None else nf4_input_grad_op(dy, *w_args, path).to(dtype)
+
+    # Tensors are kept with save_for_backward, the rest on ctx: a weight's args are 4 tensors, then 4 scalars.
+    def setup_linear(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[1:5])
+        ctx.w_scalars, ctx.path, ctx.x_dtype = inputs[5:9], inputs[9], inputs[0].dtype
+
+    def linear_grad(ctx, dy):
+        return (input_grad(dy, (*ctx.saved_tensors, *ctx.w_scalars), ctx.path, ctx.x_dtype),) + (None,) * 9
+
+    nf4_linear_op.register_autograd(linear_grad, setup_context=setup_linear)
+
+    @op("qmm::nf4_gate_up", mutates_args=())
+    def nf4_gate_up_op(x: Tensor, g_codes: Tensor, g_absmax: Tensor, g_absmax2: Optional[Tensor],
+                       g_code2: Optional[Tensor], g_offset: float, g_rows: int, g_cols: int, g_block_size: int,
+                       u_codes: Tensor, u_absmax: Tensor, u_absmax2: Optional[Tensor], u_code2: Optional[Tensor],
+                       u_offset: float, u_rows: int, u_cols: int, u_block_size: int,
+                       path: str) -> Tuple[Tensor, Tensor]:
+        w_gate = _w_of(g_codes, g_absmax, g_absmax2, g_code2, g_offset, g_rows, g_cols, g_block_size)
+        w_up = _w_of(u_codes, u_absmax, u_absmax2, u_code2, u_offset, u_rows, u_cols, u_block_size)
+        gate, up, _ = nf4_gate_up(x, w_gate, w_up, h=False, path=path)
+        return gate, up
+
+    @nf4_gate_up_op.register_fake
+    def _(x, *args):
+        rows = args[5]  # g_rows
+        return x.new_empty((*x.shape[:-1], rows)), x.new_empty((*x.shape[:-1], rows))
+
+    def setup_gate_up(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[1:5], *inputs[9:13])
+        ctx.g_scalars, ctx.u_scalars, ctx.path, ctx.x_dtype = inputs[5:9], inputs[13:17], inputs[17], inputs[0].dtype
+
+    def gate_up_grad(ctx, dgate, dup):
+        saved = ctx.saved_tensors
+        g_args, u_args = (*saved[:4], *ctx.g_scalars), (*saved[4:], *ctx.u_scalars)
+        grads = [g for g in (input_grad(dgate, g_args, ctx.path, ctx.x_dtype),
+                             input_grad(dup, u_args, ctx.path, ctx.x_dtype)) if g is not None]
+        return (sum(grads[1:], grads[0]) if grads else None,) + (None,) * 17
+
+    nf4_gate_up_op.register_autograd(gate_up_grad, setup_context=setup_gate_up)
+
+    @op("qmm::swiglu", mutates_args=())
+    def swiglu_op(gate: Tensor, up: Tensor) -> Tensor:
+        return swiglu(gate, up)
+
+    @swiglu_op.register_fake
+    def _(gate, up):
+        return torch.empty_like(gate)
+
+    @op("qmm::swiglu_backward", mutates_args=())
+    def swiglu_backward_op(gate: Tensor, up: Tensor, dh: Tensor) -> Tuple[Tensor, Tensor]:
+        return swiglu_backward(gate, up, dh)
+
+    @swiglu_backward_op.register_fake
+    def _(gate, up, dh):
+        return torch.empty_like(gate), torch.empty_like(up)
+
+    def setup_swiglu(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def swiglu_grad(ctx, dh):
+        return swiglu_backward_op(*ctx.saved_tensors, dh)
+
+    swiglu_op.register_autograd(swiglu_grad, setup_context=setup_swiglu)
+    return types.SimpleNamespace(nf4_linear=nf4_linear_op, nf4_gate_up=nf4_gate_up_op, swiglu=swiglu_op)
+
+
+if hasattr(torch.library, "custom_op") and hasattr(torch.compiler, "is_compiling"):
+    _ops = _register_compile_ops()
+    _compiling = torch.compiler.is_compiling
+else:  # older PyTorch: eager only (torch.compile breaks the graph at qmm's calls)
+    _ops = None
+
+    def _compiling():
+        return False
