@@ -553,3 +553,26 @@ def test_torch_compile_fullgraph_matches_eager(device):
     compiled = run(torch.compile(loss_of, backend="aot_eager", fullgraph=True))
     for e, c in zip(eager, compiled):
         assert_close(c, e, 1e-5 * e.abs().max() + 1e-7, "compiled vs eager")
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU")
+def test_cuda_graph_capture_after_warmup_on_the_capture_stream():
+    """qmm ops inside torch.cuda.graph: warmed up once on the capture stream (which makes qmm's context for that
+    stream), captured, then replayed on new inputs."""
+    w4 = qmm.Nf4Weight.quantize(randn((256, 512), 1, "cuda"))
+    a = randn((1, 512), 2, "cuda", torch.bfloat16)
+    out = torch.empty((1, 256), dtype=torch.bfloat16, device="cuda")
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture):
+        qmm.nf4_gemm(a, w4, out=out)
+    capture.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture):
+        qmm.nf4_gemm(a, w4, out=out)
+    a.copy_(randn((1, 512), 3, "cuda", torch.bfloat16))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    wd = w4.dequantize(torch.bfloat16).double().cpu()
+    assert_close(out, bf16(a.cpu()) @ wd.t(), nf4_bound(a.cpu(), wd, "cuda", torch.bfloat16), "graph replay")
