@@ -26,7 +26,8 @@ from ._qmm import Error
 __all__ = [
     "Error", "LoraAdapter", "Nf4Weight", "QLoraLinear", "QLoraSwiGluMlp", "batched_gemm", "cuda_device_count", "gemm",
     "gemm_backward_a", "gemm_backward_b", "gemm_bt", "nf4_gate_up", "nf4_gate_up_linear", "nf4_gemm",
-    "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu", "swiglu", "swiglu_autograd", "swiglu_backward",
+    "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu", "replace_bnb_mlps", "swiglu", "swiglu_autograd",
+    "swiglu_backward",
 ]
 
 NF4_NESTED_BLOCK_SIZE = 256  # blocks per absmax2 group when double-quantized (bitsandbytes' nested block size)
@@ -464,6 +465,44 @@ class QLoraSwiGluMlp(torch.nn.Module):
     def forward(self, x):
         gate, up = nf4_gate_up_linear(x, self.w_gate, self.w_up, self.path)
         return self.down(swiglu_autograd(gate + self.gate_lora(x), up + self.up_lora(x)))
+
+    @classmethod
+    def from_bnb(cls, mlp, **lora):
+        """The same block on the NF4 weights of a Llama/Qwen/Mistral-style MLP module whose gate_proj, up_proj and
+        down_proj are bitsandbytes 4-bit layers without bias (shared, not copied); `lora` as for the constructor."""
+        act = getattr(mlp, "act_fn", None)
+        if act is not None and "silu" not in type(act).__name__.lower():
+            raise _error("Unsupported", f"QLoraSwiGluMlp.from_bnb: activation {type(act).__name__} (SwiGLU needs SiLU)")
+        return cls(*(_bnb_weight(getattr(mlp, p), p) for p in ("gate_proj", "up_proj", "down_proj")), **lora)
+
+
+def _bnb_weight(layer, name):
+    """The Nf4Weight of a bitsandbytes Linear4bit-like layer (a weight carrying its quant_state), without a copy."""
+    weight = getattr(layer, "weight", None)
+    if getattr(weight, "quant_state", None) is None:
+        raise _error("InvalidArgument", f"{name}: not a bitsandbytes 4-bit layer (its weight has no quant_state)")
+    if getattr(layer, "bias", None) is not None:
+        raise _error("Unsupported", f"{name}: has a bias (the MLP block's projections take none)")
+    return Nf4Weight.from_bnb(weight, weight.quant_state)
+
+
+def _is_bnb_mlp(module):
+    return all(hasattr(getattr(getattr(module, p, None), "weight", None), "quant_state")
+               for p in ("gate_proj", "up_proj", "down_proj"))
+
+
+def replace_bnb_mlps(model, **lora):
+    """Replaces, inside `model`, every MLP module whose gate_proj, up_proj and down_proj are bitsandbytes 4-bit
+    layers (a Hugging Face Llama/Qwen/Mistral model loaded in 4-bit) by a QLoraSwiGluMlp on the same NF4 weights,
+    with fresh LoRA adapters (`lora`: rank, alpha, dropout, adapter_dtype, path). Returns the replaced modules'
+    names; the model's other parameters are left as they are (freeze them as usual)."""
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if name and _is_bnb_mlp(module):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, QLoraSwiGluMlp.from_bnb(module, **lora))
+            replaced.append(name)
+    return replaced
 
 
 # ---- torch.compile: the differentiable ops as PyTorch custom ops (PyTorch >= 2.4) ------------------------------

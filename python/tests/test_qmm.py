@@ -576,3 +576,56 @@ def test_cuda_graph_capture_after_warmup_on_the_capture_stream():
     torch.cuda.synchronize()
     wd = w4.dequantize(torch.bfloat16).double().cpu()
     assert_close(out, bf16(a.cpu()) @ wd.t(), nf4_bound(a.cpu(), wd, "cuda", torch.bfloat16), "graph replay")
+
+
+class FakeLinear4bit(torch.nn.Module):
+    """A bitsandbytes Linear4bit as qmm sees one: a packed uint8 weight carrying a QuantState-like quant_state."""
+
+    def __init__(self, w4, bias=None):
+        super().__init__()
+        self.weight = w4.codes.reshape(-1, 1).clone()
+        state2 = types.SimpleNamespace(absmax=w4.absmax2, code=w4.code2, blocksize=256)
+        self.weight.quant_state = types.SimpleNamespace(quant_type="nf4", absmax=w4.absmax, shape=torch.Size(w4.shape),
+                                                        blocksize=w4.block_size, state2=state2,
+                                                        offset=torch.tensor(w4.offset))
+        self.bias = bias
+
+
+class FakeMlp(torch.nn.Module):
+    def __init__(self, weights, act=torch.nn.SiLU):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = (FakeLinear4bit(w) for w in weights)
+        self.act_fn = act()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_replace_bnb_mlps_in_a_model(device):
+    """A model whose MLPs hold bitsandbytes-style 4-bit layers: replace_bnb_mlps swaps each MLP for a
+    QLoraSwiGluMlp on the same NF4 memory (no copy); with B = 0 it computes the original MLP."""
+    hidden, inter = 64, 96
+    weights = mlp_weights(device, hidden, inter)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+    for layer in model.layers:
+        layer.mlp = FakeMlp(weights)
+        layer.norm = torch.nn.LayerNorm(hidden)
+    codes_ptr = model.layers[1].mlp.gate_proj.weight.data_ptr()
+    assert qmm.replace_bnb_mlps(model, rank=4, alpha=8.0) == ["layers.0.mlp", "layers.1.mlp"]
+    mlp = model.layers[1].mlp
+    assert isinstance(mlp, qmm.QLoraSwiGluMlp) and isinstance(model.layers[1].norm, torch.nn.LayerNorm)
+    assert mlp.w_gate.codes.data_ptr() == codes_ptr
+    x = randn((3, hidden), 1, device)
+    wg, wu, wd = (w.dequantize(torch.bfloat16).double().cpu() for w in weights)
+    xb = bf16(x.cpu())
+    g, u = xb @ wg.t(), xb @ wu.t()
+    h = torch.nn.functional.silu(g) * u
+    mag = (torch.nn.functional.silu(g).abs() * u.abs()) @ wd.abs().t()
+    assert_close(mlp(x), bf16(h) @ wd.t(), 2.0 ** -6 * mag + 1e-5, "replaced MLP")
+    with pytest.raises(qmm.Error) as e:
+        qmm.replace_bnb_mlps(torch.nn.ModuleList([FakeMlp(weights, act=torch.nn.GELU)]))
+    assert e.value.code == "Unsupported" and "GELU" in str(e.value)
+    biased = FakeMlp(weights)
+    biased.down_proj.bias = torch.zeros(hidden, device=device)
+    with pytest.raises(qmm.Error) as e:
+        qmm.QLoraSwiGluMlp.from_bnb(biased)
+    assert e.value.code == "Unsupported" and "down_proj" in str(e.value)
