@@ -141,6 +141,12 @@ def swiglu_backward(gate, up, dh):
 # ---- NF4 --------------------------------------------------------------------------------------------------------
 
 
+def _as_bytes(packed):
+    """Packed NF4 codes as uint8: bitsandbytes may store them in another dtype (quant_storage, e.g. bfloat16 for
+    FSDP), the same bytes."""
+    return packed if packed.dtype == torch.uint8 else packed.detach().contiguous().view(torch.uint8)
+
+
 class Nf4Weight:
     """A frozen weight W [rows, cols] = [out_features, in_features] in NF4, bitsandbytes' layout (docs/FORMAT.md):
     codes uint8 [ceil(rows*cols/2)] (element 2i in the high nibble of byte i) and one scale per block of
@@ -208,6 +214,7 @@ class Nf4Weight:
         """Wraps a bitsandbytes 4-bit weight without copying: `data` is Params4bit's packed uint8 tensor and
         `quant_state` its QuantState (quant_type "nf4"; plain or nested scales)."""
         qs = quant_state
+        data = _as_bytes(data)
         if qs.quant_type != "nf4":
             raise _error("Unsupported", f"Nf4Weight.from_bnb: quant_type '{qs.quant_type}' (qmm takes nf4)")
         if getattr(qs, "state2", None) is None:
@@ -230,7 +237,7 @@ class Nf4Weight:
                          f"Nf4Weight.from_bnb_state_dict: no '{key}'" + (f" (found {found[0]})" if found else ""))
         meta = json.loads(bytes(state_dict[key].cpu().to(torch.uint8).tolist()).decode("utf-8"))
         shape, block_size = tuple(meta["shape"]), int(meta["blocksize"])
-        codes, absmax = state_dict[prefix].reshape(-1), state_dict[f"{prefix}.absmax"]
+        codes, absmax = _as_bytes(state_dict[prefix]).reshape(-1), state_dict[f"{prefix}.absmax"]
         if f"{prefix}.nested_absmax" not in state_dict:
             return cls(codes, absmax, shape, block_size)
         if int(meta.get("nested_blocksize", NF4_NESTED_BLOCK_SIZE)) != NF4_NESTED_BLOCK_SIZE:

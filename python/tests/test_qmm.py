@@ -578,6 +578,11 @@ def test_cuda_graph_capture_after_warmup_on_the_capture_stream():
     assert_close(out, bf16(a.cpu()) @ wd.t(), nf4_bound(a.cpu(), wd, "cuda", torch.bfloat16), "graph replay")
 
 
+def _with_quant_state(t, quant_state):
+    t.quant_state = quant_state
+    return t
+
+
 class FakeLinear4bit(torch.nn.Module):
     """A bitsandbytes Linear4bit as qmm sees one: a packed uint8 weight carrying a QuantState-like quant_state."""
 
@@ -609,6 +614,10 @@ def test_replace_bnb_mlps_in_a_model(device):
     for layer in model.layers:
         layer.mlp = FakeMlp(weights)
         layer.norm = torch.nn.LayerNorm(hidden)
+    # bitsandbytes' quant_storage: the packed bytes may be held as another dtype (bfloat16 under FSDP).
+    down = model.layers[1].mlp.down_proj
+    down.weight = _with_quant_state(down.weight.reshape(-1).view(torch.bfloat16).reshape(-1, 1),
+                                    down.weight.quant_state)
     codes_ptr = model.layers[1].mlp.gate_proj.weight.data_ptr()
     assert qmm.replace_bnb_mlps(model, rank=4, alpha=8.0) == ["layers.0.mlp", "layers.1.mlp"]
     mlp = model.layers[1].mlp
