@@ -26,8 +26,8 @@ from ._qmm import Error
 __all__ = [
     "Error", "LoraAdapter", "Nf4Weight", "QLoraLinear", "QLoraSwiGluMlp", "batched_gemm", "cuda_device_count", "gemm",
     "gemm_backward_a", "gemm_backward_b", "gemm_bt", "nf4_gate_up", "nf4_gate_up_linear", "nf4_gemm",
-    "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu", "replace_bnb_mlps", "swiglu", "swiglu_autograd",
-    "swiglu_backward",
+    "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu", "replace_bnb_linears", "replace_bnb_mlps", "swiglu",
+    "swiglu_autograd", "swiglu_backward",
 ]
 
 NF4_NESTED_BLOCK_SIZE = 256  # blocks per absmax2 group when double-quantized (bitsandbytes' nested block size)
@@ -436,19 +436,30 @@ class LoraAdapter(torch.nn.Module):
 
 
 class QLoraLinear(torch.nn.Module):
-    """y = x @ dequant(W)^T + bias + lora(x): a frozen NF4 base run by qmm and a trainable LoraAdapter (`.lora`).
-    The base stays on its own device (the adapter is created there) and is not in the state dict, which holds the
-    adapter and bias, as PEFT saves them; Nf4Weight.to_bnb_state_dict saves the base."""
+    """y = x @ dequant(W)^T + bias + lora(x): a frozen NF4 base and bias run by qmm, and a trainable LoraAdapter
+    (`.lora`). The base stays on its own device (the adapter is created there) and is not in the state dict, which
+    holds the adapter and the bias; Nf4Weight.to_bnb_state_dict saves the base."""
 
     def __init__(self, weight, rank=16, alpha=32.0, dropout=0.0, bias=None, adapter_dtype=torch.float32, path="auto"):
         super().__init__()
         out_features, in_features = _nf4("QLoraLinear", "weight", weight)
         self.weight, self.path = weight, path
         self.lora = LoraAdapter(in_features, out_features, rank, alpha, dropout, adapter_dtype, weight.device)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone())
+        # The bias belongs to the frozen base (PEFT's bias="none"): kept, shared with the given tensor, not trained.
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x):
         return nf4_linear(x, self.weight, self.bias, self.path) + self.lora(x)
+
+    @classmethod
+    def from_bnb(cls, layer, **lora):
+        """The same layer on the NF4 weight (shared, not copied) and bias of a bitsandbytes 4-bit linear layer;
+        `lora` as for the constructor (rank, alpha, dropout, adapter_dtype, path)."""
+        weight = getattr(layer, "weight", None)
+        if getattr(weight, "quant_state", None) is None:
+            raise _error("InvalidArgument", "QLoraLinear.from_bnb: not a bitsandbytes 4-bit layer (its weight has no "
+                                            "quant_state)")
+        return cls(Nf4Weight.from_bnb(weight, weight.quant_state), bias=getattr(layer, "bias", None), **lora)
 
 
 class QLoraSwiGluMlp(torch.nn.Module):
@@ -508,6 +519,20 @@ def replace_bnb_mlps(model, **lora):
         if name and _is_bnb_mlp(module):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, QLoraSwiGluMlp.from_bnb(module, **lora))
+            replaced.append(name)
+    return replaced
+
+
+def replace_bnb_linears(model, names=("q_proj", "k_proj", "v_proj", "o_proj"), **lora):
+    """Replaces, inside `model`, every bitsandbytes 4-bit linear layer whose attribute name is in `names` (by
+    default a Hugging Face model's attention projections) by a QLoraLinear on the same NF4 weight and bias, with
+    fresh LoRA adapters (`lora` as for QLoraLinear). Returns the replaced modules' names. With replace_bnb_mlps
+    this puts LoRA on every projection of a 4-bit Llama/Qwen/Mistral model, as QLoRA does."""
+    replaced = []
+    for name, module in list(model.named_modules()):
+        parent, _, child = name.rpartition(".")
+        if child in names and hasattr(getattr(module, "weight", None), "quant_state"):
+            setattr(model.get_submodule(parent) if parent else model, child, QLoraLinear.from_bnb(module, **lora))
             replaced.append(name)
     return replaced
 

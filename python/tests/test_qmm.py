@@ -638,3 +638,27 @@ def test_replace_bnb_mlps_in_a_model(device):
     with pytest.raises(qmm.Error) as e:
         qmm.QLoraSwiGluMlp.from_bnb(biased)
     assert e.value.code == "Unsupported" and "down_proj" in str(e.value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_replace_bnb_linears_keeps_weight_and_bias(device):
+    w4 = qmm.Nf4Weight.quantize(randn((32, 64), 1, device))
+    attn = torch.nn.Module()
+    bias = randn((32,), 2, device)
+    attn.q_proj, attn.o_proj = FakeLinear4bit(w4, bias=bias), FakeLinear4bit(w4)
+    attn.other = FakeLinear4bit(w4)
+    model = torch.nn.Module()
+    model.attn = attn
+    assert qmm.replace_bnb_linears(model, rank=4) == ["attn.q_proj", "attn.o_proj"]
+    assert isinstance(attn.q_proj, qmm.QLoraLinear) and isinstance(attn.other, FakeLinear4bit)
+    # The bias is the frozen base's: shared, not trained; the adapters are.
+    assert attn.q_proj.bias.data_ptr() == bias.data_ptr() and not attn.q_proj.bias.requires_grad
+    assert [n for n, p in attn.q_proj.named_parameters() if p.requires_grad] == ["lora.lora_a", "lora.lora_b"]
+    x = randn((3, 64), 3, device)
+    wd = w4.dequantize(torch.bfloat16).double().cpu()
+    ref = bf16(x.cpu()) @ wd.t() + bias.cpu().double()  # B = 0: the adapter adds nothing yet
+    assert_close(attn.q_proj(x), ref, nf4_bound(x.cpu(), wd, device, torch.float32) + 1e-5, "q_proj")
+    assert_close(attn.o_proj(x), ref - bias.cpu().double(), nf4_bound(x.cpu(), wd, device, torch.float32), "o_proj")
+    with pytest.raises(qmm.Error) as e:
+        qmm.QLoraLinear.from_bnb(torch.nn.Linear(4, 4))
+    assert e.value.code == "InvalidArgument"
