@@ -455,11 +455,8 @@ class QLoraLinear(torch.nn.Module):
     def from_bnb(cls, layer, **lora):
         """The same layer on the NF4 weight (shared, not copied) and bias of a bitsandbytes 4-bit linear layer;
         `lora` as for the constructor (rank, alpha, dropout, adapter_dtype, path)."""
-        weight = getattr(layer, "weight", None)
-        if getattr(weight, "quant_state", None) is None:
-            raise _error("InvalidArgument", "QLoraLinear.from_bnb: not a bitsandbytes 4-bit layer (its weight has no "
-                                            "quant_state)")
-        return cls(Nf4Weight.from_bnb(weight, weight.quant_state), bias=getattr(layer, "bias", None), **lora)
+        return cls(_bnb_weight(layer, "QLoraLinear.from_bnb", bias_ok=True), bias=getattr(layer, "bias", None),
+                   **lora)
 
 
 class QLoraSwiGluMlp(torch.nn.Module):
@@ -494,12 +491,12 @@ class QLoraSwiGluMlp(torch.nn.Module):
         return cls(*(_bnb_weight(getattr(mlp, p), p) for p in ("gate_proj", "up_proj", "down_proj")), **lora)
 
 
-def _bnb_weight(layer, name):
+def _bnb_weight(layer, name, bias_ok=False):
     """The Nf4Weight of a bitsandbytes Linear4bit-like layer (a weight carrying its quant_state), without a copy."""
     weight = getattr(layer, "weight", None)
     if getattr(weight, "quant_state", None) is None:
         raise _error("InvalidArgument", f"{name}: not a bitsandbytes 4-bit layer (its weight has no quant_state)")
-    if getattr(layer, "bias", None) is not None:
+    if not bias_ok and getattr(layer, "bias", None) is not None:
         raise _error("Unsupported", f"{name}: has a bias (the MLP block's projections take none)")
     return Nf4Weight.from_bnb(weight, weight.quant_state)
 
