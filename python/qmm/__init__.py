@@ -19,6 +19,7 @@ import math
 import types
 
 import torch
+from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _qmm
 from ._qmm import Error
@@ -47,7 +48,10 @@ def _error(code, message):
 
 def _call(fn, like, *args, **kwargs):
     """Runs a `_qmm` op for tensors on like's device: on a GPU in PyTorch's current stream there, with that GPU
-    current for the call only (qmm makes its context's GPU current; PyTorch's choice is restored after)."""
+    current for the call only (qmm makes its context's GPU current; PyTorch's choice is restored after). Tensors
+    travel as DLPack capsules made by to_dlpack: a tensor's own __dlpack__, which the extension would call
+    otherwise, costs ~10x more in recent PyTorch (2.4 vs 0.2 µs in 2.15)."""
+    args = [_to_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args]
     if not like.is_cuda:
         return fn(*args, **kwargs, stream=0)
     stream = torch.cuda.current_stream(like.device).cuda_stream
