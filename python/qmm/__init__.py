@@ -222,12 +222,11 @@ class Nf4Weight:
         if qs.quant_type != "nf4":
             raise _error("Unsupported", f"Nf4Weight.from_bnb: quant_type '{qs.quant_type}' (qmm takes nf4)")
         if getattr(qs, "state2", None) is None:
-            return cls(data.reshape(-1), qs.absmax, tuple(qs.shape), qs.blocksize)
+            return cls(data, qs.absmax, tuple(qs.shape), qs.blocksize)
         if qs.state2.blocksize != NF4_NESTED_BLOCK_SIZE:
             raise _error("Unsupported", f"Nf4Weight.from_bnb: nested block size {qs.state2.blocksize} "
                                         f"(qmm takes {NF4_NESTED_BLOCK_SIZE})")
-        return cls(data.reshape(-1), qs.absmax, tuple(qs.shape), qs.blocksize, qs.state2.absmax, qs.state2.code,
-                   float(qs.offset))
+        return cls(data, qs.absmax, tuple(qs.shape), qs.blocksize, qs.state2.absmax, qs.state2.code, float(qs.offset))
 
     @classmethod
     def from_bnb_state_dict(cls, state_dict, prefix="weight"):
@@ -241,7 +240,7 @@ class Nf4Weight:
                          f"Nf4Weight.from_bnb_state_dict: no '{key}'" + (f" (found {found[0]})" if found else ""))
         meta = json.loads(bytes(state_dict[key].cpu().to(torch.uint8).tolist()).decode("utf-8"))
         shape, block_size = tuple(meta["shape"]), int(meta["blocksize"])
-        codes, absmax = _as_bytes(state_dict[prefix]).reshape(-1), state_dict[f"{prefix}.absmax"]
+        codes, absmax = _as_bytes(state_dict[prefix]), state_dict[f"{prefix}.absmax"]
         if f"{prefix}.nested_absmax" not in state_dict:
             return cls(codes, absmax, shape, block_size)
         if int(meta.get("nested_blocksize", NF4_NESTED_BLOCK_SIZE)) != NF4_NESTED_BLOCK_SIZE:
@@ -249,7 +248,6 @@ class Nf4Weight:
                                         f"{meta['nested_blocksize']} (qmm takes {NF4_NESTED_BLOCK_SIZE})")
         return cls(codes, absmax, shape, block_size, state_dict[f"{prefix}.nested_absmax"],
                    state_dict[f"{prefix}.nested_quant_map"], float(meta["nested_offset"]))
-
 
     def to_bnb_state_dict(self, prefix="weight", dtype=torch.bfloat16):
         """The weight as a bitsandbytes 4-bit checkpoint stores it (the keys from_bnb_state_dict reads, plus
@@ -340,7 +338,7 @@ class _Nf4Linear(torch.autograd.Function):
 def nf4_linear(x, w, bias=None, path="auto"):
     """y = x @ dequant(W)^T (+ bias) for x [..., in] (float32 or bfloat16; y has x's dtype). Differentiable in x
     and bias; W is frozen (no weight gradient)."""
-    y = _ops.nf4_linear(x, *_w_args(w), path) if _compiling() else _Nf4Linear.apply(x, w, path)
+    y = _ops.nf4_linear(x, *_w_args("nf4_linear", "w", w), path) if _compiling() else _Nf4Linear.apply(x, w, path)
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -361,36 +359,36 @@ def swiglu_autograd(gate, up):
     return _ops.swiglu(gate, up) if _compiling() else _SwiGlu.apply(gate, up)
 
 
-def _gate_up_input_grad(dgate, dup, w_gate, w_up, path, x_dtype, x_shape, device):
-    """dx = dgate @ dequant(Wg) + dup @ dequant(Wu), either gradient possibly None (an output not used)."""
+def _gate_up_input_grad(dgate, dup, w_gate, w_up, path, x_dtype):
+    """dx = dgate @ dequant(Wg) + dup @ dequant(Wu), either gradient possibly None (an output not used; None when
+    both are, which autograd takes as no gradient)."""
     dx = None
     for d, w in ((dgate, w_gate), (dup, w_up)):
         if d is not None:
             dx = nf4_gemm_backward_a(d, w, path=path, out_dtype=x_dtype) if dx is None else \
                 nf4_gemm_backward_a(d, w, out=dx, beta=1.0, path=path)
-    return dx if dx is not None else torch.zeros(x_shape, dtype=x_dtype, device=device)
+    return dx
 
 
 class _Nf4GateUp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, path):
         gate, up, _ = nf4_gate_up(x, w_gate, w_up, h=False, path=path)
-        ctx.weights, ctx.path = (w_gate, w_up), path
-        ctx.x_dtype, ctx.x_shape, ctx.x_device = x.dtype, x.shape, x.device
+        ctx.weights, ctx.path, ctx.x_dtype = (w_gate, w_up), path, x.dtype
         return gate, up
 
     @staticmethod
     def backward(ctx, dgate, dup):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        return _gate_up_input_grad(dgate, dup, *ctx.weights, ctx.path, ctx.x_dtype, ctx.x_shape, ctx.x_device), \
-            None, None, None
+        return _gate_up_input_grad(dgate, dup, *ctx.weights, ctx.path, ctx.x_dtype), None, None, None
 
 
 def nf4_gate_up_linear(x, w_gate, w_up, path="auto"):
     """(x @ dequant(Wg)^T, x @ dequant(Wu)^T) from one read of x, differentiable in x (frozen NF4 weights)."""
     if _compiling():
-        return _ops.nf4_gate_up(x, *_w_args(w_gate), *_w_args(w_up), path)
+        op = "nf4_gate_up_linear"
+        return _ops.nf4_gate_up(x, *_w_args(op, "w_gate", w_gate), *_w_args(op, "w_up", w_up), path)
     return _Nf4GateUp.apply(x, w_gate, w_up, path)
 
 
@@ -408,7 +406,7 @@ class _Nf4SwiGlu(torch.autograd.Function):
             return None, None, None, None
         gate, up = ctx.saved_tensors
         dgate, dup = swiglu_backward(gate, up, dh)
-        return _gate_up_input_grad(dgate, dup, *ctx.weights, ctx.path, ctx.x_dtype, None, None), None, None, None
+        return _gate_up_input_grad(dgate, dup, *ctx.weights, ctx.path, ctx.x_dtype), None, None, None
 
 
 def nf4_swiglu(x, w_gate, w_up, path="auto"):
@@ -510,18 +508,24 @@ def _is_bnb_mlp(module):
                for p in ("gate_proj", "up_proj", "down_proj"))
 
 
+def _replace_modules(model, matches, make):
+    """Replaces every module of `model` (not the model itself) that `matches(name, module)` by `make(module)`;
+    returns the replaced names."""
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if name and matches(name, module):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, make(module))
+            replaced.append(name)
+    return replaced
+
+
 def replace_bnb_mlps(model, **lora):
     """Replaces, inside `model`, every MLP module whose gate_proj, up_proj and down_proj are bitsandbytes 4-bit
     layers (a Hugging Face Llama/Qwen/Mistral model loaded in 4-bit) by a QLoraSwiGluMlp on the same NF4 weights,
     with fresh LoRA adapters (`lora`: rank, alpha, dropout, adapter_dtype, path). Returns the replaced modules'
     names; the model's other parameters are left as they are (freeze them as usual)."""
-    replaced = []
-    for name, module in list(model.named_modules()):
-        if name and _is_bnb_mlp(module):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, QLoraSwiGluMlp.from_bnb(module, **lora))
-            replaced.append(name)
-    return replaced
+    return _replace_modules(model, lambda name, m: _is_bnb_mlp(m), lambda m: QLoraSwiGluMlp.from_bnb(m, **lora))
 
 
 def replace_bnb_linears(model, names=("q_proj", "k_proj", "v_proj", "o_proj"), **lora):
@@ -529,13 +533,9 @@ def replace_bnb_linears(model, names=("q_proj", "k_proj", "v_proj", "o_proj"), *
     default a Hugging Face model's attention projections) by a QLoraLinear on the same NF4 weight and bias, with
     fresh LoRA adapters (`lora` as for QLoraLinear). Returns the replaced modules' names. With replace_bnb_mlps
     this puts LoRA on every projection of a 4-bit Llama/Qwen/Mistral model, as QLoRA does."""
-    replaced = []
-    for name, module in list(model.named_modules()):
-        parent, _, child = name.rpartition(".")
-        if child in names and hasattr(getattr(module, "weight", None), "quant_state"):
-            setattr(model.get_submodule(parent) if parent else model, child, QLoraLinear.from_bnb(module, **lora))
-            replaced.append(name)
-    return replaced
+    def matches(name, module):
+        return name.rpartition(".")[2] in names and hasattr(getattr(module, "weight", None), "quant_state")
+    return _replace_modules(model, matches, lambda m: QLoraLinear.from_bnb(m, **lora))
 
 
 # ---- torch.compile: the differentiable ops as PyTorch custom ops (PyTorch >= 2.4) ------------------------------
@@ -545,8 +545,8 @@ def replace_bnb_linears(model, names=("q_proj", "k_proj", "v_proj", "o_proj"), *
 # tensors and fields (_w_args), since an op's arguments must be tensors and scalars.
 
 
-def _w_args(w):
-    _nf4("qmm op", "w", w)
+def _w_args(op, name, w):
+    _nf4(op, name, w)
     return w.codes, w.absmax, w.absmax2, w.code2, w.offset, w.shape[0], w.shape[1], w.block_size
 
 

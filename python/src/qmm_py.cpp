@@ -72,14 +72,11 @@ qmm::TensorView view_of(const Array& a, const char* op, const char* name) {
                          shape, device);
 }
 
+// An optional argument: None is the absent (empty) view. Array is In or Out.
+template <class Array>
 qmm::TensorView view_or_empty(const nb::object& a, const char* op, const char* name) {
   if (a.is_none()) return {};
-  return view_of(nb::cast<In>(a), op, name);
-}
-
-qmm::TensorView out_or_empty(const nb::object& a, const char* op, const char* name) {
-  if (a.is_none()) return {};
-  return view_of(nb::cast<Out>(a), op, name);
+  return view_of(nb::cast<Array>(a), op, name);
 }
 
 // One Context per (GPU, stream), kept for the life of the process: a CUDA context holds a cuBLASLt handle, its
@@ -100,18 +97,28 @@ qmm::Context context_for(const qmm::TensorView& first, std::uintptr_t stream) {
   return it->second;
 }
 
+// The enum value whose library name (math_mode_name, nf4_path_name) is `name`; the error lists the names.
+template <class Enum, std::size_t N>
+Enum enum_of(const std::string& name, const Enum (&values)[N], const char* (*name_of)(Enum), const char* op,
+             const char* what) {
+  std::string names;
+  for (Enum v : values) {
+    if (name == name_of(v)) return v;
+    names += std::string(names.empty() ? "" : ", ") + name_of(v);
+  }
+  fail(qmm::ErrorCode::InvalidArgument, op, std::string(what) + " must be one of " + names + ", not '" + name + "'");
+}
+
 qmm::MathMode math_of(const std::string& name, const char* op) {
-  for (qmm::MathMode m : {qmm::MathMode::FP32, qmm::MathMode::TF32, qmm::MathMode::BF16})
-    if (name == qmm::math_mode_name(m)) return m;
-  fail(qmm::ErrorCode::InvalidArgument, op, "math must be 'fp32', 'tf32' or 'bf16', not '" + name + "'");
+  using M = qmm::MathMode;
+  static constexpr M kModes[] = {M::FP32, M::TF32, M::BF16};
+  return enum_of(name, kModes, qmm::math_mode_name, op, "math");
 }
 
 qmm::Nf4Path path_of(const std::string& name, const char* op) {
   using P = qmm::Nf4Path;
-  for (P p : {P::Auto, P::Reference, P::DequantGemm, P::SmallM, P::Fused, P::FusedShared})
-    if (name == qmm::nf4_path_name(p)) return p;
-  fail(qmm::ErrorCode::InvalidArgument, op,
-       "path must be one of auto, reference, dequant_gemm, small_m, fused, fused_shared, not '" + name + "'");
+  static constexpr P kPaths[] = {P::Auto, P::Reference, P::DequantGemm, P::SmallM, P::Fused, P::FusedShared};
+  return enum_of(name, kPaths, qmm::nf4_path_name, op, "path");
 }
 
 // The NF4 weight from any object with the attributes of qmm.Nf4Weight (codes, absmax, absmax2, code2, offset,
@@ -119,7 +126,7 @@ qmm::Nf4Path path_of(const std::string& name, const char* op) {
 qmm::Nf4Weight nf4_of(const nb::handle& w, const char* op, bool writable = false) {
   qmm::Nf4Weight v;
   auto field = [&](const char* name) {
-    return writable ? out_or_empty(w.attr(name), op, name) : view_or_empty(w.attr(name), op, name);
+    return writable ? view_or_empty<Out>(w.attr(name), op, name) : view_or_empty<In>(w.attr(name), op, name);
   };
   v.codes = field("codes");
   v.absmax = field("absmax");
@@ -307,8 +314,8 @@ NB_MODULE(_qmm, m) {
         const char* op = "nf4_gate_up";
         const qmm::TensorView av = view_of(a, op, "a");
         const qmm::Nf4Weight wg = w_gate.view, wu = w_up.view;
-        const qmm::GateUpOutputs outs{out_or_empty(gate, op, "gate"), out_or_empty(up, op, "up"),
-                                      out_or_empty(h, op, "h")};
+        const qmm::GateUpOutputs outs{view_or_empty<Out>(gate, op, "gate"), view_or_empty<Out>(up, op, "up"),
+                                      view_or_empty<Out>(h, op, "h")};
         const qmm::Nf4GemmOptions opts = nf4_options(alpha, beta, path, op);
         const qmm::Context ctx = context_for(av, stream);
         run([&] { qmm::nf4_gate_up(ctx, av, wg, wu, outs, opts); });
