@@ -4,6 +4,8 @@
 1. The QLoRA MLP block, forward + backward (SwiGLU; LoRA rank 16 on gate, up and down; bf16 activations and
    adapters): qmm.QLoraSwiGluMlp on NF4 weights against the same block with bf16 base weights in PyTorch, the
    "bf16-LoRA" block of ../shared/BASELINES.md (mission: NF4 at that block's speed or better).
+   Where bitsandbytes and PEFT are installed, also the block as users run QLoRA today (bitsandbytes Linear4bit
+   layers with PEFT LoRA adapters in a Llama-style MLP module) and that same model after qmm.patch_bnb.
 2. One NF4 linear at M = 1 and 16 (decode), qmm.nf4_linear against torch.matmul on the bf16 weight: per-call time
    in a loop of eager calls, so the Python and launch overhead counts as a user sees it.
 
@@ -73,7 +75,54 @@ def block_case(name, hidden, inter, tokens, rank, repeats):
 
     t_nf4, t_bf16 = time_ms(step(nf4), repeats), time_ms(step(bf16), repeats)
     return {"case": f"mlp block {name} H={hidden} I={inter} tokens={tokens} rank={rank}",
-            "qmm_nf4_us": 1e3 * t_nf4, "torch_bf16_us": 1e3 * t_bf16, "ratio": t_nf4 / t_bf16}
+            "nf4_us": 1e3 * t_nf4, "torch_bf16_us": 1e3 * t_bf16, "ratio": t_nf4 / t_bf16}
+
+
+class HfMlp(torch.nn.Module):
+    """A Hugging Face Llama/Qwen MLP module: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, gate_proj, up_proj, down_proj):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = gate_proj, up_proj, down_proj, torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def peft_block_cases(name, hidden, inter, tokens, rank, repeats, t_bf16):
+    """The block as bitsandbytes + PEFT run it, then patched by qmm.patch_bnb; [] where either is not installed."""
+    try:
+        import bitsandbytes as bnb
+        import peft
+    except ImportError as e:
+        print(f"python_mlp.py: no bitsandbytes/PEFT cases ({e})")
+        return []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = []
+    for out_f, in_f in ((inter, hidden), (inter, hidden), (hidden, inter)):
+        layer = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=torch.bfloat16, compress_statistics=True,
+                                  quant_type="nf4")
+        w = (torch.randn((out_f, in_f), device="cuda", generator=gen) * 0.02).to(torch.bfloat16).cpu()
+        layer.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True)
+        layers.append(layer.cuda())
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["gate_proj", "up_proj", "down_proj"])
+    model = peft.get_peft_model(HfMlp(*layers), config)
+    x = torch.randn((tokens, hidden), device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn((tokens, hidden), device="cuda", generator=gen).to(torch.bfloat16)
+
+    def run():
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+        model(x).backward(dy)
+
+    case = f"mlp block {name} H={hidden} I={inter} tokens={tokens} rank={rank}"
+    t_bnb = time_ms(run, repeats)
+    qmm.patch_bnb(model)
+    t_patched = time_ms(run, repeats)
+    return [{"case": f"{case}, bitsandbytes + PEFT", "nf4_us": 1e3 * t_bnb, "torch_bf16_us": 1e3 * t_bf16,
+             "ratio": t_bnb / t_bf16},
+            {"case": f"{case}, the same after qmm.patch_bnb", "nf4_us": 1e3 * t_patched,
+             "torch_bf16_us": 1e3 * t_bf16, "ratio": t_patched / t_bf16}]
 
 
 def decode_case(name, n, k, m, repeats):
@@ -83,7 +132,7 @@ def decode_case(name, n, k, m, repeats):
     x = torch.randn((m, k), device="cuda", generator=gen).to(torch.bfloat16)
     t_nf4 = time_ms(lambda: qmm.nf4_linear(x, w4), repeats, inner=50)
     t_bf16 = time_ms(lambda: x @ w.t(), repeats, inner=50)
-    return {"case": f"linear {name} N={n} K={k} M={m} (eager loop)", "qmm_nf4_us": 1e3 * t_nf4,
+    return {"case": f"linear {name} N={n} K={k} M={m} (eager loop)", "nf4_us": 1e3 * t_nf4,
             "torch_bf16_us": 1e3 * t_bf16, "ratio": t_nf4 / t_bf16}
 
 
@@ -95,12 +144,15 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available() or qmm.cuda_device_count() == 0:
         raise SystemExit("python_mlp.py: needs a GPU (torch and qmm both see none)")
-    results = [block_case(*b, args.rank, args.repeats) for b in BLOCKS]
+    results = []
+    for b in BLOCKS:
+        results.append(block_case(*b, args.rank, args.repeats))
+        results += peft_block_cases(*b, args.rank, args.repeats, results[-1]["torch_bf16_us"] / 1e3)
     results += [decode_case(name, n, k, m, args.repeats) for name, n, k in DECODE for m in (1, 16)]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'case':<72} {'qmm NF4 µs':>11} {'torch bf16 µs':>14} {'ratio':>6}")
+    print(f"{'case':<100} {'NF4 µs':>9} {'torch bf16 µs':>14} {'ratio':>6}")
     for r in results:
-        print(f"{r['case']:<72} {r['qmm_nf4_us']:>11.1f} {r['torch_bf16_us']:>14.1f} {r['ratio']:>6.2f}")
+        print(f"{r['case']:<100} {r['nf4_us']:>9.1f} {r['torch_bf16_us']:>14.1f} {r['ratio']:>6.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f,

@@ -14,9 +14,11 @@ writes, for one): memory that PyTorch's allocator does not see.
     layer = qmm.QLoraLinear(w4, rank=16, alpha=32)     # frozen NF4 base + trainable LoRA adapters
     mlp = qmm.QLoraSwiGluMlp(w4_gate, w4_up, w4_down)  # an MLP block on NF4 weights, LoRA on all three
 """
+import functools
 import json
 import math
 import types
+import weakref
 
 import torch
 from torch.utils.dlpack import to_dlpack as _to_dlpack
@@ -27,8 +29,8 @@ from ._qmm import Error
 __all__ = [
     "Error", "LoraAdapter", "Nf4Weight", "QLoraLinear", "QLoraSwiGluMlp", "batched_gemm", "cuda_device_count", "gemm",
     "gemm_backward_a", "gemm_backward_b", "gemm_bt", "nf4_gate_up", "nf4_gate_up_linear", "nf4_gemm",
-    "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu", "replace_bnb_linears", "replace_bnb_mlps", "swiglu",
-    "swiglu_autograd", "swiglu_backward",
+    "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu", "patch_bnb", "replace_bnb_linears", "replace_bnb_mlps", "swiglu",
+    "swiglu_autograd", "swiglu_backward", "unpatch_bnb",
 ]
 
 NF4_NESTED_BLOCK_SIZE = 256  # blocks per absmax2 group when double-quantized (bitsandbytes' nested block size)
@@ -498,6 +500,8 @@ def _bnb_weight(layer, name, bias_ok=False):
     weight = getattr(layer, "weight", None)
     if getattr(weight, "quant_state", None) is None:
         raise _error("InvalidArgument", f"{name}: not a bitsandbytes 4-bit layer (its weight has no quant_state)")
+    if _is_lora_wrapper(layer):  # replacing it would drop its adapters
+        raise _error("Unsupported", f"{name}: a PEFT LoRA layer (patch_bnb runs a PEFT model with qmm)")
     if not bias_ok and getattr(layer, "bias", None) is not None:
         raise _error("Unsupported", f"{name}: has a bias (the MLP block's projections take none)")
     return Nf4Weight.from_bnb(weight, weight.quant_state)
@@ -536,6 +540,159 @@ def replace_bnb_linears(model, names=("q_proj", "k_proj", "v_proj", "o_proj"), *
     def matches(name, module):
         return name.rpartition(".")[2] in names and hasattr(getattr(module, "weight", None), "quant_state")
     return _replace_modules(model, matches, lambda m: QLoraLinear.from_bnb(m, **lora))
+
+
+# ---- bitsandbytes and PEFT models patched in place ---------------------------------------------------------------
+# patch_bnb leaves a model as it is (its modules, parameters and state-dict names, PEFT's LoRA adapters, accelerate's
+# hooks) and changes only how the patched modules compute: with qmm wherever the case is one qmm covers, with the
+# module's own forward everywhere else, decided per call.
+
+_PATCH = "_qmm_patch"  # set on a patched module: (the attribute patched, its previous instance value or None)
+_QMM_DTYPES = (torch.float32, torch.bfloat16)
+_nf4_cache = weakref.WeakKeyDictionary()  # bitsandbytes layer -> (its weight's identity, Nf4Weight)
+
+
+def _is_lora_wrapper(layer):
+    """A PEFT LoRA layer (a base_layer with lora_A/lora_B adapters), told by its attributes (no PEFT import)."""
+    return all(hasattr(layer, a) for a in ("base_layer", "lora_A", "lora_B", "scaling", "lora_dropout"))
+
+
+def _is_bnb_nf4_layer(layer):
+    """A bitsandbytes 4-bit layer holding NF4 (or not yet quantized: bitsandbytes quantizes on moving to a GPU); not
+    a PEFT LoRA layer around one, which shows its base's weight."""
+    weight = getattr(layer, "weight", None)
+    return hasattr(weight, "quant_state") and getattr(weight.quant_state, "quant_type", "nf4") == "nf4" and \
+        not _is_lora_wrapper(layer)
+
+
+def _bnb_nf4_base(layer):
+    """The bitsandbytes NF4 layer that computes `layer`'s base product (itself or a PEFT wrapper's), or None."""
+    base = layer.base_layer if _is_lora_wrapper(layer) else layer
+    return base if _is_bnb_nf4_layer(base) else None
+
+
+def _current_nf4(layer):
+    """The Nf4Weight of a bitsandbytes layer's weight as it is now, or None where it is not quantized NF4. Cached
+    per layer and made again when the weight was replaced or moved (bitsandbytes quantizes on .to(device); a PEFT
+    merge quantizes a new weight)."""
+    weight = layer.weight
+    qs = getattr(weight, "quant_state", None)
+    if qs is None or qs.quant_type != "nf4":
+        return None
+    key = (weight.data_ptr(), weight.device, id(qs), qs.absmax.data_ptr())
+    cached = _nf4_cache.get(layer)
+    if cached is None or cached[0] != key:
+        cached = _nf4_cache[layer] = (key, Nf4Weight.from_bnb(weight, qs))
+    return cached[1]
+
+
+def _lora_terms(layer):
+    """How `layer`'s own forward adds LoRA: "none" (a plain layer; adapters disabled, or merged into the base),
+    "add" (each active adapter's dropout/lora_A/lora_B/scaling term, PEFT's plain LoRA), or None for anything else
+    (DoRA and other variants; a disabled adapter that is still merged), which the patched forwards leave to it."""
+    if not _is_lora_wrapper(layer):
+        return "none"
+    if layer.disable_adapters:
+        return None if layer.merged else "none"
+    if layer.merged:
+        return "none"
+    variants, dora = getattr(layer, "lora_variant", {}), getattr(layer, "use_dora", {})
+    active = [a for a in layer.active_adapters if a in layer.lora_A.keys()]
+    return None if any(a in variants or dora.get(a, False) for a in active) else "add"
+
+
+def _add_lora(layer, x, y):
+    """y + layer's active LoRA terms for input x, computed as PEFT's LoRA layer computes them."""
+    convert = not torch.is_autocast_enabled()
+    for a in layer.active_adapters:
+        if a not in layer.lora_A.keys():
+            continue
+        lora_a = layer.lora_A[a]
+        xa = x.to(lora_a.weight.dtype) if convert else x
+        term = layer.lora_B[a](lora_a(layer.lora_dropout[a](xa))) * layer.scaling[a]
+        y = y + (term.to(y.dtype) if convert else term)
+    return y
+
+
+def _unpatched(module):
+    """The forward `module` had before patch_bnb."""
+    attr, previous = module.__dict__[_PATCH]
+    return previous if previous is not None else getattr(type(module), attr).__get__(module)
+
+
+def _bnb_linear_forward(layer, path, x, *args, **kwargs):
+    w = None if args or kwargs or x.dtype not in _QMM_DTYPES else _current_nf4(layer)
+    if w is None:
+        return _unpatched(layer)(x, *args, **kwargs)
+    return nf4_linear(x, w, layer.bias, path)
+
+
+def _swiglu_mlp_forward(mlp, path, x, *args, **kwargs):
+    projections = (mlp.gate_proj, mlp.up_proj)
+    bases = [_bnb_nf4_base(p) for p in projections]
+    terms = [_lora_terms(p) for p in projections]
+    weights = [None] if args or kwargs or x.dtype not in _QMM_DTYPES or None in bases or None in terms else \
+        [_current_nf4(b) for b in bases]
+    if None in weights:
+        return _unpatched(mlp)(x, *args, **kwargs)
+    outs = nf4_gate_up_linear(x, *weights, path)
+    gate, up = ((y if b.bias is None else y + b.bias.to(y.dtype)) for y, b in zip(outs, bases))
+    gate, up = ((_add_lora(p, x, y) if t == "add" else y) for p, t, y in zip(projections, terms, (gate, up)))
+    return mlp.down_proj(swiglu_autograd(gate, up))
+
+
+def _is_swiglu_mlp(module):
+    """An MLP module in the Hugging Face Llama/Qwen/Mistral form: down_proj(act_fn(gate_proj(x)) * up_proj(x)) with
+    a SiLU act_fn and bitsandbytes NF4 bases (PEFT-wrapped or not) under gate_proj and up_proj."""
+    act = getattr(module, "act_fn", None)
+    return act is not None and "silu" in type(act).__name__.lower() and hasattr(module, "down_proj") and \
+        all(_bnb_nf4_base(getattr(module, p, None)) is not None for p in ("gate_proj", "up_proj"))
+
+
+def _patch(module, forward, path):
+    # accelerate's hooks (device_map) wrap a module's forward and call the original as _old_forward: patch that one.
+    attr = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
+    module.__dict__[_PATCH] = (attr, module.__dict__.get(attr))
+    setattr(module, attr, functools.partial(forward, module, path))
+
+
+def patch_bnb(model, path="auto", fuse_mlp=True):
+    """Runs a bitsandbytes 4-bit model's NF4 layers with qmm, in place, and changes nothing else: modules,
+    parameters, state-dict names and PEFT's LoRA adapters stay (PEFT trains, saves and merges them as before).
+    Every bitsandbytes NF4 linear layer then computes with qmm.nf4_linear (bf16 products, fp32 sums, whatever its
+    compute_dtype); with `fuse_mlp`, every MLP of Hugging Face's Llama/Qwen/Mistral form (down_proj(silu(gate_proj(x))
+    * up_proj(x)), gate_proj and up_proj NF4, PEFT-wrapped or not) computes both input projections from one read of
+    x (qmm.nf4_gate_up) and the SwiGLU with qmm, adding plain LoRA adapters as PEFT does. A call that qmm does not
+    cover (float16 activations, DoRA or other LoRA variants, extra arguments, a weight not yet quantized) runs the
+    module's own forward. `path` forces qmm's NF4 implementation (see nf4_gemm). Returns the patched modules'
+    names; unpatch_bnb undoes it."""
+    patched = []
+    for name, module in model.named_modules():
+        if _PATCH in module.__dict__:
+            continue
+        if _is_bnb_nf4_layer(module):
+            _patch(module, _bnb_linear_forward, path)
+        elif fuse_mlp and _is_swiglu_mlp(module):
+            _patch(module, _swiglu_mlp_forward, path)
+        else:
+            continue
+        patched.append(name)
+    return patched
+
+
+def unpatch_bnb(model):
+    """Gives every module that patch_bnb patched inside `model` its previous forward back; returns their names."""
+    restored = []
+    for name, module in model.named_modules():
+        if _PATCH in module.__dict__:
+            attr, previous = module.__dict__.pop(_PATCH)
+            if previous is None:
+                delattr(module, attr)
+            else:
+                setattr(module, attr, previous)
+            _nf4_cache.pop(module, None)
+            restored.append(name)
+    return restored
 
 
 # ---- torch.compile: the differentiable ops as PyTorch custom ops (PyTorch >= 2.4) ------------------------------

@@ -207,6 +207,9 @@ void def_nf4_gemm(nb::module_& m, const char* name, const char* x_name, const ch
 
 NB_MODULE(_qmm, m) {
   m.doc() = "qmm's ops on DLPack tensors, in place (use the qmm package, which allocates outputs)";
+  // Python does not free every object at exit: an Nf4Handle held by a module-level PyTorch model or an autograd
+  // graph is still alive then, and nanobind would report it as a leak to every user of such a script.
+  nb::set_leak_warnings(false);
 
   // qmm.Error(RuntimeError) with .code, the qmm::ErrorCode's name ("ShapeMismatch", ...).
   static PyObject* error_type = PyErr_NewException("qmm.Error", PyExc_RuntimeError, nullptr);

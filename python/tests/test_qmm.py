@@ -584,7 +584,8 @@ def _with_quant_state(t, quant_state):
 
 
 class FakeLinear4bit(torch.nn.Module):
-    """A bitsandbytes Linear4bit as qmm sees one: a packed uint8 weight carrying a QuantState-like quant_state."""
+    """A bitsandbytes Linear4bit as qmm sees one: a packed uint8 weight carrying a QuantState-like quant_state. Its
+    forward (counted in `calls`) is bitsandbytes' for bf16 compute: bf16(x) @ bf16(dequant(W))^T, here in fp64."""
 
     def __init__(self, w4, bias=None):
         super().__init__()
@@ -594,13 +595,56 @@ class FakeLinear4bit(torch.nn.Module):
                                                         blocksize=w4.block_size, state2=state2,
                                                         offset=torch.tensor(w4.offset))
         self.bias = bias
+        self.dequantized, self.calls = w4.dequantize(torch.bfloat16).double(), 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = bf16(x) @ self.dequantized.t()
+        return (y if self.bias is None else y + self.bias.double()).to(x.dtype)
+
+
+class FakeLora(torch.nn.Module):
+    """PEFT's LoRA layer as qmm sees one (base_layer; lora_A, lora_B, lora_dropout and scaling per adapter;
+    active_adapters, disable_adapters, merged, lora_variant) with PEFT's forward. B is random, not PEFT's zeros, so
+    that the adapter's term shows in the output."""
+
+    def __init__(self, base, rank, seed):
+        super().__init__()
+        out_features, in_features = base.weight.quant_state.shape
+        device = base.weight.device
+        self.base_layer = base
+        self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(in_features, rank, bias=False, device=device)})
+        self.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(rank, out_features, bias=False, device=device)})
+        with torch.no_grad():
+            self.lora_A["default"].weight.copy_(randn((rank, in_features), seed, device) * 0.1)
+            self.lora_B["default"].weight.copy_(randn((out_features, rank), seed + 1, device) * 0.1)
+        self.lora_dropout = torch.nn.ModuleDict({"default": torch.nn.Identity()})
+        self.scaling = {"default": 2.0}
+        self.active_adapters, self.disable_adapters, self.merged, self.lora_variant = ["default"], False, False, {}
+
+    def forward(self, x):
+        y = self.base_layer(x)
+        if self.disable_adapters or self.merged:
+            return y
+        for a in self.active_adapters:
+            if a in self.lora_variant:
+                y = self.lora_variant[a](self, x, y)
+            else:
+                y = y + (self.lora_B[a](self.lora_A[a](self.lora_dropout[a](x.to(torch.float32)))) *
+                         self.scaling[a]).to(y.dtype)
+        return y
 
 
 class FakeMlp(torch.nn.Module):
+    """A Hugging Face Llama/Qwen MLP on bitsandbytes-style 4-bit layers."""
+
     def __init__(self, weights, act=torch.nn.SiLU):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (FakeLinear4bit(w) for w in weights)
         self.act_fn = act()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -662,3 +706,97 @@ def test_replace_bnb_linears_keeps_weight_and_bias(device):
     with pytest.raises(qmm.Error) as e:
         qmm.QLoraLinear.from_bnb(torch.nn.Linear(4, 4))
     assert e.value.code == "InvalidArgument"
+
+
+def _lora_model(device, hidden=64, inter=96):
+    """A PEFT-style QLoRA model: a LoRA-wrapped 4-bit q_proj with a bias, then an MLP whose three projections are
+    LoRA-wrapped 4-bit layers."""
+    mlp = FakeMlp(mlp_weights(device, hidden, inter))
+    for i, p in enumerate(("gate_proj", "up_proj", "down_proj")):
+        setattr(mlp, p, FakeLora(getattr(mlp, p), 4, 10 + 2 * i))
+    w_q = qmm.Nf4Weight.quantize(randn((hidden, hidden), 4, device) * 0.2)
+    q = FakeLinear4bit(w_q, bias=randn((hidden,), 5, device))
+    return torch.nn.Sequential(FakeLora(q, 4, 20), mlp)
+
+
+def _forward_backward(model, x, dy):
+    """The model's output, x's gradient and the LoRA parameters' gradients for the loss sum(y * dy)."""
+    x = x.detach().clone().requires_grad_()
+    y = model(x)
+    (y.double() * dy.double()).sum().backward()
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return [y.detach(), x.grad] + grads
+
+
+def _assert_near(got, ref, rel, what, rel_grads=2.0 ** -6):
+    """got's output within rel, its gradients within rel_grads, of their reference's largest magnitude."""
+    for i, (g, r) in enumerate(zip(got, ref)):
+        bound = (rel if i == 0 else rel_grads) * r.double().abs().max().item() + 1e-7
+        assert_close(g, r, bound, f"{what}, tensor {i}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_patch_bnb_runs_a_peft_model_with_qmm(device):
+    """patch_bnb on a PEFT-style model: the same outputs and gradients as the model's own forward (every 4-bit
+    product then by qmm, none by the layers), the same parameters; unpatch_bnb restores the forwards. The reference
+    rounds x and W to bf16 as bitsandbytes does, so the outputs differ by the sums' precision: fp64 on the CPU (1e-6
+    of the largest value), fp32 sums and the scale-after contract's weights on the GPU (2^-9 per weight; 2^-6 of the
+    largest value, with room for two layers). In the backward qmm also rounds the output gradients to bf16 (2^-9
+    per element, over sums that cancel): 2^-6 of the largest gradient on either device."""
+    model = _lora_model(device)
+    x, dy = randn((2, 5, 64), 6, device), randn((2, 5, 64), 7, device)
+    ref = _forward_backward(model, x, dy)
+    params = dict(model.named_parameters())
+    names = qmm.patch_bnb(model)
+    assert names == ["0.base_layer", "1", "1.gate_proj.base_layer", "1.up_proj.base_layer", "1.down_proj.base_layer"]
+    assert qmm.patch_bnb(model) == []  # patched once only
+    bases = [model[0].base_layer] + [getattr(model[1], p).base_layer for p in ("gate_proj", "up_proj", "down_proj")]
+    calls = [b.calls for b in bases]
+    rel = 1e-6 if device == "cpu" else 2.0 ** -6
+    _assert_near(_forward_backward(model, x, dy), ref, rel, "patched")
+    assert [b.calls for b in bases] == calls, "a 4-bit product ran in the layer's own forward, not in qmm"
+    assert dict(model.named_parameters()) == params
+
+    # What qmm does not cover runs the layers' own forwards: a LoRA variant (DoRA) on gate_proj makes the MLP fall
+    # back (its bases stay qmm's); float16 activations make a layer fall back.
+    model[1].gate_proj.lora_variant = {"default": lambda layer, x, y: y + 3 * layer.lora_B["default"](
+        layer.lora_A["default"](x))}
+    varied = _forward_backward(model, x, dy)
+    qmm.unpatch_bnb(model)
+    _assert_near(varied, _forward_backward(model, x, dy), rel, "LoRA variant")
+    model[1].gate_proj.lora_variant = {}
+    qmm.patch_bnb(model)
+    calls = [b.calls for b in bases]
+    y16 = model[0](x.half())  # (PyTorch's CPU SiLU takes no float16: the MLP is not run)
+    assert y16.dtype == torch.float16 and [b.calls for b in bases] == [calls[0] + 1] + calls[1:]
+
+    assert qmm.unpatch_bnb(model) == names
+    assert all("forward" not in m.__dict__ and "_qmm_patch" not in m.__dict__ for m in model.modules())
+    _assert_near(_forward_backward(model, x, dy), ref, 0.0, "unpatched", rel_grads=0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_patch_bnb_follows_a_replaced_weight_and_keeps_hooks(device):
+    """A patched layer reads its weight as it is at the call (bitsandbytes quantizes on .to(device), PEFT's merge
+    writes a new one); accelerate's hooks (a forward wrapper calling _old_forward) stay in place and are called."""
+    w_a, w_b = (qmm.Nf4Weight.quantize(randn((48, 64), s, device)) for s in (1, 2))
+    layer = FakeLinear4bit(w_a)
+    hook_calls = []
+
+    def hooked(x):
+        hook_calls.append(x.shape)
+        return layer._old_forward(x)
+    layer._old_forward, layer.forward = layer.forward, hooked
+    assert qmm.patch_bnb(layer) == [""]
+    x = randn((3, 64), 3, device)
+    for w in (w_a, w_b):
+        fresh = FakeLinear4bit(w)
+        layer.weight = fresh.weight
+        expected = fresh(x)
+        assert_close(layer(x), expected, 2.0 ** -7 * expected.abs().max().item(), "patched layer")
+        assert layer.calls == 0 and len(hook_calls) == (1 if w is w_a else 2)
+    qmm.unpatch_bnb(layer)
+    assert layer.forward is hooked and layer._old_forward.__func__ is FakeLinear4bit.forward

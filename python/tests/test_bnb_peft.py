@@ -1,0 +1,157 @@
+"""qmm against the real bitsandbytes, PEFT and Hugging Face transformers: what test_qmm.py checks with look-alike
+layers, checked here with the libraries themselves. Skipped where they are not installed (CI's Debian PyTorch has
+none of them); run with a Python that has torch, bitsandbytes, peft and transformers from PyPI (README.md,
+"From PyTorch"). bitsandbytes quantizes on the CPU too, so these run without a GPU.
+"""
+import pytest
+import torch
+
+import qmm
+
+bnb = pytest.importorskip("bitsandbytes")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and qmm.cuda_device_count() > 0 else [])
+
+
+def bnb_linear(weight, device, nested=True, blocksize=64, bias=None):
+    """A bitsandbytes Linear4bit (NF4, bf16 compute) holding `weight` [out, in], quantized by bitsandbytes."""
+    out_features, in_features = weight.shape
+    layer = bnb.nn.Linear4bit(in_features, out_features, bias=bias is not None, compute_dtype=torch.bfloat16,
+                              compress_statistics=nested, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=nested,
+                                     blocksize=blocksize)
+    if bias is not None:
+        layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return layer.to(device)  # bitsandbytes quantizes here
+
+
+def randn(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("blocksize", [64, 128])
+def test_from_bnb_dequantizes_as_bitsandbytes(device, nested, blocksize):
+    """Nf4Weight.from_bnb on bitsandbytes' own quantization: float32 dequantization equal bit for bit. (Rows are a
+    whole number of blocks here: bitsandbytes 0.50's CPU dequantize_4bit goes wrong where they are not, e.g. 100 x 192
+    in blocks of 128, off by up to 1.9 from the weight it quantized where qmm's dequantization is off by 0.52.)"""
+    layer = bnb_linear(randn((100, 256), 1), device, nested, blocksize)
+    w = layer.weight
+    w4 = qmm.Nf4Weight.from_bnb(w, w.quant_state)
+    assert w4.double_quant == nested and w4.codes.data_ptr() == w.data_ptr()  # no copy
+    assert torch.equal(w4.dequantize(torch.float32), bnb.functional.dequantize_4bit(w.data, w.quant_state).float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_to_bnb_state_dict_loads_into_bitsandbytes(device):
+    """qmm's quantization saved as a bitsandbytes checkpoint and loaded by bitsandbytes (Params4bit.from_prequantized,
+    as transformers loads one) dequantizes to qmm's values."""
+    w4 = qmm.Nf4Weight.quantize(randn((48, 320), 2).to(device))
+    sd = w4.to_bnb_state_dict(dtype=torch.float32)
+    stats = {k: v for k, v in sd.items() if k != "weight"}
+    w = bnb.nn.Params4bit.from_prequantized(sd["weight"], stats, requires_grad=False, device=device)
+    assert torch.equal(bnb.functional.dequantize_4bit(w.data, w.quant_state).float(), w4.dequantize(torch.float32))
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def qlora_llama(device):
+    """A tiny Llama from transformers with bitsandbytes NF4 projections (the layout from_pretrained with
+    load_in_4bit gives) and PEFT LoRA adapters on all seven, B random so that the adapters count. Every weight row
+    is a whole number of blocks, as in real models (and as bitsandbytes' CPU dequantization needs, see above)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    for name, module in list(model.named_modules()):
+        if name.rpartition(".")[2] in PROJECTIONS:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, bnb_linear(module.weight.data, device))
+    model = model.to(device)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS), init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def loss_and_grads(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_patch_bnb_on_a_peft_llama(device, monkeypatch):
+    """patch_bnb on a PEFT QLoRA Llama: the same loss and LoRA gradients as bitsandbytes computes, with no 4-bit
+    product left to bitsandbytes, the adapters' names unchanged (PEFT saves them as before); PEFT's disable_adapter
+    and (on a GPU) merge_adapter still work on the patched model. bitsandbytes rounds each projection's output to
+    bf16 and qmm keeps it in fp32 (the model runs in fp32): the loss agrees to 1e-3, each gradient to 2^-5 of its
+    largest value (both are within 1% of the model on the exactly dequantized weights)."""
+    peft = pytest.importorskip("peft")
+    model = qlora_llama(device)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    ref_loss, ref_grads = loss_and_grads(model, ids)
+    names = qmm.patch_bnb(model)
+    assert len(names) == 2 * (7 + 1)  # each layer's seven projections' bases and its MLP
+    bnb_calls = []
+    matmul_4bit = bnb.matmul_4bit
+    monkeypatch.setattr(bnb, "matmul_4bit", lambda *a, **k: bnb_calls.append(1) or matmul_4bit(*a, **k))
+    loss, grads = loss_and_grads(model, ids)
+    assert bnb_calls == [], "a 4-bit product ran in bitsandbytes"
+    assert abs(loss - ref_loss) <= 1e-3 * abs(ref_loss)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 7 * 2
+    for n, g in grads.items():
+        r = ref_grads[n]
+        assert (g - r).abs().max().item() <= 2.0 ** -5 * r.abs().max().item(), n
+    assert set(peft.get_peft_model_state_dict(model)) == {n.replace(".default", "") for n in grads}
+
+    # PEFT merges into bitsandbytes weights only with its bitsandbytes-aware LoRA layers, which it uses on a GPU.
+    down_proj = model.get_submodule("base_model.model.model.layers.0.mlp.down_proj")
+    mergeable = type(down_proj).__module__.endswith(".bnb")
+    with torch.no_grad():
+        got = [model(input_ids=ids).logits]
+        with model.disable_adapter():
+            got.append(model(input_ids=ids).logits)
+        if mergeable:
+            model.merge_adapter()  # bitsandbytes quantizes W + BA into a new weight: the patched layers must read it
+            got.append(model(input_ids=ids).logits)
+            model.unmerge_adapter()
+        qmm.unpatch_bnb(model)
+        ref = [model(input_ids=ids).logits]
+        with model.disable_adapter():
+            ref.append(model(input_ids=ids).logits)
+        if mergeable:
+            model.merge_adapter()
+            ref.append(model(input_ids=ids).logits)
+    for g, r in zip(got, ref):
+        assert (g - r).abs().max().item() <= 2.0 ** -6 * r.abs().max().item()
+    assert (ref[0] - ref[1]).abs().max().item() > 2.0 ** -4 * ref[0].abs().max().item()  # the adapters count
+
+
+def test_patch_bnb_under_accelerate_hooks(monkeypatch):
+    """A layer with accelerate's hooks (as from_pretrained with a device_map may leave them): patched, the hook
+    still runs and qmm computes; unpatched, accelerate removes its hook as usual."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    layer = bnb_linear(randn((48, 64), 5), "cpu")
+    x = randn((3, 64), 6)
+    expected = layer(x)
+    seen = []
+
+    class Seen(hooks.ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            seen.append(module)
+            return args, kwargs
+
+    hooks.add_hook_to_module(layer, Seen())
+    assert qmm.patch_bnb(layer) == [""]
+    monkeypatch.setattr(bnb, "matmul_4bit", None)  # bitsandbytes must not compute
+    y = layer(x)
+    assert seen == [layer] and (y - expected).abs().max().item() <= 2.0 ** -7 * expected.abs().max().item()
+    monkeypatch.undo()
+    qmm.unpatch_bnb(layer)
+    hooks.remove_hook_from_module(layer)
+    assert "_qmm_patch" not in layer.__dict__ and torch.equal(layer(x), expected)
