@@ -167,6 +167,9 @@ class Nf4Weight:
         self.shape = (int(shape[0]), int(shape[1]))
         self.block_size = int(block_size)
         self.offset = float(offset)
+        # The offset for the custom ops (torch.compile): a float argument would compile one graph per value (per
+        # layer), a tensor only per shape and dtype.
+        self._offset_arg = torch.tensor(self.offset, dtype=torch.float64)
         self._native = _qmm.nf4_handle(self)
 
     @property
@@ -571,6 +574,13 @@ def _bnb_nf4_base(layer):
     return base if _is_bnb_nf4_layer(base) else None
 
 
+def _eager(fn):
+    """fn run by Python under torch.compile too (a graph break), where tracing it would gain nothing."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)  # PyTorch >= 2.1
+    return disable(fn) if disable else fn
+
+
+@_eager  # its data-pointer checks cannot be traced, and each weight's shapes would compile it anew
 def _current_nf4(layer):
     """The Nf4Weight of a bitsandbytes layer's weight as it is now, or None where it is not quantized NF4. Cached
     per layer and made again when the weight was replaced or moved (bitsandbytes quantizes on .to(device); a PEFT
@@ -704,11 +714,11 @@ def unpatch_bnb(model):
 
 def _w_args(op, name, w):
     _nf4(op, name, w)
-    return w.codes, w.absmax, w.absmax2, w.code2, w.offset, w.shape[0], w.shape[1], w.block_size
+    return w.codes, w.absmax, w.absmax2, w.code2, w._offset_arg, w.shape[0], w.shape[1], w.block_size
 
 
 def _w_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size):
-    return Nf4Weight(codes, absmax, (rows, cols), block_size, absmax2, code2, offset)
+    return Nf4Weight(codes, absmax, (rows, cols), block_size, absmax2, code2, offset.item())
 
 
 def _register_compile_ops():
@@ -719,7 +729,7 @@ def _register_compile_ops():
 
     @op("qmm::nf4_linear", mutates_args=())
     def nf4_linear_op(x: Tensor, codes: Tensor, absmax: Tensor, absmax2: Optional[Tensor], code2: Optional[Tensor],
-                      offset: float, rows: int, cols: int, block_size: int, path: str) -> Tensor:
+                      offset: Tensor, rows: int, cols: int, block_size: int, path: str) -> Tensor:
         return nf4_gemm(x, _w_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size), path=path)
 
     @nf4_linear_op.register_fake
@@ -728,7 +738,7 @@ def _register_compile_ops():
 
     @op("qmm::nf4_input_grad", mutates_args=())
     def nf4_input_grad_op(dy: Tensor, codes: Tensor, absmax: Tensor, absmax2: Optional[Tensor],
-                          code2: Optional[Tensor], offset: float, rows: int, cols: int, block_size: int,
+                          code2: Optional[Tensor], offset: Tensor, rows: int, cols: int, block_size: int,
                           path: str) -> Tensor:
         return nf4_gemm_backward_a(dy, _w_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size),
                                    path=path)
@@ -740,10 +750,11 @@ def _register_compile_ops():
     def input_grad(dy, w_args, path, dtype):
         return None if dy is None else nf4_input_grad_op(dy, *w_args, path).to(dtype)
 
-    # Tensors are kept with save_for_backward, the rest on ctx: a weight's args are 4 tensors, then 4 scalars.
+    # Tensors are kept with save_for_backward, the rest on ctx: a weight's args are 5 tensors (the codes, the
+    # scales' three, the offset), then 3 integers.
     def setup_linear(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[1:5])
-        ctx.w_scalars, ctx.path, ctx.x_dtype = inputs[5:9], inputs[9], inputs[0].dtype
+        ctx.save_for_backward(*inputs[1:6])
+        ctx.w_scalars, ctx.path, ctx.x_dtype = inputs[6:9], inputs[9], inputs[0].dtype
 
     def linear_grad(ctx, dy):
         return (input_grad(dy, (*ctx.saved_tensors, *ctx.w_scalars), ctx.path, ctx.x_dtype),) + (None,) * 9
@@ -752,9 +763,9 @@ def _register_compile_ops():
 
     @op("qmm::nf4_gate_up", mutates_args=())
     def nf4_gate_up_op(x: Tensor, g_codes: Tensor, g_absmax: Tensor, g_absmax2: Optional[Tensor],
-                       g_code2: Optional[Tensor], g_offset: float, g_rows: int, g_cols: int, g_block_size: int,
+                       g_code2: Optional[Tensor], g_offset: Tensor, g_rows: int, g_cols: int, g_block_size: int,
                        u_codes: Tensor, u_absmax: Tensor, u_absmax2: Optional[Tensor], u_code2: Optional[Tensor],
-                       u_offset: float, u_rows: int, u_cols: int, u_block_size: int,
+                       u_offset: Tensor, u_rows: int, u_cols: int, u_block_size: int,
                        path: str) -> Tuple[Tensor, Tensor]:
         w_gate = _w_of(g_codes, g_absmax, g_absmax2, g_code2, g_offset, g_rows, g_cols, g_block_size)
         w_up = _w_of(u_codes, u_absmax, u_absmax2, u_code2, u_offset, u_rows, u_cols, u_block_size)
@@ -767,12 +778,12 @@ def _register_compile_ops():
         return x.new_empty((*x.shape[:-1], rows)), x.new_empty((*x.shape[:-1], rows))
 
     def setup_gate_up(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[1:5], *inputs[9:13])
-        ctx.g_scalars, ctx.u_scalars, ctx.path, ctx.x_dtype = inputs[5:9], inputs[13:17], inputs[17], inputs[0].dtype
+        ctx.save_for_backward(*inputs[1:6], *inputs[9:14])
+        ctx.g_scalars, ctx.u_scalars, ctx.path, ctx.x_dtype = inputs[6:9], inputs[14:17], inputs[17], inputs[0].dtype
 
     def gate_up_grad(ctx, dgate, dup):
         saved = ctx.saved_tensors
-        g_args, u_args = (*saved[:4], *ctx.g_scalars), (*saved[4:], *ctx.u_scalars)
+        g_args, u_args = (*saved[:5], *ctx.g_scalars), (*saved[5:], *ctx.u_scalars)
         grads = [g for g in (input_grad(dgate, g_args, ctx.path, ctx.x_dtype),
                              input_grad(dup, u_args, ctx.path, ctx.x_dtype)) if g is not None]
         return (sum(grads[1:], grads[0]) if grads else None,) + (None,) * 17

@@ -800,3 +800,21 @@ def test_patch_bnb_follows_a_replaced_weight_and_keeps_hooks(device):
         assert layer.calls == 0 and len(hook_calls) == (1 if w is w_a else 2)
     qmm.unpatch_bnb(layer)
     assert layer.forward is hooked and layer._old_forward.__func__ is FakeLinear4bit.forward
+
+
+@pytest.mark.skipif(not hasattr(torch.library, "custom_op"), reason="needs PyTorch >= 2.4")
+@pytest.mark.parametrize("device", DEVICES)
+def test_patch_bnb_under_torch_compile(device):
+    """A patched model compiles (with a graph break at each NF4 layer, where its current weight is looked up) and
+    gives the eager results (1e-5 relative); layers of one shape share one compiled graph: no recompilation per
+    layer, which a per-layer float argument (the double quantization's offset) would cause."""
+    model = torch.nn.Sequential(*(FakeLora(FakeLinear4bit(qmm.Nf4Weight.quantize(randn((64, 64), 30 + i, device))),
+                                           4, 40 + 2 * i) for i in range(3)))
+    assert len({m.base_layer.weight.quant_state.offset.item() for m in model}) == 3
+    qmm.patch_bnb(model)
+    x, dy = randn((5, 64), 6, device), randn((5, 64), 7, device)
+    eager = _forward_backward(model, x, dy)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = _forward_backward(torch.compile(model, backend="aot_eager"), x, dy)
+    _assert_near(compiled, eager, 1e-5, "compiled vs eager", rel_grads=1e-5)
