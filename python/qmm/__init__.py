@@ -172,6 +172,15 @@ class Nf4Weight:
         self._offset_arg = torch.tensor(self.offset, dtype=torch.float64)
         self._native = _qmm.nf4_handle(self)
 
+    # Copies and pickles (copy.deepcopy, torch.save of a module holding one) take the tensors; the native handle,
+    # which views them, is made again.
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_native"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._native = _qmm.nf4_handle(self)
+
     @property
     def double_quant(self):
         return self.absmax.dtype == torch.uint8

@@ -5,6 +5,8 @@ adds: argument passing, allocation, leading dimensions, errors, bitsandbytes int
 Tolerances (written per case below) follow the contracts of include/qmm/ops.h: fp64 sums on the CPU, fp32 sums of
 bf16 products on the GPU, and the small-M kernels' scale-after contract (a weight within 2^-9 of its bf16 value).
 """
+import copy
+import io
 import json
 import os
 import struct
@@ -818,3 +820,18 @@ def test_patch_bnb_under_torch_compile(device):
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = _forward_backward(torch.compile(model, backend="aot_eager"), x, dy)
     _assert_near(compiled, eager, 1e-5, "compiled vs eager", rel_grads=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_copy_and_pickle_of_nf4_modules(device):
+    """copy.deepcopy and torch.save/torch.load of a module holding Nf4Weights (a reference model, a whole-model
+    checkpoint): the copy has its own tensors and computes the same output, bit for bit."""
+    mlp = qmm.QLoraSwiGluMlp(*mlp_weights(device, 64, 96), rank=4)
+    x = randn((3, 64), 1, device)
+    buf = io.BytesIO()
+    torch.save(mlp, buf)
+    buf.seek(0)
+    for copied in (copy.deepcopy(mlp), torch.load(buf, weights_only=False)):
+        assert copied.w_gate.codes.data_ptr() != mlp.w_gate.codes.data_ptr()
+        assert copied.w_gate.offset == mlp.w_gate.offset and copied.w_gate.device == mlp.w_gate.device
+        assert torch.equal(copied(x), mlp(x))
