@@ -741,7 +741,7 @@ def _assert_near(got, ref, rel, what, rel_grads=2.0 ** -6):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_patch_bnb_runs_a_peft_model_with_qmm(device):
+def test_patch_bnb_runs_a_peft_model_with_qmm(device, monkeypatch):
     """patch_bnb on a PEFT-style model: the same outputs and gradients as the model's own forward (every 4-bit
     product then by qmm, none by the layers), the same parameters; unpatch_bnb restores the forwards. The reference
     rounds x and W to bf16 as bitsandbytes does, so the outputs differ by the sums' precision: fp64 on the CPU (1e-6
@@ -774,6 +774,21 @@ def test_patch_bnb_runs_a_peft_model_with_qmm(device):
     calls = [b.calls for b in bases]
     y16 = model[0](x.half())  # (PyTorch's CPU SiLU takes no float16: the MLP is not run)
     assert y16.dtype == torch.float16 and [b.calls for b in bases] == [calls[0] + 1] + calls[1:]
+
+    # Adapters disabled (PEFT's disable_adapter): the MLP's SwiGLU runs in the gate/up kernel's epilogue.
+    for m in model.modules():
+        if isinstance(m, FakeLora):
+            m.disable_adapters = True
+    swiglu_calls, nf4_swiglu = [], qmm.nf4_swiglu
+    monkeypatch.setattr(qmm, "nf4_swiglu", lambda *a: swiglu_calls.append(1) or nf4_swiglu(*a))
+    y_plain = model(x)
+    assert swiglu_calls == [1]
+    qmm.unpatch_bnb(model)
+    assert_close(y_plain, model(x), rel * model(x).abs().max().item() + 1e-7, "adapters disabled")
+    qmm.patch_bnb(model)
+    for m in model.modules():
+        if isinstance(m, FakeLora):
+            m.disable_adapters = False
 
     assert qmm.unpatch_bnb(model) == names
     assert all("forward" not in m.__dict__ and "_qmm_patch" not in m.__dict__ for m in model.modules())
