@@ -349,10 +349,19 @@ class _Nf4Linear(torch.autograd.Function):
         return dx, None, None
 
 
+def _grad_wanted(*inputs):
+    """Whether autograd will differentiate through these inputs; where it will not (inference, frozen inputs), the
+    differentiable ops call the plain ones and skip what only a backward needs."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+
+
 def nf4_linear(x, w, bias=None, path="auto"):
     """y = x @ dequant(W)^T (+ bias) for x [..., in] (float32 or bfloat16; y has x's dtype). Differentiable in x
     and bias; W is frozen (no weight gradient)."""
-    y = _ops.nf4_linear(x, *_w_args("nf4_linear", "w", w), path) if _compiling() else _Nf4Linear.apply(x, w, path)
+    if _compiling():
+        y = _ops.nf4_linear(x, *_w_args("nf4_linear", "w", w), path)
+    else:
+        y = _Nf4Linear.apply(x, w, path) if _grad_wanted(x) else nf4_gemm(x, w, path=path)
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -370,7 +379,9 @@ class _SwiGlu(torch.autograd.Function):
 
 def swiglu_autograd(gate, up):
     """h = silu(gate) * up, differentiable in gate and up (qmm's forward and backward kernels)."""
-    return _ops.swiglu(gate, up) if _compiling() else _SwiGlu.apply(gate, up)
+    if _compiling():
+        return _ops.swiglu(gate, up)
+    return _SwiGlu.apply(gate, up) if _grad_wanted(gate, up) else swiglu(gate, up)
 
 
 def _gate_up_input_grad(dgate, dup, w_gate, w_up, path, x_dtype):
@@ -403,7 +414,9 @@ def nf4_gate_up_linear(x, w_gate, w_up, path="auto"):
     if _compiling():
         op = "nf4_gate_up_linear"
         return _ops.nf4_gate_up(x, *_w_args(op, "w_gate", w_gate), *_w_args(op, "w_up", w_up), path)
-    return _Nf4GateUp.apply(x, w_gate, w_up, path)
+    if _grad_wanted(x):
+        return _Nf4GateUp.apply(x, w_gate, w_up, path)
+    return nf4_gate_up(x, w_gate, w_up, h=False, path=path)[:2]
 
 
 class _Nf4SwiGlu(torch.autograd.Function):
@@ -428,7 +441,9 @@ def nf4_swiglu(x, w_gate, w_up, path="auto"):
     projections from one read of x (nf4_gate_up). Differentiable in x; keeps gate and up for the backward."""
     if _compiling():  # the compiled graph takes the projections and the SwiGLU as two ops
         return swiglu_autograd(*nf4_gate_up_linear(x, w_gate, w_up, path))
-    return _Nf4SwiGlu.apply(x, w_gate, w_up, path)
+    if _grad_wanted(x):
+        return _Nf4SwiGlu.apply(x, w_gate, w_up, path)
+    return nf4_gate_up(x, w_gate, w_up, gate=False, up=False, path=path)[2]  # inference: h only
 
 
 class LoraAdapter(torch.nn.Module):

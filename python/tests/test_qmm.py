@@ -850,3 +850,32 @@ def test_copy_and_pickle_of_nf4_modules(device):
         assert copied.w_gate.codes.data_ptr() != mlp.w_gate.codes.data_ptr()
         assert copied.w_gate.offset == mlp.w_gate.offset and copied.w_gate.device == mlp.w_gate.device
         assert torch.equal(copied(x), mlp(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inference_calls_skip_autograd_and_unneeded_outputs(device, monkeypatch):
+    """Without a gradient to compute (torch.no_grad, or inputs that need none) the differentiable ops give the same
+    values with no autograd graph: bit for bit on the CPU, within 1e-6 relative on the GPU (a kernel storing fewer
+    outputs may take another epilogue). nf4_swiglu then asks the kernel for h alone (gate and up are kept only for
+    a backward)."""
+    wg, wu, _ = mlp_weights(device, 64, 96)
+    x = randn((3, 64), 1, device).requires_grad_()
+    g, u = randn((3, 96), 2, device).requires_grad_(), randn((3, 96), 3, device).requires_grad_()
+
+    def run():
+        return [qmm.nf4_linear(x, wg), *qmm.nf4_gate_up_linear(x, wg, wu), qmm.nf4_swiglu(x, wg, wu),
+                qmm.swiglu_autograd(g, u)]
+
+    outputs_asked, gate_up = [], qmm._qmm.nf4_gate_up
+    monkeypatch.setattr(qmm._qmm, "nf4_gate_up",
+                        lambda *a, **k: outputs_asked.append([t is not None for t in a[3:6]]) or gate_up(*a, **k))
+    trained = run()
+    assert all(t.grad_fn is not None for t in trained)
+    assert outputs_asked == [[True, True, False], [True, True, True]]
+    outputs_asked.clear()
+    with torch.no_grad():
+        inferred = run()
+    assert all(t.grad_fn is None for t in inferred)
+    for t, r in zip(inferred, trained):
+        assert_close(t, r.detach(), 0.0 if device == "cpu" else 1e-6 * r.abs().max().item(), "no_grad")
+    assert outputs_asked == [[True, True, False], [False, False, True]]
