@@ -474,6 +474,7 @@ class QLoraLinear(torch.nn.Module):
     def __init__(self, weight, rank=16, alpha=32.0, dropout=0.0, bias=None, adapter_dtype=torch.float32, path="auto"):
         super().__init__()
         out_features, in_features = _nf4("QLoraLinear", "weight", weight)
+        _qmm.check_nf4_path(path, "QLoraLinear")
         self.weight, self.path = weight, path
         self.lora = LoraAdapter(in_features, out_features, rank, alpha, dropout, adapter_dtype, weight.device)
         # The bias belongs to the frozen base (PEFT's bias="none"): kept, shared with the given tensor, not trained.
@@ -499,6 +500,7 @@ class QLoraSwiGluMlp(torch.nn.Module):
                  path="auto"):
         super().__init__()
         inter, hidden = _nf4("QLoraSwiGluMlp", "w_gate", w_gate)
+        _qmm.check_nf4_path(path, "QLoraSwiGluMlp")
         if _nf4("QLoraSwiGluMlp", "w_up", w_up) != (inter, hidden) or \
                 _nf4("QLoraSwiGluMlp", "w_down", w_down) != (hidden, inter):
             raise _error("ShapeMismatch", f"QLoraSwiGluMlp: w_gate and w_up must be [I, H] and w_down [H, I]; got "
@@ -539,9 +541,15 @@ def _is_bnb_mlp(module):
                for p in ("gate_proj", "up_proj", "down_proj"))
 
 
-def _replace_modules(model, matches, make):
+def _model(op, model):
+    if not isinstance(model, torch.nn.Module):
+        raise _error("InvalidArgument", f"{op}: argument 'model' must be a torch.nn.Module, not {type(model).__name__}")
+
+
+def _replace_modules(op, model, matches, make):
     """Replaces every module of `model` (not the model itself) that `matches(name, module)` by `make(module)`;
     returns the replaced names."""
+    _model(op, model)
     replaced = []
     for name, module in list(model.named_modules()):
         if name and matches(name, module):
@@ -556,7 +564,8 @@ def replace_bnb_mlps(model, **lora):
     layers (a Hugging Face Llama/Qwen/Mistral model loaded in 4-bit) by a QLoraSwiGluMlp on the same NF4 weights,
     with fresh LoRA adapters (`lora`: rank, alpha, dropout, adapter_dtype, path). Returns the replaced modules'
     names; the model's other parameters are left as they are (freeze them as usual)."""
-    return _replace_modules(model, lambda name, m: _is_bnb_mlp(m), lambda m: QLoraSwiGluMlp.from_bnb(m, **lora))
+    return _replace_modules("replace_bnb_mlps", model, lambda name, m: _is_bnb_mlp(m),
+                            lambda m: QLoraSwiGluMlp.from_bnb(m, **lora))
 
 
 def replace_bnb_linears(model, names=("q_proj", "k_proj", "v_proj", "o_proj"), **lora):
@@ -566,7 +575,7 @@ def replace_bnb_linears(model, names=("q_proj", "k_proj", "v_proj", "o_proj"), *
     this puts LoRA on every projection of a 4-bit Llama/Qwen/Mistral model, as QLoRA does."""
     def matches(name, module):
         return name.rpartition(".")[2] in names and hasattr(getattr(module, "weight", None), "quant_state")
-    return _replace_modules(model, matches, lambda m: QLoraLinear.from_bnb(m, **lora))
+    return _replace_modules("replace_bnb_linears", model, matches, lambda m: QLoraLinear.from_bnb(m, **lora))
 
 
 # ---- bitsandbytes and PEFT models patched in place ---------------------------------------------------------------
@@ -702,6 +711,8 @@ def patch_bnb(model, path="auto", fuse_mlp=True):
     cover (float16 activations, DoRA or other LoRA variants, extra arguments, a weight not yet quantized) runs the
     module's own forward. `path` forces qmm's NF4 implementation (see nf4_gemm). Returns the patched modules'
     names; unpatch_bnb undoes it."""
+    _model("patch_bnb", model)
+    _qmm.check_nf4_path(path, "patch_bnb")
     patched = []
     for name, module in model.named_modules():
         if _PATCH in module.__dict__:
@@ -718,6 +729,7 @@ def patch_bnb(model, path="auto", fuse_mlp=True):
 
 def unpatch_bnb(model):
     """Gives every module that patch_bnb patched inside `model` its previous forward back; returns their names."""
+    _model("unpatch_bnb", model)
     restored = []
     for name, module in model.named_modules():
         if _PATCH in module.__dict__:

@@ -242,6 +242,8 @@ NB_MODULE(_qmm, m) {
     return values;
   }, "The 16 NF4 values (float32), ascending: bitsandbytes' quant_map for nf4.");
   m.def("cuda_unavailable_reason", &qmm::Context::cuda_unavailable_reason);
+  m.def("check_nf4_path", [](const std::string& name, const std::string& op) { path_of(name, op.c_str()); },
+        nb::arg("path"), nb::arg("op"), "Throws qmm.Error unless `path` names an NF4 path (for an argument kept).");
 
   def_gemm<qmm::gemm>(m, "gemm", "a", "b", "c", "c = alpha * a[M,K] @ b[K,N] + beta * c");
   def_gemm<qmm::gemm_bt>(m, "gemm_bt", "a", "b", "c", "c = alpha * a[M,K] @ b[N,K]^T + beta * c");

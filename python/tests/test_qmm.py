@@ -879,3 +879,18 @@ def test_inference_calls_skip_autograd_and_unneeded_outputs(device, monkeypatch)
     for t, r in zip(inferred, trained):
         assert_close(t, r.detach(), 0.0 if device == "cpu" else 1e-6 * r.abs().max().item(), "no_grad")
     assert outputs_asked == [[True, True, False], [False, False, True]]
+
+
+def test_model_level_calls_check_their_arguments_up_front():
+    """A wrong model or path is reported when given, naming the call and the argument, not at a later forward."""
+    w4 = qmm.Nf4Weight.quantize(randn((32, 64), 1, "cpu"))
+    for call, what in ((lambda: qmm.patch_bnb(torch.nn.Linear(2, 2), path="fastest"), "patch_bnb: path"),
+                       (lambda: qmm.QLoraLinear(w4, path="fastest"), "QLoraLinear: path"),
+                       (lambda: qmm.QLoraSwiGluMlp(w4, w4, qmm.Nf4Weight.quantize(randn((64, 32), 2, "cpu")),
+                                                   path="fastest"), "QLoraSwiGluMlp: path"),
+                       (lambda: qmm.patch_bnb("model"), "patch_bnb: argument 'model'"),
+                       (lambda: qmm.unpatch_bnb(None), "unpatch_bnb: argument 'model'"),
+                       (lambda: qmm.replace_bnb_mlps([]), "replace_bnb_mlps: argument 'model'")):
+        with pytest.raises(qmm.Error) as e:
+            call()
+        assert e.value.code == "InvalidArgument" and str(e.value).startswith(what), str(e.value)
