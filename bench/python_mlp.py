@@ -94,8 +94,8 @@ def peft_block_cases(name, hidden, inter, tokens, rank, repeats, t_bf16):
     try:
         import bitsandbytes as bnb
         import peft
-    except ImportError as e:
-        print(f"python_mlp.py: no bitsandbytes/PEFT cases ({e})")
+    except Exception as e:  # not installed, or not for this PyTorch
+        print(f"python_mlp.py: no bitsandbytes/PEFT cases ({type(e).__name__}: {e})")
         return []
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = []

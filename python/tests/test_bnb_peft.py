@@ -8,7 +8,10 @@ import torch
 
 import qmm
 
-bnb = pytest.importorskip("bitsandbytes")
+try:
+    import bitsandbytes as bnb
+except Exception as e:  # not installed, or not for this PyTorch (bitsandbytes 0.50 needs PyTorch >= 2.4)
+    pytest.skip(f"bitsandbytes unavailable: {type(e).__name__}: {e}", allow_module_level=True)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and qmm.cuda_device_count() > 0 else [])
 
