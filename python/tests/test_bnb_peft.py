@@ -135,6 +135,22 @@ def test_patch_bnb_on_a_peft_llama(device, monkeypatch):
     assert (ref[0] - ref[1]).abs().max().item() > 2.0 ** -4 * ref[0].abs().max().item()  # the adapters count
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_patch_bnb_with_gradient_checkpointing(device, reentrant):
+    """transformers' gradient checkpointing (both of PyTorch's modes) on a patched PEFT model: the layers run again
+    in the backward, through qmm, and the loss and gradients are those without checkpointing, bit for bit."""
+    model = qlora_llama(device)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    qmm.patch_bnb(model)
+    loss, grads = loss_and_grads(model, ids)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.enable_input_require_grads()  # what PEFT's prepare_model_for_kbit_training does for the reentrant mode
+    model.train()
+    loss_ckpt, grads_ckpt = loss_and_grads(model, ids)
+    assert loss_ckpt == loss and all(torch.equal(grads_ckpt[n], g) for n, g in grads.items())
+
+
 def test_patch_bnb_under_accelerate_hooks(monkeypatch):
     """A layer with accelerate's hooks (as from_pretrained with a device_map may leave them): patched, the hook
     still runs and qmm computes; unpatched, accelerate removes its hook as usual."""
