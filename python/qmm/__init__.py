@@ -13,6 +13,7 @@ writes, for one): memory that PyTorch's allocator does not see.
     y = qmm.nf4_linear(x, w4)                          # x [..., in] -> [..., out], differentiable in x
     layer = qmm.QLoraLinear(w4, rank=16, alpha=32)     # frozen NF4 base + trainable LoRA adapters
     mlp = qmm.QLoraSwiGluMlp(w4_gate, w4_up, w4_down)  # an MLP block on NF4 weights, LoRA on all three
+    qmm.patch_bnb(peft_model)                          # or: a bitsandbytes/PEFT QLoRA model, computed by qmm
 """
 import functools
 import json
