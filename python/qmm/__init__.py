@@ -236,6 +236,9 @@ class Nf4Weight:
         data = _as_bytes(data)
         if qs.quant_type != "nf4":
             raise _error("Unsupported", f"Nf4Weight.from_bnb: quant_type '{qs.quant_type}' (qmm takes nf4)")
+        if getattr(qs, "packing_format_for_cpu", False):  # bitsandbytes repacks for its CPU kernels at inference
+            raise _error("Unsupported", "Nf4Weight.from_bnb: the weight is in bitsandbytes' CPU inference layout "
+                                        "(packing_format_for_cpu), not bitsandbytes' NF4 layout")
         if getattr(qs, "state2", None) is None:
             return cls(data, qs.absmax, tuple(qs.shape), qs.blocksize)
         if qs.state2.blocksize != NF4_NESTED_BLOCK_SIZE:
@@ -616,12 +619,13 @@ def _eager(fn):
 
 @_eager  # its data-pointer checks cannot be traced, and each weight's shapes would compile it anew
 def _current_nf4(layer):
-    """The Nf4Weight of a bitsandbytes layer's weight as it is now, or None where it is not quantized NF4. Cached
+    """The Nf4Weight of a bitsandbytes layer's weight as it is now, or None where it is not quantized NF4 (or not
+    in NF4's layout: bitsandbytes repacks weights for its CPU kernels when an unpatched layer ran inference). Cached
     per layer and made again when the weight was replaced or moved (bitsandbytes quantizes on .to(device); a PEFT
     merge quantizes a new weight)."""
     weight = layer.weight
     qs = getattr(weight, "quant_state", None)
-    if qs is None or qs.quant_type != "nf4":
+    if qs is None or qs.quant_type != "nf4" or getattr(qs, "packing_format_for_cpu", False):
         return None
     key = (weight.data_ptr(), weight.device, id(qs), qs.absmax.data_ptr())
     cached = _nf4_cache.get(layer)

@@ -57,6 +57,26 @@ def test_to_bnb_state_dict_loads_into_bitsandbytes(device):
     assert torch.equal(bnb.functional.dequantize_4bit(w.data, w.quant_state).float(), w4.dequantize(torch.float32))
 
 
+def test_bitsandbytes_cpu_inference_layout_is_refused_not_misread():
+    """bitsandbytes repacks a layer's weight for its AVX512-BF16 CPU kernels when the layer runs inference (its
+    own code order, bf16 scales): from_bnb refuses that layout by name, and a patched layer leaves such a weight to
+    bitsandbytes (where this CPU has the kernels), with bitsandbytes' own result."""
+    convert = getattr(bnb.functional, "_convert_weight_packed_for_cpu", None)
+    if convert is None:
+        pytest.skip("this bitsandbytes has no CPU inference layout")
+    layer = bnb_linear(randn((64, 128), 7), "cpu")
+    layer.weight.data, layer.weight.quant_state = convert(layer.weight.data, layer.weight.quant_state)
+    with pytest.raises(qmm.Error) as e:
+        qmm.Nf4Weight.from_bnb(layer.weight, layer.weight.quant_state)
+    assert e.value.code == "Unsupported" and "packing_format_for_cpu" in str(e.value)
+    if getattr(layer, "support_avx512bf16_for_cpu", False):
+        x = randn((3, 128), 8).to(torch.bfloat16)
+        with torch.no_grad():
+            expected = layer.eval()(x)
+            qmm.patch_bnb(layer)
+            assert torch.equal(layer(x), expected)
+
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -174,3 +194,22 @@ def test_patch_bnb_under_accelerate_hooks(monkeypatch):
     qmm.unpatch_bnb(layer)
     hooks.remove_hook_from_module(layer)
     assert "_qmm_patch" not in layer.__dict__ and torch.equal(layer(x), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_patch_bnb_inference_and_generate(device, monkeypatch):
+    """A patched PEFT model in eval mode: its logits are bitsandbytes' (2^-6 of the largest, as above) and
+    transformers' generate runs on it with every 4-bit product by qmm (decode steps are one-row products)."""
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1)).to(device)
+    reference, model = qlora_llama(device).eval(), qlora_llama(device).eval()  # the same seeded weights
+    qmm.patch_bnb(model)
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        bnb_calls = []
+        matmul_4bit = bnb.matmul_4bit
+        monkeypatch.setattr(bnb, "matmul_4bit", lambda *a, **k: bnb_calls.append(1) or matmul_4bit(*a, **k))
+        got = model(input_ids=ids).logits
+        tokens = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                do_sample=False, pad_token_id=0)
+    assert bnb_calls == [] and tokens.shape == (2, 9)
+    assert (got - expected).abs().max().item() <= 2.0 ** -6 * expected.abs().max().item()
