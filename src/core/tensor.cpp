@@ -1,5 +1,6 @@
 #include "qmm/tensor.h"
 
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -129,16 +130,8 @@ Tensor to_device(const TensorView& src, Device device) {
 }
 
 namespace {
-std::uint32_t bits_of(float x) {
-  std::uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-float float_of(std::uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
+std::uint32_t bits_of(float x) { return std::bit_cast<std::uint32_t>(x); }
+float float_of(std::uint32_t u) { return std::bit_cast<float>(u); }
 }  // namespace
 
 float bf16_to_float(std::uint16_t bits) { return float_of(static_cast<std::uint32_t>(bits) << 16); }

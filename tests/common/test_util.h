@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -28,6 +29,10 @@ Tolerance bf16_output_tolerance(std::int64_t k); // the same with a bf16 output 
 Tolerance tf32_tolerance(std::int64_t k);        // the GPU's own TF32 rounding against the oracle's
 
 std::string data_dir();  // tests/data
+
+// A float's bits and back: the tests restate rounding contracts bit by bit.
+inline std::uint32_t bits_of(float x) { return std::bit_cast<std::uint32_t>(x); }
+inline float float_of(std::uint32_t bits) { return std::bit_cast<float>(bits); }
 
 // A host tensor of `dtype` filled with uniform values in [lo, hi) from `seed` (rounded to the dtype).
 Tensor random_tensor(DType dtype, Shape shape, std::uint64_t seed, float lo = -1.0f, float hi = 1.0f);

@@ -17,17 +17,10 @@
 namespace qmm {
 namespace {
 
+using test::bits_of;
+using test::float_of;
+
 // ---- the contracts, restated ------------------------------------------------------------------------------------
-std::uint32_t bits_of(float x) {
-  std::uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-float float_of(std::uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
 float tf32_nearest_even(float x) {  // 10 explicit mantissa bits kept, ties to even
   if (!std::isfinite(x)) return x;
   const std::uint32_t u = bits_of(x);

@@ -17,6 +17,8 @@
 namespace qmm {
 namespace {
 
+using test::bits_of;
+
 const Context& cpu_ctx() {
   static const Context ctx = Context::cpu();
   return ctx;
@@ -27,12 +29,6 @@ std::string golden_path(const std::string& name) { return test::data_dir() + "/n
 std::vector<std::string> golden_files() {
   std::ifstream in(golden_path("manifest.json"));
   return nlohmann::json::parse(in).get<std::vector<std::string>>();
-}
-
-std::uint32_t bits_of(float x) {
-  std::uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
 }
 
 // Distance in representable floats (both finite).

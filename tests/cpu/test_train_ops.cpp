@@ -16,21 +16,13 @@
 namespace qmm {
 namespace {
 
+using test::bits_of;
+using test::float_of;
+
 constexpr std::int64_t kSizes[] = {1, 7, 63, 65, 1000, 4099};
 constexpr DType kDTypes[] = {DType::F32, DType::BF16};
 
 std::string describe(DType dt, std::int64_t n) { return std::string(dtype_name(dt)) + " n=" + std::to_string(n); }
-
-float f32_of(std::uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-std::uint32_t bits_of(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 
 // Round to nearest even at bf16, written independently of the library: pick the nearer of the two bf16 neighbours
 // by comparing distances in double; a tie goes to the even one. Above the largest bf16 the upper neighbour is 2^128
@@ -40,9 +32,9 @@ std::uint16_t naive_bf16(float x) {
   if (std::isinf(x)) return static_cast<std::uint16_t>(bits_of(x) >> 16);
   const std::uint32_t lo = bits_of(x) & 0xFFFF0000u;  // toward zero
   const std::uint32_t hi = lo + 0x10000u;             // away from zero (may be the infinity pattern)
-  const double vlo = std::fabs(static_cast<double>(f32_of(lo)));
+  const double vlo = std::fabs(static_cast<double>(float_of(lo)));
   const double vhi =
-      (hi & 0x7FFFFFFFu) == 0x7F800000u ? std::ldexp(1.0, 128) : std::fabs(static_cast<double>(f32_of(hi)));
+      (hi & 0x7FFFFFFFu) == 0x7F800000u ? std::ldexp(1.0, 128) : std::fabs(static_cast<double>(float_of(hi)));
   const double ax = std::fabs(static_cast<double>(x));
   const double dlo = ax - vlo, dhi = vhi - ax;
   const bool up = dhi < dlo || (dhi == dlo && ((lo >> 16) & 1u));
@@ -125,9 +117,9 @@ TEST(TrainCast, SpecialValuesAndTies) {
                                  -std::numeric_limits<float>::max(),
                                  std::numeric_limits<float>::denorm_min(),
                                  1e-40f,
-                                 f32_of(0x3F808000u) /* tie, even below */,
-                                 f32_of(0x3F818000u) /* tie, odd below */,
-                                 f32_of(0x3F808001u),
+                                 float_of(0x3F808000u) /* tie, even below */,
+                                 float_of(0x3F818000u) /* tie, odd below */,
+                                 float_of(0x3F808001u),
                                  1.0f,
                                  -2.5f,
                                  std::nanf("")};
@@ -155,7 +147,7 @@ TEST(TrainCast, Bf16ToF32IsExactAndSameDTypeCopies) {
     test::poison(f);
     cast(ctx, b, f);
     for (std::int64_t i = 0; i < n; ++i)
-      want.data_as<float>()[i] = f32_of(static_cast<std::uint32_t>(b.data_as<std::uint16_t>()[i]) << 16);
+      want.data_as<float>()[i] = float_of(static_cast<std::uint32_t>(b.data_as<std::uint16_t>()[i]) << 16);
     EXPECT_TRUE(test::bytes_equal(f, want)) << "bf16->f32 n=" << n;
     for (DType dt : kDTypes) {
       const Tensor src = test::random_tensor(dt, {n}, 30 + static_cast<std::uint64_t>(n));

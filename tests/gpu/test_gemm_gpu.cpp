@@ -18,6 +18,9 @@
 namespace qmm {
 namespace {
 
+using test::bits_of;
+using test::float_of;
+
 // ---- the variants -----------------------------------------------------------------------------------------------
 enum class Op { Gemm, GemmBt, BackwardA, BackwardB, Batched, BatchedBt };
 constexpr Op kAllOps[] = {Op::Gemm, Op::GemmBt, Op::BackwardA, Op::BackwardB, Op::Batched, Op::BatchedBt};
@@ -210,16 +213,6 @@ TEST(GpuGemm, BackwardAOverwriteAndAccumulate) {
 }
 
 // ---- the BF16-compute contract: C = sum trunc(A)·trunc(B), not round-to-nearest -----------------------------------
-std::uint32_t bits_of(float x) {
-  std::uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-float float_of(std::uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
 
 // f32 values in [-1,1) whose low 16 bits lie strictly above the half-way point, so truncation and
 // round-to-nearest give different bf16 values for every element.
