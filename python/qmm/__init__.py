@@ -470,10 +470,24 @@ class LoraAdapter(torch.nn.Module):
         return (self.scale * (t @ self.lora_b.t())).to(x.dtype)
 
 
-class QLoraLinear(torch.nn.Module):
+class _Nf4Module(torch.nn.Module):
+    """A module whose Nf4Weight attributes move with it: .to(device), .cuda() and .cpu() move them too, while dtype
+    casts (.half(), .to(torch.bfloat16)) leave them as the format has them."""
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        for name, w in list(vars(self).items()):
+            if isinstance(w, Nf4Weight):
+                device = fn(torch.empty(0, device=w.device)).device  # where fn sends a tensor from w's device
+                if device != w.device:
+                    setattr(self, name, w.to(device))
+        return out
+
+
+class QLoraLinear(_Nf4Module):
     """y = x @ dequant(W)^T + bias + lora(x): a frozen NF4 base and bias run by qmm, and a trainable LoraAdapter
-    (`.lora`). The base stays on its own device (the adapter is created there) and is not in the state dict, which
-    holds the adapter and the bias; Nf4Weight.to_bnb_state_dict saves the base."""
+    (`.lora`, created on the base's device). The base moves with the module (.to(device), .cuda()) and is not in the
+    state dict, which holds the adapter and the bias; Nf4Weight.to_bnb_state_dict saves the base."""
 
     def __init__(self, weight, rank=16, alpha=32.0, dropout=0.0, bias=None, adapter_dtype=torch.float32, path="auto"):
         super().__init__()
@@ -495,7 +509,7 @@ class QLoraLinear(torch.nn.Module):
                    **lora)
 
 
-class QLoraSwiGluMlp(torch.nn.Module):
+class QLoraSwiGluMlp(_Nf4Module):
     """y = down(silu(gate(x)) * up(x)): an LLM's MLP block on frozen NF4 weights W_gate, W_up [I, H] and W_down
     [H, I], with a LoraAdapter on each projection (`gate_lora`, `up_lora`, `down.lora`). Both input projections'
     base products come from one read of x (nf4_gate_up); the SwiGLU and its gradient are qmm's kernels."""

@@ -894,3 +894,24 @@ def test_model_level_calls_check_their_arguments_up_front():
         with pytest.raises(qmm.Error) as e:
             call()
         assert e.value.code == "InvalidArgument" and str(e.value).startswith(what), str(e.value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nf4_modules_move_with_to_and_keep_their_format_under_dtype_casts(device):
+    """QLoraSwiGluMlp.to(device) moves its NF4 bases with its adapters (a CPU-built block then runs on the GPU and
+    computes what it computed on the CPU, to the GPU's bound); dtype casts change the adapters only."""
+    mlp = qmm.QLoraSwiGluMlp(*mlp_weights("cpu", 64, 96), rank=4)
+    with torch.no_grad():
+        for ad in (mlp.gate_lora, mlp.up_lora, mlp.down.lora):
+            ad.lora_b.copy_(randn(ad.lora_b.shape, 3, "cpu") * 0.1)
+    x = randn((3, 64), 1, "cpu")
+    expected = mlp(x)
+    codes = mlp.w_gate.codes
+    mlp.to(torch.float64)
+    assert mlp.w_gate.codes is codes and mlp.w_gate.absmax2.dtype == torch.float32
+    assert mlp.gate_lora.lora_a.dtype == torch.float64
+    mlp.to(torch.float32).to(device)
+    assert all(w.device.type == device for w in (mlp.w_gate, mlp.w_up, mlp.down.weight))
+    assert (mlp.w_gate.codes is codes) == (device == "cpu")
+    got = mlp(x.to(device))
+    assert_close(got, expected, (1e-6 if device == "cpu" else 2.0 ** -6) * expected.abs().max().item() + 1e-7, "moved")
