@@ -8,6 +8,9 @@ every NF4 path qmm timed there: auto and the forced ones). Inputs are rotated ov
 L2 size. Both sides are timed the same way: device time per call from CUDA-graph replays (no host gaps; the
 median of 7 replays of one graph of many calls) where the call can be captured, else CUDA events around each of
 --repeats calls after warm-up; torch's eager per-call time is printed beside it.
+Where bitsandbytes loads (scripts/fetch-wheels brings it to the GPU machine), its NF4 forward (matmul_4bit), input
+gradient (its backward: dequantize, then matmul) and NF4 LoRA block are timed on the same cases too: what a 4-bit
+user runs today, in the same run.
     python3 bench/compare_torch.py --qmm-json out/bench.json [--json out/compare.json]
 """
 import argparse
@@ -16,6 +19,11 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+
+try:
+    import bitsandbytes as bnb
+except Exception:  # not installed, or not for this PyTorch
+    bnb = None
 
 L2_BYTES = 60 << 20
 
@@ -149,6 +157,46 @@ def mlp_case(r):
     return fn, 1
 
 
+def bnb_nf4(shape):
+    """bitsandbytes' NF4 quantization (blocks of 64, double-quantized) of a random bf16 weight: (packed, state)."""
+    return bnb.functional.quantize_4bit(rand(shape, torch.bfloat16) * 0.02, blocksize=64, compress_statistics=True,
+                                        quant_type="nf4")
+
+
+def bnb_case(r):
+    """bitsandbytes on an NF4 GEMM or MLP-block result, as its Linear4bit runs it: (fn(i), sets), or None."""
+    op, m, n, k = r["op"], r["m"], r["n"], r["k"]
+    if op == "nf4_gemm":  # C[M,N] = A[M,K] W[N,K]^T (a GEMV kernel at one row)
+        q, state = bnb_nf4((n, k))
+        sets = n_sets(2 * m * (k + n) + n * k // 2)
+        As = [rand((m, k), torch.bfloat16) for _ in range(sets)]
+        return (lambda i: bnb.matmul_4bit(As[i], q.t(), quant_state=state)), sets
+    if op == "nf4_gemm_backward_a":  # qmm reports m = M, n = K, k = N: dA[M,K] = dC[M,N] W[N,K]
+        q, state = bnb_nf4((k, n))
+        sets = n_sets(2 * m * (k + n) + n * k // 2)
+        dCs = [rand((m, k), torch.bfloat16) for _ in range(sets)]
+        return (lambda i: dCs[i] @ bnb.functional.dequantize_4bit(q, state).to(torch.bfloat16)), sets
+    if op == "mlp_block":  # the LoRA block of mlp_case with bitsandbytes NF4 bases
+        i, h, rank, scale = n, k, 16, 32 / 16
+        bases = [bnb_nf4(shape) for shape in ((i, h), (i, h), (h, i))]
+        adapters = [(rand((rank, fan_in), torch.bfloat16).mul_(0.02).requires_grad_(),
+                     rand((fan_out, rank), torch.bfloat16).mul_(0.02).requires_grad_())
+                    for fan_in, fan_out in ((h, i), (h, i), (i, h))]
+        x = rand((m, h), torch.bfloat16).requires_grad_()
+        dy = rand((m, h), torch.bfloat16)
+
+        def lora(inp, base, ab):
+            lora_term = scale * F.linear(F.linear(inp, ab[0]), ab[1])
+            return bnb.matmul_4bit(inp, base[0].t(), quant_state=base[1]) + lora_term
+
+        def fn(_):
+            y = lora(F.silu(lora(x, bases[0], adapters[0])) * lora(x, bases[1], adapters[1]), bases[2], adapters[2])
+            torch.autograd.backward(y, dy)
+
+        return fn, 1
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--qmm-json", required=True)
@@ -162,6 +210,7 @@ def main():
           f" {'torch/qmm':>9}")
     rows = []
     nf4_baselines = {}  # every NF4 path of one op and shape (auto and the forced ones) against one torch timing
+    bnb_times = {}  # bitsandbytes per NF4 op and shape, and per block shape: (eager, graph)
     for r in data["results"]:
         nf4_key = (r["op"], r["shape"], r["m"], r["n"], r["k"]) if r["op"].startswith("nf4_gemm") else None
         if nf4_key in nf4_baselines:
@@ -186,12 +235,27 @@ def main():
         t = graph if graph is not None else eager
         q = r["median_us"] if graph is not None or not r.get("graph") else r.get("eager_us", r["median_us"])
         speed = t / q
-        rows.append({**{k: r[k] for k in ("op", "mode", "shape", "m", "n", "k")}, "qmm_us": q,
-                     "torch_us": t, "torch_eager_us": eager, "qmm_eager_us": r.get("eager_us"),
-                     "timing": "graph" if graph is not None else "eager", "speedup_vs_torch": speed})
+        row = {**{k: r[k] for k in ("op", "mode", "shape", "m", "n", "k")}, "qmm_us": q,
+               "torch_us": t, "torch_eager_us": eager, "qmm_eager_us": r.get("eager_us"),
+               "timing": "graph" if graph is not None else "eager", "speedup_vs_torch": speed}
+        bnb_note = ""
+        bnb_key = (r["op"], r["shape"], r["m"], r["n"], r["k"])
+        if bnb is not None and bnb_key not in bnb_times:
+            bcase = bnb_case(r)
+            if bcase is not None:
+                b_eager = time_us(bcase[0], bcase[1], args.repeats)
+                b_graph = time_graph_us(*bcase) if r.get("graph") and r["op"] != "mlp_block" else None
+                bnb_times[bnb_key] = (b_eager, b_graph)
+        if bnb_key in bnb_times:  # like with like, as for torch
+            b_eager, b_graph = bnb_times[bnb_key]
+            b_t, b_q = (b_graph, r["median_us"]) if b_graph is not None else \
+                (b_eager, r.get("eager_us", r["median_us"]) if r.get("graph") else r["median_us"])
+            row.update(bnb_us=b_t, bnb_qmm_us=b_q, bnb_eager_us=b_eager, speedup_vs_bnb=b_t / b_q)
+            bnb_note = f"; bitsandbytes {b_t:.1f} ({b_t / b_q:.2f}x qmm's {b_q:.1f})"
+        rows.append(row)
         print(f"{r['op']:<20} {r['mode']:<9} {r['shape']:<22} {r['m']:>5} {r['n']:>6} {r['k']:>6}"
               f" {q:>9.1f} {t:>9.1f} {speed:>9.2f} {'graph' if graph is not None else 'eager'}"
-              f" (eager: qmm {r.get('eager_us', 0):.1f}, torch {eager:.1f})", flush=True)
+              f" (eager: qmm {r.get('eager_us', 0):.1f}, torch {eager:.1f}{bnb_note})", flush=True)
         torch.cuda.empty_cache()
     if rows:
         worst = min(rows, key=lambda x: x["speedup_vs_torch"])

@@ -34,6 +34,15 @@ def main(bench_path, compare_path=None):
             print(f"| {op} | {mode} | {len(rows)} | {min(sp):.2f} | {statistics.median(sp):.2f} | "
                   f"{w['shape']} M={w['m']} ({w['qmm_us']:.1f} vs {w['torch_us']:.1f} µs) |")
         print()
+        with_bnb = [r for r in cmp if "speedup_vs_bnb" in r]
+        if with_bnb:  # compare_torch.py timed bitsandbytes too
+            print("### qmm against bitsandbytes, same run (bitsandbytes time / qmm time; ≥ 1 means qmm is faster)\n")
+            print("| op | mode | shape | M | qmm µs | bitsandbytes µs | bitsandbytes / qmm |\n"
+                  "| --- | --- | --- | --- | --- | --- | --- |")
+            for r in with_bnb:
+                print(f"| {r['op']} | {r['mode']} | {r['shape']} | {r['m']} | {r['bnb_qmm_us']:.1f} | "
+                      f"{r['bnb_us']:.1f} | {r['speedup_vs_bnb']:.2f} |")
+            print()
 
     print("### BF16-compute on f32 storage (M ≥ 512): speed against bf16 storage and against TF32\n")
     print("| op | shape | tokens | bf16 µs | f32/bf16 µs | TF32 µs | vs bf16 (≥ 0.75) | vs TF32 (> 1) |")
