@@ -19,6 +19,7 @@ import functools
 import json
 import math
 import types
+import warnings
 import weakref
 
 import torch
@@ -682,10 +683,30 @@ def _unpatched(module):
     return previous if previous is not None else getattr(type(module), attr).__get__(module)
 
 
+def _fallback(module, why, x, *args, **kwargs):
+    """Runs the module's own forward for a call qmm does not cover, saying why once per reason (Python's warnings
+    show each message once), so that a model that stays slow tells its user."""
+    warnings.warn(f"qmm.patch_bnb: {why}; the module's own forward runs instead", stacklevel=3)
+    return _unpatched(module)(x, *args, **kwargs)
+
+
+def _uncovered_call(x, args, kwargs):
+    """Why qmm does not take this call's arguments, or None."""
+    if args or kwargs:
+        return "a call with arguments besides the input"
+    if x.dtype not in _QMM_DTYPES:
+        return f"{x.dtype} activations (qmm takes torch.float32 and torch.bfloat16)"
+    return None
+
+
+_NOT_NF4 = "a weight not in bitsandbytes' NF4 layout (not quantized yet, or repacked for bitsandbytes' CPU kernels)"
+
+
 def _bnb_linear_forward(layer, path, x, *args, **kwargs):
-    w = None if args or kwargs or x.dtype not in _QMM_DTYPES else _current_nf4(layer)
+    why = _uncovered_call(x, args, kwargs)
+    w = None if why else _current_nf4(layer)
     if w is None:
-        return _unpatched(layer)(x, *args, **kwargs)
+        return _fallback(layer, why or _NOT_NF4, x, *args, **kwargs)
     return nf4_linear(x, w, layer.bias, path)
 
 
@@ -693,10 +714,14 @@ def _swiglu_mlp_forward(mlp, path, x, *args, **kwargs):
     projections = (mlp.gate_proj, mlp.up_proj)
     bases = [_bnb_nf4_base(p) for p in projections]
     terms = [_lora_terms(p) for p in projections]
-    weights = [None] if args or kwargs or x.dtype not in _QMM_DTYPES or None in bases or None in terms else \
-        [_current_nf4(b) for b in bases]
+    why = _uncovered_call(x, args, kwargs)
+    if why is None and None in bases:
+        why = "gate_proj or up_proj is no longer a bitsandbytes NF4 layer"
+    if why is None and None in terms:
+        why = "a LoRA variant (DoRA, ...) or a disabled adapter still merged on gate_proj or up_proj"
+    weights = [None] if why else [_current_nf4(b) for b in bases]
     if None in weights:
-        return _unpatched(mlp)(x, *args, **kwargs)
+        return _fallback(mlp, why or _NOT_NF4, x, *args, **kwargs)
     if terms == ["none", "none"] and bases[0].bias is None and bases[1].bias is None:  # the SwiGLU in the kernel
         return mlp.down_proj(nf4_swiglu(x, *weights, path))
     outs = nf4_gate_up_linear(x, *weights, path)
@@ -722,14 +747,14 @@ def _patch(module, forward, path):
 
 def patch_bnb(model, path="auto", fuse_mlp=True):
     """Runs a bitsandbytes 4-bit model's NF4 layers with qmm, in place, and changes nothing else: modules,
-    parameters, state-dict names and PEFT's LoRA adapters stay (PEFT trains, saves and merges them as before).
-    Every bitsandbytes NF4 linear layer then computes with qmm.nf4_linear (bf16 products, fp32 sums, whatever its
-    compute_dtype); with `fuse_mlp`, every MLP of Hugging Face's Llama/Qwen/Mistral form (down_proj(silu(gate_proj(x))
-    * up_proj(x)), gate_proj and up_proj NF4, PEFT-wrapped or not) computes both input projections from one read of
-    x (qmm.nf4_gate_up) and the SwiGLU with qmm, adding plain LoRA adapters as PEFT does. A call that qmm does not
-    cover (float16 activations, DoRA or other LoRA variants, extra arguments, a weight not yet quantized) runs the
-    module's own forward. `path` forces qmm's NF4 implementation (see nf4_gemm). Returns the patched modules'
-    names; unpatch_bnb undoes it."""
+    parameters, state-dict names and PEFT's LoRA adapters stay (PEFT trains, saves and merges them as before). Every
+    bitsandbytes NF4 linear layer then computes with qmm.nf4_linear (bf16 products, fp32 sums, whatever its
+    compute_dtype); with `fuse_mlp`, every MLP of Hugging Face's Llama/Qwen/Mistral form
+    (down_proj(silu(gate_proj(x)) * up_proj(x)), gate_proj and up_proj NF4, PEFT-wrapped or not) computes both input
+    projections from one read of x (qmm.nf4_gate_up) and the SwiGLU with qmm, adding plain LoRA adapters as PEFT
+    does. A call that qmm does not cover (float16 activations, DoRA or other LoRA variants, extra arguments, a
+    weight not yet quantized) runs the module's own forward, with a warning that says why (once per reason). `path`
+    forces qmm's NF4 implementation (see nf4_gemm). Returns the patched modules' names; unpatch_bnb undoes it."""
     _model("patch_bnb", model)
     _qmm.check_nf4_path(path, "patch_bnb")
     patched = []

@@ -766,13 +766,15 @@ def test_patch_bnb_runs_a_peft_model_with_qmm(device, monkeypatch):
     # back (its bases stay qmm's); float16 activations make a layer fall back.
     model[1].gate_proj.lora_variant = {"default": lambda layer, x, y: y + 3 * layer.lora_B["default"](
         layer.lora_A["default"](x))}
-    varied = _forward_backward(model, x, dy)
+    with pytest.warns(UserWarning, match="LoRA variant"):  # the fallback says why
+        varied = _forward_backward(model, x, dy)
     qmm.unpatch_bnb(model)
     _assert_near(varied, _forward_backward(model, x, dy), rel, "LoRA variant")
     model[1].gate_proj.lora_variant = {}
     qmm.patch_bnb(model)
     calls = [b.calls for b in bases]
-    y16 = model[0](x.half())  # (PyTorch's CPU SiLU takes no float16: the MLP is not run)
+    with pytest.warns(UserWarning, match="torch.float16 activations"):
+        y16 = model[0](x.half())  # (PyTorch's CPU SiLU takes no float16: the MLP is not run)
     assert y16.dtype == torch.float16 and [b.calls for b in bases] == [calls[0] + 1] + calls[1:]
 
     # Adapters disabled (PEFT's disable_adapter): the MLP's SwiGLU runs in the gate/up kernel's epilogue.
