@@ -136,25 +136,32 @@ def swiglu_case(r):
     return (lambda i: torch.autograd.grad(hs[i], (gs[i], us[i]), dhs[i], retain_graph=True)), sets
 
 
-def mlp_case(r):
-    """The bf16-base LoRA SwiGLU MLP block as PyTorch users write it (eager; rank 16, alpha 32, no dropout):
-    forward, then backward for x and every adapter. qmm's NF4 and bf16 blocks are both compared against it."""
+def lora_block(r, base_of):
+    """The LoRA SwiGLU MLP block as PyTorch users write it (eager; rank 16, alpha 32, no dropout): forward, then
+    backward for x and every adapter. base_of(shape) gives a frozen base weight's product inp -> inp @ W^T."""
     m, i, h, rank, scale = r["m"], r["n"], r["k"], 16, 32 / 16
     dt = torch.bfloat16
-    wg, wu, wd = rand((i, h), dt) * 0.02, rand((i, h), dt) * 0.02, rand((h, i), dt) * 0.02
-    adapters = [(rand((rank, k), dt).mul_(0.02).requires_grad_(), rand((n, rank), dt).mul_(0.02).requires_grad_())
-                for k, n in ((h, i), (h, i), (i, h))]
+    bases = [base_of(shape) for shape in ((i, h), (i, h), (h, i))]
+    adapters = [(rand((rank, fan_in), dt).mul_(0.02).requires_grad_(), rand((fan_out, rank), dt).mul_(0.02)
+                 .requires_grad_()) for fan_in, fan_out in ((h, i), (h, i), (i, h))]
     x = rand((m, h), dt).requires_grad_()
     dy = rand((m, h), dt)
 
-    def lora(inp, w, ab):
-        return F.linear(inp, w) + scale * F.linear(F.linear(inp, ab[0]), ab[1])
+    def lora(inp, j):
+        return bases[j](inp) + scale * F.linear(F.linear(inp, adapters[j][0]), adapters[j][1])
 
     def fn(_):
-        y = lora(F.silu(lora(x, wg, adapters[0])) * lora(x, wu, adapters[1]), wd, adapters[2])
-        torch.autograd.backward(y, dy)
+        torch.autograd.backward(lora(F.silu(lora(x, 0)) * lora(x, 1), 2), dy)
 
     return fn, 1
+
+
+def mlp_case(r):
+    """The bf16-base block (lora_block); qmm's NF4 and bf16 blocks are both compared against it."""
+    def dense(shape):
+        w = rand(shape, torch.bfloat16) * 0.02
+        return lambda inp: F.linear(inp, w)
+    return lora_block(r, dense)
 
 
 def bnb_nf4(shape):
@@ -163,37 +170,27 @@ def bnb_nf4(shape):
                                         quant_type="nf4")
 
 
+def bnb_base(shape):
+    """inp -> inp @ W^T for a bitsandbytes NF4 weight, as its Linear4bit computes it (a GEMV kernel at one row)."""
+    q, state = bnb_nf4(shape)
+    return lambda inp: bnb.matmul_4bit(inp, q.t(), quant_state=state)
+
+
 def bnb_case(r):
     """bitsandbytes on an NF4 GEMM or MLP-block result, as its Linear4bit runs it: (fn(i), sets), or None."""
     op, m, n, k = r["op"], r["m"], r["n"], r["k"]
-    if op == "nf4_gemm":  # C[M,N] = A[M,K] W[N,K]^T (a GEMV kernel at one row)
-        q, state = bnb_nf4((n, k))
+    if op == "nf4_gemm":  # C[M,N] = A[M,K] W[N,K]^T
+        base = bnb_base((n, k))
         sets = n_sets(2 * m * (k + n) + n * k // 2)
         As = [rand((m, k), torch.bfloat16) for _ in range(sets)]
-        return (lambda i: bnb.matmul_4bit(As[i], q.t(), quant_state=state)), sets
+        return (lambda i: base(As[i])), sets
     if op == "nf4_gemm_backward_a":  # qmm reports m = M, n = K, k = N: dA[M,K] = dC[M,N] W[N,K]
         q, state = bnb_nf4((k, n))
         sets = n_sets(2 * m * (k + n) + n * k // 2)
         dCs = [rand((m, k), torch.bfloat16) for _ in range(sets)]
         return (lambda i: dCs[i] @ bnb.functional.dequantize_4bit(q, state).to(torch.bfloat16)), sets
-    if op == "mlp_block":  # the LoRA block of mlp_case with bitsandbytes NF4 bases
-        i, h, rank, scale = n, k, 16, 32 / 16
-        bases = [bnb_nf4(shape) for shape in ((i, h), (i, h), (h, i))]
-        adapters = [(rand((rank, fan_in), torch.bfloat16).mul_(0.02).requires_grad_(),
-                     rand((fan_out, rank), torch.bfloat16).mul_(0.02).requires_grad_())
-                    for fan_in, fan_out in ((h, i), (h, i), (i, h))]
-        x = rand((m, h), torch.bfloat16).requires_grad_()
-        dy = rand((m, h), torch.bfloat16)
-
-        def lora(inp, base, ab):
-            lora_term = scale * F.linear(F.linear(inp, ab[0]), ab[1])
-            return bnb.matmul_4bit(inp, base[0].t(), quant_state=base[1]) + lora_term
-
-        def fn(_):
-            y = lora(F.silu(lora(x, bases[0], adapters[0])) * lora(x, bases[1], adapters[1]), bases[2], adapters[2])
-            torch.autograd.backward(y, dy)
-
-        return fn, 1
+    if op == "mlp_block":
+        return lora_block(r, bnb_base)
     return None
 
 

@@ -555,9 +555,14 @@ def _bnb_weight(layer, name, bias_ok=False):
     return Nf4Weight.from_bnb(weight, weight.quant_state)
 
 
+def _has_bnb_weight(module):
+    """A bitsandbytes 4-bit layer, or something that shows one's weight (a PEFT LoRA layer): its weight carries a
+    quant_state attribute."""
+    return hasattr(getattr(module, "weight", None), "quant_state")
+
+
 def _is_bnb_mlp(module):
-    return all(hasattr(getattr(getattr(module, p, None), "weight", None), "quant_state")
-               for p in ("gate_proj", "up_proj", "down_proj"))
+    return all(_has_bnb_weight(getattr(module, p, None)) for p in ("gate_proj", "up_proj", "down_proj"))
 
 
 def _model(op, model):
@@ -593,7 +598,7 @@ def replace_bnb_linears(model, names=("q_proj", "k_proj", "v_proj", "o_proj"), *
     fresh LoRA adapters (`lora` as for QLoraLinear). Returns the replaced modules' names. With replace_bnb_mlps
     this puts LoRA on every projection of a 4-bit Llama/Qwen/Mistral model, as QLoRA does."""
     def matches(name, module):
-        return name.rpartition(".")[2] in names and hasattr(getattr(module, "weight", None), "quant_state")
+        return name.rpartition(".")[2] in names and _has_bnb_weight(module)
     return _replace_modules("replace_bnb_linears", model, matches, lambda m: QLoraLinear.from_bnb(m, **lora))
 
 
@@ -615,8 +620,7 @@ def _is_lora_wrapper(layer):
 def _is_bnb_nf4_layer(layer):
     """A bitsandbytes 4-bit layer holding NF4 (or not yet quantized: bitsandbytes quantizes on moving to a GPU); not
     a PEFT LoRA layer around one, which shows its base's weight."""
-    weight = getattr(layer, "weight", None)
-    return hasattr(weight, "quant_state") and getattr(weight.quant_state, "quant_type", "nf4") == "nf4" and \
+    return _has_bnb_weight(layer) and getattr(layer.weight.quant_state, "quant_type", "nf4") == "nf4" and \
         not _is_lora_wrapper(layer)
 
 
