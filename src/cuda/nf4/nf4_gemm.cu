@@ -162,7 +162,10 @@ const void* bf16_operand(const Context& ctx, const TensorView& a, const ScratchP
 }
 
 // The dispatcher: Auto takes the fused small-M kernels up to these row counts (where their preconditions hold),
-// the fused tensor-core kernels or dequantize + cuBLASLt above. Set from `qmm bench` device times on an H200
+// the fused tensor-core kernels or dequantize + cuBLASLt above. The choice is made again on every call rather than
+// kept in the context's PlanCache: it is a handful of comparisons, and a PlanCache lookup (a string key, a lock,
+// a hash) costs more (78 ns per lookup of such a key, measured on the development machine's CPU); the cache serves
+// cuBLASLt's heuristic query, which takes microseconds. Set from `qmm bench` device times on an H200
 // (docs/BENCHMARKS.md): the forward (table kernel, GEMV at M = 1) wins up to its limit of 32 rows on every
 // measured shape but one (M = 32: Qwen2.5-1.5B gate/up 14.3 vs 19.0 µs for dequantize + GEMM, down 18.4 vs 18.9
 // for the fused kernel; Llama-3-8B gate/up 44.5 vs 48.8 fused; Llama down loses, 47.6 vs 45.8, session 16). The
