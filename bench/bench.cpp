@@ -514,18 +514,21 @@ void Bench::run_nf4() {
       }
     }
   }
-  // Whether this build and GPU run the fused kernel (sm_90a on Hopper): a forced Fused path raises Unsupported.
-  bool fused_ok = is_gpu_;
-  if (fused_ok) {
+  // Whether this build and GPU run a forced fused path (Fused: sm_90a on Hopper; FusedMma: sm_80 on): one that
+  // cannot raises Unsupported.
+  auto runs = [&](Nf4Path path) {
+    if (!is_gpu_) return false;
     try {
       Nf4Tensor w = nf4_quantize(ctx_, pool_.make(ctx_, DType::BF16, {64, 64}, 399), false);
       Tensor a(DType::BF16, {1, 64}, ctx_.device()), c(DType::BF16, {1, 64}, ctx_.device());
-      nf4_gemm(ctx_, a, w, c, {1.0f, 0.0f, Nf4Path::Fused});
+      nf4_gemm(ctx_, a, w, c, {1.0f, 0.0f, path});
     } catch (const Error& e) {
       if (e.code() != ErrorCode::Unsupported) throw;
-      fused_ok = false;
+      return false;
     }
-  }
+    return true;
+  };
+  const bool fused_ok = runs(Nf4Path::Fused), mma_ok = runs(Nf4Path::FusedMma);
   // The usual token counts plus 8 and 32, where the dispatcher's small-M thresholds are decided, 256, inside the
   // range where Auto takes the fused forward on large weights, and 1024, between it and the shared-dequantization
   // kernel's range.
@@ -566,9 +569,10 @@ void Bench::run_nf4() {
       std::vector<std::pair<std::string, Nf4Path>> paths = {{"auto", Nf4Path::Auto}};
       // (The CPU backend runs Auto only.)
       if (M <= 64 && is_gpu_) paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"small-m", Nf4Path::SmallM}});
-      if (M >= 256 && fused_ok) paths.push_back({"dequant", Nf4Path::DequantGemm});
+      if (M >= 256 && (fused_ok || mma_ok)) paths.push_back({"dequant", Nf4Path::DequantGemm});
       if (M >= 32 && fused_ok) paths.push_back({"fused", Nf4Path::Fused});
       if (M >= 256 && fused_ok) paths.push_back({"fused-shared", Nf4Path::FusedShared});
+      if (M >= 32 && mma_ok) paths.push_back({"fused-mma", Nf4Path::FusedMma});
       // The paths of each op are timed in turns (time_interleaved), so that they can be compared.
       std::vector<Result> fwd_rows, bwd_rows;
       std::vector<std::function<void(int)>> fwd_fns, bwd_fns;

@@ -77,9 +77,12 @@ void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& ou
 // per projection; sm_90a builds on Hopper, K and block size multiples of 64, N a multiple of 8 for the input
 // gradient). FusedShared: the same tensor-core GEMM with each weight tile dequantized once per call instead of once
 // per activation tile (the CTAs that share a tile claim its dequantization, write it as bf16 to a scratch
-// workspace of W's size and load it from there; same preconditions; Auto does not take it yet). Reference: CPU only.
+// workspace of W's size and load it from there; same preconditions; Auto does not take it yet). FusedMma: a fused
+// kernel on mma.sync for any GPU from compute capability 8.0 on (Ampere, Ada, also Hopper), with the dequantization
+// in its main loop (K and block size multiples of 64, N a multiple of 8 for the input gradient; Auto does not take
+// it yet). Reference: CPU only.
 // A forced path that cannot serve the problem throws Unsupported, naming what it needs.
-enum class Nf4Path { Auto, Reference, DequantGemm, SmallM, Fused, FusedShared };
+enum class Nf4Path { Auto, Reference, DequantGemm, SmallM, Fused, FusedShared, FusedMma };
 const char* nf4_path_name(Nf4Path path);
 
 struct Nf4GemmOptions {

@@ -313,7 +313,7 @@ def _nf4_gemm(fn, op, x, x_name, out_name, in_cols, out_cols, w, out, alpha, bet
 def nf4_gemm(a, w, *, out=None, alpha=1.0, beta=0.0, path="auto", out_dtype=None):
     """out[..., N] = alpha * a[..., K] @ dequant(W)^T + beta * out for W [N, K]: bf16 products, fp32 sums (see
     include/qmm/ops.h for the small-M kernels' scale-after contract). path forces an implementation: "auto",
-    "dequant_gemm", "small_m", "fused", "fused_shared", or "reference" (CPU)."""
+    "dequant_gemm", "small_m", "fused", "fused_shared", "fused_mma", or "reference" (CPU)."""
     n, k = _nf4("nf4_gemm", "w", w)
     return _nf4_gemm(_qmm.nf4_gemm, "nf4_gemm", a, "a", "c", k, n, w, out, alpha, beta, path, out_dtype)
 

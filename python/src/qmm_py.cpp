@@ -117,7 +117,8 @@ qmm::MathMode math_of(const std::string& name, const char* op) {
 
 qmm::Nf4Path path_of(const std::string& name, const char* op) {
   using P = qmm::Nf4Path;
-  static constexpr P kPaths[] = {P::Auto, P::Reference, P::DequantGemm, P::SmallM, P::Fused, P::FusedShared};
+  static constexpr P kPaths[] = {P::Auto,  P::Reference, P::DequantGemm, P::SmallM,
+                                 P::Fused, P::FusedShared, P::FusedMma};
   return enum_of(name, kPaths, qmm::nf4_path_name, op, "path");
 }
 

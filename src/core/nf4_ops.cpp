@@ -22,6 +22,7 @@ const char* nf4_path_name(Nf4Path path) {
     case Nf4Path::SmallM: return "small_m";
     case Nf4Path::Fused: return "fused";
     case Nf4Path::FusedShared: return "fused_shared";
+    case Nf4Path::FusedMma: return "fused_mma";
   }
   return "?";
 }
@@ -73,7 +74,7 @@ void require_options(const char* op, const Nf4GemmOptions& opts) {
   if (!std::isfinite(opts.beta))
     fail(ErrorCode::InvalidArgument, op, "beta is " + std::to_string(opts.beta) + " but must be finite");
   const int p = static_cast<int>(opts.path);
-  if (p < static_cast<int>(Nf4Path::Auto) || p > static_cast<int>(Nf4Path::FusedShared))
+  if (p < static_cast<int>(Nf4Path::Auto) || p > static_cast<int>(Nf4Path::FusedMma))
     fail(ErrorCode::InvalidArgument, op, "path " + std::to_string(p) + " is unknown");
 }
 

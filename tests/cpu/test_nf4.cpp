@@ -773,7 +773,7 @@ TEST(Nf4Validation, GemmArguments) {
   EXPECT_TRUE(rejected(gemm(o.a, c, {1, inf, Nf4Path::Auto}), ErrorCode::InvalidArgument, {"nf4_gemm:", "beta"}, {c}));
   EXPECT_TRUE(rejected(gemm(o.a, c, {1, 0, static_cast<Nf4Path>(9)}), ErrorCode::InvalidArgument,
                        {"nf4_gemm:", "path 9 is unknown"}, {c}));
-  for (Nf4Path p : {Nf4Path::DequantGemm, Nf4Path::SmallM, Nf4Path::Fused, Nf4Path::FusedShared})
+  for (Nf4Path p : {Nf4Path::DequantGemm, Nf4Path::SmallM, Nf4Path::Fused, Nf4Path::FusedShared, Nf4Path::FusedMma})
     EXPECT_TRUE(rejected(gemm(o.a, c, {1, 0, p}), ErrorCode::Unsupported,
                          {"nf4_gemm:", std::string("path ") + nf4_path_name(p), "CPU"}, {c}));
 
@@ -907,6 +907,7 @@ TEST(Nf4Paths, Names) {
   EXPECT_STREQ(nf4_path_name(Nf4Path::SmallM), "small_m");
   EXPECT_STREQ(nf4_path_name(Nf4Path::Fused), "fused");
   EXPECT_STREQ(nf4_path_name(Nf4Path::FusedShared), "fused_shared");
+  EXPECT_STREQ(nf4_path_name(Nf4Path::FusedMma), "fused_mma");
 }
 
 TEST(Nf4Tensor, AllocateSizesEveryField) {

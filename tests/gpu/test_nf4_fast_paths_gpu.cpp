@@ -1,5 +1,6 @@
 // The NF4 GEMM fast paths against the CPU oracle, forced by path: the small-M kernels (forward, input gradient,
-// gate+up) and the fused tensor-core kernels (sm_90a; in-loop and shared dequantization).
+// gate+up), the fused tensor-core kernels (sm_90a; in-loop and shared dequantization) and the fused mma.sync
+// kernel (sm_80 on).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -211,19 +212,22 @@ TEST(SmallMGateUp, AllOutputCombinationsMatchCpu) {
   expect_gate_up_matches(Nf4Path::SmallM, 1, 333, 1088, DType::F32);  // the GEMV kernel, both weights in a launch
 }
 
-// The fused kernel runs on sm_90a builds on Hopper; elsewhere forcing it raises Unsupported (tested below).
-bool fused_available() {
+// Whether a forced path runs on this build and GPU: one that cannot raises Unsupported (tested below). The fused
+// kernels (Fused, FusedShared) need an sm_90a build on Hopper, the mma.sync one (FusedMma) compute capability 8.0.
+bool path_available(Nf4Path path) {
   Context& gpu = *test::gpu_context();
   Problem p = make_weight(64, 64, false, 1);
   Tensor a(DType::BF16, {1, 64}, gpu.device()), c(DType::F32, {1, 64}, gpu.device());
   try {
-    nf4_gemm(gpu, a, p.w_dev, c, {1, 0, Nf4Path::Fused});
+    nf4_gemm(gpu, a, p.w_dev, c, {1, 0, path});
   } catch (const Error& e) {
     if (e.code() == ErrorCode::Unsupported) return false;
     throw;
   }
   return true;
 }
+bool fused_available() { return path_available(Nf4Path::Fused); }
+bool fused_mma_available() { return path_available(Nf4Path::FusedMma); }
 
 using FusedShape = std::tuple<std::int64_t, std::int64_t, std::int64_t, int>;  // M, N, K, block size
 
@@ -342,6 +346,55 @@ TEST(FusedPath, SharedDequantPersistentGridMatchesDequantGemm) {
   }
 }
 
+class FusedMmaCase : public ::testing::TestWithParam<FusedShape> {
+ protected:
+  void SetUp() override {
+    QMM_REQUIRE_GPU();
+    if (!fused_mma_available()) GTEST_SKIP() << "the mma.sync fused kernel needs compute capability 8.0 or newer";
+  }
+};
+
+class FusedMmaForward : public FusedMmaCase {};
+
+TEST_P(FusedMmaForward, MatchesCpuOracle) {
+  const auto [m, n, k, block] = GetParam();
+  expect_forward_matches(Nf4Path::FusedMma, m, n, k, block);
+}
+
+// Ragged M and N around the 128 x 128 tile, one stage (K = 64) and many, block sizes 64 to 1024; split-K where the
+// tiles leave SMs idle (7 x 130 x 2048: 2 tiles, 8 splits of 4 stages; 300 x 63: 3 tiles) and none where they fill
+// the GPU (129 x 8400: 132 tiles of which the last row and column are ragged).
+INSTANTIATE_TEST_SUITE_P(Shapes, FusedMmaForward,
+                         ::testing::Values(FusedShape{1, 1, 64, 64}, FusedShape{7, 130, 128, 64},
+                                           FusedShape{7, 130, 2048, 64}, FusedShape{65, 257, 576, 64},
+                                           FusedShape{128, 128, 320, 128}, FusedShape{300, 63, 2048, 64},
+                                           FusedShape{257, 200, 1024, 256}, FusedShape{130, 70, 2048, 1024},
+                                           FusedShape{129, 8400, 128, 64}, FusedShape{300, 1000, 1536, 64}));
+
+class FusedMmaBackward : public FusedMmaCase {};
+
+TEST_P(FusedMmaBackward, MatchesCpuOracle) {
+  const auto [m, n, k, block] = GetParam();
+  expect_backward_matches(Nf4Path::FusedMma, m, n, k, block);
+}
+
+// N (the reduction) ragged against the 64-row stage, K not a multiple of the 128-column tile (192, 320: half a
+// tile), ragged M, split-K (few tiles) and none (129 x 8448 outputs: 132 tiles), block sizes 64 to 256.
+INSTANTIATE_TEST_SUITE_P(Shapes, FusedMmaBackward,
+                         ::testing::Values(FusedShape{1, 8, 64, 64}, FusedShape{7, 200, 192, 64},
+                                           FusedShape{300, 520, 320, 64}, FusedShape{257, 64, 1024, 64},
+                                           FusedShape{65, 256, 512, 256}, FusedShape{70, 136, 1024, 128},
+                                           FusedShape{129, 72, 8448, 64}, FusedShape{1000, 1536, 256, 64}));
+
+// gate_up on the mma.sync kernel: once per projection, every output combination, overwriting and accumulating.
+TEST(FusedMmaGateUp, AllOutputCombinationsMatchCpu) {
+  QMM_REQUIRE_GPU();
+  if (!fused_mma_available()) GTEST_SKIP() << "the mma.sync fused kernel needs compute capability 8.0 or newer";
+  expect_gate_up_matches(Nf4Path::FusedMma, 65, 130, 1024, DType::BF16);
+  expect_gate_up_matches(Nf4Path::FusedMma, 300, 257, 576, DType::F32);
+  expect_gate_up_matches(Nf4Path::FusedMma, 65, 130, 576, DType::BF16, 1.0f);
+}
+
 TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();
@@ -357,6 +410,13 @@ TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
   const std::string why_n = fused_available() ? "N a multiple of 8" : "needs";
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, dc, q.w_dev, da, {1, 0, Nf4Path::Fused}); },
                                  ErrorCode::Unsupported, {"nf4_gemm_backward_a", "Fused", why_n}));
+  // The same preconditions for the mma.sync kernel, named by its own messages.
+  const bool mma = fused_mma_available();
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, p.w_dev, c, {1, 0, Nf4Path::FusedMma}); },
+                                 ErrorCode::Unsupported, {"nf4_gemm", "FusedMma", mma ? "K a multiple of 64" : "8.0"}));
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, dc, q.w_dev, da, {1, 0, Nf4Path::FusedMma}); },
+                                 ErrorCode::Unsupported,
+                                 {"nf4_gemm_backward_a", "FusedMma", mma ? "N a multiple of 8" : "8.0"}));
 }
 
 // Where the pair kernel splits K (or runs gate and up in one launch), a block adds its row groups' partial sums

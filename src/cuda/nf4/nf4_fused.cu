@@ -42,6 +42,7 @@
 #include "cuda/common/cuda_state.h"
 #include "cuda/common/sm80_ptx.cuh"  // ldmatrix, cp.async
 #include "cuda/nf4/nf4_small_m.h"    // launch_nf4_split_k_reduce
+#include "cuda/nf4/nf4_fused_mma.h"
 #include "core/nf4_lut.h"            // block tables and their byte-permute lookups (shared with a CPU test)
 #include "cuda/nf4/nf4_small_m.cuh"  // Scales, load_scale, finish_scale, store_out
 #include "qmm/error.h"
@@ -1096,13 +1097,15 @@ void launch_shared_dequant(const Context& ctx, const void* b16, std::int64_t M, 
 
 void launch_nf4_gemm_fused(const Context& ctx, const void* a16, std::int64_t M, const Nf4Weight& w,
                            const TensorView& c, float alpha, float beta, FusedKernel kernel) {
-  if (kernel == FusedKernel::SharedDequant) launch_shared_dequant<false>(ctx, a16, M, w, c, alpha, beta);
+  if (kernel == FusedKernel::Mma) launch_nf4_fused_mma(ctx, a16, M, w, c, alpha, beta, false);
+  else if (kernel == FusedKernel::SharedDequant) launch_shared_dequant<false>(ctx, a16, M, w, c, alpha, beta);
   else launch_fused<false>(ctx, a16, M, w, c, alpha, beta);
 }
 
 void launch_nf4_gemm_backward_fused(const Context& ctx, const void* dc16, std::int64_t M, const Nf4Weight& w,
                                     const TensorView& da, float alpha, float beta, FusedKernel kernel) {
-  if (kernel == FusedKernel::SharedDequant) launch_shared_dequant<true>(ctx, dc16, M, w, da, alpha, beta);
+  if (kernel == FusedKernel::Mma) launch_nf4_fused_mma(ctx, dc16, M, w, da, alpha, beta, true);
+  else if (kernel == FusedKernel::SharedDequant) launch_shared_dequant<true>(ctx, dc16, M, w, da, alpha, beta);
   else launch_fused<true>(ctx, dc16, M, w, da, alpha, beta);
 }
 

@@ -20,10 +20,11 @@ bool nf4_fused_supported(const Context& ctx, const TensorView& activations, cons
 // factor over whole waves of one CTA per SM), in (0, 1]: the dispatcher's measure of wave quantization.
 double nf4_fused_wave_fill(const Context& ctx, std::int64_t M, const Nf4Weight& w, bool backward);
 
-// The two fused kernels: InLoop dequantizes each CTA's weight tiles inside its main loop (Nf4Path::Fused);
+// The fused kernels: InLoop dequantizes each CTA's weight tiles inside its main loop (Nf4Path::Fused);
 // SharedDequant dequantizes each tile once per launch, by whichever CTA sharing it claims it, into a bf16
-// workspace of W's size that the others load with TMA (Nf4Path::FusedShared).
-enum class FusedKernel { InLoop, SharedDequant };
+// workspace of W's size that the others load with TMA (Nf4Path::FusedShared); Mma is the in-loop kernel on
+// mma.sync for any GPU from sm_80 on (Nf4Path::FusedMma, nf4_fused_mma.h: its own preconditions).
+enum class FusedKernel { InLoop, SharedDequant, Mma };
 
 // C[M,N] = alpha * A16[M,K] * dequant(W)^T + beta * C, A16 bf16 (row-major, 16-byte aligned), C f32 or bf16.
 void launch_nf4_gemm_fused(const Context& ctx, const void* a16, std::int64_t M, const Nf4Weight& w,

@@ -6,7 +6,8 @@
 //  where they measured faster and apply (fused_choice), DequantGemm otherwise.
 //  Fused: the fused tensor-core kernels (nf4_fused.cu, sm_90a) for the forward and the input gradient where they
 //  apply, Unsupported otherwise; FusedShared the same with each weight tile dequantized once per call (forced
-//  only, see fused_choice). Reference: the CPU backend's, not a GPU path.
+//  only, see fused_choice); FusedMma the fused kernel on mma.sync (nf4_fused_mma.cu, any GPU from sm_80 on;
+//  forced only). Reference: the CPU backend's, not a GPU path.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include "cuda/common/cuda_state.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/nf4/nf4_fused.h"
+#include "cuda/nf4/nf4_fused_mma.h"
 #include "cuda/nf4/nf4_small_m.h"
 #include "cuda/swiglu/swiglu.cuh"
 #include "qmm/error.h"
@@ -40,6 +42,7 @@ const char* path_label(Nf4Path p) {
     case Nf4Path::SmallM: return "SmallM";
     case Nf4Path::Fused: return "Fused";
     case Nf4Path::FusedShared: return "FusedShared";
+    case Nf4Path::FusedMma: return "FusedMma";
   }
   return "?";
 }
@@ -64,6 +67,7 @@ void check_path(const char* op, Nf4Path p, const PathFit& small_m, const PathFit
       unsupported(op, p, "does not support this problem (it needs " + small_m.needs + ")");
     case Nf4Path::Fused:
     case Nf4Path::FusedShared:
+    case Nf4Path::FusedMma:
       if (fused.ok) return;
       unsupported(op, p, "does not support this problem (it needs " + fused.needs + ")");
     case Nf4Path::Reference: unsupported(op, p, "runs on the CPU backend only (use a CPU context)");
@@ -71,10 +75,12 @@ void check_path(const char* op, Nf4Path p, const PathFit& small_m, const PathFit
   unsupported(op, p, "is unknown");
 }
 
-PathFit fused_fit(const Context& ctx, const TensorView& activations, const Nf4Weight& w, bool backward) {
+PathFit fused_fit(const Context& ctx, const TensorView& activations, const Nf4Weight& w, bool backward,
+                  FusedKernel kernel) {
   const char* why = nullptr;
   PathFit f;
-  f.ok = nf4_fused_supported(ctx, activations, w, backward, &why);
+  f.ok = kernel == FusedKernel::Mma ? nf4_fused_mma_supported(ctx, activations, w, backward, &why)
+                                    : nf4_fused_supported(ctx, activations, w, backward, &why);
   if (!f.ok) f.needs = why;
   return f;
 }
@@ -214,6 +220,7 @@ std::optional<FusedKernel> fused_choice(const Context& ctx, Nf4Path path, std::i
                                         bool small_m, bool backward) {
   if (path == Nf4Path::Fused) return FusedKernel::InLoop;
   if (path == Nf4Path::FusedShared) return FusedKernel::SharedDequant;
+  if (path == Nf4Path::FusedMma) return FusedKernel::Mma;
   if (path != Nf4Path::Auto || small_m) return std::nullopt;
   const bool large = w.numel() >= kLargeWeightElements;
   const RowRange r = large ? kAutoFusedRowsLarge[backward ? 1 : 0] : kAutoFusedRows;
@@ -263,7 +270,7 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
   // Where Auto would take it but it cannot serve (another GPU, a build without sm_90a, K % 64 != 0...),
   // dequantize + cuBLASLt runs instead.
   const std::optional<FusedKernel> kernel = fused_choice(ctx, opts.path, a.dim(0), w, small_m, false);
-  const PathFit fused = kernel ? fused_fit(ctx, a, w, false) : PathFit{};
+  const PathFit fused = kernel ? fused_fit(ctx, a, w, false, *kernel) : PathFit{};
   check_path(op, opts.path, {small_m, kSmallMNeeds}, fused);
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
   if (M == 0 || N == 0) return;
@@ -293,7 +300,7 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
       wants_small_m(opts.path, dc.dim(0), auto_small_m_backward_rows(w)) &&
       nf4_small_m_backward_supported(dc, w);
   const std::optional<FusedKernel> kernel = fused_choice(ctx, opts.path, dc.dim(0), w, small_m, true);
-  const PathFit fused = kernel ? fused_fit(ctx, dc, w, true) : PathFit{};
+  const PathFit fused = kernel ? fused_fit(ctx, dc, w, true, *kernel) : PathFit{};
   check_path(op, opts.path, {small_m, kSmallMBackwardNeeds}, fused);
   const std::int64_t M = dc.dim(0), N = w.rows, K = w.cols;
   if (M == 0 || K == 0) return;
@@ -325,8 +332,8 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   const std::optional<FusedKernel> kernel = fused_choice(ctx, opts.path, a.dim(0), w_gate, small_m, false);
   PathFit fused;
   if (kernel) {
-    fused = fused_fit(ctx, a, w_gate, false);
-    if (fused.ok) fused = fused_fit(ctx, a, w_up, false);
+    fused = fused_fit(ctx, a, w_gate, false, *kernel);
+    if (fused.ok) fused = fused_fit(ctx, a, w_up, false, *kernel);
   }
   check_path(op, opts.path, {small_m, kSmallMNeeds}, fused);
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w_gate.rows;
