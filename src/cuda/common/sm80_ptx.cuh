@@ -51,6 +51,11 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Byte offset of the 16-byte chunk `chunk` (8 b16 along the contiguous dimension) of row `row` in a tile of
+// 128-byte rows XOR-swizzled by row (the 128-byte swizzle of TMA and wgmma): 8 consecutive rows at one chunk, an
+// ldmatrix matrix, hit 8 different bank groups.
+__device__ __forceinline__ int sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
 // Four 8 x 8 b16 matrices from shared memory (lanes 8i.. give matrix i's row addresses), as mma fragments; .trans
 // hands each lane the transposed matrices' elements.
 __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t addr) {

@@ -55,6 +55,7 @@ using nf4_lut::block_table;
 using nf4_lut::BlockTable;
 using small_m::RawScale;
 using small_m::Scales;
+using common::sw128_offset;
 using small_m::shared_address;
 
 constexpr int kBlockW = 128;  // weight rows (outputs n) per CTA: two consumer warpgroups of m64
@@ -152,10 +153,6 @@ __device__ __forceinline__ std::uint64_t sw128_mn_desc(std::uint32_t addr) {
   return static_cast<std::uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<std::uint64_t>(8192 >> 4) << 16) |
          (static_cast<std::uint64_t>(1024 >> 4) << 32) | (1ull << 62);
 }
-
-// Byte offset of the 16-byte chunk `chunk` (8 bf16 along its contiguous dimension) of row `row` in a
-// 128-byte-swizzled tile.
-__device__ __forceinline__ int sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
 __device__ __forceinline__ RawScale load_scale_or_zero(const Scales& scales, bool valid, std::int64_t e) {
   return valid ? small_m::load_scale(scales, e >> scales.block_shift) : RawScale{0.0f, 0u};
@@ -991,6 +988,15 @@ double nf4_fused_wave_fill(const Context& ctx, std::int64_t M, const Nf4Weight& 
   return static_cast<double>(ctas) / static_cast<double>(waves * sms);
 }
 
+const char* nf4_fused_shape_unmet(const TensorView& activations, const Nf4Weight& w, bool backward) {
+  if (w.cols % 64 != 0) return "K a multiple of 64";
+  if (backward && w.rows % 8 != 0) return "N a multiple of 8 (16-byte dC rows)";
+  if (w.block_size % 64 != 0) return "a block size that is a multiple of 64";
+  if ((activations.dtype() == DType::BF16 && !aligned16(activations.data())) || !aligned16(w.codes.data()))
+    return "16-byte aligned bf16 activations and codes";
+  return nullptr;
+}
+
 bool nf4_fused_supported(const Context& ctx, const TensorView& b, const Nf4Weight& w, bool backward,
                          const char** why) {
   auto no = [&](const char* reason) {
@@ -1005,11 +1011,8 @@ bool nf4_fused_supported(const Context& ctx, const TensorView& b, const Nf4Weigh
   return no("a build with sm_90a (QMM_CUDA_ARCHS containing 90a)");
 #else
   if (state(ctx).cc() != 90) return no("a compute capability 9.0 GPU (Hopper)");
-  if (w.cols % fused::kBlockK != 0) return no("K a multiple of 64");
-  if (backward && w.rows % 8 != 0) return no("N a multiple of 8 (16-byte dC rows for TMA)");
-  if (w.block_size % fused::kBlockK != 0) return no("a block size that is a multiple of 64");
-  if ((b.dtype() == DType::BF16 && !aligned16(b.data())) || !aligned16(w.codes.data()))
-    return no("16-byte aligned bf16 activations and codes");
+  static_assert(fused::kBlockK == 64, "nf4_fused_shape_unmet's stages");
+  if (const char* unmet = nf4_fused_shape_unmet(b, w, backward)) return no(unmet);
   return true;
 #endif
 }

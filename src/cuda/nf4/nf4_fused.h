@@ -16,6 +16,11 @@ namespace qmm::cuda {
 bool nf4_fused_supported(const Context& ctx, const TensorView& activations, const Nf4Weight& w, bool backward,
                          const char** why = nullptr);
 
+// The problem conditions every fused kernel (these and nf4_fused_mma.h's) shares, stages of 64 along K and 16-byte
+// rows: K and the block size multiples of 64, for the input gradient N a multiple of 8, 16-byte aligned bf16
+// activations and codes. Returns the first one the problem misses, or null.
+const char* nf4_fused_shape_unmet(const TensorView& activations, const Nf4Weight& w, bool backward);
+
 // How full the fused kernel's last wave of CTAs keeps the GPU for this problem (its output tiles times its split-K
 // factor over whole waves of one CTA per SM), in (0, 1]: the dispatcher's measure of wave quantization.
 double nf4_fused_wave_fill(const Context& ctx, std::int64_t M, const Nf4Weight& w, bool backward);

@@ -36,6 +36,7 @@
 #include "cuda/common/cuda_state.h"
 #include "cuda/common/sm80_ptx.cuh"
 #include "cuda/nf4/nf4_small_m.cuh"  // Scales, load_scale, finish_scale, store_out
+#include "cuda/nf4/nf4_fused.h"      // nf4_fused_shape_unmet
 #include "cuda/nf4/nf4_small_m.h"    // launch_nf4_split_k_reduce
 
 namespace qmm::cuda {
@@ -65,10 +66,9 @@ constexpr int kSmemBytes = kCode2Offset + small_m::kCode2Bytes;  // 77 KB: two C
 static_assert(kThreads * 16 == kCodeTileBytes, "each thread copies and dequantizes 16 code bytes per stage");
 static_assert(kThreads == small_m::kCode2Bytes / 4, "one code2 value per thread");
 
-// The 16-byte chunk `chunk` of row `row` in the X tile and the forward's W tile (128-byte rows, 8 chunks): XOR
-// with the row's low 3 bits, so that 8 consecutive rows at one chunk (an ldmatrix matrix) hit 8 bank groups.
+// The X tile and the forward's W tile have 128-byte rows (8 chunks), swizzled as common::sw128_offset.
 __device__ __forceinline__ std::uint32_t swizzle128(int row, int chunk) {
-  return static_cast<std::uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
+  return static_cast<std::uint32_t>(common::sw128_offset(row, chunk));
 }
 // The input gradient's W tile (256-byte rows, 16 chunks): the same XOR, and bit 1 flipped in the upper 8 chunks,
 // so that the dequantizing threads' stores (two rows x four chunks 8 apart per 8 lanes) hit 8 bank groups too.
@@ -262,11 +262,8 @@ bool nf4_fused_mma_supported(const Context& ctx, const TensorView& activations, 
   if (st.cc() < 80) return no("a GPU of compute capability 8.0 or newer");
   if (st.props.sharedMemPerBlockOptin < static_cast<std::size_t>(fused_mma::kSmemBytes))
     return no("77 KB of shared memory per block");
-  if (w.cols % fused_mma::kTileK != 0) return no("K a multiple of 64");
-  if (backward && w.rows % 8 != 0) return no("N a multiple of 8 (16-byte dC rows)");
-  if (w.block_size % fused_mma::kTileK != 0) return no("a block size that is a multiple of 64");
-  if ((activations.dtype() == DType::BF16 && !aligned16(activations.data())) || !aligned16(w.codes.data()))
-    return no("16-byte aligned bf16 activations and codes");
+  static_assert(fused_mma::kTileK == 64, "nf4_fused_shape_unmet's stages");
+  if (const char* unmet = nf4_fused_shape_unmet(activations, w, backward)) return no(unmet);
   return true;
 }
 
