@@ -1,11 +1,14 @@
-// Probe (GPU machine): a small-M NF4 forward (M <= 8) built for the memory roofline, standalone (no libqmm), timed
-// in a CUDA graph against a plain read of the same bytes. Design: one block of 16 warps per SM; warp w keeps a
+// Probe (GPU machine, session 30): a small-M NF4 forward (M <= 8) built for the memory roofline, standalone (no
+// libqmm), timed in a CUDA graph against a plain read of the same bytes; three versions ("tab" and "reg", below;
+// "ring", gemv_ring_kernel: the codes through a per-warp cp.async ring, which became the library's slice kernel).
+// Design: one block of 16 warps per SM; warp w keeps a
 // fixed k range (BPW 64-element blocks) and holds A's values there as mma B fragments in registers for the whole
 // launch, then walks groups of 16 weight rows: the codes come straight into registers (8 bytes per lane, row and
 // block; DEPTH row groups in flight), a byte permute + one shared load per code byte turn them into the mma's
 // A fragment (a 64 KB pair table, one copy per lane: no bank conflicts), and the block's scale multiplies the
 // block's mma sum (scale-after). No barrier until the end, where the warps' partial sums are added in k order.
-//   nvcc -std=c++20 -O3 -Iinclude -gencode=arch=compute_90a,code=sm_90a scripts/probes/gemv-tc.cu -o /tmp/gemv-tc
+//   nvcc -std=c++20 -O3 -Iinclude -Isrc -gencode=arch=compute_90a,code=sm_90a scripts/probes/gemv-tc.cu -o /tmp/gemv-tc
+//   /tmp/gemv-tc [one]   (one: only the three Llama M = 1 versions, for ncu)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -22,7 +25,12 @@
 #include "qmm/nf4.h"
 
 namespace qmm {
-std::uint16_t float_to_bf16(float) { return 0; }  // host side of nf4_lut.h, unused here
+// nf4_lut.h's host side declares this (libqmm defines it; the probe does not link libqmm): nearest even, no NaN care.
+std::uint16_t float_to_bf16(float x) {
+  std::uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return static_cast<std::uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 }  // namespace qmm
 
 namespace {
@@ -167,7 +175,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_tc_kernel(Args p) {
 #pragma unroll
         for (int b = 0; b < BPW; ++b) {
           float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
           if constexpr (kRegLut) {
 #pragma unroll
             for (int wi = 0; wi < 2; ++wi) {  // word wi of each row: steps 2 wi, 2 wi + 1
@@ -568,7 +575,8 @@ void run_shape(const char* label, int N, int K, int M, int sms) {
   const double mb = (bytes + nb + ng * 4) / 1e6;
   std::printf("%-22s %s M %d N %5d K %5d BPW %d DEPTH %d grid %3d smem %6zu | %s (%d bad, worst rel %.2e) | "
               "new %.2f us (%.0f GB/s) | read codes %.2f us (%.0f GB/s)\n",
-              label, kKind == 2 ? "ring" : kKind == 1 ? "reg" : "tab", M, N, K, BPW, DEPTH, grid, smem, bad ? "FAIL" : "ok", bad, worst, t_new, mb * 1e3 / t_new,
+              label, kKind == 2 ? "ring" : kKind == 1 ? "reg" : "tab", M, N, K, BPW, DEPTH, grid, smem,
+              bad ? "FAIL" : "ok", bad, worst, t_new, mb * 1e3 / t_new,
               t_read, bytes / 1e3 / t_read);
   for (int s2 = 0; s2 < kSets; ++s2) {
     cudaFree(w[s2].codes), cudaFree(w[s2].q), cudaFree(w[s2].absmax2), cudaFree(w[s2].code2);
