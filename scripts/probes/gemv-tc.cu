@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/nf4_lut.h"
+#include "cuda/common/sm80_ptx.cuh"
 #include "qmm/nf4.h"
 
 namespace qmm {
@@ -45,18 +46,12 @@ void check(cudaError_t e, const char* what) {
 constexpr int kWarps = 16;
 constexpr int kThreads = 32 * kWarps;
 
-__device__ __forceinline__ std::uint32_t smem_u32(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mma16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                                         std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+using qmm::cuda::common::cp_async_16;
+using qmm::cuda::common::cp_async_ca_or_zero;
+using qmm::cuda::common::cp_async_commit;
+using qmm::cuda::common::cp_async_wait;
+using qmm::cuda::common::mma_bf16_16816;
+using qmm::cuda::common::shared_address;
 
 __device__ __forceinline__ uint2 ldg_stream(const void* p) {
   uint2 v;
@@ -101,6 +96,86 @@ __device__ __forceinline__ void load_stage(Stage<BPW>& st, const Args& p, int rg
   }
 }
 
+// Both versions' shared pieces. B fragments: lane (g, t), block b, step s: A[g][64 (kb0 + b) + 16 t + 4 s .. + 3]
+// (rows past M: row M - 1, whose output columns are dropped).
+template <int BPW>
+__device__ __forceinline__ void load_b_fragments(std::uint32_t (&bf)[BPW][8], const Args& p, int g, int t, int kb0) {
+  const __nv_bfloat16* arow = p.a + static_cast<std::int64_t>(min(g, p.M - 1)) * p.K + 64 * kb0 + 16 * t;
+#pragma unroll
+  for (int b = 0; b < BPW; ++b) {
+    const uint4 x = __ldg(reinterpret_cast<const uint4*>(arow + 64 * b));
+    const uint4 y = __ldg(reinterpret_cast<const uint4*>(arow + 64 * b + 8));
+    bf[b][0] = x.x, bf[b][1] = x.y, bf[b][2] = x.z, bf[b][3] = x.w;
+    bf[b][4] = y.x, bf[b][5] = y.y, bf[b][6] = y.z, bf[b][7] = y.w;
+  }
+}
+
+// Pair table: entry c (code byte) of lane l at 256 c + 4 l: bf16(value(c >> 4)) low, bf16(value(c & 15)) high.
+// Warp w writes the entries with low nibble w (16 warps), so every value index is a constant or a select.
+__device__ __forceinline__ void fill_pair_table(unsigned char* table, int warp, int lane) {
+  static_assert(kWarps == 16, "table fill: one warp per low nibble");
+  float lo = 0.0f;
+#pragma unroll
+  for (int c = 0; c < 16; ++c) lo = warp == c ? qmm::nf4_code_value(c) : lo;
+#pragma unroll
+  for (int hi = 0; hi < 16; ++hi)
+    *reinterpret_cast<__nv_bfloat162*>(table + 256 * (16 * hi + warp) + 4 * lane) =
+        __floats2bfloat162_rn(qmm::nf4_code_value(hi), lo);
+}
+
+// One block's product from its code words w[h] (rows g + 8 h: bytes 8 t .. 8 t + 7) through the pair table:
+// step s gives a0/a1 (rows g, g + 8) byte 2 s, a2/a3 byte 2 s + 1.
+__device__ __forceinline__ void table_block_product(float (&part)[4], const uint2 (&w)[2], std::uint32_t lane_base,
+                                                    const std::uint32_t (&bfb)[8]) {
+#pragma unroll
+  for (int stp = 0; stp < 4; ++stp) {
+    std::uint32_t af[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const std::uint32_t word = (stp >> 1) ? w[r & 1].y : w[r & 1].x;
+      const std::uint32_t byte = 2 * (stp & 1) + (r >> 1);
+      const std::uint32_t addr = __byte_perm(word, lane_base, 0x7604u | (byte << 4));
+      asm("ld.shared.b32 %0, [%1];\n" : "=r"(af[r]) : "r"(addr));
+    }
+    mma_bf16_16816(part, af, bfb[2 * stp], bfb[2 * stp + 1]);
+  }
+}
+
+// acc += block b's scale (lane (g, b)'s sc: rows g, g + 8) * part.
+__device__ __forceinline__ void add_scaled(float (&acc)[4], const float (&part)[4], const float (&sc)[2], int lane,
+                                           int b) {
+  const float s0 = __shfl_sync(0xffffffffu, sc[0], (lane & ~3) | b);
+  const float s1 = __shfl_sync(0xffffffffu, sc[1], (lane & ~3) | b);
+  acc[0] = fmaf(s0, part[0], acc[0]);
+  acc[1] = fmaf(s0, part[1], acc[1]);
+  acc[2] = fmaf(s1, part[2], acc[2]);
+  acc[3] = fmaf(s1, part[3], acc[3]);
+}
+
+// The warp's sums of one row group (first row rl, block-relative) for slice wk: sums[wk][row][m].
+__device__ __forceinline__ void store_warp_sums(float* sums, const float (&acc)[4], int M, int rows_cta, int wk,
+                                                int rl, int g, int t) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int m = 2 * t + (r & 1);
+    if (m < M) sums[(wk * rows_cta + rl + g + 8 * (r >> 1)) * M + m] = acc[r];
+  }
+}
+
+// After a barrier: each of the block's rows and rows of A summed over the WK slices in order, written to out.
+__device__ __forceinline__ void write_block_sums(const Args& p, const float* sums, int rg_begin, int rg_end, int WK,
+                                                 int rows_cta, int tid) {
+  const int rows_here = (rg_end - rg_begin) * 16;
+  for (int e = tid; e < rows_here * p.M; e += kThreads) {
+    const int rl = e / p.M, m = e % p.M;
+    const int row = rg_begin * 16 + rl;
+    if (row >= p.N) continue;
+    float v = 0.f;
+    for (int k = 0; k < WK; ++k) v += sums[(k * rows_cta + rl) * p.M + m];
+    p.out[static_cast<std::int64_t>(m) * p.N + row] = v;
+  }
+}
+
 // kRegLut: codes to bf16 by byte permutes from 8 registers (nf4_lut::dequant_word) instead of the shared table.
 template <int BPW, int DEPTH, bool kRegLut>
 __global__ void __launch_bounds__(kThreads, 1) gemv_tc_kernel(Args p) {
@@ -114,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_tc_kernel(Args p) {
   const int active = warp < WK * WR;
 
   // Layout: the 64 KB table at the first 64 KB boundary; code2 and the sums in front of it when they fit there.
-  const std::uint32_t base = smem_u32(smem);
+  const std::uint32_t base = shared_address(smem);
   const std::uint32_t front = (0x10000u - (base & 0xFFFFu)) & 0xFFFFu;
   const int rows_cta = 16 * p.groups_per_cta;
   const std::uint32_t extra = 4u * (256 + WK * rows_cta * p.M);
@@ -128,35 +203,13 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_tc_kernel(Args p) {
 #pragma unroll
   for (int d = 0; d < DEPTH - 1; ++d)
     if (active && rg_begin + wr + d * WR < rg_end) load_stage(st[d], p, rg_begin + wr + d * WR, kb0, g, t);
-  // B fragments: lane (g, t), block b, step s: A[g][64 (kb0 + b) + 16 t + 4 s .. + 3] (rows past M: row M - 1,
-  // whose output columns are dropped).
   std::uint32_t bf[BPW][8];
-  {
-    const __nv_bfloat16* arow = p.a + static_cast<std::int64_t>(min(g, p.M - 1)) * p.K + 64 * kb0 + 16 * t;
-#pragma unroll
-    for (int b = 0; b < BPW; ++b) {
-      const uint4 x = __ldg(reinterpret_cast<const uint4*>(arow + 64 * b));
-      const uint4 y = __ldg(reinterpret_cast<const uint4*>(arow + 64 * b + 8));
-      bf[b][0] = x.x, bf[b][1] = x.y, bf[b][2] = x.z, bf[b][3] = x.w;
-      bf[b][4] = y.x, bf[b][5] = y.y, bf[b][6] = y.z, bf[b][7] = y.w;
-    }
-  }
-  // Pair table: entry c (code byte) of lane l at 256 c + 4 l: bf16(value(c >> 4)) low, bf16(value(c & 15)) high.
-  // Warp w writes the entries with low nibble w (16 warps), so every value index is a constant or a select.
-  static_assert(kWarps == 16, "table fill: one warp per low nibble");
-  if constexpr (!kRegLut) {
-    float lo = 0.0f;
-#pragma unroll
-    for (int c = 0; c < 16; ++c) lo = warp == c ? qmm::nf4_code_value(c) : lo;
-#pragma unroll
-    for (int hi = 0; hi < 16; ++hi)
-      *reinterpret_cast<__nv_bfloat162*>(table + 256 * (16 * hi + warp) + 4 * lane) =
-          __floats2bfloat162_rn(qmm::nf4_code_value(hi), lo);
-  }
+  load_b_fragments<BPW>(bf, p, g, t, kb0);
+  if constexpr (!kRegLut) fill_pair_table(table, warp, lane);
   const qmm::nf4_lut::BlockTable tb = qmm::nf4_lut::block_table(1.0f);
   if (tid < 256) code2_s[tid] = __ldg(p.code2 + tid);
   __syncthreads();
-  std::uint32_t lane_base = smem_u32(table) + 4u * lane;
+  std::uint32_t lane_base = shared_address(table) + 4u * lane;
   asm volatile("" : "+r"(lane_base)::"memory");
 
   const int n_mine = active ? max(0, (rg_end - rg_begin - wr + WR - 1) / WR) : 0;
@@ -184,50 +237,20 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_tc_kernel(Args p) {
               for (int h = 0; h < 2; ++h) {
                 const std::uint32_t af[4] = {r0.w[2 * h], r1.w[2 * h], r0.w[2 * h + 1], r1.w[2 * h + 1]};
                 const int stp = 2 * wi + h;
-                mma16816(part, af, bf[b][2 * stp], bf[b][2 * stp + 1]);
+                mma_bf16_16816(part, af, bf[b][2 * stp], bf[b][2 * stp + 1]);
               }
             }
           } else {
-#pragma unroll
-          for (int stp = 0; stp < 4; ++stp) {
-            std::uint32_t af[4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {  // a0: row g byte 2 stp, a1: row g+8 byte 2 stp, a2/a3: byte 2 stp + 1
-              const uint2 w = s.w[b][r & 1];
-              const std::uint32_t word = (stp >> 1) ? w.y : w.x;
-              const std::uint32_t byte = 2 * (stp & 1) + (r >> 1);
-              const std::uint32_t addr = __byte_perm(word, lane_base, 0x7604u | (byte << 4));
-              asm("ld.shared.b32 %0, [%1];\n" : "=r"(af[r]) : "r"(addr));
-            }
-            mma16816(part, af, bf[b][2 * stp], bf[b][2 * stp + 1]);
+            table_block_product(part, s.w[b], lane_base, bf[b]);
           }
-          }
-          const float s0 = __shfl_sync(0xffffffffu, sc[0], (lane & ~3) | b);
-          const float s1 = __shfl_sync(0xffffffffu, sc[1], (lane & ~3) | b);
-          acc[0] = fmaf(s0, part[0], acc[0]);
-          acc[1] = fmaf(s0, part[1], acc[1]);
-          acc[2] = fmaf(s1, part[2], acc[2]);
-          acc[3] = fmaf(s1, part[3], acc[3]);
+          add_scaled(acc, part, sc, lane, b);
         }
-        const int rl = (wr + i * WR) * 16;  // row group's first row, CTA-relative
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int m = 2 * t + (r & 1);
-          if (m < p.M) sums[(wk * rows_cta + rl + g + 8 * (r >> 1)) * p.M + m] = acc[r];
-        }
+        store_warp_sums(sums, acc, p.M, rows_cta, wk, (wr + i * WR) * 16, g, t);
       }
     }
   }
   __syncthreads();
-  const int rows_here = (rg_end - rg_begin) * 16;
-  for (int e = tid; e < rows_here * p.M; e += kThreads) {
-    const int rl = e / p.M, m = e % p.M;
-    const int row = rg_begin * 16 + rl;
-    if (row >= p.N) continue;
-    float v = 0.f;
-    for (int k = 0; k < WK; ++k) v += sums[(k * rows_cta + rl) * p.M + m];
-    p.out[static_cast<std::int64_t>(m) * p.N + row] = v;
-  }
+  write_block_sums(p, sums, rg_begin, rg_end, WK, rows_cta, tid);
 }
 
 // ---- Ring version: the codes and raw scales of a row group come by cp.async into a per-warp ring of DEPTH
@@ -236,16 +259,6 @@ constexpr int kRingCodeBytes = 16 * 128;
 constexpr int kRingStageBytes = kRingCodeBytes + 64 + 64;  // codes, q words of the 16 rows, absmax2 of the 16 rows
 
 __host__ __device__ constexpr int ring_bytes(int depth) { return depth * kRingStageBytes; }
-
-__device__ __forceinline__ void cp16(std::uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp4(std::uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // Row r's 16-byte chunk j sits at chunk j ^ 2 (r & 3): a lane's 8-byte reads (rows g, g + 8, chunk 2 b + t / 2)
 // then hit 32 different banks per half warp.
@@ -257,12 +270,12 @@ __device__ __forceinline__ void ring_issue(std::uint32_t stage, const Args& p, i
   for (int i = 0; i < 4; ++i) {
     const int c = lane + 32 * i, r = c >> 3, j = c & 7;
     const int row = min(rg * 16 + r, p.N - 1);
-    cp16(stage + ring_chunk(r, j), p.codes + static_cast<std::int64_t>(row) * (p.K / 2) + kb0 * 32 + 16 * j);
+    cp_async_16(stage + ring_chunk(r, j), p.codes + static_cast<std::int64_t>(row) * (p.K / 2) + kb0 * 32 + 16 * j);
   }
   const int r = lane & 15, row = min(rg * 16 + r, p.N - 1);
   const std::int64_t blk = static_cast<std::int64_t>(row) * KB + kb0;
-  if (lane < 16) cp4(stage + kRingCodeBytes + 4 * r, p.q + blk);
-  else cp4(stage + kRingCodeBytes + 64 + 4 * r, p.absmax2 + (blk >> 8));
+  if (lane < 16) cp_async_ca_or_zero<4>(stage + kRingCodeBytes + 4 * r, p.q + blk, true);
+  else cp_async_ca_or_zero<4>(stage + kRingCodeBytes + 64 + 4 * r, p.absmax2 + (blk >> 8), true);
 }
 
 template <int DEPTH>
@@ -280,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_ring_kernel(Args p) {
 
   // Layout (as the pair kernel): rings in front of the 64 KB-aligned table as far as they fit, then the table,
   // code2, the sums, the other rings.
-  const std::uint32_t base = smem_u32(smem);
+  const std::uint32_t base = shared_address(smem);
   const std::uint32_t front = (0x10000u - (base & 0xFFFFu)) & 0xFFFFu;
   unsigned char* table = smem + front;
   float* code2_s = reinterpret_cast<float*>(table + 65536);
@@ -288,38 +301,21 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_ring_kernel(Args p) {
   const int rings_in_front = static_cast<int>(front / ring_bytes(DEPTH));
   const std::uint32_t ring =
       warp < rings_in_front ? base + warp * ring_bytes(DEPTH)
-                            : smem_u32(sums + WK * rows_cta * p.M) + (warp - rings_in_front) * ring_bytes(DEPTH);
+                            : shared_address(sums + WK * rows_cta * p.M) + (warp - rings_in_front) * ring_bytes(DEPTH);
 
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   const int n_mine = active ? max(0, (rg_end - rg_begin - wr + WR - 1) / WR) : 0;
 #pragma unroll
   for (int d = 0; d < DEPTH - 1; ++d) {
     if (d < n_mine) ring_issue(ring + d * kRingStageBytes, p, rg_begin + wr + d * WR, kb0, lane);
-    commit();
+    cp_async_commit();
   }
   std::uint32_t bf[BPW][8];
-  {
-    const __nv_bfloat16* arow = p.a + static_cast<std::int64_t>(min(g, p.M - 1)) * p.K + 64 * kb0 + 16 * t;
-#pragma unroll
-    for (int b = 0; b < BPW; ++b) {
-      const uint4 x = __ldg(reinterpret_cast<const uint4*>(arow + 64 * b));
-      const uint4 y = __ldg(reinterpret_cast<const uint4*>(arow + 64 * b + 8));
-      bf[b][0] = x.x, bf[b][1] = x.y, bf[b][2] = x.z, bf[b][3] = x.w;
-      bf[b][4] = y.x, bf[b][5] = y.y, bf[b][6] = y.z, bf[b][7] = y.w;
-    }
-  }
-  {
-    float lo = 0.0f;
-#pragma unroll
-    for (int c = 0; c < 16; ++c) lo = warp == c ? qmm::nf4_code_value(c) : lo;
-#pragma unroll
-    for (int hi = 0; hi < 16; ++hi)
-      *reinterpret_cast<__nv_bfloat162*>(table + 256 * (16 * hi + warp) + 4 * lane) =
-          __floats2bfloat162_rn(qmm::nf4_code_value(hi), lo);
-  }
+  load_b_fragments<BPW>(bf, p, g, t, kb0);
+  fill_pair_table(table, warp, lane);
   if (tid < 256) code2_s[tid] = __ldg(p.code2 + tid);
   __syncthreads();
-  std::uint32_t lane_base = smem_u32(table) + 4u * lane;
+  std::uint32_t lane_base = shared_address(table) + 4u * lane;
   asm volatile("" : "+r"(lane_base)::"memory");
 
   int slot = 0;
@@ -331,8 +327,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_ring_kernel(Args p) {
       const int ns = slot == 0 ? DEPTH - 1 : slot - 1;
       ring_issue(ring + ns * kRingStageBytes, p, rg_begin + wr + nxt * WR, kb0, lane);
     }
-    commit();
-    wait_groups<DEPTH - 1>();
+    cp_async_commit();
+    cp_async_wait<DEPTH - 1>();
     __syncwarp();
     const std::uint32_t S = ring + slot * kRingStageBytes;
     float sc[2];
@@ -354,44 +350,15 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_ring_kernel(Args p) {
         asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(w[h].x), "=r"(w[h].y)
                      : "r"(S + ring_chunk(g + 8 * h, 2 * b + (t >> 1)) + 8 * (t & 1)) : "memory");
       float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int stp = 0; stp < 4; ++stp) {
-        std::uint32_t af[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const std::uint32_t word = (stp >> 1) ? w[r & 1].y : w[r & 1].x;
-          const std::uint32_t byte = 2 * (stp & 1) + (r >> 1);
-          const std::uint32_t addr = __byte_perm(word, lane_base, 0x7604u | (byte << 4));
-          asm("ld.shared.b32 %0, [%1];\n" : "=r"(af[r]) : "r"(addr));
-        }
-        mma16816(part, af, bf[b][2 * stp], bf[b][2 * stp + 1]);
-      }
-      const float s0 = __shfl_sync(0xffffffffu, sc[0], (lane & ~3) | b);
-      const float s1 = __shfl_sync(0xffffffffu, sc[1], (lane & ~3) | b);
-      acc[0] = fmaf(s0, part[0], acc[0]);
-      acc[1] = fmaf(s0, part[1], acc[1]);
-      acc[2] = fmaf(s1, part[2], acc[2]);
-      acc[3] = fmaf(s1, part[3], acc[3]);
+      table_block_product(part, w, lane_base, bf[b]);
+      add_scaled(acc, part, sc, lane, b);
     }
-    const int rl = (wr + i * WR) * 16;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int m = 2 * t + (r & 1);
-      if (m < p.M) sums[(wk * rows_cta + rl + g + 8 * (r >> 1)) * p.M + m] = acc[r];
-    }
+    store_warp_sums(sums, acc, p.M, rows_cta, wk, (wr + i * WR) * 16, g, t);
     slot = slot + 1 == DEPTH ? 0 : slot + 1;
   }
-  wait_groups<0>();
+  cp_async_wait<0>();
   __syncthreads();
-  const int rows_here = (rg_end - rg_begin) * 16;
-  for (int e = tid; e < rows_here * p.M; e += kThreads) {
-    const int rl = e / p.M, m = e % p.M;
-    const int row = rg_begin * 16 + rl;
-    if (row >= p.N) continue;
-    float v = 0.f;
-    for (int k = 0; k < WK; ++k) v += sums[(k * rows_cta + rl) * p.M + m];
-    p.out[static_cast<std::int64_t>(m) * p.N + row] = v;
-  }
+  write_block_sums(p, sums, rg_begin, rg_end, WK, rows_cta, tid);
 }
 
 // Read-only reference: every byte of `bytes` read once with 16-byte loads.
