@@ -11,6 +11,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
 #include "cuda/nf4/nf4_small_m.cuh"
+#include "qmm/error.h"
 
 namespace qmm::cuda {
 
@@ -240,6 +241,82 @@ void launch_pair_scales(const Context& ctx, const TensorView& a, const Nf4Weight
   else launch_pair<NT8, false>(ctx, a, w0, w1, weights, o, scratch);
 }
 
+// The slice kernel's preconditions: the pair kernel's (its ring steps and table) with at most 8 rows, and shared
+// memory for the fixed layout plus the sums of one row group per warp.
+bool slice_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
+  using namespace small_m;
+  return a.dim(0) <= kSliceMaxRows && pair_fits(ctx, a, w) &&
+         state(ctx).props.sharedMemPerBlockOptin >=
+             static_cast<std::size_t>(kSliceFixedBytes + kSliceWarps * 16 * kSliceMaxRows * 4);
+}
+
+// At most 16 slices per split (one per warp), as few splits as that allows and the slices spread evenly over
+// them; a block per SM, each taking an even share of a split's row groups; passes as long as the shared memory
+// left for sums holds.
+struct SliceLaunch {
+  small_m::SliceGrid grid;
+  int splits, blocks, smem;
+};
+SliceLaunch slice_launch(const Context& ctx, std::int64_t M, std::int64_t N, std::int64_t K) {
+  using namespace small_m;
+  SliceLaunch l{};
+  SliceGrid& g = l.grid;
+  g.slices = static_cast<int>(K / kSliceK);
+  l.splits = (g.slices + kSliceWarps - 1) / kSliceWarps;
+  g.per_split = (g.slices + l.splits - 1) / l.splits;
+  g.warps_per_slice = kSliceWarps / g.per_split;
+  g.row_groups = static_cast<int>((N + 15) / 16);
+  const int per_split_blocks = std::max(1, state(ctx).sm_count() / l.splits);
+  g.groups_per_block = (g.row_groups + per_split_blocks - 1) / per_split_blocks;
+  l.blocks = (g.row_groups + g.groups_per_block - 1) / g.groups_per_block;
+  const std::int64_t group_sum_bytes = static_cast<std::int64_t>(g.per_split) * 16 * M * 4;
+  const std::int64_t free_bytes = static_cast<std::int64_t>(state(ctx).props.sharedMemPerBlockOptin) - kSliceFixedBytes;
+  const int iters_needed = (g.groups_per_block + g.warps_per_slice - 1) / g.warps_per_slice;
+  const int pass_iters = static_cast<int>(std::clamp<std::int64_t>(
+      free_bytes / (group_sum_bytes * g.warps_per_slice), 1, iters_needed));
+  g.pass_groups = pass_iters * g.warps_per_slice;
+  l.smem = static_cast<int>(kSliceFixedBytes + g.pass_groups * group_sum_bytes);
+  return l;
+}
+
+template <bool kDq, bool kAF32>
+void launch_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha,
+                  float beta) {
+  using namespace small_m;
+  const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
+  const SliceLaunch l = slice_launch(ctx, M, N, K);
+  std::unique_ptr<ScratchBuffer> scratch;
+  float* partial = l.splits > 1 ? new_partials(ctx, scratch, l.splits * M * N) : nullptr;
+  auto kernel = nf4_small_m_slice_kernel<kDq, kAF32>;
+  allow_dynamic_shared(reinterpret_cast<const void*>(kernel), l.smem);
+  const SliceOut out{c.data(), c.dtype() == DType::BF16, partial, alpha, beta};
+  QMM_CUDA_CHECK(launch_overlapping(ctx, kernel, dim3(static_cast<unsigned>(l.blocks), static_cast<unsigned>(l.splits)),
+                                    kSliceThreads, l.smem, a.data(), static_cast<int>(M), N, K, weight_args(w), l.grid,
+                                    out));
+  if (partial) launch_nf4_split_k_reduce(ctx, partial, l.splits, M * N, c, alpha, beta);
+}
+
+void launch_slice_for(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha,
+                      float beta) {
+  const bool f32 = a.dtype() == DType::F32;
+  if (w.double_quant()) f32 ? launch_slice<true, true>(ctx, a, w, c, alpha, beta)
+                            : launch_slice<true, false>(ctx, a, w, c, alpha, beta);
+  else f32 ? launch_slice<false, true>(ctx, a, w, c, alpha, beta)
+           : launch_slice<false, false>(ctx, a, w, c, alpha, beta);
+}
+
+// Whether Auto takes the slice kernel, and where: one weight (gate_up's two-weight form is not written), up to 8
+// rows, and with K split over blocks (K > 4096) only at 8 rows, where the branch of session 30 measured it ahead
+// of the pair kernel (H200, device µs, bf16, double-quantized, slice vs pair: Llama-3-8B gate/up M = 1 / 4 / 8
+// 13.9 / 14.3 / 15.8 vs 15.2 / 16.2 / 18.8, down 16.4 / 17.0 / 18.8 vs 15.7 / 17.4 / 24.0; Qwen2.5-1.5B gate/up
+// 6.3 / 6.5 / 7.2 vs 6.3 / 6.7 / 7.4, down 8.3 / 8.5 / 9.0 vs 6.7 / 7.5 / 9.3). Off until this version (rewritten
+// after that branch was lost) has passed scripts/device-check and been timed.
+constexpr bool kAutoTakesSlice = false;
+bool auto_takes_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
+  if (!kAutoTakesSlice || !slice_fits(ctx, a, w)) return false;
+  return w.cols <= small_m::kSliceWarps * small_m::kSliceK || a.dim(0) == small_m::kSliceMaxRows;
+}
+
 template <bool kAF32>
 float* launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
                    const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
@@ -318,8 +395,19 @@ void launch_nf4_gemm_backward_small_m(const Context& ctx, const TensorView& dc, 
            : launch_backward_tiles<2, false>(ctx, dc, w, da, alpha, beta);
 }
 
+bool nf4_small_m_slice_supported(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
+  return nf4_small_m_supported(a, w) && slice_fits(ctx, a, w);
+}
+
 void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
-                             float alpha, float beta) {
+                             float alpha, float beta, SmallMKernel kernel) {
+  if (kernel == SmallMKernel::Slice && !nf4_small_m_slice_supported(ctx, a, w))
+    throw Error(ErrorCode::Unsupported, "nf4_gemm: the small-M slice kernel does not support this problem (it needs "
+                                        "M <= 8, blocks of 64, K a multiple of 256 and sm_90's shared memory)");
+  if (kernel == SmallMKernel::Slice || auto_takes_slice(ctx, a, w)) {
+    set_device(ctx);
+    return launch_slice_for(ctx, a, w, c, alpha, beta);
+  }
   int splits = 1;
   std::unique_ptr<ScratchBuffer> scratch;
   const float* partial = launch_forward(ctx, a, w, w, 1, {c, {}, alpha, beta}, scratch, &splits);

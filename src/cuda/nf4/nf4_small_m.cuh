@@ -473,6 +473,17 @@ struct PairIssue {
   }
 };
 
+// Fills the pair table at `table` (64 KB aligned) with 16 warps: warp w writes the bytes with low nibble w.
+__device__ __forceinline__ void fill_pair_table(unsigned char* table, int warp, int lane) {
+  float lo = 0.0f;  // nf4_code_value(warp), by selects rather than an indexed local array
+#pragma unroll
+  for (int code = 0; code < 16; ++code) lo = warp == code ? nf4_code_value(code) : lo;
+#pragma unroll
+  for (int hi = 0; hi < 16; ++hi)
+    *reinterpret_cast<std::uint32_t*>(table + 256 * (16 * hi + warp) + 4 * lane) = pack_bf16x2(nf4_code_value(hi), lo);
+}
+static_assert(kPairWarps == 16, "fill_pair_table: one warp per low nibble");
+
 // Warp w's sum for element e = 16 m + r (row r of its 16, row m of A) in the table's unused halves: 8 of its rows.
 __device__ __forceinline__ float* pair_sum_at(unsigned char* table, int w, int e) {
   return reinterpret_cast<float*>(table + 256 * (8 * w + (e >> 5)) + 128 + 4 * (e & 31));
@@ -558,16 +569,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
   // steps: the first multiplies wait for those two (ncu had shown code2's loads, queued behind every warp's three
   // steps, holding up the block's first barrier).
   pdl_launch_dependents();
-  static_assert(kPairWarps == 16, "the table fill gives warp w the bytes with low nibble w");
-  {
-    float lo = 0.0f;  // nf4_code_value(warp), by selects rather than an indexed local array
-#pragma unroll
-    for (int code = 0; code < 16; ++code) lo = warp == code ? nf4_code_value(code) : lo;
-#pragma unroll
-    for (int hi = 0; hi < 16; ++hi)
-      *reinterpret_cast<std::uint32_t*>(smem + front + 256 * (16 * hi + warp) + 4 * lane) =
-          pack_bf16x2(nf4_code_value(hi), lo);
-  }
+  fill_pair_table(smem + front, warp, lane);
   pdl_wait();
   static_assert(kPairThreads == 2 * kNf4Code2Size, "one code2 value per thread");
   float code2_value = 0.0f;
@@ -748,6 +750,218 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
       }
     }
     __syncthreads();  // the sums are read before the next round writes them
+  }
+  cp_async_wait<0>();
+}
+
+// ---- forward, M <= 8, A bf16 or f32: slices of K in registers, weight rows streamed past them -----------------
+// The pair kernel's products (pair table, scale after each block's product, the same contract) in another order.
+// The pair kernel gives a warp a unit of 16 weight rows x a k range and walks the k range, so every step reloads
+// A's fragments and every round ends in a block barrier. Here a warp keeps one slice of 256 k (four NF4 blocks)
+// for the whole launch, with A's values there as the mma's B fragments in registers (32 per lane), and walks row
+// groups of 16 weight rows: per row group only the codes and scales (2.3 KB) arrive, by cp.async through a ring of
+// kSliceDepth stages per warp laid out as the pair kernel's ring steps (PairIssue copies them). Warps leave each
+// row group's sums in shared memory; once per pass (as many row groups as the sums area holds) the block adds its
+// slices' sums in slice order and writes them (C, or fp32 partials [split][M][N] for the split-K reduction):
+// deterministic. One block of 16 warps per SM; the grid is x: blocks of row groups, y: k splits of at most 16
+// slices. A block's split has per_split slices; warp w takes slice w % per_split and every warps_per_slice-th row
+// group from w / per_split on (K < 4096 leaves several warps per slice; warps past per_split x warps_per_slice,
+// or past the last split's slices, idle).
+constexpr int kSliceWarps = 16;
+constexpr int kSliceThreads = 32 * kSliceWarps;
+constexpr int kSliceMaxRows = 8;  // one n8 tile of A rows
+constexpr int kSliceK = 256;
+constexpr int kSliceDepth = 3;  // ring stages per warp (kSliceDepth - 1 row groups in flight)
+constexpr int kSliceRingBytes = kSliceDepth * kPairStepBytes;
+// Layout as the pair kernel's: the table at the first 64 KB boundary, as many rings as fit in front of it, code2
+// and the other rings behind it, then the sums. The table, code2 and one ring more than the warps have cover any
+// window base (the space lost in front is under one ring).
+constexpr int kSliceFixedBytes = kPairTableBytes + kCode2Bytes + (kSliceWarps + 1) * kSliceRingBytes;
+static_assert(kSliceWarps == kPairWarps, "the pair table's fill takes 16 warps");
+static_assert(kPairTableBytes / kSliceRingBytes < kSliceWarps, "fewer rings fit in front of the table than warps");
+
+struct SliceGrid {
+  int slices;            // K / 256
+  int per_split;         // slices per k split (the last split may have fewer)
+  int warps_per_slice;   // 16 / per_split
+  int row_groups;        // ceil(N / 16)
+  int groups_per_block;  // row groups per block of a split
+  int pass_groups;       // row groups per pass, a multiple of warps_per_slice
+};
+
+// alpha * sum (+ beta * C) into C, or (partial set: split-K) the plain sums into partial[split][M][N].
+struct SliceOut {
+  void* c;
+  bool c_bf16;
+  float* partial;
+  float alpha, beta;
+};
+
+// Lane (g, t)'s B fragments of the slice starting at k0: per block c, A[g][k0 + 64 c + 16 t .. + 15] as bf16
+// pairs (rounded to nearest even from f32), the pair kernel's order; zeros for g >= M.
+template <bool kAF32>
+__device__ __forceinline__ void load_slice_fragments(std::uint32_t (&bf)[4][8], const void* a, int M, std::int64_t K,
+                                                     std::int64_t k0, int g, int t, bool load) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const std::int64_t at = static_cast<std::int64_t>(g) * K + k0 + 64 * c + 16 * t;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // elements 8 h .. 8 h + 7
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (load && g < M) {
+        if constexpr (kAF32) {
+          const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(a) + at + 8 * h);
+          const float4 lo = __ldg(p), hi = __ldg(p + 1);
+          v = make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y),
+                         pack_bf16x2(hi.z, hi.w));
+        } else {
+          v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a) + at + 8 * h));
+        }
+      }
+      bf[c][4 * h] = v.x, bf[c][4 * h + 1] = v.y, bf[c][4 * h + 2] = v.z, bf[c][4 * h + 3] = v.w;
+    }
+  }
+}
+
+template <bool kDq, bool kAF32>
+__global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
+    const void* __restrict__ a, int M, std::int64_t N, std::int64_t K, WeightArgs w, SliceGrid grid, SliceOut out) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const std::uint32_t base = shared_address(smem);
+  const std::uint32_t front = (0x10000u - (base & 0xFFFFu)) & 0xFFFFu;  // bytes in front of the table
+  const std::uint32_t table = base + front;
+  float* code2_shared = reinterpret_cast<float*>(smem + front + kPairTableBytes);
+  unsigned char* behind = smem + front + kPairTableBytes + kCode2Bytes;
+  const int rings_in_front = static_cast<int>(front / kSliceRingBytes);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const std::uint32_t ring = warp < rings_in_front
+                                 ? base + warp * kSliceRingBytes
+                                 : shared_address(behind) + (warp - rings_in_front) * kSliceRingBytes;
+  float* sums = reinterpret_cast<float*>(behind + (kSliceWarps - rings_in_front) * kSliceRingBytes);
+
+  const int split = static_cast<int>(blockIdx.y);
+  const int slice0 = split * grid.per_split;
+  const int slices_here = min(grid.per_split, grid.slices - slice0);
+  const int wk = warp % grid.per_split, wr = warp / grid.per_split, WR = grid.warps_per_slice;
+  const bool active = wr < WR && wk < slices_here;
+  const int rg_begin = static_cast<int>(blockIdx.x) * grid.groups_per_block;
+  const int rg_end = min(grid.row_groups, rg_begin + grid.groups_per_block);
+  const int pass_iters = grid.pass_groups / WR, pass_rows = 16 * grid.pass_groups;
+  const int passes = (rg_end - rg_begin + grid.pass_groups - 1) / grid.pass_groups;
+  // The warp's row groups in order: item i = pass_iters p + j is row group rg_begin + pass_groups p + wr + WR j.
+  // Only the last pass can be short, so the items that exist are the first n_mine.
+  int n_mine = 0;
+  if (active) {
+    const int span = rg_end - rg_begin, full = span / grid.pass_groups, rem = span - full * grid.pass_groups;
+    n_mine = full * pass_iters + (rem > wr ? (rem - wr + WR - 1) / WR : 0);
+  }
+  auto item_row = [&](int i) {
+    const int p = i / pass_iters, j = i - p * pass_iters;
+    return 16LL * (rg_begin + p * grid.pass_groups + wr + WR * j);
+  };
+  // One commit group per item, empty past the last, so that wait_group counts items.
+  auto issue = [&](int i, int slot) {
+    if (i < n_mine) {
+      PairIssue<kDq> is;
+      is.start(PairUnit{0, 0, slice0 + wk, 1, item_row(i)}, N, K, w, w, lane);
+      is.copy(0, ring + slot * kPairStepBytes, lane);
+    }
+    cp_async_commit();
+  };
+
+  // Launched overlapping (launch_overlapping): the table, which reads no global memory, is filled while the
+  // stream's previous kernel drains; everything after pdl_wait may read what that kernel wrote.
+  pdl_launch_dependents();
+  fill_pair_table(smem + front, warp, lane);
+  pdl_wait();
+  float code2_value = 0.0f;
+  if (kDq && tid < kNf4Code2Size) code2_value = __ldg(w.scales.code2 + tid);
+#pragma unroll
+  for (int d = 0; d + 1 < kSliceDepth; ++d) issue(d, d);
+  std::uint32_t bf[4][8];
+  load_slice_fragments<kAF32>(bf, a, M, K, static_cast<std::int64_t>(slice0 + wk) * kSliceK, g, t, active);
+  if (kDq && tid < kNf4Code2Size) code2_shared[tid] = code2_value;
+  __syncthreads();
+  // The lookups (asm without memory effects) depend on lane_table, taken after the barrier, so they stay below it.
+  std::uint32_t lane_table = table + 4u * lane;
+  asm volatile("" : "+r"(lane_table)::"memory");
+
+  int slot = 0;
+#pragma unroll 1
+  for (int p = 0; p < passes; ++p) {
+#pragma unroll 1
+    for (int j = 0; j < pass_iters; ++j) {
+      const int i = p * pass_iters + j;
+      if (i >= n_mine) break;
+      __syncwarp();  // every lane is done with the slot that this issue refills
+      issue(i + kSliceDepth - 1, slot == 0 ? kSliceDepth - 1 : slot - 1);
+      cp_async_wait<kSliceDepth - 1>();
+      __syncwarp();  // the slot was filled by every lane of the warp
+      const std::uint32_t at = ring + slot * kPairStepBytes;
+      std::uint32_t sw[2][4];  // the scale slots of rows g and g + 8
+      std::uint32_t cw[4][4];  // block c: rows g and g + 8, code bytes 8t .. 8t + 7
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(sw[half][0]), "=r"(sw[half][1]), "=r"(sw[half][2]), "=r"(sw[half][3])
+                     : "r"(at + kPairCodeBytes + 16 * (g + 8 * half)) : "memory");
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(cw[c][2 * half]), "=r"(cw[c][2 * half + 1])
+                       : "r"(at + kPairRowBytes * (g + 8 * half) + 16 * pair_piece(g, 2 * c + (t >> 1)) + 8 * (t & 1))
+                       : "memory");
+      }
+      float part[4][4] = {};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {  // mma step s: bytes 2s and 2s + 1 of each row's 8 (the pair kernel's order)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          std::uint32_t wf[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const std::uint32_t word = cw[c][(r & 1) * 2 + (s >> 1)];
+            const std::uint32_t b = 2 * (s & 1) + (r >> 1);
+            asm("ld.shared.b32 %0, [%1];\n" : "=r"(wf[r]) : "r"(__byte_perm(word, lane_table, 0x7604u | (b << 4))));
+          }
+          mma_bf16_16816(part[c], wf, bf[c][2 * s], bf[c][2 * s + 1]);
+        }
+      }
+      float acc[4] = {};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float sc[2];  // block c's scales of rows g and g + 8 (the CPU's operation order)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          sc[half] = kDq ? __fadd_rn(__fmul_rn(code2_shared[(sw[half][0] >> (8 * c)) & 0xFFu],
+                                               __uint_as_float(sw[half][1])),
+                                     w.scales.offset)
+                         : __uint_as_float(sw[half][c]);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[r] = fmaf(sc[r >> 1], part[c][r], acc[r]);
+      }
+      // Fragment rows are weight rows (g, g + 8), columns rows of A (2t, 2t + 1): sums[slice][row][m].
+      const int rl = 16 * (wr + WR * j);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int m = 2 * t + (r & 1);
+        if (m < M) sums[(wk * pass_rows + rl + g + 8 * (r >> 1)) * M + m] = acc[r];
+      }
+      slot = slot + 1 == kSliceDepth ? 0 : slot + 1;
+    }
+    __syncthreads();
+    const int rg0 = rg_begin + p * grid.pass_groups;
+    const int rows = 16 * min(grid.pass_groups, rg_end - rg0);
+    for (int e = tid; e < rows * M; e += kSliceThreads) {
+      const int rl = e / M, m = e - rl * M;
+      const std::int64_t n = 16LL * rg0 + rl;
+      if (n >= N) continue;
+      float v = 0.0f;
+      for (int k = 0; k < slices_here; ++k) v += sums[(k * pass_rows + rl) * M + m];
+      const std::int64_t idx = m * N + n;
+      if (out.partial) out.partial[static_cast<std::int64_t>(split) * M * N + idx] = v;
+      else store_out(out.c, out.c_bf16, idx, v, out.alpha, out.beta);
+    }
+    __syncthreads();  // the sums are read before the next pass writes them
   }
   cp_async_wait<0>();
 }

@@ -20,8 +20,15 @@ constexpr int kNf4SmallMBackwardMaxRows = 16;  // input gradient
 // 16-byte aligned A and codes); callers fall back to dequantize + GEMM otherwise.
 bool nf4_small_m_supported(const TensorView& a, const Nf4Weight& w);
 
+// Which small-M forward kernel launch_nf4_gemm_small_m runs. Auto: chosen by shape and GPU (launch_rows in
+// nf4_small_m.cu). Slice: the slice kernel (nf4_small_m.cuh; M <= 8, blocks of 64, K a multiple of 256, a GPU that
+// gives a block its shared memory: sm_90), which Auto does not take until it has run and been timed on the GPU;
+// tests force it. Forced where it does not fit, it throws Unsupported.
+enum class SmallMKernel { Auto, Slice };
+bool nf4_small_m_slice_supported(const Context& ctx, const TensorView& a, const Nf4Weight& w);
+
 void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
-                             float alpha, float beta);
+                             float alpha, float beta, SmallMKernel kernel = SmallMKernel::Auto);
 
 // gate and up in one launch (both weights of one shape), then h = silu(gate)*up where out.h is given; beta
 // accumulates into gate and up (only without h).
