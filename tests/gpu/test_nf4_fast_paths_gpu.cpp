@@ -170,7 +170,67 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SmallMSlice,
                                            Shape3{5, 63, 18432}, Shape3{2, 129, 14336}, Shape3{8, 12000, 4096},
                                            Shape3{1, 8960, 1536}, Shape3{4, 2300, 4096}));
 
-// A forced slice kernel that cannot take the problem throws instead of launching (nothing written).
+// gate_up through the slice kernel (forced; Auto does not take it): gate and up against the scale-after reference,
+// h against silu(gate) * up of those, with every output, gate and up only accumulating (beta 1; C not poisoned),
+// and h alone; both scale formats, A bf16 and f32.
+class SmallMSliceGateUp : public ::testing::TestWithParam<Shape3> {};
+
+TEST_P(SmallMSliceGateUp, MatchesScaleAfterReference) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  const auto [m, n, k] = GetParam();
+  std::uint64_t seed = static_cast<std::uint64_t>(m * 8191 + n * 131 + k);
+  const float alpha = 0.75f;
+  for (bool dq : {false, true})
+    for (DType adt : {DType::BF16, DType::F32}) {
+      Problem wg = make_weight(n, k, dq, ++seed), wu = make_weight(n, k, dq, ++seed);
+      const Tensor a = test::random_tensor(adt, {m, k}, ++seed);
+      const Tensor g0 = test::random_tensor(DType::F32, {m, n}, ++seed);
+      const Tensor u0 = test::random_tensor(DType::BF16, {m, n}, ++seed);
+      const Tensor a_dev = to_device(a, gpu.device());
+      if (!cuda::nf4_small_m_slice_supported(gpu, a_dev, wg.w_dev))
+        GTEST_SKIP() << "the slice kernel needs sm_90's shared memory per block";
+      // h from fp32 gate and up (g0 gives the shape and dtype only), as the kernel forms it.
+      Tensor h_ref(DType::F32, {m, n});
+      swiglu(cpu, test::nf4_scale_after_reference(a, wg.w_host, g0, alpha, 0.0f),
+             test::nf4_scale_after_reference(a, wu.w_host, g0, alpha, 0.0f), h_ref);
+      const std::string what = "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k) +
+                               " dq=" + std::to_string(dq) + " a=" + dtype_name(adt);
+      for (int form = 0; form < 3; ++form) {  // all three outputs; gate and up with beta 1; h alone
+        const float beta = form == 1 ? 1.0f : 0.0f;
+        Tensor dg = to_device(g0, gpu.device()), du = to_device(u0, gpu.device());
+        Tensor dh(DType::BF16, {m, n}, gpu.device());
+        if (beta == 0.0f) {
+          test::poison(dg);
+          test::poison(du);
+        }
+        test::poison(dh);
+        const GateUpOutputs out{form == 2 ? TensorView() : TensorView(dg), form == 2 ? TensorView() : TensorView(du),
+                                form == 1 ? TensorView() : TensorView(dh)};
+        cuda::launch_nf4_gate_up_small_m(gpu, a_dev, wg.w_dev, wu.w_dev, out, alpha, beta, cuda::SmallMKernel::Slice);
+        gpu.synchronize();
+        if (form != 2) {
+          const Tensor g_ref = test::nf4_scale_after_reference(a, wg.w_host, g0, alpha, beta);
+          const Tensor u_ref = test::nf4_scale_after_reference(a, wu.w_host, u0, alpha, beta);
+          EXPECT_TRUE(test::all_close(test::host_copy(dg), g_ref, test::fp32_accum_tolerance(k))) << what << " gate";
+          EXPECT_TRUE(test::all_close(test::host_copy(du), u_ref, test::bf16_output_tolerance(k))) << what << " up";
+        }
+        if (form != 1)
+          EXPECT_TRUE(test::all_close(test::host_copy(dh), h_ref, test::bf16_output_tolerance(k))) << what << " h";
+      }
+    }
+}
+
+// One pass per block and several (5000 x 4096: two, the pass shortened to an even 4 groups), 1-3 warps per slice
+// (1536: 2; 1280: 3, an odd pass that takes all of a block's groups at once), K split (4352: partials of both
+// weights summed by gate_up's reduction kernel), N ragged.
+INSTANTIATE_TEST_SUITE_P(Shapes, SmallMSliceGateUp,
+                         ::testing::Values(Shape3{1, 333, 1024}, Shape3{8, 300, 4352}, Shape3{3, 1000, 1536},
+                                           Shape3{5, 200, 1280}, Shape3{7, 65, 3328}, Shape3{8, 5000, 4096}));
+
+// A forced slice kernel that cannot take the problem throws instead of launching (nothing written): K not a
+// multiple of 256, more than 8 rows, gate and up in different scale formats.
 TEST(SmallMSliceArgs, UnsupportedProblemThrows) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();
@@ -183,8 +243,17 @@ TEST(SmallMSliceArgs, UnsupportedProblemThrows) {
   const Tensor a9 = to_device(test::random_tensor(DType::BF16, {9, 256}, 9), gpu.device());
   Tensor c9 = to_device(test::random_tensor(DType::F32, {9, 16}, 10), gpu.device());
   EXPECT_THROW(cuda::launch_nf4_gemm_small_m(gpu, a9, p9.w_dev, c9, 1.0f, 0.0f, cuda::SmallMKernel::Slice), Error);
+  // gate_up: one kernel instance serves both weights, so their scale formats must agree.
+  Problem plain = make_weight(16, 256, false, 11), dq = make_weight(16, 256, true, 12);
+  const Tensor a4 = to_device(test::random_tensor(DType::BF16, {4, 256}, 13), gpu.device());
+  Tensor g = to_device(test::random_tensor(DType::F32, {4, 16}, 14), gpu.device());
+  const Tensor g_before = test::host_copy(g);
+  EXPECT_THROW(cuda::launch_nf4_gate_up_small_m(gpu, a4, plain.w_dev, dq.w_dev, {g, TensorView(), TensorView()}, 1.0f,
+                                                0.0f, cuda::SmallMKernel::Slice),
+               Error);
   gpu.synchronize();
   EXPECT_TRUE(test::bytes_equal(test::host_copy(c), before));
+  EXPECT_TRUE(test::bytes_equal(test::host_copy(g), g_before));
 }
 #endif
 

@@ -247,74 +247,110 @@ bool slice_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
   using namespace small_m;
   return a.dim(0) <= kSliceMaxRows && pair_fits(ctx, a, w) &&
          state(ctx).props.sharedMemPerBlockOptin >=
-             static_cast<std::size_t>(kSliceFixedBytes + kSliceWarps * 16 * kSliceMaxRows * 4);
+             static_cast<std::size_t>(kSliceFixedBytes + 2 * kSliceWarps * 16 * kSliceMaxRows * 4);
 }
 
 // At most 16 slices per split (one per warp), as few splits as that allows and the slices spread evenly over
 // them; a block per SM, each taking an even share of a split's row groups; passes as long as the shared memory
-// left for sums holds.
+// left for sums holds (with two weights, an even number of groups unless one pass takes all of a block's).
 struct SliceLaunch {
   small_m::SliceGrid grid;
   int splits, blocks, smem;
 };
-SliceLaunch slice_launch(const Context& ctx, std::int64_t M, std::int64_t N, std::int64_t K) {
+SliceLaunch slice_launch(const Context& ctx, std::int64_t M, std::int64_t N, std::int64_t K, int weights) {
   using namespace small_m;
   SliceLaunch l{};
   SliceGrid& g = l.grid;
+  g.weights = weights;
   g.slices = static_cast<int>(K / kSliceK);
   l.splits = (g.slices + kSliceWarps - 1) / kSliceWarps;
   g.per_split = (g.slices + l.splits - 1) / l.splits;
   g.warps_per_slice = kSliceWarps / g.per_split;
-  g.row_groups = static_cast<int>((N + 15) / 16);
+  g.groups = weights * static_cast<int>((N + 15) / 16);
   const int per_split_blocks = std::max(1, state(ctx).sm_count() / l.splits);
-  g.groups_per_block = (g.row_groups + per_split_blocks - 1) / per_split_blocks;
-  l.blocks = (g.row_groups + g.groups_per_block - 1) / g.groups_per_block;
+  g.groups_per_block = (g.groups + per_split_blocks - 1) / per_split_blocks;
+  g.groups_per_block += g.groups_per_block % weights;
+  l.blocks = (g.groups + g.groups_per_block - 1) / g.groups_per_block;
   const std::int64_t group_sum_bytes = static_cast<std::int64_t>(g.per_split) * 16 * M * 4;
   const std::int64_t free_bytes = static_cast<std::int64_t>(state(ctx).props.sharedMemPerBlockOptin) - kSliceFixedBytes;
   const int iters_needed = (g.groups_per_block + g.warps_per_slice - 1) / g.warps_per_slice;
-  const int pass_iters = static_cast<int>(std::clamp<std::int64_t>(
+  int pass_iters = static_cast<int>(std::clamp<std::int64_t>(
       free_bytes / (group_sum_bytes * g.warps_per_slice), 1, iters_needed));
+  // An odd pass of two weights' groups would split a row's gate and up over two passes: one group less, or (a
+  // single group per pass) two, which slice_fits leaves room for.
+  if (weights == 2 && pass_iters * g.warps_per_slice % 2 == 1 && pass_iters < iters_needed)
+    pass_iters = pass_iters > 1 ? pass_iters - 1 : 2;
   g.pass_groups = pass_iters * g.warps_per_slice;
   l.smem = static_cast<int>(kSliceFixedBytes + g.pass_groups * group_sum_bytes);
   return l;
 }
 
+// gate_up's reduction of split-K partials [weight][split][M][N] into its outputs.
+void launch_gate_up_reduce(const Context& ctx, const float* partial, int splits, std::int64_t mn,
+                           const small_m::GateUpOut& o, float alpha, float beta) {
+  launch_by_lanes(ctx, splits, mn, [&](auto lanes, unsigned blocks) {
+    QMM_CUDA_CHECK(launch_overlapping(ctx, small_m::nf4_gate_up_reduce_kernel<decltype(lanes)::value>, blocks,
+                                      kReduceThreads, 0, partial, splits, mn, o, alpha, beta));
+  });
+}
+
 template <bool kDq, bool kAF32>
-void launch_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha,
-                  float beta) {
+void launch_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
+                  const ForwardOut& o) {
   using namespace small_m;
-  const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
-  const SliceLaunch l = slice_launch(ctx, M, N, K);
+  const std::int64_t M = a.dim(0), K = a.dim(1), N = w0.rows;
+  const SliceLaunch l = slice_launch(ctx, M, N, K, weights);
   std::unique_ptr<ScratchBuffer> scratch;
-  float* partial = l.splits > 1 ? new_partials(ctx, scratch, l.splits * M * N) : nullptr;
+  float* partial = l.splits > 1 ? new_partials(ctx, scratch, weights * l.splits * M * N) : nullptr;
   auto kernel = nf4_small_m_slice_kernel<kDq, kAF32>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), l.smem);
-  const SliceOut out{c.data(), c.dtype() == DType::BF16, partial, alpha, beta};
+  const SliceOut out{o.c.empty() ? nullptr : o.c.data(), o.c.dtype() == DType::BF16, o.gate_up, partial, l.splits,
+                     o.alpha, o.beta};
   QMM_CUDA_CHECK(launch_overlapping(ctx, kernel, dim3(static_cast<unsigned>(l.blocks), static_cast<unsigned>(l.splits)),
-                                    kSliceThreads, l.smem, a.data(), static_cast<int>(M), N, K, weight_args(w), l.grid,
-                                    out));
-  if (partial) launch_nf4_split_k_reduce(ctx, partial, l.splits, M * N, c, alpha, beta);
+                                    kSliceThreads, l.smem, a.data(), static_cast<int>(M), N, K, weight_args(w0),
+                                    weight_args(w1), l.grid, out));
+  if (!partial) return;
+  if (weights == 1) launch_nf4_split_k_reduce(ctx, partial, l.splits, M * N, o.c, o.alpha, o.beta);
+  else launch_gate_up_reduce(ctx, partial, l.splits, M * N, o.gate_up, o.alpha, o.beta);
 }
 
-void launch_slice_for(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha,
-                      float beta) {
+void launch_slice_for(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
+                      const ForwardOut& o) {
+  set_device(ctx);
   const bool f32 = a.dtype() == DType::F32;
-  if (w.double_quant()) f32 ? launch_slice<true, true>(ctx, a, w, c, alpha, beta)
-                            : launch_slice<true, false>(ctx, a, w, c, alpha, beta);
-  else f32 ? launch_slice<false, true>(ctx, a, w, c, alpha, beta)
-           : launch_slice<false, false>(ctx, a, w, c, alpha, beta);
+  if (w0.double_quant()) f32 ? launch_slice<true, true>(ctx, a, w0, w1, weights, o)
+                             : launch_slice<true, false>(ctx, a, w0, w1, weights, o);
+  else f32 ? launch_slice<false, true>(ctx, a, w0, w1, weights, o)
+           : launch_slice<false, false>(ctx, a, w0, w1, weights, o);
 }
 
-// Whether Auto takes the slice kernel, and where: one weight (gate_up's two-weight form is not written), up to 8
-// rows, and with K split over blocks (K > 4096) only at 8 rows, where the branch of session 30 measured it ahead
-// of the pair kernel (H200, device µs, bf16, double-quantized, slice vs pair: Llama-3-8B gate/up M = 1 / 4 / 8
-// 13.9 / 14.3 / 15.8 vs 15.2 / 16.2 / 18.8, down 16.4 / 17.0 / 18.8 vs 15.7 / 17.4 / 24.0; Qwen2.5-1.5B gate/up
-// 6.3 / 6.5 / 7.2 vs 6.3 / 6.7 / 7.4, down 8.3 / 8.5 / 9.0 vs 6.7 / 7.5 / 9.3). Off until this version (rewritten
-// after that branch was lost) has passed scripts/device-check and been timed.
+// Whether the slice kernel can take a launch over these weights (one, or gate and up with one scale format).
+bool slice_fits_all(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1) {
+  return nf4_small_m_supported(a, w0) && nf4_small_m_supported(a, w1) && slice_fits(ctx, a, w0) &&
+         slice_fits(ctx, a, w1) && w0.double_quant() == w1.double_quant();
+}
+
+// Whether Auto takes the slice kernel, and where: up to 8 rows, and with K split over blocks (K > 4096) only at 8
+// rows, where the branch of session 30 measured it ahead of the pair kernel for nf4_gemm (H200, device µs, bf16,
+// double-quantized, slice vs pair: Llama-3-8B gate/up M = 1 / 4 / 8 13.9 / 14.3 / 15.8 vs 15.2 / 16.2 / 18.8,
+// down 16.4 / 17.0 / 18.8 vs 15.7 / 17.4 / 24.0; Qwen2.5-1.5B gate/up 6.3 / 6.5 / 7.2 vs 6.3 / 6.7 / 7.4, down
+// 8.3 / 8.5 / 9.0 vs 6.7 / 7.5 / 9.3); gate_up's two-weight form was never timed. Off until this version
+// (rewritten after that branch was lost) has passed scripts/device-check and been timed.
 constexpr bool kAutoTakesSlice = false;
-bool auto_takes_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
-  if (!kAutoTakesSlice || !slice_fits(ctx, a, w)) return false;
-  return w.cols <= small_m::kSliceWarps * small_m::kSliceK || a.dim(0) == small_m::kSliceMaxRows;
+constexpr bool kAutoTakesSliceGateUp = false;
+bool auto_takes_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
+                      int weights) {
+  if (!(weights == 1 ? kAutoTakesSlice : kAutoTakesSliceGateUp) || !slice_fits_all(ctx, a, w0, w1)) return false;
+  return w0.cols <= small_m::kSliceWarps * small_m::kSliceK || a.dim(0) == small_m::kSliceMaxRows;
+}
+
+// A forced slice kernel where it does not fit: Unsupported, before anything is launched.
+void check_slice_fits(const char* op, const Context& ctx, const TensorView& a, const Nf4Weight& w0,
+                      const Nf4Weight& w1) {
+  if (!slice_fits_all(ctx, a, w0, w1))
+    throw Error(ErrorCode::Unsupported, std::string(op) + ": the small-M slice kernel does not support this problem "
+                                        "(it needs M <= 8, blocks of 64, K a multiple of 256, one scale format and "
+                                        "sm_90's shared memory)");
 }
 
 template <bool kAF32>
@@ -396,18 +432,14 @@ void launch_nf4_gemm_backward_small_m(const Context& ctx, const TensorView& dc, 
 }
 
 bool nf4_small_m_slice_supported(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
-  return nf4_small_m_supported(a, w) && slice_fits(ctx, a, w);
+  return slice_fits_all(ctx, a, w, w);
 }
 
 void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
                              float alpha, float beta, SmallMKernel kernel) {
-  if (kernel == SmallMKernel::Slice && !nf4_small_m_slice_supported(ctx, a, w))
-    throw Error(ErrorCode::Unsupported, "nf4_gemm: the small-M slice kernel does not support this problem (it needs "
-                                        "M <= 8, blocks of 64, K a multiple of 256 and sm_90's shared memory)");
-  if (kernel == SmallMKernel::Slice || auto_takes_slice(ctx, a, w)) {
-    set_device(ctx);
-    return launch_slice_for(ctx, a, w, c, alpha, beta);
-  }
+  if (kernel == SmallMKernel::Slice) check_slice_fits("nf4_gemm", ctx, a, w, w);
+  if (kernel == SmallMKernel::Slice || auto_takes_slice(ctx, a, w, w, 1))
+    return launch_slice_for(ctx, a, w, w, 1, {c, {}, alpha, beta});
   int splits = 1;
   std::unique_ptr<ScratchBuffer> scratch;
   const float* partial = launch_forward(ctx, a, w, w, 1, {c, {}, alpha, beta}, scratch, &splits);
@@ -415,19 +447,19 @@ void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4W
 }
 
 void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,
-                                const Nf4Weight& w_up, const GateUpOutputs& out, float alpha, float beta) {
-  int splits = 1;
-  std::unique_ptr<ScratchBuffer> scratch;
+                                const Nf4Weight& w_up, const GateUpOutputs& out, float alpha, float beta,
+                                SmallMKernel kernel) {
+  if (kernel == SmallMKernel::Slice) check_slice_fits("nf4_gate_up", ctx, a, w_gate, w_up);
   auto ptr = [](const TensorView& v) { return v.empty() ? nullptr : v.data(); };
   const small_m::GateUpOut o{ptr(out.gate), ptr(out.up), ptr(out.h), out.gate.dtype() == DType::BF16,
                              out.up.dtype() == DType::BF16, out.h.dtype() == DType::BF16};
-  const float* partial = launch_forward(ctx, a, w_gate, w_up, 2, {TensorView(), o, alpha, beta}, scratch, &splits);
-  if (!partial) return;  // the pair kernel wrote the outputs
-  const std::int64_t mn = a.dim(0) * w_gate.rows;
-  launch_by_lanes(ctx, splits, mn, [&](auto lanes, unsigned blocks) {
-    QMM_CUDA_CHECK(launch_overlapping(ctx, small_m::nf4_gate_up_reduce_kernel<decltype(lanes)::value>, blocks,
-                                      kReduceThreads, 0, partial, splits, mn, o, alpha, beta));
-  });
+  const ForwardOut fo{TensorView(), o, alpha, beta};
+  if (kernel == SmallMKernel::Slice || auto_takes_slice(ctx, a, w_gate, w_up, 2))
+    return launch_slice_for(ctx, a, w_gate, w_up, 2, fo);
+  int splits = 1;
+  std::unique_ptr<ScratchBuffer> scratch;
+  const float* partial = launch_forward(ctx, a, w_gate, w_up, 2, fo, scratch, &splits);
+  if (partial) launch_gate_up_reduce(ctx, partial, splits, a.dim(0) * w_gate.rows, o, alpha, beta);
 }
 
 }  // namespace qmm::cuda

@@ -762,11 +762,13 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
 // groups of 16 weight rows: per row group only the codes and scales (2.3 KB) arrive, by cp.async through a ring of
 // kSliceDepth stages per warp laid out as the pair kernel's ring steps (PairIssue copies them). Warps leave each
 // row group's sums in shared memory; once per pass (as many row groups as the sums area holds) the block adds its
-// slices' sums in slice order and writes them (C, or fp32 partials [split][M][N] for the split-K reduction):
-// deterministic. One block of 16 warps per SM; the grid is x: blocks of row groups, y: k splits of at most 16
-// slices. A block's split has per_split slices; warp w takes slice w % per_split and every warps_per_slice-th row
-// group from w / per_split on (K < 4096 leaves several warps per slice; warps past per_split x warps_per_slice,
-// or past the last split's slices, idle).
+// slices' sums in slice order and writes them (C, or gate_up's outputs, or fp32 partials [weight][split][M][N]
+// for the split-K reduction): deterministic. One block of 16 warps per SM; the grid is x: blocks of row groups,
+// y: k splits of at most 16 slices. A block's split has per_split slices; warp w takes slice w % per_split and
+// every warps_per_slice-th row group from w / per_split on (K < 4096 leaves several warps per slice; warps past
+// per_split x warps_per_slice, or past the last split's slices, idle). With two weights (gate_up) the groups
+// interleave, group v being row group v / 2 of weight v % 2, and blocks and passes start at even groups, so that
+// a pass holds both weights' sums of its rows and the block writes h itself.
 constexpr int kSliceWarps = 16;
 constexpr int kSliceThreads = 32 * kSliceWarps;
 constexpr int kSliceMaxRows = 8;  // one n8 tile of A rows
@@ -774,26 +776,31 @@ constexpr int kSliceK = 256;
 constexpr int kSliceDepth = 3;  // ring stages per warp (kSliceDepth - 1 row groups in flight)
 constexpr int kSliceRingBytes = kSliceDepth * kPairStepBytes;
 // Layout as the pair kernel's: the table at the first 64 KB boundary, as many rings as fit in front of it, code2
-// and the other rings behind it, then the sums. The table, code2 and one ring more than the warps have cover any
-// window base (the space lost in front is under one ring).
-constexpr int kSliceFixedBytes = kPairTableBytes + kCode2Bytes + (kSliceWarps + 1) * kSliceRingBytes;
+// of both weights and the other rings behind it, then the sums. The table, code2 and one ring more than the warps
+// have cover any window base (the space lost in front is under one ring).
+constexpr int kSliceFixedBytes = kPairTableBytes + 2 * kCode2Bytes + (kSliceWarps + 1) * kSliceRingBytes;
 static_assert(kSliceWarps == kPairWarps, "the pair table's fill takes 16 warps");
 static_assert(kPairTableBytes / kSliceRingBytes < kSliceWarps, "fewer rings fit in front of the table than warps");
+static_assert(kSliceThreads == 2 * kNf4Code2Size, "one code2 value of one weight per thread");
 
 struct SliceGrid {
+  int weights;           // 1, or 2 (gate_up)
   int slices;            // K / 256
   int per_split;         // slices per k split (the last split may have fewer)
   int warps_per_slice;   // 16 / per_split
-  int row_groups;        // ceil(N / 16)
-  int groups_per_block;  // row groups per block of a split
-  int pass_groups;       // row groups per pass, a multiple of warps_per_slice
+  int groups;            // weights x ceil(N / 16) row groups
+  int groups_per_block;  // of a split; a multiple of weights
+  int pass_groups;       // per pass, a multiple of warps_per_slice (and of weights, or all of a block's)
 };
 
-// alpha * sum (+ beta * C) into C, or (partial set: split-K) the plain sums into partial[split][M][N].
+// One weight: alpha * sum (+ beta * C) into C. Two: gate_up's outputs (alpha on gate and up, beta without h).
+// With partial set (split K): the plain sums into partial[weight][split][M][N] instead.
 struct SliceOut {
   void* c;
   bool c_bf16;
+  GateUpOut gate_up;
   float* partial;
+  int splits;
   float alpha, beta;
 };
 
@@ -823,15 +830,42 @@ __device__ __forceinline__ void load_slice_fragments(std::uint32_t (&bf)[4][8], 
   }
 }
 
+// After the pass's barrier: every output of the pass's rows, its slices' sums added in slice order.
+__device__ __forceinline__ void write_slice_pass(const float* sums, const SliceGrid& grid, const SliceOut& out, int M,
+                                                 std::int64_t N, int group0, int groups_here, int slices_here,
+                                                 int split, int tid) {
+  const int W = grid.weights, pass_rows = 16 * grid.pass_groups;
+  const int rows = 16 * groups_here / W;  // rows of each weight
+  const std::int64_t mn = static_cast<std::int64_t>(M) * N;
+  for (int e = tid; e < rows * M; e += kSliceThreads) {
+    const int rr = e / M, m = e - rr * M, q = rr >> 4, r = rr & 15;
+    const std::int64_t n = 16LL * (group0 / W + q) + r;
+    if (n >= N) continue;
+    float v[2] = {0.0f, 0.0f};  // weight 0 (C or gate), weight 1 (up)
+    const std::int64_t idx = m * N + n;
+#pragma unroll
+    for (int wt = 0; wt < 2; ++wt) {
+      if (wt == W) break;
+      const int row = 16 * (W * q + wt) + r;  // in the pass's sums
+      for (int k = 0; k < slices_here; ++k) v[wt] += sums[(k * pass_rows + row) * M + m];
+      if (out.partial) out.partial[(static_cast<std::int64_t>(wt) * out.splits + split) * mn + idx] = v[wt];
+    }
+    if (out.partial) continue;  // written above
+    if (W == 1) store_out(out.c, out.c_bf16, idx, v[0], out.alpha, out.beta);
+    else store_gate_up(out.gate_up, idx, out.alpha * v[0], out.alpha * v[1], out.beta);
+  }
+}
+
 template <bool kDq, bool kAF32>
 __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
-    const void* __restrict__ a, int M, std::int64_t N, std::int64_t K, WeightArgs w, SliceGrid grid, SliceOut out) {
+    const void* __restrict__ a, int M, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1, SliceGrid grid,
+    SliceOut out) {
   extern __shared__ __align__(16) unsigned char smem[];
   const std::uint32_t base = shared_address(smem);
   const std::uint32_t front = (0x10000u - (base & 0xFFFFu)) & 0xFFFFu;  // bytes in front of the table
   const std::uint32_t table = base + front;
-  float* code2_shared = reinterpret_cast<float*>(smem + front + kPairTableBytes);
-  unsigned char* behind = smem + front + kPairTableBytes + kCode2Bytes;
+  float* code2_shared = reinterpret_cast<float*>(smem + front + kPairTableBytes);  // [weight][256]
+  unsigned char* behind = smem + front + kPairTableBytes + 2 * kCode2Bytes;
   const int rings_in_front = static_cast<int>(front / kSliceRingBytes);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const std::uint32_t ring = warp < rings_in_front
@@ -842,28 +876,29 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
   const int split = static_cast<int>(blockIdx.y);
   const int slice0 = split * grid.per_split;
   const int slices_here = min(grid.per_split, grid.slices - slice0);
-  const int wk = warp % grid.per_split, wr = warp / grid.per_split, WR = grid.warps_per_slice;
+  const int wk = warp % grid.per_split, wr = warp / grid.per_split, WR = grid.warps_per_slice, W = grid.weights;
   const bool active = wr < WR && wk < slices_here;
-  const int rg_begin = static_cast<int>(blockIdx.x) * grid.groups_per_block;
-  const int rg_end = min(grid.row_groups, rg_begin + grid.groups_per_block);
+  const int group_begin = static_cast<int>(blockIdx.x) * grid.groups_per_block;
+  const int group_end = min(grid.groups, group_begin + grid.groups_per_block);
   const int pass_iters = grid.pass_groups / WR, pass_rows = 16 * grid.pass_groups;
-  const int passes = (rg_end - rg_begin + grid.pass_groups - 1) / grid.pass_groups;
-  // The warp's row groups in order: item i = pass_iters p + j is row group rg_begin + pass_groups p + wr + WR j.
+  const int passes = (group_end - group_begin + grid.pass_groups - 1) / grid.pass_groups;
+  // The warp's groups in order: item i = pass_iters p + j is group group_begin + pass_groups p + wr + WR j.
   // Only the last pass can be short, so the items that exist are the first n_mine.
   int n_mine = 0;
   if (active) {
-    const int span = rg_end - rg_begin, full = span / grid.pass_groups, rem = span - full * grid.pass_groups;
+    const int span = group_end - group_begin, full = span / grid.pass_groups, rem = span - full * grid.pass_groups;
     n_mine = full * pass_iters + (rem > wr ? (rem - wr + WR - 1) / WR : 0);
   }
-  auto item_row = [&](int i) {
+  auto item_group = [&](int i) {
     const int p = i / pass_iters, j = i - p * pass_iters;
-    return 16LL * (rg_begin + p * grid.pass_groups + wr + WR * j);
+    return group_begin + p * grid.pass_groups + wr + WR * j;
   };
   // One commit group per item, empty past the last, so that wait_group counts items.
   auto issue = [&](int i, int slot) {
     if (i < n_mine) {
+      const int v = item_group(i);
       PairIssue<kDq> is;
-      is.start(PairUnit{0, 0, slice0 + wk, 1, item_row(i)}, N, K, w, w, lane);
+      is.start(PairUnit{v % W, 0, slice0 + wk, 1, 16LL * (v / W)}, N, K, w0, w1, lane);
       is.copy(0, ring + slot * kPairStepBytes, lane);
     }
     cp_async_commit();
@@ -874,13 +909,14 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
   pdl_launch_dependents();
   fill_pair_table(smem + front, warp, lane);
   pdl_wait();
-  float code2_value = 0.0f;
-  if (kDq && tid < kNf4Code2Size) code2_value = __ldg(w.scales.code2 + tid);
+  float code2_value = 0.0f;  // thread t: value t % 256 of weight t / 256
+  if (kDq && tid < W * kNf4Code2Size)
+    code2_value = __ldg((tid < kNf4Code2Size ? w0.scales.code2 : w1.scales.code2) + tid % kNf4Code2Size);
 #pragma unroll
   for (int d = 0; d + 1 < kSliceDepth; ++d) issue(d, d);
   std::uint32_t bf[4][8];
   load_slice_fragments<kAF32>(bf, a, M, K, static_cast<std::int64_t>(slice0 + wk) * kSliceK, g, t, active);
-  if (kDq && tid < kNf4Code2Size) code2_shared[tid] = code2_value;
+  if (kDq) code2_shared[tid] = code2_value;
   __syncthreads();
   // The lookups (asm without memory effects) depend on lane_table, taken after the barrier, so they stay below it.
   std::uint32_t lane_table = table + 4u * lane;
@@ -926,15 +962,17 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
           mma_bf16_16816(part[c], wf, bf[c][2 * s], bf[c][2 * s + 1]);
         }
       }
+      const int which = item_group(i) % W;
+      const float* code2 = code2_shared + which * kNf4Code2Size;
+      const float offset = which ? w1.scales.offset : w0.scales.offset;
       float acc[4] = {};
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         float sc[2];  // block c's scales of rows g and g + 8 (the CPU's operation order)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-          sc[half] = kDq ? __fadd_rn(__fmul_rn(code2_shared[(sw[half][0] >> (8 * c)) & 0xFFu],
-                                               __uint_as_float(sw[half][1])),
-                                     w.scales.offset)
+          sc[half] = kDq ? __fadd_rn(__fmul_rn(code2[(sw[half][0] >> (8 * c)) & 0xFFu], __uint_as_float(sw[half][1])),
+                                     offset)
                          : __uint_as_float(sw[half][c]);
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[r] = fmaf(sc[r >> 1], part[c][r], acc[r]);
@@ -949,18 +987,8 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
       slot = slot + 1 == kSliceDepth ? 0 : slot + 1;
     }
     __syncthreads();
-    const int rg0 = rg_begin + p * grid.pass_groups;
-    const int rows = 16 * min(grid.pass_groups, rg_end - rg0);
-    for (int e = tid; e < rows * M; e += kSliceThreads) {
-      const int rl = e / M, m = e - rl * M;
-      const std::int64_t n = 16LL * rg0 + rl;
-      if (n >= N) continue;
-      float v = 0.0f;
-      for (int k = 0; k < slices_here; ++k) v += sums[(k * pass_rows + rl) * M + m];
-      const std::int64_t idx = m * N + n;
-      if (out.partial) out.partial[static_cast<std::int64_t>(split) * M * N + idx] = v;
-      else store_out(out.c, out.c_bf16, idx, v, out.alpha, out.beta);
-    }
+    const int group0 = group_begin + p * grid.pass_groups;
+    write_slice_pass(sums, grid, out, M, N, group0, min(grid.pass_groups, group_end - group0), slices_here, split, tid);
     __syncthreads();  // the sums are read before the next pass writes them
   }
   cp_async_wait<0>();

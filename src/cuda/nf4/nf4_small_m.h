@@ -31,9 +31,11 @@ void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4W
                              float alpha, float beta, SmallMKernel kernel = SmallMKernel::Auto);
 
 // gate and up in one launch (both weights of one shape), then h = silu(gate)*up where out.h is given; beta
-// accumulates into gate and up (only without h).
+// accumulates into gate and up (only without h). SmallMKernel::Slice: as for nf4_gemm, both weights in one scale
+// format.
 void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,
-                                const Nf4Weight& w_up, const GateUpOutputs& out, float alpha, float beta);
+                                const Nf4Weight& w_up, const GateUpOutputs& out, float alpha, float beta,
+                                SmallMKernel kernel = SmallMKernel::Auto);
 
 // dA = dC * dequant(W) for M <= 16 (K a multiple of 32, blocks of at least 32, 16-byte aligned codes).
 bool nf4_small_m_backward_supported(const TensorView& dc, const Nf4Weight& w);
