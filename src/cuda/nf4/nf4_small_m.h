@@ -3,7 +3,8 @@
 // multiple of 256, up to 16 rows take the pair kernel on sm_90 (one table of code-byte pairs, the block scale
 // applied after the product: the scale-after contract in ops.h; f32 A rounded to bf16 by a packing kernel);
 // otherwise per-lane tables of the block's 16 scaled values, on the tensor cores, or at M = 1 a GEMV kernel (same
-// tables, FMAs). See nf4_small_m.cuh.
+// tables, FMAs). The slice kernel (M <= 8, the pair kernel's table and contract, A held in registers) runs only
+// where SmallMKernel::Slice forces it, for now. See nf4_small_m.cuh.
 #pragma once
 
 #include "qmm/context.h"
