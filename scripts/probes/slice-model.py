@@ -19,7 +19,7 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
                 0.7229568362236023, 1.0], dtype=np.float32)
 
 # The kernel's constants (nf4_small_m.cuh) and an H200's limits.
-WARPS, SLICE_K, DEPTH, MAX_ROWS = 16, 256, 3, 8
+WARPS, SLICE_K, DEPTH, MAX_ROWS = 16, 256, 3, 16
 ROW_BYTES, CODE_BYTES = 128, 16 * 128
 STEP_BYTES = CODE_BYTES + 16 * 16
 TABLE_BYTES, CODE2_BYTES = 65536, 1024
@@ -162,6 +162,7 @@ def run_kernel(a_bf16, ws, L):
     W, wr_count, per_split = L["weights"], L["wr"], L["per_split"]
     pass_groups, pass_rows = L["pass_groups"], 16 * L["pass_groups"]
     pass_iters = pass_groups // wr_count
+    nt8 = 1 if m <= 8 else 2  # n8 tiles of A rows
     partial = np.full((W, L["splits"], m, n), np.nan)
     covered = np.zeros((L["groups"], L["slices"]), dtype=int)
     for split in range(L["splits"]):
@@ -181,14 +182,16 @@ def run_kernel(a_bf16, ws, L):
                     full, rem = divmod(span, pass_groups)
                     n_mine = full * pass_iters + ((rem - wr + wr_count - 1) // wr_count if rem > wr else 0)
                     s_index = slice0 + wk
-                    # B fragments: lane (g, t), block c, word q: A[g][256 s + 64 c + 16 t + 2q, +1] (zero past M)
-                    bf = np.zeros((32, 4, 8, 2), dtype=np.float32)
+                    # B fragments: lane (g, t), block c, tile jt, word q: A[8 jt + g][256 s + 64 c + 16 t + 2q, +1]
+                    # (zero past M)
+                    bf = np.zeros((32, 4, nt8, 8, 2), dtype=np.float32)
                     for lane in range(32):
                         g, t = lane >> 2, lane & 3
-                        if g < m:
-                            for c in range(4):
-                                x = a_bf16[g, SLICE_K * s_index + 64 * c + 16 * t:][:16]
-                                bf[lane, c] = x.reshape(8, 2)
+                        for jt in range(nt8):
+                            if 8 * jt + g < m:
+                                for c in range(4):
+                                    x = a_bf16[8 * jt + g, SLICE_K * s_index + 64 * c + 16 * t:][:16]
+                                    bf[lane, c, jt] = x.reshape(8, 2)
                     for j in range(pass_iters):
                         i = p * pass_iters + j
                         if i >= n_mine:
@@ -198,8 +201,8 @@ def run_kernel(a_bf16, ws, L):
                         covered[v, s_index] += 1
                         w = ws[which]
                         stage = ring_stage(w, n0, s_index)
-                        acc = np.zeros((32, 4), dtype=np.float32)
-                        part = [np.zeros((32, 4), dtype=np.float32) for _ in range(4)]
+                        acc = np.zeros((32, nt8, 4), dtype=np.float32)
+                        part = [[np.zeros((32, 4), dtype=np.float32) for _ in range(nt8)] for _ in range(4)]
                         sw = np.zeros((32, 2, 4), dtype=np.uint32)
                         cw = np.zeros((32, 4, 4), dtype=np.uint32)
                         for lane in range(32):
@@ -212,13 +215,14 @@ def run_kernel(a_bf16, ws, L):
                         for s in range(4):
                             for c in range(4):
                                 a_frag = [[None] * 4 for _ in range(32)]
-                                b_frag = [[bf[lane, c, 2 * s], bf[lane, c, 2 * s + 1]] for lane in range(32)]
                                 for lane in range(32):
                                     for r in range(4):
                                         word = int(cw[lane, c, (r & 1) * 2 + (s >> 1)])
                                         b = 2 * (s & 1) + (r >> 1)
                                         a_frag[lane][r] = pair_table_entry((word >> (8 * b)) & 0xFF)
-                                mma(a_frag, b_frag, part[c])
+                                for jt in range(nt8):
+                                    b_frag = [[bf[ln, c, jt, 2 * s], bf[ln, c, jt, 2 * s + 1]] for ln in range(32)]
+                                    mma(a_frag, b_frag, part[c][jt])
                         for lane in range(32):
                             g, t = lane >> 2, lane & 3
                             for c in range(4):
@@ -230,15 +234,18 @@ def run_kernel(a_bf16, ws, L):
                                         sc.append(np.float32(np.float32(w.code2[q] * am2) + w.offset))
                                     else:
                                         sc.append(sw[lane, half, c:c + 1].view(np.float32)[0])
-                                for r in range(4):
-                                    acc[lane, r] = np.float32(acc[lane, r] + np.float32(sc[r >> 1] * part[c][lane, r]))
+                                for jt in range(nt8):
+                                    for r in range(4):
+                                        acc[lane, jt, r] = np.float32(acc[lane, jt, r] +
+                                                                      np.float32(sc[r >> 1] * part[c][jt][lane, r]))
                             rl = 16 * (wr + wr_count * j)
-                            for r in range(4):
-                                mm = 2 * t + (r & 1)
-                                if mm < m:
-                                    idx = (wk * pass_rows + rl + g + 8 * (r >> 1)) * m + mm
-                                    assert np.isnan(sums[idx]), "a sum written twice in one pass"
-                                    sums[idx] = acc[lane, r]
+                            for jt in range(nt8):
+                                for r in range(4):
+                                    mm = 8 * jt + 2 * t + (r & 1)
+                                    if mm < m:
+                                        idx = (wk * pass_rows + rl + g + 8 * (r >> 1)) * m + mm
+                                        assert np.isnan(sums[idx]), "a sum written twice in one pass"
+                                        sums[idx] = acc[lane, jt, r]
                 # the pass's reduction (write_slice_pass)
                 group0 = g_begin + p * pass_groups
                 groups_here = min(pass_groups, g_end - group0)
@@ -285,25 +292,27 @@ def check(m, n, k, weights, dq, seed):
 def main():
     global NF4_BF16
     NF4_BF16 = bf16_round(NF4)
-    shapes = [(1, 1, 256), (8, 17, 256), (3, 65, 1536), (7, 33, 3328), (5, 20, 4352), (2, 18, 1280), (8, 40, 768)]
+    shapes = [(1, 1, 256), (8, 17, 256), (3, 65, 1536), (7, 33, 3328), (5, 20, 4352), (2, 18, 1280), (8, 40, 768),
+              (9, 17, 512), (16, 33, 1280), (13, 20, 4352)]
     ok = True
     for seed, (m, n, k) in enumerate(shapes):
         for weights in (1, 2):
             ok &= check(m, n, k, weights, dq=seed % 2 == 1, seed=seed)
-    # Several passes per block: few SMs (the same schedule a large N gives an H200).
-    for weights in (1, 2):
-        m, n, k = 8, 300, 4096
-        L = slice_launch(m, n, k, weights, sms=2)
-        rng = np.random.default_rng(99)
-        ws = [Weight(rng, n, k, True) for _ in range(weights)]
-        a = bf16_round(rng.uniform(-1, 1, size=(m, k)).astype(np.float32))
-        got = run_kernel(a, ws, L)
-        worst = max((np.abs(got[wt] - reference(a, w)) / np.abs(reference(a, w)).max()).max()
-                    for wt, w in enumerate(ws))
-        passes = -(-L["gpb"] // L["pass_groups"])
-        print(f"M 8 N 300 K 4096 weights {weights} on 2 SMs: {passes} passes per block | "
-              f"{'ok' if worst < 1e-5 else 'FAIL'} (worst {worst:.1e})")
-        ok &= worst < 1e-5 and passes > 1
+    # Several passes per block: few SMs (the same schedule a large N gives an H200), one and two n8 tiles.
+    for m in (8, 16):
+        for weights in (1, 2):
+            n, k = 300, 4096
+            L = slice_launch(m, n, k, weights, sms=2)
+            rng = np.random.default_rng(99)
+            ws = [Weight(rng, n, k, True) for _ in range(weights)]
+            a = bf16_round(rng.uniform(-1, 1, size=(m, k)).astype(np.float32))
+            got = run_kernel(a, ws, L)
+            worst = max((np.abs(got[wt] - reference(a, w)) / np.abs(reference(a, w)).max()).max()
+                        for wt, w in enumerate(ws))
+            passes = -(-L["gpb"] // L["pass_groups"])
+            print(f"M {m:2d} N {n} K {k} weights {weights} on 2 SMs: {passes} passes per block | "
+                  f"{'ok' if worst < 1e-5 else 'FAIL'} (worst {worst:.1e})")
+            ok &= worst < 1e-5 and passes > 1
     print("all ok" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -162,13 +162,15 @@ TEST_P(SmallMSlice, MatchesScaleAfterReference) {
 // three idle), K > 4096 split over blocks (4352: 17 slices, two splits of 9 and 8, so one warp of the second split
 // idles; 18432: five splits, the last of 12 slices; 14336: the Llama down projection's four); N ragged around the
 // 16-row group (1, 17, 1000), large enough for two passes of row groups per block at 8 rows (12000 x 4096: 6 row
-// groups per block on an H200, the sums of 5 per pass), and with row groups that do not divide evenly among a
-// block's warps (8960 x 1536, Qwen gate/up: 5 per block, 2 warps per slice).
+// groups per block on an H200, the sums of 5 per pass) and at 16 (5000 x 4096: 3 per block, 2 per pass), and with
+// row groups that do not divide evenly among a block's warps (8960 x 1536, Qwen gate/up: 5 per block, 2 warps per
+// slice); 9-16 rows take the two-tile instance (9, 13 with a K split, 16).
 INSTANTIATE_TEST_SUITE_P(Shapes, SmallMSlice,
                          ::testing::Values(Shape3{1, 1, 256}, Shape3{8, 17, 256}, Shape3{3, 1000, 1536},
                                            Shape3{7, 65, 3328}, Shape3{1, 300, 4096}, Shape3{8, 300, 4352},
                                            Shape3{5, 63, 18432}, Shape3{2, 129, 14336}, Shape3{8, 12000, 4096},
-                                           Shape3{1, 8960, 1536}, Shape3{4, 2300, 4096}));
+                                           Shape3{1, 8960, 1536}, Shape3{4, 2300, 4096}, Shape3{9, 65, 1024},
+                                           Shape3{13, 300, 4352}, Shape3{16, 5000, 4096}));
 
 // gate_up through the slice kernel (forced; Auto does not take it): gate and up against the scale-after reference,
 // h against silu(gate) * up of those, with every output, gate and up only accumulating (beta 1; C not poisoned),
@@ -222,15 +224,16 @@ TEST_P(SmallMSliceGateUp, MatchesScaleAfterReference) {
     }
 }
 
-// One pass per block and several (5000 x 4096: two, the pass shortened to an even 4 groups), 1-3 warps per slice
-// (1536: 2; 1280: 3, an odd pass that takes all of a block's groups at once), K split (4352: partials of both
-// weights summed by gate_up's reduction kernel), N ragged.
+// One pass per block and several (5000 x 4096: two, the pass shortened to an even 4 groups; 16 x 2500 x 4096:
+// two of 2), 1-3 warps per slice (1536: 2; 1280: 3, an odd pass that takes all of a block's groups at once), K
+// split (4352: partials of both weights summed by gate_up's reduction kernel), N ragged, one and two n8 tiles.
 INSTANTIATE_TEST_SUITE_P(Shapes, SmallMSliceGateUp,
                          ::testing::Values(Shape3{1, 333, 1024}, Shape3{8, 300, 4352}, Shape3{3, 1000, 1536},
-                                           Shape3{5, 200, 1280}, Shape3{7, 65, 3328}, Shape3{8, 5000, 4096}));
+                                           Shape3{5, 200, 1280}, Shape3{7, 65, 3328}, Shape3{8, 5000, 4096},
+                                           Shape3{12, 1000, 1536}, Shape3{16, 2500, 4096}, Shape3{10, 65, 4352}));
 
 // A forced slice kernel that cannot take the problem throws instead of launching (nothing written): K not a
-// multiple of 256, more than 8 rows, gate and up in different scale formats.
+// multiple of 256, more than 16 rows, gate and up in different scale formats.
 TEST(SmallMSliceArgs, UnsupportedProblemThrows) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();
@@ -239,10 +242,11 @@ TEST(SmallMSliceArgs, UnsupportedProblemThrows) {
   Tensor c = to_device(test::random_tensor(DType::F32, {4, 16}, 7), gpu.device());
   const Tensor before = test::host_copy(c);
   EXPECT_THROW(cuda::launch_nf4_gemm_small_m(gpu, a, p.w_dev, c, 1.0f, 0.0f, cuda::SmallMKernel::Slice), Error);
-  Problem p9 = make_weight(16, 256, true, 8);
-  const Tensor a9 = to_device(test::random_tensor(DType::BF16, {9, 256}, 9), gpu.device());
-  Tensor c9 = to_device(test::random_tensor(DType::F32, {9, 16}, 10), gpu.device());
-  EXPECT_THROW(cuda::launch_nf4_gemm_small_m(gpu, a9, p9.w_dev, c9, 1.0f, 0.0f, cuda::SmallMKernel::Slice), Error);
+  Problem p17 = make_weight(16, 256, true, 8);
+  const Tensor a17 = to_device(test::random_tensor(DType::BF16, {17, 256}, 9), gpu.device());
+  Tensor c17 = to_device(test::random_tensor(DType::F32, {17, 16}, 10), gpu.device());
+  EXPECT_THROW(cuda::launch_nf4_gemm_small_m(gpu, a17, p17.w_dev, c17, 1.0f, 0.0f, cuda::SmallMKernel::Slice),
+               Error);
   // gate_up: one kernel instance serves both weights, so their scale formats must agree.
   Problem plain = make_weight(16, 256, false, 11), dq = make_weight(16, 256, true, 12);
   const Tensor a4 = to_device(test::random_tensor(DType::BF16, {4, 256}, 13), gpu.device());

@@ -241,8 +241,8 @@ void launch_pair_scales(const Context& ctx, const TensorView& a, const Nf4Weight
   else launch_pair<NT8, false>(ctx, a, w0, w1, weights, o, scratch);
 }
 
-// The slice kernel's preconditions: the pair kernel's (its ring steps and table) with at most 8 rows, and shared
-// memory for the fixed layout plus the sums of one row group per warp.
+// The slice kernel's preconditions: the pair kernel's (its ring steps and table) and shared memory for the fixed
+// layout plus the smallest pass: two row groups (a two-weight pass) of 16 slices' sums at 16 rows.
 bool slice_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
   using namespace small_m;
   return a.dim(0) <= kSliceMaxRows && pair_fits(ctx, a, w) &&
@@ -294,7 +294,7 @@ void launch_gate_up_reduce(const Context& ctx, const float* partial, int splits,
   });
 }
 
-template <bool kDq, bool kAF32>
+template <int NT8, bool kDq, bool kAF32>
 void launch_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
                   const ForwardOut& o) {
   using namespace small_m;
@@ -302,7 +302,7 @@ void launch_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w0, 
   const SliceLaunch l = slice_launch(ctx, M, N, K, weights);
   std::unique_ptr<ScratchBuffer> scratch;
   float* partial = l.splits > 1 ? new_partials(ctx, scratch, weights * l.splits * M * N) : nullptr;
-  auto kernel = nf4_small_m_slice_kernel<kDq, kAF32>;
+  auto kernel = nf4_small_m_slice_kernel<NT8, kDq, kAF32>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), l.smem);
   const SliceOut out{o.c.empty() ? nullptr : o.c.data(), o.c.dtype() == DType::BF16, o.gate_up, partial, l.splits,
                      o.alpha, o.beta};
@@ -317,11 +317,16 @@ void launch_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w0, 
 void launch_slice_for(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
                       const ForwardOut& o) {
   set_device(ctx);
-  const bool f32 = a.dtype() == DType::F32;
-  if (w0.double_quant()) f32 ? launch_slice<true, true>(ctx, a, w0, w1, weights, o)
-                             : launch_slice<true, false>(ctx, a, w0, w1, weights, o);
-  else f32 ? launch_slice<false, true>(ctx, a, w0, w1, weights, o)
-           : launch_slice<false, false>(ctx, a, w0, w1, weights, o);
+  const bool f32 = a.dtype() == DType::F32, dq = w0.double_quant();
+  auto launch = [&](auto nt8) {
+    constexpr int NT8 = decltype(nt8)::value;
+    if (dq) f32 ? launch_slice<NT8, true, true>(ctx, a, w0, w1, weights, o)
+                : launch_slice<NT8, true, false>(ctx, a, w0, w1, weights, o);
+    else f32 ? launch_slice<NT8, false, true>(ctx, a, w0, w1, weights, o)
+             : launch_slice<NT8, false, false>(ctx, a, w0, w1, weights, o);
+  };
+  if (a.dim(0) <= 8) launch(std::integral_constant<int, 1>{});
+  else launch(std::integral_constant<int, 2>{});
 }
 
 // Whether the slice kernel can take a launch over these weights (one, or gate and up with one scale format).
@@ -330,18 +335,22 @@ bool slice_fits_all(const Context& ctx, const TensorView& a, const Nf4Weight& w0
          slice_fits(ctx, a, w1) && w0.double_quant() == w1.double_quant();
 }
 
-// Whether Auto takes the slice kernel, and where: up to 8 rows, and with K split over blocks (K > 4096) only at 8
-// rows, where the branch of session 30 measured it ahead of the pair kernel for nf4_gemm (H200, device µs, bf16,
-// double-quantized, slice vs pair: Llama-3-8B gate/up M = 1 / 4 / 8 13.9 / 14.3 / 15.8 vs 15.2 / 16.2 / 18.8,
-// down 16.4 / 17.0 / 18.8 vs 15.7 / 17.4 / 24.0; Qwen2.5-1.5B gate/up 6.3 / 6.5 / 7.2 vs 6.3 / 6.7 / 7.4, down
-// 8.3 / 8.5 / 9.0 vs 6.7 / 7.5 / 9.3); gate_up's two-weight form was never timed. Off until this version
-// (rewritten after that branch was lost) has passed scripts/device-check and been timed.
+// Whether Auto takes the slice kernel, and where: up to 8 rows (one n8 tile), and with K split over blocks
+// (K > 4096) only at 8 rows, where the branch of session 30 measured it ahead of the pair kernel for nf4_gemm
+// (H200, device µs, bf16, double-quantized, slice vs pair: Llama-3-8B gate/up M = 1 / 4 / 8 13.9 / 14.3 / 15.8 vs
+// 15.2 / 16.2 / 18.8, down 16.4 / 17.0 / 18.8 vs 15.7 / 17.4 / 24.0; Qwen2.5-1.5B gate/up 6.3 / 6.5 / 7.2 vs
+// 6.3 / 6.7 / 7.4, down 8.3 / 8.5 / 9.0 vs 6.7 / 7.5 / 9.3); gate_up's two-weight form and the two-tile instance
+// (9-16 rows) were never timed. Off until this version (rewritten after that branch was lost) has passed
+// scripts/device-check and been timed.
 constexpr bool kAutoTakesSlice = false;
 constexpr bool kAutoTakesSliceGateUp = false;
+constexpr std::int64_t kAutoSliceMaxRows = 8;
 bool auto_takes_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
                       int weights) {
-  if (!(weights == 1 ? kAutoTakesSlice : kAutoTakesSliceGateUp) || !slice_fits_all(ctx, a, w0, w1)) return false;
-  return w0.cols <= small_m::kSliceWarps * small_m::kSliceK || a.dim(0) == small_m::kSliceMaxRows;
+  if (!(weights == 1 ? kAutoTakesSlice : kAutoTakesSliceGateUp) || a.dim(0) > kAutoSliceMaxRows ||
+      !slice_fits_all(ctx, a, w0, w1))
+    return false;
+  return w0.cols <= small_m::kSliceWarps * small_m::kSliceK || a.dim(0) >= 8;
 }
 
 // A forced slice kernel where it does not fit: Unsupported, before anything is launched.
@@ -349,7 +358,7 @@ void check_slice_fits(const char* op, const Context& ctx, const TensorView& a, c
                       const Nf4Weight& w1) {
   if (!slice_fits_all(ctx, a, w0, w1))
     throw Error(ErrorCode::Unsupported, std::string(op) + ": the small-M slice kernel does not support this problem "
-                                        "(it needs M <= 8, blocks of 64, K a multiple of 256, one scale format and "
+                                        "(it needs M <= 16, blocks of 64, K a multiple of 256, one scale format and "
                                         "sm_90's shared memory)");
 }
 

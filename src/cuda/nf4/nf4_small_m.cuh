@@ -754,24 +754,25 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
   cp_async_wait<0>();
 }
 
-// ---- forward, M <= 8, A bf16 or f32: slices of K in registers, weight rows streamed past them -----------------
-// The pair kernel's products (pair table, scale after each block's product, the same contract) in another order.
-// The pair kernel gives a warp a unit of 16 weight rows x a k range and walks the k range, so every step reloads
-// A's fragments and every round ends in a block barrier. Here a warp keeps one slice of 256 k (four NF4 blocks)
-// for the whole launch, with A's values there as the mma's B fragments in registers (32 per lane), and walks row
-// groups of 16 weight rows: per row group only the codes and scales (2.3 KB) arrive, by cp.async through a ring of
-// kSliceDepth stages per warp laid out as the pair kernel's ring steps (PairIssue copies them). Warps leave each
-// row group's sums in shared memory; once per pass (as many row groups as the sums area holds) the block adds its
-// slices' sums in slice order and writes them (C, or gate_up's outputs, or fp32 partials [weight][split][M][N]
-// for the split-K reduction): deterministic. One block of 16 warps per SM; the grid is x: blocks of row groups,
-// y: k splits of at most 16 slices. A block's split has per_split slices; warp w takes slice w % per_split and
-// every warps_per_slice-th row group from w / per_split on (K < 4096 leaves several warps per slice; warps past
-// per_split x warps_per_slice, or past the last split's slices, idle). With two weights (gate_up) the groups
-// interleave, group v being row group v / 2 of weight v % 2, and blocks and passes start at even groups, so that
-// a pass holds both weights' sums of its rows and the block writes h itself.
+// ---- forward, M <= 16, A bf16 or f32: slices of K in registers, weight rows streamed past them ----------------
+// The pair kernel's products (pair table, scale after each block's product, the same contract) in another order. The
+// pair kernel gives a warp a unit of 16 weight rows x a k range and walks the k range, so every step reloads A's
+// fragments and every round ends in a block barrier. Here a warp keeps one slice of 256 k (four NF4 blocks) for the
+// whole launch, with A's values there as the mma's B fragments in registers (32 per lane and n8 tile: the two-tile
+// instance, 9-16 rows, runs at the 128-register bound, no spills with bf16 A and double-quantized scales), and walks
+// row groups of 16 weight rows: per row group only the codes and scales (2.3 KB) arrive, by cp.async through a ring of
+// kSliceDepth stages per warp laid out as the pair kernel's ring steps (PairIssue copies them). Warps leave each row
+// group's sums in shared memory; once per pass (as many row groups as the sums area holds) the block adds its slices'
+// sums in slice order and writes them (C, or gate_up's outputs, or fp32 partials [weight][split][M][N] for the split-K
+// reduction): deterministic. One block of 16 warps per SM; the grid is x: blocks of row groups, y: k splits of at most
+// 16 slices. A block's split has per_split slices; warp w takes slice w % per_split and every warps_per_slice-th row
+// group from w / per_split on (K < 4096 leaves several warps per slice; warps past per_split x warps_per_slice, or past
+// the last split's slices, idle). With two weights (gate_up) the groups interleave, group v being row group v / 2 of
+// weight v % 2, and blocks and passes start at even groups, so that a pass holds both weights' sums of its rows and the
+// block writes h itself.
 constexpr int kSliceWarps = 16;
 constexpr int kSliceThreads = 32 * kSliceWarps;
-constexpr int kSliceMaxRows = 8;  // one n8 tile of A rows
+constexpr int kSliceMaxRows = 16;  // two n8 tiles of A rows
 constexpr int kSliceK = 256;
 constexpr int kSliceDepth = 3;  // ring stages per warp (kSliceDepth - 1 row groups in flight)
 constexpr int kSliceRingBytes = kSliceDepth * kPairStepBytes;
@@ -804,30 +805,34 @@ struct SliceOut {
   float alpha, beta;
 };
 
-// Lane (g, t)'s B fragments of the slice starting at k0: per block c, A[g][k0 + 64 c + 16 t .. + 15] as bf16
-// pairs (rounded to nearest even from f32), the pair kernel's order; zeros for g >= M.
-template <bool kAF32>
-__device__ __forceinline__ void load_slice_fragments(std::uint32_t (&bf)[4][8], const void* a, int M, std::int64_t K,
-                                                     std::int64_t k0, int g, int t, bool load) {
+// Lane (g, t)'s B fragments of the slice starting at k0: per block c and n8 tile jt, A[8 jt + g][k0 + 64 c + 16 t
+// .. + 15] as bf16 pairs (rounded to nearest even from f32), the pair kernel's order; zeros for rows past M.
+template <int NT8, bool kAF32>
+__device__ __forceinline__ void load_slice_fragments(std::uint32_t (&bf)[4][NT8][8], const void* a, int M,
+                                                     std::int64_t K, std::int64_t k0, int g, int t, bool load) {
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const std::int64_t at = static_cast<std::int64_t>(g) * K + k0 + 64 * c + 16 * t;
+  for (int c = 0; c < 4; ++c)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // elements 8 h .. 8 h + 7
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (load && g < M) {
-        if constexpr (kAF32) {
-          const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(a) + at + 8 * h);
-          const float4 lo = __ldg(p), hi = __ldg(p + 1);
-          v = make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y),
-                         pack_bf16x2(hi.z, hi.w));
-        } else {
-          v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a) + at + 8 * h));
+    for (int jt = 0; jt < NT8; ++jt) {
+      const int row = 8 * jt + g;
+      const std::int64_t at = static_cast<std::int64_t>(row) * K + k0 + 64 * c + 16 * t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // elements 8 h .. 8 h + 7
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (load && row < M) {
+          if constexpr (kAF32) {
+            const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(a) + at + 8 * h);
+            const float4 lo = __ldg(p), hi = __ldg(p + 1);
+            v = make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y),
+                           pack_bf16x2(hi.z, hi.w));
+          } else {
+            v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a) + at + 8 * h));
+          }
         }
+        std::uint32_t* f = bf[c][jt] + 4 * h;
+        f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
       }
-      bf[c][4 * h] = v.x, bf[c][4 * h + 1] = v.y, bf[c][4 * h + 2] = v.z, bf[c][4 * h + 3] = v.w;
     }
-  }
 }
 
 // After the pass's barrier: every output of the pass's rows, its slices' sums added in slice order.
@@ -856,7 +861,8 @@ __device__ __forceinline__ void write_slice_pass(const float* sums, const SliceG
   }
 }
 
-template <bool kDq, bool kAF32>
+// NT8 n8 tiles of A rows (M <= 8 NT8); kDq: double-quantized scales (both weights); kAF32: A f32 (else bf16).
+template <int NT8, bool kDq, bool kAF32>
 __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
     const void* __restrict__ a, int M, std::int64_t N, std::int64_t K, WeightArgs w0, WeightArgs w1, SliceGrid grid,
     SliceOut out) {
@@ -914,8 +920,10 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
     code2_value = __ldg((tid < kNf4Code2Size ? w0.scales.code2 : w1.scales.code2) + tid % kNf4Code2Size);
 #pragma unroll
   for (int d = 0; d + 1 < kSliceDepth; ++d) issue(d, d);
-  std::uint32_t bf[4][8];
-  load_slice_fragments<kAF32>(bf, a, M, K, static_cast<std::int64_t>(slice0 + wk) * kSliceK, g, t, active);
+  // Blocks whose products are formed together: their code words and partial sums are live at once.
+  constexpr int kGroup = NT8 == 1 ? 4 : 2;
+  std::uint32_t bf[4][NT8][8];
+  load_slice_fragments<NT8, kAF32>(bf, a, M, K, static_cast<std::int64_t>(slice0 + wk) * kSliceK, g, t, active);
   if (kDq) code2_shared[tid] = code2_value;
   __syncthreads();
   // The lookups (asm without memory effects) depend on lane_table, taken after the barrier, so they stay below it.
@@ -935,55 +943,67 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
       __syncwarp();  // the slot was filled by every lane of the warp
       const std::uint32_t at = ring + slot * kPairStepBytes;
       std::uint32_t sw[2][4];  // the scale slots of rows g and g + 8
-      std::uint32_t cw[4][4];  // block c: rows g and g + 8, code bytes 8t .. 8t + 7
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
+      for (int half = 0; half < 2; ++half)
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(sw[half][0]), "=r"(sw[half][1]), "=r"(sw[half][2]), "=r"(sw[half][3])
                      : "r"(at + kPairCodeBytes + 16 * (g + 8 * half)) : "memory");
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(cw[c][2 * half]), "=r"(cw[c][2 * half + 1])
-                       : "r"(at + kPairRowBytes * (g + 8 * half) + 16 * pair_piece(g, 2 * c + (t >> 1)) + 8 * (t & 1))
-                       : "memory");
-      }
-      float part[4][4] = {};
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {  // mma step s: bytes 2s and 2s + 1 of each row's 8 (the pair kernel's order)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          std::uint32_t wf[4];
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const std::uint32_t word = cw[c][(r & 1) * 2 + (s >> 1)];
-            const std::uint32_t b = 2 * (s & 1) + (r >> 1);
-            asm("ld.shared.b32 %0, [%1];\n" : "=r"(wf[r]) : "r"(__byte_perm(word, lane_table, 0x7604u | (b << 4))));
-          }
-          mma_bf16_16816(part[c], wf, bf[c][2 * s], bf[c][2 * s + 1]);
-        }
-      }
       const int which = item_group(i) % W;
       const float* code2 = code2_shared + which * kNf4Code2Size;
       const float offset = which ? w1.scales.offset : w0.scales.offset;
-      float acc[4] = {};
+      float acc[NT8][4] = {};
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float sc[2];  // block c's scales of rows g and g + 8 (the CPU's operation order)
+      for (int c0 = 0; c0 < 4; c0 += kGroup) {  // blocks c0 .. c0 + kGroup - 1, their mma chains interleaved
+        std::uint32_t cw[kGroup][4];  // rows g and g + 8, code bytes 8t .. 8t + 7
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-          sc[half] = kDq ? __fadd_rn(__fmul_rn(code2[(sw[half][0] >> (8 * c)) & 0xFFu], __uint_as_float(sw[half][1])),
-                                     offset)
-                         : __uint_as_float(sw[half][c]);
+        for (int c = 0; c < kGroup; ++c)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) acc[r] = fmaf(sc[r >> 1], part[c][r], acc[r]);
+          for (int half = 0; half < 2; ++half)
+            asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(cw[c][2 * half]), "=r"(cw[c][2 * half + 1])
+                         : "r"(at + kPairRowBytes * (g + 8 * half) + 16 * pair_piece(g, 2 * (c0 + c) + (t >> 1)) +
+                               8 * (t & 1))
+                         : "memory");
+        float part[kGroup][NT8][4] = {};
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {  // mma step s: bytes 2s and 2s + 1 of each row's 8 (the pair kernel's order)
+#pragma unroll
+          for (int c = 0; c < kGroup; ++c) {
+            std::uint32_t wf[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const std::uint32_t word = cw[c][(r & 1) * 2 + (s >> 1)];
+              const std::uint32_t b = 2 * (s & 1) + (r >> 1);
+              asm("ld.shared.b32 %0, [%1];\n" : "=r"(wf[r]) : "r"(__byte_perm(word, lane_table, 0x7604u | (b << 4))));
+            }
+#pragma unroll
+            for (int jt = 0; jt < NT8; ++jt) mma_bf16_16816(part[c][jt], wf, bf[c0 + c][jt][2 * s], bf[c0 + c][jt][2 * s + 1]);
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < kGroup; ++c) {
+          const int blk = c0 + c;
+          float sc[2];  // the block's scales of rows g and g + 8 (the CPU's operation order)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            sc[half] = kDq ? __fadd_rn(__fmul_rn(code2[(sw[half][0] >> (8 * blk)) & 0xFFu],
+                                                 __uint_as_float(sw[half][1])),
+                                       offset)
+                           : __uint_as_float(sw[half][blk]);
+#pragma unroll
+          for (int jt = 0; jt < NT8; ++jt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[jt][r] = fmaf(sc[r >> 1], part[c][jt][r], acc[jt][r]);
+        }
       }
-      // Fragment rows are weight rows (g, g + 8), columns rows of A (2t, 2t + 1): sums[slice][row][m].
+      // Fragment rows are weight rows (g, g + 8), columns rows of A (8 jt + 2t, + 1): sums[slice][row][m].
       const int rl = 16 * (wr + WR * j);
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int m = 2 * t + (r & 1);
-        if (m < M) sums[(wk * pass_rows + rl + g + 8 * (r >> 1)) * M + m] = acc[r];
-      }
+      for (int jt = 0; jt < NT8; ++jt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int m = 8 * jt + 2 * t + (r & 1);
+          if (m < M) sums[(wk * pass_rows + rl + g + 8 * (r >> 1)) * M + m] = acc[jt][r];
+        }
       slot = slot + 1 == kSliceDepth ? 0 : slot + 1;
     }
     __syncthreads();

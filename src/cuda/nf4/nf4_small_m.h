@@ -3,7 +3,7 @@
 // multiple of 256, up to 16 rows take the pair kernel on sm_90 (one table of code-byte pairs, the block scale
 // applied after the product: the scale-after contract in ops.h; f32 A rounded to bf16 by a packing kernel);
 // otherwise per-lane tables of the block's 16 scaled values, on the tensor cores, or at M = 1 a GEMV kernel (same
-// tables, FMAs). The slice kernel (M <= 8, the pair kernel's table and contract, A held in registers) runs only
+// tables, FMAs). The slice kernel (M <= 16, the pair kernel's table and contract, A held in registers) runs only
 // where SmallMKernel::Slice forces it, for now. See nf4_small_m.cuh.
 #pragma once
 
@@ -22,7 +22,7 @@ constexpr int kNf4SmallMBackwardMaxRows = 16;  // input gradient
 bool nf4_small_m_supported(const TensorView& a, const Nf4Weight& w);
 
 // Which small-M forward kernel launch_nf4_gemm_small_m runs. Auto: chosen by shape and GPU (launch_rows in
-// nf4_small_m.cu). Slice: the slice kernel (nf4_small_m.cuh; M <= 8, blocks of 64, K a multiple of 256, a GPU that
+// nf4_small_m.cu). Slice: the slice kernel (nf4_small_m.cuh; M <= 16, blocks of 64, K a multiple of 256, a GPU that
 // gives a block its shared memory: sm_90), which Auto does not take until it has run and been timed on the GPU;
 // tests force it. Forced where it does not fit, it throws Unsupported.
 enum class SmallMKernel { Auto, Slice };
