@@ -126,9 +126,42 @@ INSTANTIATE_TEST_SUITE_P(Gemv, SmallMForward,
                                            Shape3{1, 40000, 256}));
 
 #ifdef QMM_WITH_CUDA
+// The scale formats and A and C dtypes a slice-kernel case runs: all eight, or on the large shapes (there for
+// their schedule: several passes per block), two that between them take each once, to keep the fp64 reference
+// to seconds.
+struct SliceConfig {
+  bool dq;
+  DType a, c;
+};
+std::vector<SliceConfig> slice_configs(std::int64_t m, std::int64_t n, std::int64_t k) {
+  if (m * n * k > 100'000'000) return {{true, DType::BF16, DType::F32}, {false, DType::F32, DType::BF16}};
+  std::vector<SliceConfig> all;
+  for (bool dq : {false, true})
+    for (DType adt : {DType::BF16, DType::F32})
+      for (DType cdt : {DType::F32, DType::BF16}) all.push_back({dq, adt, cdt});
+  return all;
+}
+
+// alpha * sums + beta * c0 in c0's dtype: each beta's expected output from one reference sum (fp32).
+Tensor scaled_output(const TensorView& sums, const TensorView& c0, float alpha, float beta) {
+  const std::vector<double> s = test::to_doubles(sums), c = test::to_doubles(c0);
+  Tensor out(c0.dtype(), c0.shape());
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const float v = static_cast<float>(alpha * s[i] + beta * c[i]);
+    if (out.dtype() == DType::BF16) out.data_as<std::uint16_t>()[i] = float_to_bf16(v);
+    else out.data_as<float>()[i] = v;
+  }
+  return out;
+}
+
+// The scale-after reference's plain sums of A * dequant(W)^T, fp32.
+Tensor slice_sums(const TensorView& a, const Nf4Weight& w) {
+  return test::nf4_scale_after_reference(a, w, Tensor(DType::F32, {a.dim(0), w.rows}), 1.0f, 0.0f);
+}
+
 // The slice kernel, forced through the internal entry point (Auto does not take it yet; nf4_small_m.cu says
 // when it will), against the scale-after reference to fp32 accumulation precision, every scale format, A and C
-// dtype and beta in {0, 1} (C poisoned when beta is 0).
+// dtype (slice_configs) and beta in {0, 1} (C poisoned when beta is 0).
 class SmallMSlice : public ::testing::TestWithParam<Shape3> {};
 
 TEST_P(SmallMSlice, MatchesScaleAfterReference) {
@@ -136,26 +169,24 @@ TEST_P(SmallMSlice, MatchesScaleAfterReference) {
   Context& gpu = *test::gpu_context();
   const auto [m, n, k] = GetParam();
   std::uint64_t seed = static_cast<std::uint64_t>(m * 4099 + n * 37 + k);
-  for (bool dq : {false, true})
-    for (DType adt : {DType::BF16, DType::F32})
-      for (DType cdt : {DType::F32, DType::BF16}) {
-        Problem p = make_weight(n, k, dq, ++seed);
-        Tensor a = test::random_tensor(adt, {m, k}, ++seed);
-        Tensor c0 = test::random_tensor(cdt, {m, n}, ++seed);
-        const Tensor a_dev = to_device(a, gpu.device());
-        if (!cuda::nf4_small_m_slice_supported(gpu, a_dev, p.w_dev))
-          GTEST_SKIP() << "the slice kernel needs sm_90's shared memory per block";
-        for (float beta : {0.0f, 1.0f}) {
-          Tensor c = to_device(c0, gpu.device());
-          if (beta == 0.0f) test::poison(c);
-          cuda::launch_nf4_gemm_small_m(gpu, a_dev, p.w_dev, c, 0.75f, beta, cuda::SmallMKernel::Slice);
-          gpu.synchronize();
-          const Tensor ref = test::nf4_scale_after_reference(a, p.w_host, c0, 0.75f, beta);
-          EXPECT_TRUE(test::all_close(test::host_copy(c), ref, tolerance_for(cdt, k)))
-              << "M=" << m << " N=" << n << " K=" << k << " dq=" << dq << " a=" << dtype_name(adt)
-              << " c=" << dtype_name(cdt) << " beta=" << beta;
-        }
-      }
+  for (const auto& [dq, adt, cdt] : slice_configs(m, n, k)) {
+    Problem p = make_weight(n, k, dq, ++seed);
+    Tensor a = test::random_tensor(adt, {m, k}, ++seed);
+    Tensor c0 = test::random_tensor(cdt, {m, n}, ++seed);
+    const Tensor a_dev = to_device(a, gpu.device());
+    if (!cuda::nf4_small_m_slice_supported(gpu, a_dev, p.w_dev))
+      GTEST_SKIP() << "the slice kernel needs sm_90's shared memory per block";
+    const Tensor sums = slice_sums(a, p.w_host);
+    for (float beta : {0.0f, 1.0f}) {
+      Tensor c = to_device(c0, gpu.device());
+      if (beta == 0.0f) test::poison(c);
+      cuda::launch_nf4_gemm_small_m(gpu, a_dev, p.w_dev, c, 0.75f, beta, cuda::SmallMKernel::Slice);
+      gpu.synchronize();
+      EXPECT_TRUE(test::all_close(test::host_copy(c), scaled_output(sums, c0, 0.75f, beta), tolerance_for(cdt, k)))
+          << "M=" << m << " N=" << n << " K=" << k << " dq=" << dq << " a=" << dtype_name(adt)
+          << " c=" << dtype_name(cdt) << " beta=" << beta;
+    }
+  }
 }
 
 // K = 256 .. 4096 in one split (one slice: 16 warps per slice; six: two per slice, four warps idle; 13: one,
@@ -174,7 +205,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SmallMSlice,
 
 // gate_up through the slice kernel (forced; Auto does not take it): gate and up against the scale-after reference,
 // h against silu(gate) * up of those, with every output, gate and up only accumulating (beta 1; C not poisoned),
-// and h alone; both scale formats, A bf16 and f32.
+// and h alone; the scale formats and dtypes of slice_configs (its C dtype for gate).
 class SmallMSliceGateUp : public ::testing::TestWithParam<Shape3> {};
 
 TEST_P(SmallMSliceGateUp, MatchesScaleAfterReference) {
@@ -184,44 +215,45 @@ TEST_P(SmallMSliceGateUp, MatchesScaleAfterReference) {
   const auto [m, n, k] = GetParam();
   std::uint64_t seed = static_cast<std::uint64_t>(m * 8191 + n * 131 + k);
   const float alpha = 0.75f;
-  for (bool dq : {false, true})
-    for (DType adt : {DType::BF16, DType::F32}) {
-      Problem wg = make_weight(n, k, dq, ++seed), wu = make_weight(n, k, dq, ++seed);
-      const Tensor a = test::random_tensor(adt, {m, k}, ++seed);
-      const Tensor g0 = test::random_tensor(DType::F32, {m, n}, ++seed);
-      const Tensor u0 = test::random_tensor(DType::BF16, {m, n}, ++seed);
-      const Tensor a_dev = to_device(a, gpu.device());
-      if (!cuda::nf4_small_m_slice_supported(gpu, a_dev, wg.w_dev))
-        GTEST_SKIP() << "the slice kernel needs sm_90's shared memory per block";
-      // h from fp32 gate and up (g0 gives the shape and dtype only), as the kernel forms it.
-      Tensor h_ref(DType::F32, {m, n});
-      swiglu(cpu, test::nf4_scale_after_reference(a, wg.w_host, g0, alpha, 0.0f),
-             test::nf4_scale_after_reference(a, wu.w_host, g0, alpha, 0.0f), h_ref);
-      const std::string what = "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k) +
-                               " dq=" + std::to_string(dq) + " a=" + dtype_name(adt);
-      for (int form = 0; form < 3; ++form) {  // all three outputs; gate and up with beta 1; h alone
-        const float beta = form == 1 ? 1.0f : 0.0f;
-        Tensor dg = to_device(g0, gpu.device()), du = to_device(u0, gpu.device());
-        Tensor dh(DType::BF16, {m, n}, gpu.device());
-        if (beta == 0.0f) {
-          test::poison(dg);
-          test::poison(du);
-        }
-        test::poison(dh);
-        const GateUpOutputs out{form == 2 ? TensorView() : TensorView(dg), form == 2 ? TensorView() : TensorView(du),
-                                form == 1 ? TensorView() : TensorView(dh)};
-        cuda::launch_nf4_gate_up_small_m(gpu, a_dev, wg.w_dev, wu.w_dev, out, alpha, beta, cuda::SmallMKernel::Slice);
-        gpu.synchronize();
-        if (form != 2) {
-          const Tensor g_ref = test::nf4_scale_after_reference(a, wg.w_host, g0, alpha, beta);
-          const Tensor u_ref = test::nf4_scale_after_reference(a, wu.w_host, u0, alpha, beta);
-          EXPECT_TRUE(test::all_close(test::host_copy(dg), g_ref, test::fp32_accum_tolerance(k))) << what << " gate";
-          EXPECT_TRUE(test::all_close(test::host_copy(du), u_ref, test::bf16_output_tolerance(k))) << what << " up";
-        }
-        if (form != 1)
-          EXPECT_TRUE(test::all_close(test::host_copy(dh), h_ref, test::bf16_output_tolerance(k))) << what << " h";
+  for (const auto& [dq, adt, gdt] : slice_configs(m, n, k)) {  // gate in gdt, up and h in bf16
+    Problem wg = make_weight(n, k, dq, ++seed), wu = make_weight(n, k, dq, ++seed);
+    const Tensor a = test::random_tensor(adt, {m, k}, ++seed);
+    const Tensor g0 = test::random_tensor(gdt, {m, n}, ++seed);
+    const Tensor u0 = test::random_tensor(DType::BF16, {m, n}, ++seed);
+    const Tensor a_dev = to_device(a, gpu.device());
+    if (!cuda::nf4_small_m_slice_supported(gpu, a_dev, wg.w_dev))
+      GTEST_SKIP() << "the slice kernel needs sm_90's shared memory per block";
+    // h from fp32 gate and up, as the kernel forms it.
+    const Tensor g_sums = slice_sums(a, wg.w_host), u_sums = slice_sums(a, wu.w_host);
+    const Tensor f32_zero = test::filled(DType::F32, {m, n}, 0.0f);
+    Tensor h_ref(DType::F32, {m, n});
+    swiglu(cpu, scaled_output(g_sums, f32_zero, alpha, 0.0f), scaled_output(u_sums, f32_zero, alpha, 0.0f), h_ref);
+    const std::string what = "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k) +
+                             " dq=" + std::to_string(dq) + " a=" + dtype_name(adt) + " gate=" + dtype_name(gdt);
+    for (int form = 0; form < 3; ++form) {  // all three outputs; gate and up with beta 1; h alone
+      const float beta = form == 1 ? 1.0f : 0.0f;
+      Tensor dg = to_device(g0, gpu.device()), du = to_device(u0, gpu.device());
+      Tensor dh(DType::BF16, {m, n}, gpu.device());
+      if (beta == 0.0f) {
+        test::poison(dg);
+        test::poison(du);
       }
+      test::poison(dh);
+      const GateUpOutputs out{form == 2 ? TensorView() : TensorView(dg), form == 2 ? TensorView() : TensorView(du),
+                              form == 1 ? TensorView() : TensorView(dh)};
+      cuda::launch_nf4_gate_up_small_m(gpu, a_dev, wg.w_dev, wu.w_dev, out, alpha, beta, cuda::SmallMKernel::Slice);
+      gpu.synchronize();
+      if (form != 2) {
+        EXPECT_TRUE(test::all_close(test::host_copy(dg), scaled_output(g_sums, g0, alpha, beta), tolerance_for(gdt, k)))
+            << what << " gate";
+        EXPECT_TRUE(test::all_close(test::host_copy(du), scaled_output(u_sums, u0, alpha, beta),
+                                    test::bf16_output_tolerance(k)))
+            << what << " up";
+      }
+      if (form != 1)
+        EXPECT_TRUE(test::all_close(test::host_copy(dh), h_ref, test::bf16_output_tolerance(k))) << what << " h";
     }
+  }
 }
 
 // One pass per block and several (5000 x 4096: two, the pass shortened to an even 4 groups; 16 x 2500 x 4096:
