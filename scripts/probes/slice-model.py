@@ -100,28 +100,34 @@ def pair_piece(r, p):
 
 
 def ring_stage(w, n0, slice_index):
-    """One ring stage as PairIssue::copy fills it (one step of 256 k at row n0): bytes [STEP_BYTES]."""
+    """One ring stage as the kernel's issue fills it (one slice of 256 k at row n0): bytes [STEP_BYTES]. The
+    kernel's offsets (copy_code, copy_swap, copy_scale) are checked against the pair kernel's layout (pair_piece;
+    the scale slot as PairIssue fills it) on the way."""
     stage = np.zeros(STEP_BYTES, dtype=np.uint8)
     kb = w.k // 64
     for lane in range(32):
-        r = lane >> 1
+        r, h = lane >> 1, lane & 1
+        copy_code = ROW_BYTES * r + 64 * (h ^ ((r >> 1) & 1))
+        copy_swap = 32 * (r & 1)
+        copy_scale = CODE_BYTES + 16 * r + (4 if w.dq else 8) * h
         row = n0 + r
         if row >= w.n:
             continue  # cp.async with source size 0: zeros
-        src = w.codes[row, slice_index * 128 + 64 * (lane & 1):][:64]
-        for i in range(4):
-            dst = ROW_BYTES * r + 16 * pair_piece(r, 4 * (lane & 1) + i)
-            stage[dst:dst + 16] = src[16 * i:16 * i + 16]
-        b = row * kb + 4 * slice_index  # the step's first block
-        sdst = CODE_BYTES + 16 * r
+        at = row * w.k + slice_index * SLICE_K  # the row's first element of the slice
+        src = w.codes.reshape(-1)[(at >> 1) + 64 * h:][:64]
+        for p in range(4):
+            dst = copy_code + ((16 * p) ^ copy_swap)
+            assert dst == ROW_BYTES * r + 16 * pair_piece(r, 4 * h + p), "copy offsets off the pair layout"
+            stage[dst:dst + 16] = src[16 * p:16 * p + 16]
+        b = at >> 6  # the slice's first block
+        assert b == row * kb + 4 * slice_index
+        assert copy_scale == CODE_BYTES + 16 * r + (4 if w.dq else 8) * (lane & 1)
         if w.dq:
-            if lane & 1:
-                stage[sdst + 4:sdst + 8] = np.frombuffer(w.absmax2[b >> 8].tobytes(), dtype=np.uint8)
-            else:
-                stage[sdst:sdst + 4] = w.q[b:b + 4]
+            src = np.frombuffer(w.absmax2[b >> 8].tobytes(), dtype=np.uint8) if h else w.q[b:b + 4]
+            stage[copy_scale:copy_scale + 4] = src
         else:
-            h = 2 * (lane & 1)
-            stage[sdst + 4 * h:sdst + 4 * h + 8] = np.frombuffer(w.absmax[b + h:b + h + 2].tobytes(), dtype=np.uint8)
+            stage[copy_scale:copy_scale + 8] = np.frombuffer(w.absmax[b + 2 * h:b + 2 * h + 2].tobytes(),
+                                                             dtype=np.uint8)
     return stage
 
 
@@ -196,7 +202,8 @@ def run_kernel(a_bf16, ws, L):
                         i = p * pass_iters + j
                         if i >= n_mine:
                             break
-                        v = g_begin + p * pass_groups + wr + wr_count * j
+                        v = g_begin + wr + wr_count * i  # the kernel's: a pass's groups are consecutive
+                        assert v == g_begin + p * pass_groups + wr + wr_count * j
                         which, n0 = v % W, 16 * (v // W)
                         covered[v, s_index] += 1
                         w = ws[which]

@@ -761,7 +761,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
 // whole launch, with A's values there as the mma's B fragments in registers (32 per lane and n8 tile: the two-tile
 // instance, 9-16 rows, runs at the 128-register bound, no spills with bf16 A and double-quantized scales), and walks
 // row groups of 16 weight rows: per row group only the codes and scales (2.3 KB) arrive, by cp.async through a ring of
-// kSliceDepth stages per warp laid out as the pair kernel's ring steps (PairIssue copies them). Warps leave each row
+// kSliceDepth stages per warp laid out as the pair kernel's ring steps (the copy below). Warps leave each row
 // group's sums in shared memory; once per pass (as many row groups as the sums area holds) the block adds its slices'
 // sums in slice order and writes them (C, or gate_up's outputs, or fp32 partials [weight][split][M][N] for the split-K
 // reduction): deterministic. One block of 16 warps per SM; the grid is x: blocks of row groups, y: k splits of at most
@@ -895,17 +895,39 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
     const int span = group_end - group_begin, full = span / grid.pass_groups, rem = span - full * grid.pass_groups;
     n_mine = full * pass_iters + (rem > wr ? (rem - wr + WR - 1) / WR : 0);
   }
-  auto item_group = [&](int i) {
-    const int p = i / pass_iters, j = i - p * pass_iters;
-    return group_begin + p * grid.pass_groups + wr + WR * j;
-  };
+  // Item i is group group_begin + wr + WR i (a pass's pass_groups = pass_iters x WR groups are consecutive), of
+  // weight v & wshift, row group v >> wshift (W is 1 or 2).
+  const int wshift = W - 1;
+  // What lane L copies per item, the pair kernel's ring step for one slice (PairIssue's split of the work): half
+  // L & 1 of row r = L / 2's 128 code bytes, its pieces 4 (L & 1) + i at pair_piece's places, 16 ((4 (L & 1) + i)
+  // ^ 2 (r & 3)) = 64 ((L & 1) ^ (r >> 1 & 1)) + (16 i ^ 32 (r & 1)), and half of the row's scale slot: absmax
+  // 2 (L & 1) and + 1, or (double-quantized) q's word (L even) or absmax2 (L odd). Rows past N copy zeros.
+  const int copy_row = lane >> 1, copy_half = lane & 1;
+  const std::uint32_t copy_code = kPairRowBytes * copy_row + 64 * (copy_half ^ ((copy_row >> 1) & 1));
+  const std::uint32_t copy_swap = 32 * (copy_row & 1);
+  const std::uint32_t copy_scale = kPairCodeBytes + 16 * copy_row + (kDq ? 4 : 8) * copy_half;
+  const std::int64_t slice_k = static_cast<std::int64_t>(slice0 + wk) * kSliceK;
   // One commit group per item, empty past the last, so that wait_group counts items.
   auto issue = [&](int i, int slot) {
     if (i < n_mine) {
-      const int v = item_group(i);
-      PairIssue<kDq> is;
-      is.start(PairUnit{v % W, 0, slice0 + wk, 1, 16LL * (v / W)}, N, K, w0, w1, lane);
-      is.copy(0, ring + slot * kPairStepBytes, lane);
+      const int v = group_begin + wr + WR * i;
+      const bool second = (v & wshift) != 0;
+      const std::int64_t row = 16LL * (v >> wshift) + copy_row;
+      const bool ok = row < N;
+      const std::int64_t at = (ok ? row : N - 1) * K + slice_k;  // the row's first element of the slice
+      const std::uint32_t dst = ring + slot * kPairStepBytes;
+      const std::uint8_t* src = (second ? w1.codes : w0.codes) + (at >> 1) + 64 * copy_half;
+#pragma unroll
+      for (int p = 0; p < 4; ++p) cp_async_16_or_zero(dst + copy_code + ((16u * p) ^ copy_swap), src + 16 * p, ok);
+      const std::int64_t b = at >> 6;  // the slice's first block in the row (its four share an absmax2)
+      if constexpr (kDq) {  // pointers chosen one by one: a select of the structs would put them in local memory
+        const void* s = copy_half ? static_cast<const void*>((second ? w1 : w0).scales.absmax2 + (b >> 8))
+                                  : static_cast<const void*>((second ? w1.scales.q : w0.scales.q) + b);
+        cp_async_ca_or_zero<4>(dst + copy_scale, s, ok);
+      } else {
+        cp_async_ca_or_zero<8>(dst + copy_scale, (second ? w1.scales.absmax : w0.scales.absmax) + b + 2 * copy_half,
+                               ok);
+      }
     }
     cp_async_commit();
   };
@@ -948,7 +970,7 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(sw[half][0]), "=r"(sw[half][1]), "=r"(sw[half][2]), "=r"(sw[half][3])
                      : "r"(at + kPairCodeBytes + 16 * (g + 8 * half)) : "memory");
-      const int which = item_group(i) % W;
+      const int which = (group_begin + wr + WR * i) & wshift;
       const float* code2 = code2_shared + which * kNf4Code2Size;
       const float offset = which ? w1.scales.offset : w0.scales.offset;
       float acc[NT8][4] = {};
