@@ -759,7 +759,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
 // pair kernel gives a warp a unit of 16 weight rows x a k range and walks the k range, so every step reloads A's
 // fragments and every round ends in a block barrier. Here a warp keeps one slice of 256 k (four NF4 blocks) for the
 // whole launch, with A's values there as the mma's B fragments in registers (32 per lane and n8 tile: the two-tile
-// instance, 9-16 rows, runs at the 128-register bound, no spills with bf16 A and double-quantized scales), and walks
+// instance, 9-16 rows, runs at the 128-register bound: no spills in its loop with double-quantized scales), and walks
 // row groups of 16 weight rows: per row group only the codes and scales (2.3 KB) arrive, by cp.async through a ring of
 // kSliceDepth stages per warp laid out as the pair kernel's ring steps (the copy below). Warps leave each row
 // group's sums in shared memory; once per pass (as many row groups as the sums area holds) the block adds its slices'
@@ -888,16 +888,15 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
   const int group_end = min(grid.groups, group_begin + grid.groups_per_block);
   const int pass_iters = grid.pass_groups / WR, pass_rows = 16 * grid.pass_groups;
   const int passes = (group_end - group_begin + grid.pass_groups - 1) / grid.pass_groups;
-  // The warp's groups in order: item i = pass_iters p + j is group group_begin + pass_groups p + wr + WR j.
-  // Only the last pass can be short, so the items that exist are the first n_mine.
+  // The warp's item i (item j of pass p = i / pass_iters) is group v = group_begin + wr + WR i (a pass's
+  // pass_groups = pass_iters x WR groups are consecutive): row group v >> wshift of weight v & wshift (W is 1 or
+  // 2). Only the last pass can be short, so the items that exist are the first n_mine.
+  const int wshift = W - 1;
   int n_mine = 0;
   if (active) {
     const int span = group_end - group_begin, full = span / grid.pass_groups, rem = span - full * grid.pass_groups;
     n_mine = full * pass_iters + (rem > wr ? (rem - wr + WR - 1) / WR : 0);
   }
-  // Item i is group group_begin + wr + WR i (a pass's pass_groups = pass_iters x WR groups are consecutive), of
-  // weight v & wshift, row group v >> wshift (W is 1 or 2).
-  const int wshift = W - 1;
   // What lane L copies per item, the pair kernel's ring step for one slice (PairIssue's split of the work): half
   // L & 1 of row r = L / 2's 128 code bytes, its pieces 4 (L & 1) + i at pair_piece's places, 16 ((4 (L & 1) + i)
   // ^ 2 (r & 3)) = 64 ((L & 1) ^ (r >> 1 & 1)) + (16 i ^ 32 (r & 1)), and half of the row's scale slot: absmax
@@ -921,8 +920,9 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
       for (int p = 0; p < 4; ++p) cp_async_16_or_zero(dst + copy_code + ((16u * p) ^ copy_swap), src + 16 * p, ok);
       const std::int64_t b = at >> 6;  // the slice's first block in the row (its four share an absmax2)
       if constexpr (kDq) {  // pointers chosen one by one: a select of the structs would put them in local memory
-        const void* s = copy_half ? static_cast<const void*>((second ? w1 : w0).scales.absmax2 + (b >> 8))
-                                  : static_cast<const void*>((second ? w1.scales.q : w0.scales.q) + b);
+        const float* absmax2 = second ? w1.scales.absmax2 : w0.scales.absmax2;
+        const std::uint8_t* q = second ? w1.scales.q : w0.scales.q;
+        const void* s = copy_half ? static_cast<const void*>(absmax2 + (b >> 8)) : static_cast<const void*>(q + b);
         cp_async_ca_or_zero<4>(dst + copy_scale, s, ok);
       } else {
         cp_async_ca_or_zero<8>(dst + copy_scale, (second ? w1.scales.absmax : w0.scales.absmax) + b + 2 * copy_half,
@@ -998,7 +998,8 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
               asm("ld.shared.b32 %0, [%1];\n" : "=r"(wf[r]) : "r"(__byte_perm(word, lane_table, 0x7604u | (b << 4))));
             }
 #pragma unroll
-            for (int jt = 0; jt < NT8; ++jt) mma_bf16_16816(part[c][jt], wf, bf[c0 + c][jt][2 * s], bf[c0 + c][jt][2 * s + 1]);
+            for (int jt = 0; jt < NT8; ++jt)
+              mma_bf16_16816(part[c][jt], wf, bf[c0 + c][jt][2 * s], bf[c0 + c][jt][2 * s + 1]);
           }
         }
 #pragma unroll
