@@ -217,7 +217,11 @@ def run_kernel(a_bf16, ws, L):
                             for half in range(2):
                                 sw[lane, half] = words(stage, CODE_BYTES + 16 * (g + 8 * half), 4)
                                 for c in range(4):
-                                    at = ROW_BYTES * (g + 8 * half) + 16 * pair_piece(g, 2 * c + (t >> 1)) + 8 * (t & 1)
+                                    # the kernel's: from lane_code = 128 g + 16 (t >> 1) + 8 (t & 1), piece_swap
+                                    at = (ROW_BYTES * g + 16 * (t >> 1) + 8 * (t & 1)) + ROW_BYTES * 8 * half + \
+                                        ((32 * c) ^ (32 * (g & 3)))
+                                    assert at == ROW_BYTES * (g + 8 * half) + 16 * pair_piece(g, 2 * c + (t >> 1)) + \
+                                        8 * (t & 1), "code reads off the pair layout"
                                     cw[lane, c, 2 * half:2 * half + 2] = words(stage, at, 2)
                         for s in range(4):
                             for c in range(4):
@@ -230,15 +234,21 @@ def run_kernel(a_bf16, ws, L):
                                 for jt in range(nt8):
                                     b_frag = [[bf[ln, c, jt, 2 * s], bf[ln, c, jt, 2 * s + 1]] for ln in range(32)]
                                     mma(a_frag, b_frag, part[c][jt])
+                        # double-quantized: lane (g, t) forms block t's scales of its rows, the others shuffle them
+                        lane_sc = np.zeros((32, 2), dtype=np.float32)
+                        if w.dq:
+                            for lane in range(32):
+                                for half in range(2):
+                                    q = (int(sw[lane, half, 0]) >> (8 * (lane & 3))) & 0xFF
+                                    am2 = sw[lane, half, 1:2].view(np.float32)[0]
+                                    lane_sc[lane, half] = np.float32(np.float32(w.code2[q] * am2) + w.offset)
                         for lane in range(32):
                             g, t = lane >> 2, lane & 3
                             for c in range(4):
                                 sc = []
                                 for half in range(2):
                                     if w.dq:
-                                        q = (int(sw[lane, half, 0]) >> (8 * c)) & 0xFF
-                                        am2 = sw[lane, half, 1:2].view(np.float32)[0]
-                                        sc.append(np.float32(np.float32(w.code2[q] * am2) + w.offset))
+                                        sc.append(lane_sc[(lane & ~3) | c, half])
                                     else:
                                         sc.append(sw[lane, half, c:c + 1].view(np.float32)[0])
                                 for jt in range(nt8):

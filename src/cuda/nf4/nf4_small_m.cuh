@@ -901,10 +901,13 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
   // L & 1 of row r = L / 2's 128 code bytes, its pieces 4 (L & 1) + i at pair_piece's places, 16 ((4 (L & 1) + i)
   // ^ 2 (r & 3)) = 64 ((L & 1) ^ (r >> 1 & 1)) + (16 i ^ 32 (r & 1)), and half of the row's scale slot: absmax
   // 2 (L & 1) and + 1, or (double-quantized) q's word (L even) or absmax2 (L odd). Rows past N copy zeros.
+  // The shared addresses are kept in registers opaque to the compiler (copy_code: the first piece's place in
+  // stage 0, copy_swap, copy_scale), which would otherwise rebuild them from the thread index every item.
   const int copy_row = lane >> 1, copy_half = lane & 1;
-  const std::uint32_t copy_code = kPairRowBytes * copy_row + 64 * (copy_half ^ ((copy_row >> 1) & 1));
-  const std::uint32_t copy_swap = 32 * (copy_row & 1);
-  const std::uint32_t copy_scale = kPairCodeBytes + 16 * copy_row + (kDq ? 4 : 8) * copy_half;
+  std::uint32_t copy_code = ring + kPairRowBytes * copy_row + 64 * (copy_half ^ ((copy_row >> 1) & 1));
+  std::uint32_t copy_swap = 32 * (copy_row & 1);
+  std::uint32_t copy_scale = ring + kPairCodeBytes + 16 * copy_row + (kDq ? 4 : 8) * copy_half;
+  asm volatile("" : "+r"(copy_code), "+r"(copy_swap), "+r"(copy_scale));
   const std::int64_t slice_k = static_cast<std::int64_t>(slice0 + wk) * kSliceK;
   // One commit group per item, empty past the last, so that wait_group counts items.
   auto issue = [&](int i, int slot) {
@@ -914,18 +917,18 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
       const std::int64_t row = 16LL * (v >> wshift) + copy_row;
       const bool ok = row < N;
       const std::int64_t at = (ok ? row : N - 1) * K + slice_k;  // the row's first element of the slice
-      const std::uint32_t dst = ring + slot * kPairStepBytes;
+      const std::uint32_t stage = slot * kPairStepBytes;
       const std::uint8_t* src = (second ? w1.codes : w0.codes) + (at >> 1) + 64 * copy_half;
 #pragma unroll
-      for (int p = 0; p < 4; ++p) cp_async_16_or_zero(dst + copy_code + ((16u * p) ^ copy_swap), src + 16 * p, ok);
+      for (int p = 0; p < 4; ++p) cp_async_16_or_zero(copy_code + stage + ((16u * p) ^ copy_swap), src + 16 * p, ok);
       const std::int64_t b = at >> 6;  // the slice's first block in the row (its four share an absmax2)
       if constexpr (kDq) {  // pointers chosen one by one: a select of the structs would put them in local memory
         const float* absmax2 = second ? w1.scales.absmax2 : w0.scales.absmax2;
         const std::uint8_t* q = second ? w1.scales.q : w0.scales.q;
         const void* s = copy_half ? static_cast<const void*>(absmax2 + (b >> 8)) : static_cast<const void*>(q + b);
-        cp_async_ca_or_zero<4>(dst + copy_scale, s, ok);
+        cp_async_ca_or_zero<4>(copy_scale + stage, s, ok);
       } else {
-        cp_async_ca_or_zero<8>(dst + copy_scale, (second ? w1.scales.absmax : w0.scales.absmax) + b + 2 * copy_half,
+        cp_async_ca_or_zero<8>(copy_scale + stage, (second ? w1.scales.absmax : w0.scales.absmax) + b + 2 * copy_half,
                                ok);
       }
     }
@@ -951,6 +954,13 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
   // The lookups (asm without memory effects) depend on lane_table, taken after the barrier, so they stay below it.
   std::uint32_t lane_table = table + 4u * lane;
   asm volatile("" : "+r"(lane_table)::"memory");
+  // The lane's reads of a ring stage as offsets from two registers kept opaque to the compiler, which would
+  // otherwise rebuild them from the thread index every item (registers are short): block c's code words of row
+  // g at lane_code + ((32 c) ^ piece_swap) (pair_piece puts piece 2c + (t >> 1) of row g at 16 (2 (c ^ (g & 3)) +
+  // (t >> 1))), row g + 8 eight rows on; the scale slot of row g at lane_code + lane_scale.
+  std::uint32_t lane_code = ring + kPairRowBytes * g + 16 * (t >> 1) + 8 * (t & 1), piece_swap = 32 * (g & 3);
+  asm volatile("" : "+r"(lane_code), "+r"(piece_swap));
+  const std::uint32_t lane_scale = kPairCodeBytes + 16 * g - (kPairRowBytes * g + 16 * (t >> 1) + 8 * (t & 1));
 
   int slot = 0;
 #pragma unroll 1
@@ -963,16 +973,28 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
       issue(i + kSliceDepth - 1, slot == 0 ? kSliceDepth - 1 : slot - 1);
       cp_async_wait<kSliceDepth - 1>();
       __syncwarp();  // the slot was filled by every lane of the warp
-      const std::uint32_t at = ring + slot * kPairStepBytes;
+      const std::uint32_t at = lane_code + slot * kPairStepBytes;  // the lane's first code word in the stage
       std::uint32_t sw[2][4];  // the scale slots of rows g and g + 8
 #pragma unroll
       for (int half = 0; half < 2; ++half)
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(sw[half][0]), "=r"(sw[half][1]), "=r"(sw[half][2]), "=r"(sw[half][3])
-                     : "r"(at + kPairCodeBytes + 16 * (g + 8 * half)) : "memory");
-      const int which = (group_begin + wr + WR * i) & wshift;
-      const float* code2 = code2_shared + which * kNf4Code2Size;
-      const float offset = which ? w1.scales.offset : w0.scales.offset;
+                     : "r"(at + lane_scale + 128 * half) : "memory");
+      // Double-quantized: lane (g, t) forms block t's scales of rows g and g + 8 (the CPU's operation order), and
+      // the lanes of row g share them by shuffles rather than each forming all four blocks' scales.
+      float lane_sc[2] = {0.0f, 0.0f};
+      if constexpr (kDq) {
+        const int which = (group_begin + wr + WR * i) & wshift;
+        const std::uint32_t code2_at = shared_address(code2_shared) + which * kCode2Bytes;
+        const float offset = which ? w1.scales.offset : w0.scales.offset;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float v;  // code2[q], q read as a byte offset
+          const std::uint32_t q4 = ((sw[half][0] >> (8 * t)) << 2) & 0x3FCu;
+          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(code2_at + q4) : "memory");
+          lane_sc[half] = __fadd_rn(__fmul_rn(v, __uint_as_float(sw[half][1])), offset);
+        }
+      }
       float acc[NT8][4] = {};
 #pragma unroll
       for (int c0 = 0; c0 < 4; c0 += kGroup) {  // blocks c0 .. c0 + kGroup - 1, their mma chains interleaved
@@ -982,9 +1004,7 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
 #pragma unroll
           for (int half = 0; half < 2; ++half)
             asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(cw[c][2 * half]), "=r"(cw[c][2 * half + 1])
-                         : "r"(at + kPairRowBytes * (g + 8 * half) + 16 * pair_piece(g, 2 * (c0 + c) + (t >> 1)) +
-                               8 * (t & 1))
-                         : "memory");
+                         : "r"(at + kPairRowBytes * 8 * half + ((32u * (c0 + c)) ^ piece_swap)) : "memory");
         float part[kGroup][NT8][4] = {};
 #pragma unroll
         for (int s = 0; s < 4; ++s) {  // mma step s: bytes 2s and 2s + 1 of each row's 8 (the pair kernel's order)
@@ -1005,13 +1025,11 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
 #pragma unroll
         for (int c = 0; c < kGroup; ++c) {
           const int blk = c0 + c;
-          float sc[2];  // the block's scales of rows g and g + 8 (the CPU's operation order)
+          float sc[2];  // the block's scales of rows g and g + 8
 #pragma unroll
           for (int half = 0; half < 2; ++half)
-            sc[half] = kDq ? __fadd_rn(__fmul_rn(code2[(sw[half][0] >> (8 * blk)) & 0xFFu],
-                                                 __uint_as_float(sw[half][1])),
-                                       offset)
-                           : __uint_as_float(sw[half][blk]);
+            sc[half] =
+                kDq ? __shfl_sync(0xFFFFFFFFu, lane_sc[half], (lane & ~3) | blk) : __uint_as_float(sw[half][blk]);
 #pragma unroll
           for (int jt = 0; jt < NT8; ++jt)
 #pragma unroll
