@@ -759,7 +759,7 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
 // pair kernel gives a warp a unit of 16 weight rows x a k range and walks the k range, so every step reloads A's
 // fragments and every round ends in a block barrier. Here a warp keeps one slice of 256 k (four NF4 blocks) for the
 // whole launch, with A's values there as the mma's B fragments in registers (32 per lane and n8 tile: the two-tile
-// instance, 9-16 rows, runs at the 128-register bound: no spills in its loop with double-quantized scales), and walks
+// instance, 9-16 rows, runs at the 128-register bound, with no spill in its loop), and walks
 // row groups of 16 weight rows: per row group only the codes and scales (2.3 KB) arrive, by cp.async through a ring of
 // kSliceDepth stages per warp laid out as the pair kernel's ring steps (the copy below). Warps leave each row
 // group's sums in shared memory; once per pass (as many row groups as the sums area holds) the block adds its slices'
