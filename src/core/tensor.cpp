@@ -60,7 +60,10 @@ bool Shape::operator==(const Shape& o) const {
 
 std::string Shape::str() const {
   std::string s = "[";
-  for (int i = 0; i < rank; ++i) s += (i ? "," : "") + std::to_string(dims[static_cast<std::size_t>(i)]);
+  for (int i = 0; i < rank; ++i) {
+    if (i) s += ',';
+    s += std::to_string(dims[static_cast<std::size_t>(i)]);  // appended alone: gcc 12 -Wrestrict misfires on "," + s
+  }
   return s + "]";
 }
 
