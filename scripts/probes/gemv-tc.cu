@@ -412,8 +412,8 @@ float graph_time_us(cudaStream_t s, int calls, Launch&& launch) {
   return t[3];
 }
 
-template <typename K>
-void launch_pdl(K kernel, int grid, int block, std::size_t smem, cudaStream_t s, Args p) {
+template <typename... Params, typename... Actual>
+void launch_pdl(void (*kernel)(Params...), int grid, int block, std::size_t smem, cudaStream_t s, Actual... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -424,7 +424,7 @@ void launch_pdl(K kernel, int grid, int block, std::size_t smem, cudaStream_t s,
   at[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = at;
   cfg.numAttrs = 1;
-  check(cudaLaunchKernelEx(&cfg, kernel, p), "launch");
+  check(cudaLaunchKernelEx(&cfg, kernel, args...), "launch");
 }
 
 template <int BPW, int DEPTH, int kKind>
@@ -526,18 +526,8 @@ void run_shape(const char* label, int N, int K, int M, int sms) {
     launch_pdl(kernel, grid, kThreads, smem, st, args(c % kSets));
   });
   const float t_read = graph_time_us(s, calls, [&](int c, cudaStream_t st) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = sms * 4;
-    cfg.blockDim = 512;
-    cfg.stream = st;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
-    check(cudaLaunchKernelEx(&cfg, read_kernel, reinterpret_cast<const uint4*>(w[c % kSets].codes), bytes / 16,
-                             d_sink),
-          "read");
+    launch_pdl(read_kernel, sms * 4, 512, 0, st, reinterpret_cast<const uint4*>(w[c % kSets].codes), bytes / 16,
+               d_sink);
   });
   const double mb = (bytes + nb + ng * 4) / 1e6;
   std::printf("%-22s %s M %d N %5d K %5d BPW %d DEPTH %d grid %3d smem %6zu | %s (%d bad, worst rel %.2e) | "

@@ -140,6 +140,13 @@ Tensor nf4_scale_after_reference(const TensorView& a, const Nf4Weight& w, const 
   return out;
 }
 
+Tensor scaled_output(const TensorView& sums, const TensorView& c0, float alpha, float beta) {
+  const std::vector<double> s = to_doubles(sums), c = to_doubles(c0);
+  Tensor out(c0.dtype(), c0.shape());
+  for (std::size_t i = 0; i < s.size(); ++i) store(out, static_cast<std::int64_t>(i), alpha * s[i] + beta * c[i]);
+  return out;
+}
+
 ::testing::AssertionResult nf4_forward_close(const TensorView& got, const TensorView& exact,
                                              const TensorView& scale_after, Tolerance tol) {
   const ::testing::AssertionResult e = all_close(got, exact, tol);

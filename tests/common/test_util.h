@@ -53,6 +53,9 @@ Tensor filled(DType dtype, Shape shape, float value);
 // c0's dtype and shape. w is host memory.
 Tensor nf4_scale_after_reference(const TensorView& a, const Nf4Weight& w, const TensorView& c0, float alpha,
                                  float beta);
+// alpha * sums + beta * c0 (host tensors, computed in fp64), as a host tensor of c0's dtype and shape: an output's
+// expectation for any alpha and beta from one reference sum.
+Tensor scaled_output(const TensorView& sums, const TensorView& c0, float alpha, float beta);
 // Whether `got` matches one of the NF4 forward's two contracts to `tol`: `exact` (the dequantized weight's, the
 // CPU oracle) or `scale_after` (above).
 ::testing::AssertionResult nf4_forward_close(const TensorView& got, const TensorView& exact,

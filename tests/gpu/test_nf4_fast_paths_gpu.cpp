@@ -142,18 +142,6 @@ std::vector<SliceConfig> slice_configs(std::int64_t m, std::int64_t n, std::int6
   return all;
 }
 
-// alpha * sums + beta * c0 in c0's dtype: each beta's expected output from one reference sum (fp32).
-Tensor scaled_output(const TensorView& sums, const TensorView& c0, float alpha, float beta) {
-  const std::vector<double> s = test::to_doubles(sums), c = test::to_doubles(c0);
-  Tensor out(c0.dtype(), c0.shape());
-  for (std::size_t i = 0; i < s.size(); ++i) {
-    const float v = static_cast<float>(alpha * s[i] + beta * c[i]);
-    if (out.dtype() == DType::BF16) out.data_as<std::uint16_t>()[i] = float_to_bf16(v);
-    else out.data_as<float>()[i] = v;
-  }
-  return out;
-}
-
 // The scale-after reference's plain sums of A * dequant(W)^T, fp32.
 Tensor slice_sums(const TensorView& a, const Nf4Weight& w) {
   return test::nf4_scale_after_reference(a, w, Tensor(DType::F32, {a.dim(0), w.rows}), 1.0f, 0.0f);
@@ -182,7 +170,8 @@ TEST_P(SmallMSlice, MatchesScaleAfterReference) {
       if (beta == 0.0f) test::poison(c);
       cuda::launch_nf4_gemm_small_m(gpu, a_dev, p.w_dev, c, 0.75f, beta, cuda::SmallMKernel::Slice);
       gpu.synchronize();
-      EXPECT_TRUE(test::all_close(test::host_copy(c), scaled_output(sums, c0, 0.75f, beta), tolerance_for(cdt, k)))
+      const Tensor want = test::scaled_output(sums, c0, 0.75f, beta);
+      EXPECT_TRUE(test::all_close(test::host_copy(c), want, tolerance_for(cdt, k)))
           << "M=" << m << " N=" << n << " K=" << k << " dq=" << dq << " a=" << dtype_name(adt)
           << " c=" << dtype_name(cdt) << " beta=" << beta;
     }
@@ -227,7 +216,8 @@ TEST_P(SmallMSliceGateUp, MatchesScaleAfterReference) {
     const Tensor g_sums = slice_sums(a, wg.w_host), u_sums = slice_sums(a, wu.w_host);
     const Tensor f32_zero = test::filled(DType::F32, {m, n}, 0.0f);
     Tensor h_ref(DType::F32, {m, n});
-    swiglu(cpu, scaled_output(g_sums, f32_zero, alpha, 0.0f), scaled_output(u_sums, f32_zero, alpha, 0.0f), h_ref);
+    swiglu(cpu, test::scaled_output(g_sums, f32_zero, alpha, 0.0f), test::scaled_output(u_sums, f32_zero, alpha, 0.0f),
+           h_ref);
     const std::string what = "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k) +
                              " dq=" + std::to_string(dq) + " a=" + dtype_name(adt) + " gate=" + dtype_name(gdt);
     for (int form = 0; form < 3; ++form) {  // all three outputs; gate and up with beta 1; h alone
@@ -244,9 +234,10 @@ TEST_P(SmallMSliceGateUp, MatchesScaleAfterReference) {
       cuda::launch_nf4_gate_up_small_m(gpu, a_dev, wg.w_dev, wu.w_dev, out, alpha, beta, cuda::SmallMKernel::Slice);
       gpu.synchronize();
       if (form != 2) {
-        EXPECT_TRUE(test::all_close(test::host_copy(dg), scaled_output(g_sums, g0, alpha, beta), tolerance_for(gdt, k)))
+        EXPECT_TRUE(
+            test::all_close(test::host_copy(dg), test::scaled_output(g_sums, g0, alpha, beta), tolerance_for(gdt, k)))
             << what << " gate";
-        EXPECT_TRUE(test::all_close(test::host_copy(du), scaled_output(u_sums, u0, alpha, beta),
+        EXPECT_TRUE(test::all_close(test::host_copy(du), test::scaled_output(u_sums, u0, alpha, beta),
                                     test::bf16_output_tolerance(k)))
             << what << " up";
       }
