@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "core/nf4_lut.h"  // dq_block_scale
 #include "core/validate.h"
 #include "qmm/error.h"
 
@@ -126,9 +127,7 @@ float nf4_block_scale(const Nf4Weight& w, std::int64_t block) {
       group >= w.absmax2.numel() || w.code2.numel() != kCode2Size)
     detail::fail(ErrorCode::InvalidArgument, op, "the double-quantization fields must be complete, in host memory");
   const float c = w.code2.data_as<const float>()[w.absmax.data_as<const std::uint8_t>()[block]];
-  // Two roundings (multiply, then add), never a fused multiply-add: the producer's arithmetic.
-  const float product = c * w.absmax2.data_as<const float>()[group];
-  return product + w.offset;
+  return nf4_lut::dq_block_scale(c, w.absmax2.data_as<const float>()[group], w.offset);
 }
 
 namespace detail {

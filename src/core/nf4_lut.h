@@ -53,6 +53,17 @@ QMM_NF4_LUT_UNROLL
   }
 }
 
+// A double-quantized block's scale from its parts, code2[q] * absmax2 + offset: two roundings (multiply, then add),
+// never a fused multiply-add, the producer's arithmetic. nf4_block_scale and every GPU kernel use it.
+QMM_HOST_DEVICE inline float dq_block_scale(float code2_value, float absmax2, float offset) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(__fmul_rn(code2_value, absmax2), offset);
+#else
+  const float product = code2_value * absmax2;
+  return product + offset;
+#endif
+}
+
 // Two floats rounded to bf16 (nearest even), lo in the low half.
 QMM_HOST_DEVICE inline std::uint32_t pack_bf16x2(float lo, float hi) {
 #if defined(__CUDA_ARCH__)

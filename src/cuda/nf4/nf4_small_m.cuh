@@ -57,7 +57,16 @@ __device__ __forceinline__ RawScale load_scale(const Scales& s, std::int64_t blo
 
 __device__ __forceinline__ float finish_scale(const Scales& s, RawScale r, const float* code2_shared) {
   if (s.absmax) return r.a;
-  return __fadd_rn(__fmul_rn(code2_shared[r.q], r.a), s.offset);
+  return nf4_lut::dq_block_scale(code2_shared[r.q], r.a, s.offset);
+}
+
+// code2[q] for q = byte `byte` of a ring scale slot's q word, from the code2 table at shared address code2_at (q
+// shifted into a byte offset: no separate mask and multiply).
+__device__ __forceinline__ float code2_of_q_byte(std::uint32_t code2_at, std::uint32_t q_word, int byte) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(code2_at + (((q_word >> (8 * byte)) << 2) & 0x3FCu))
+               : "memory");
+  return v;
 }
 
 // Shared tables at the start of each kernel's shared memory: the 16 NF4 values (a warp's lookups hit 16 words in
@@ -690,14 +699,9 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
               if constexpr (kDq) {
-                float v;  // code2[q]
-                if constexpr (NT8 == 2) {
-                  const std::uint32_t q4 = ((sw[half][0] >> (8 * (c0 + c))) << 2) & 0x3FCu;  // q as a byte offset
-                  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(code2_at + q4) : "memory");
-                } else {
-                  v = code2[(sw[half][0] >> (8 * (c0 + c))) & 0xFFu];
-                }
-                s[half] = __fadd_rn(__fmul_rn(v, __uint_as_float(sw[half][1])), offset);
+                const float v = NT8 == 2 ? code2_of_q_byte(code2_at, sw[half][0], c0 + c)
+                                         : code2[(sw[half][0] >> (8 * (c0 + c))) & 0xFFu];  // code2[q]
+                s[half] = nf4_lut::dq_block_scale(v, __uint_as_float(sw[half][1]), offset);
               } else {
                 s[half] = __uint_as_float(sw[half][c0 + c]);
               }
@@ -948,7 +952,7 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
   // Blocks whose products are formed together: their code words and partial sums are live at once.
   constexpr int kGroup = NT8 == 1 ? 4 : 2;
   std::uint32_t bf[4][NT8][8];
-  load_slice_fragments<NT8, kAF32>(bf, a, M, K, static_cast<std::int64_t>(slice0 + wk) * kSliceK, g, t, active);
+  load_slice_fragments<NT8, kAF32>(bf, a, M, K, slice_k, g, t, active);
   if (kDq) code2_shared[tid] = code2_value;
   __syncthreads();
   // The lookups (asm without memory effects) depend on lane_table, taken after the barrier, so they stay below it.
@@ -988,12 +992,9 @@ __global__ void __launch_bounds__(kSliceThreads, 1) nf4_small_m_slice_kernel(
         const std::uint32_t code2_at = shared_address(code2_shared) + which * kCode2Bytes;
         const float offset = which ? w1.scales.offset : w0.scales.offset;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float v;  // code2[q], q read as a byte offset
-          const std::uint32_t q4 = ((sw[half][0] >> (8 * t)) << 2) & 0x3FCu;
-          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(code2_at + q4) : "memory");
-          lane_sc[half] = __fadd_rn(__fmul_rn(v, __uint_as_float(sw[half][1])), offset);
-        }
+        for (int half = 0; half < 2; ++half)
+          lane_sc[half] =
+              nf4_lut::dq_block_scale(code2_of_q_byte(code2_at, sw[half][0], t), __uint_as_float(sw[half][1]), offset);
       }
       float acc[NT8][4] = {};
 #pragma unroll

@@ -272,8 +272,7 @@ struct Scales {
 // after the multiply and after the add. code2_s is the table in shared memory.
 __device__ __forceinline__ float block_scale(const Scales& s, const float* code2_s, std::int64_t block) {
   if (s.absmax) return __ldg(s.absmax + block);
-  const float c = code2_s[__ldg(s.q + block)];
-  return __fadd_rn(__fmul_rn(c, __ldg(s.absmax2 + (block >> 8))), s.offset);
+  return nf4_lut::dq_block_scale(code2_s[__ldg(s.q + block)], __ldg(s.absmax2 + (block >> 8)), s.offset);
 }
 
 template <class T>
