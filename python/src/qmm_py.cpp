@@ -252,6 +252,21 @@ NB_MODULE(_qmm, m) {
   def_gemm<qmm::gemm_backward_b>(m, "gemm_backward_b", "a", "dc", "db", "db = alpha * a^T @ dc + beta * db");
 
   m.def(
+      "lora_backward_dy",
+      [](const In& dy, const In& b, const In& t, const Out& dt, const Out& grad_b, float scale,
+         const std::string& math, std::uintptr_t stream) {
+        const char* op = "lora_backward_dy";
+        const qmm::TensorView dyv = view_of(dy, op, "dy"), bv = view_of(b, op, "b"), tv = view_of(t, op, "t"),
+                              dtv = view_of(dt, op, "dt"), gbv = view_of(grad_b, op, "grad_b");
+        const qmm::MathMode mode = math_of(math, op);
+        const qmm::Context ctx = context_for(dyv, stream);
+        run([&] { qmm::lora_backward_dy(ctx, dyv, bv, tv, dtv, gbv, scale, mode); });
+      },
+      nb::arg("dy"), nb::arg("b"), nb::arg("t"), nb::arg("dt"), nb::arg("grad_b"), nb::arg("scale") = 1.0f,
+      nb::arg("math") = "fp32", nb::arg("stream") = 0,
+      "dt = scale * dy @ b (overwritten), grad_b += scale * dy^T @ t (LoRA's products of dy)");
+
+  m.def(
       "batched_gemm",
       [](const In& a, const In& b, const Out& c, bool transpose_b, float alpha, float beta, const std::string& math,
          std::uintptr_t stream) {

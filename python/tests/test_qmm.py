@@ -759,7 +759,8 @@ def test_patch_bnb_runs_a_peft_model_with_qmm(device, monkeypatch):
     ref = _forward_backward(model, x, dy)
     params = dict(model.named_parameters())
     names = qmm.patch_bnb(model)
-    assert names == ["0.base_layer", "1", "1.gate_proj.base_layer", "1.up_proj.base_layer", "1.down_proj.base_layer"]
+    assert names == ["0", "0.base_layer", "1", "1.gate_proj", "1.gate_proj.base_layer", "1.up_proj",
+                     "1.up_proj.base_layer", "1.down_proj", "1.down_proj.base_layer"]
     assert qmm.patch_bnb(model) == []  # patched once only
     bases = [model[0].base_layer] + [getattr(model[1], p).base_layer for p in ("gate_proj", "up_proj", "down_proj")]
     calls = [b.calls for b in bases]
@@ -787,10 +788,11 @@ def test_patch_bnb_runs_a_peft_model_with_qmm(device, monkeypatch):
     for m in model.modules():
         if isinstance(m, FakeLora):
             m.disable_adapters = True
-    swiglu_calls, nf4_swiglu = [], qmm.nf4_swiglu
-    monkeypatch.setattr(qmm, "nf4_swiglu", lambda *a: swiglu_calls.append(1) or nf4_swiglu(*a))
+    outputs_asked, gate_up = [], qmm._qmm.nf4_gate_up
+    monkeypatch.setattr(qmm._qmm, "nf4_gate_up",
+                        lambda *a, **k: outputs_asked.append([t is not None for t in a[3:6]]) or gate_up(*a, **k))
     y_plain = model(x)
-    assert swiglu_calls == [1]
+    assert outputs_asked == [[False, False, True]]  # h alone, from the kernel's epilogue
     qmm.unpatch_bnb(model)
     assert_close(y_plain, model(x), rel * model(x).abs().max().item() + 1e-7, "adapters disabled")
     qmm.patch_bnb(model)

@@ -1,0 +1,59 @@
+"""What every module of the package shares: the extension, qmm.Error, and how tensors reach qmm's C++ ops."""
+import torch
+from torch.utils.dlpack import to_dlpack as _to_dlpack
+
+from . import _qmm
+from ._qmm import Error
+
+
+def _error(code, message):
+    e = Error(message)
+    e.code = code
+    return e
+
+
+def _call(fn, like, *args, **kwargs):
+    """Runs a `_qmm` op for tensors on like's device: on a GPU in PyTorch's current stream there, with that GPU
+    current for the call only (qmm makes its context's GPU current; PyTorch's choice is restored after). Tensors
+    travel as DLPack capsules made by to_dlpack: a tensor's own __dlpack__, which the extension would call
+    otherwise, costs ~10x more in recent PyTorch (2.4 vs 0.2 µs in 2.15)."""
+    args = [_to_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args]
+    if not like.is_cuda:
+        return fn(*args, **kwargs, stream=0)
+    stream = torch.cuda.current_stream(like.device).cuda_stream
+    if like.device.index == torch.cuda.current_device():
+        return fn(*args, **kwargs, stream=stream)
+    with torch.cuda.device(like.device):
+        return fn(*args, **kwargs, stream=stream)
+
+
+def _in(t):
+    """An input as qmm takes it: detached (DLPack refuses tensors that require grad) and dense row-major."""
+    if t.requires_grad:
+        t = t.detach()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _out(op, out, shape, dtype, like, beta):
+    if out is None:
+        if beta != 0.0:
+            raise _error("InvalidArgument", f"{op}: beta = {beta} needs out= (the tensor to accumulate into)")
+        return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+    return out
+
+
+def _dim(t, i):
+    """t's extent i, or 0 where t has no such dimension (qmm then names the bad rank)."""
+    return t.shape[i] if -t.dim() <= i < t.dim() else 0
+
+
+def _rows(op, name, t, cols, output=False):
+    """t [..., cols] as the [rows, cols] matrix qmm takes: a view, never a copy for an output."""
+    shape = t.shape
+    if not shape or shape[-1] != cols:
+        raise _error("ShapeMismatch", f"{op}: argument '{name}' has shape {list(shape)}; its last dimension "
+                                      f"must be {cols} (the weight's)")
+    if output and not t.is_contiguous():
+        raise _error("InvalidArgument", f"{op}: argument '{name}' is not contiguous (qmm writes outputs in place)")
+    t = _in(t)
+    return t if len(shape) == 2 else t.reshape(-1, cols)

@@ -1,0 +1,102 @@
+"""The arithmetic of the differentiable NF4 ops, forward and backward, on qmm's kernels. The eager autograd
+functions (functional.py) and the torch.compile custom ops (compile_ops.py) both call these, so compiled and eager
+runs launch the same kernels in the same order and agree bit for bit.
+
+An adapter enters as `lora = (xd, a, b, scale)`: xd the adapter's input (x, or dropout(x) computed by PyTorch), a
+[r, K] and b [N, r] its trainable matrices (PEFT keeps them in float32). Its products run in x's dtype (bf16 products
+with fp32 sums for bf16 activations) on working copies a_w, b_w; y = base + scale * (xd @ a_w^T) @ b_w^T, the LoRA
+sum added in the second GEMM's epilogue (beta = 1), after the NF4 base product as the C++ LoraLinear does for NF4
+bases. The backward reads dy once for dt = scale * dy @ b_w and grad_b (lora_backward_dy)."""
+import torch
+
+from .ops import gemm, gemm_backward_b, gemm_bt, lora_backward_dy, nf4_gate_up, nf4_gemm, nf4_gemm_backward_a, swiglu
+from .ops import swiglu_backward as _swiglu_backward
+
+
+def _flat(t):
+    return t.reshape(-1, t.shape[-1])
+
+
+def _adapter_into(y, lora):
+    """y += scale * (xd @ a^T) @ b^T in place (y [..., N] dense); returns what the backward needs: (xd as rows, t,
+    a_w, b_w)."""
+    xd, a, b, scale = lora
+    a_w, b_w = a.to(y.dtype), b.to(y.dtype)
+    xd2 = _flat(xd)
+    t = gemm_bt(xd2, a_w)
+    gemm_bt(t, b_w, out=_flat(y), alpha=scale, beta=1.0)
+    return xd2, t, a_w, b_w
+
+
+def _adapter_grads(dy2, saved, scale, want_a, want_b):
+    """dt = scale * dy @ b_w, and the float32 gradients of a and b (None where not wanted)."""
+    xd2, t, a_w, b_w = saved
+    grad_b = torch.zeros(b_w.shape, dtype=torch.float32, device=dy2.device)
+    dt = lora_backward_dy(dy2, b_w, t, grad_b, scale=scale)
+    grad_a = gemm_backward_b(dt, xd2, out_dtype=torch.float32) if want_a else None
+    return dt, grad_a, grad_b if want_b else None
+
+
+def _adapter_input_grad(dt, a_w, dx, dropped, want_dxd, xd_shape):
+    """The adapter's term of the input gradient: added into dx (its input is x), or returned apart (its input is
+    dropout(x): PyTorch's dropout backward applies the mask)."""
+    if not dropped:
+        if dx is not None:
+            gemm(dt, a_w, out=_flat(dx), beta=1.0)
+        return None
+    return gemm(dt, a_w).view(xd_shape) if want_dxd else None
+
+
+def linear_forward(x, w, bias, lora, path):
+    """y = x @ dequant(W)^T (+ bias) (+ the adapter). The bias is written first and the NF4 product accumulates
+    onto it (beta = 1): one rounding of base + bias, as a linear layer's bias epilogue. Returns y and the adapter's
+    saved tensors (None without one)."""
+    n = w.shape[0]
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if bias is not None:
+        y.copy_(bias.to(x.dtype).expand_as(y))
+    nf4_gemm(x, w, out=y, beta=0.0 if bias is None else 1.0, path=path)
+    return y, None if lora is None else _adapter_into(y, lora)
+
+
+def linear_backward(dy, w, path, saved, scale, dropped, xd_shape, want):
+    """Gradients (dx, dxd, da, db) of linear_forward for want = (dx, dxd, da, db) flags; None where not wanted."""
+    want_dx, want_dxd, want_a, want_b = want
+    dy2 = _flat(dy) if dy.is_contiguous() else _flat(dy.contiguous())
+    dt = grad_a = grad_b = None
+    if saved is not None:
+        dt, grad_a, grad_b = _adapter_grads(dy2, saved, scale, want_a, want_b)
+    dx = nf4_gemm_backward_a(dy2, w, path=path).view(*dy.shape[:-1], w.shape[1]) if want_dx else None
+    dxd = None if saved is None else _adapter_input_grad(dt, saved[2], dx, dropped, want_dxd, xd_shape)
+    return dx, dxd, grad_a, grad_b
+
+
+def swiglu_forward(x, w_gate, w_up, loras, path, keep):
+    """h = silu(gate) * up, gate = x @ dequant(Wg)^T (+ its adapter), up likewise, both base products from one read
+    of x (nf4_gate_up). Returns h, gate and up (kept for the backward: None unless `keep` or an adapter needs
+    them) and each adapter's saved tensors. Without adapters the SwiGLU runs in the gate/up kernel's epilogue."""
+    if loras[0] is None and loras[1] is None:
+        gate, up, h = nf4_gate_up(x, w_gate, w_up, gate=keep, up=keep, path=path)
+        return h, gate, up, (None, None)
+    gate, up, _ = nf4_gate_up(x, w_gate, w_up, h=False, path=path)
+    saved = tuple(None if lora is None else _adapter_into(y, lora) for y, lora in zip((gate, up), loras))
+    return swiglu(gate, up), gate, up, saved
+
+
+def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd_shape, want):
+    """Gradients of swiglu_forward: (dx, dxd_gate, dxd_up, da_gate, db_gate, da_up, db_up), for want = the same
+    seven flags."""
+    want_dx = want[0]
+    dgate, dup = _swiglu_backward(gate, up, dh)
+    dts, grads = [], []
+    for d, s, scale, (want_a, want_b) in zip((dgate, dup), saved, scales, (want[3:5], want[5:7])):
+        dt, grad_a, grad_b = (None, None, None) if s is None else _adapter_grads(_flat(d), s, scale, want_a, want_b)
+        dts.append(dt)
+        grads += [grad_a, grad_b]
+    dx = None
+    if want_dx:
+        dx = nf4_gemm_backward_a(dgate, w_gate, path=path)
+        nf4_gemm_backward_a(dup, w_up, out=dx, beta=1.0, path=path)
+    dxds = [None if s is None else _adapter_input_grad(dt, s[2], dx, drop, want_dxd, xd_shape)
+            for dt, s, drop, want_dxd in zip(dts, saved, dropped, want[1:3])]
+    return (dx, *dxds, *grads)

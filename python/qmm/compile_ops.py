@@ -1,0 +1,305 @@
+"""torch.compile: the differentiable ops as PyTorch custom ops (PyTorch >= 2.4).
+
+torch.compile cannot trace into qmm's C++ calls. As custom ops with shape-only ("fake") implementations and their
+backward registered (the backward itself a custom op), they stay whole in a compiled graph: fullgraph=True works,
+and the forward and backward run _impl.py's arithmetic, the same kernels as eager calls. Eager calls keep the
+autograd.Functions of functional.py: a custom op's dispatch costs several times an autograd.Function's per call.
+
+An NF4 weight enters an op as 8 arguments, its "op args": codes, absmax, absmax2, code2 (None where plain), the
+double quantization's offset as a 0-d float64 CPU tensor (a float argument would compile one graph per value, i.e.
+per layer; a CPU tensor is read without a device synchronization), rows, cols and block size. Nf4Weight.op_args()
+gives them, and patch.py takes them from a bitsandbytes layer directly, so no Python-side lookup runs inside a
+traced region. An adapter enters as its x_dropped (None: x itself), a and b (None: no adapter) and scale."""
+import math
+from typing import List, Optional, Tuple
+
+import torch
+
+from ._impl import linear_backward, linear_forward, swiglu_backward, swiglu_forward
+from .nf4 import Nf4Weight
+from .ops import nf4_gate_up as _nf4_gate_up
+from .ops import nf4_gemm_backward_a, swiglu_backward as _swiglu_backward
+from .ops import swiglu as _swiglu
+
+Tensor = torch.Tensor
+AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(getattr(torch, "compiler", None), "is_compiling")
+
+
+def compiling():
+    """Whether torch.compile is tracing the caller (never on PyTorch without custom ops: there qmm's calls break
+    the graph and run eagerly)."""
+    return AVAILABLE and torch.compiler.is_compiling()
+
+
+def weight_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size):
+    """The Nf4Weight of an op's 8 weight arguments."""
+    return Nf4Weight(codes, absmax, (rows, cols), block_size, absmax2, code2, offset.item())
+
+
+def _op_args(w):
+    return w.op_args() if isinstance(w, Nf4Weight) else w
+
+
+def _or_empty(t, like):
+    """An op's optional result: custom ops return tensors, so an absent one travels as an empty tensor."""
+    return like.new_empty(0) if t is None else t
+
+
+def _or_none(t):
+    return None if t is None or t.numel() == 0 and t.dim() == 1 else t
+
+
+def _lora(x, xd, a, b, scale):
+    return None if a is None else (x if xd is None else xd, a, b, scale)
+
+
+def _saved(xs, t, a, b, dtype):
+    """The tensors _impl's backward takes for an adapter (its working copies cast again from a and b)."""
+    return None if a is None else (xs.reshape(-1, xs.shape[-1]), t, a.to(dtype), b.to(dtype))
+
+
+def _rows_of(x):
+    return math.prod(x.shape[:-1])
+
+
+def _param_grad(grad, like):
+    return None if grad is None else grad.to(like.dtype)
+
+
+if AVAILABLE:
+    op = torch.library.custom_op
+
+    # ---- one projection: base + bias + adapter -------------------------------------------------------------------
+
+    @op("qmm::lora_nf4_linear", mutates_args=())
+    def lora_nf4_linear_op(x: Tensor, xd: Optional[Tensor], a: Optional[Tensor], b: Optional[Tensor],
+                           bias: Optional[Tensor], codes: Tensor, absmax: Tensor, absmax2: Optional[Tensor],
+                           code2: Optional[Tensor], offset: Tensor, rows: int, cols: int, block_size: int,
+                           scale: float, path: str) -> Tuple[Tensor, Tensor]:
+        w = weight_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size)
+        y, saved = linear_forward(x, w, bias, _lora(x, xd, a, b, scale), path)
+        return y, _or_empty(saved and saved[1], x)
+
+    @lora_nf4_linear_op.register_fake
+    def _(x, xd, a, b, bias, codes, absmax, absmax2, code2, offset, rows, cols, block_size, scale, path):
+        t = x.new_empty(0) if a is None else x.new_empty((_rows_of(x), a.shape[0]))
+        return x.new_empty((*x.shape[:-1], rows)), t
+
+    @op("qmm::lora_nf4_linear_backward", mutates_args=())
+    def lora_nf4_linear_backward_op(dy: Tensor, xs: Optional[Tensor], t: Optional[Tensor], a: Optional[Tensor],
+                                    b: Optional[Tensor], codes: Tensor, absmax: Tensor, absmax2: Optional[Tensor],
+                                    code2: Optional[Tensor], offset: Tensor, rows: int, cols: int, block_size: int,
+                                    scale: float, path: str, dropped: bool, want_dx: bool, want_dxd: bool,
+                                    want_da: bool, want_db: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        w = weight_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size)
+        x_shape = (*dy.shape[:-1], cols) if xs is None else xs.shape
+        grads = linear_backward(dy, w, path, _saved(xs, t, a, b, dy.dtype), scale, dropped, x_shape,
+                                (want_dx, want_dxd, want_da, want_db))
+        return tuple(_or_empty(g, dy) for g in grads)
+
+    @lora_nf4_linear_backward_op.register_fake
+    def _(dy, xs, t, a, b, codes, absmax, absmax2, code2, offset, rows, cols, block_size, scale, path, dropped,
+          want_dx, want_dxd, want_da, want_db):
+        empty = dy.new_empty(0)
+        return (dy.new_empty((*dy.shape[:-1], cols)) if want_dx else empty,
+                xs.new_empty(xs.shape) if want_dxd and dropped and a is not None else empty,
+                a.new_empty(a.shape, dtype=torch.float32) if want_da and a is not None else empty,
+                b.new_empty(b.shape, dtype=torch.float32) if want_db and a is not None else empty)
+
+    def _setup_linear(ctx, inputs, output):
+        x, xd, a, b, bias = inputs[:5]
+        ctx.save_for_backward(None if a is None else x if xd is None else xd, output[1], a, b, bias, *inputs[5:10])
+        ctx.w_scalars, ctx.scale, ctx.path, ctx.dropped = inputs[10:13], inputs[13], inputs[14], xd is not None
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+
+    def _linear_grad(ctx, dy, _):
+        xs, t, a, b, bias, *w_tensors = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if dy is None:
+            return (None,) * 15
+        dx, dxd, da, db = lora_nf4_linear_backward_op(dy, xs, t, a, b, *w_tensors, *ctx.w_scalars, ctx.scale,
+                                                      ctx.path, ctx.dropped, *need[:4])
+        dbias = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(bias.dtype) if need[4] else None
+        return (_or_none(dx) if need[0] else None, _or_none(dxd) if need[1] else None,
+                _param_grad(_or_none(da), a) if need[2] else None, _param_grad(_or_none(db), b) if need[3] else None,
+                dbias) + (None,) * 10
+
+    lora_nf4_linear_op.register_autograd(_linear_grad, setup_context=_setup_linear)
+
+    # ---- an MLP's input half: gate and up (+ adapters), SwiGLU ----------------------------------------------------
+
+    @op("qmm::lora_nf4_swiglu", mutates_args=())
+    def lora_nf4_swiglu_op(x: Tensor, xd_g: Optional[Tensor], a_g: Optional[Tensor], b_g: Optional[Tensor],
+                           xd_u: Optional[Tensor], a_u: Optional[Tensor], b_u: Optional[Tensor],
+                           g_codes: Tensor, g_absmax: Tensor, g_absmax2: Optional[Tensor], g_code2: Optional[Tensor],
+                           g_offset: Tensor, g_rows: int, g_cols: int, g_block_size: int,
+                           u_codes: Tensor, u_absmax: Tensor, u_absmax2: Optional[Tensor], u_code2: Optional[Tensor],
+                           u_offset: Tensor, u_rows: int, u_cols: int, u_block_size: int,
+                           scale_g: float, scale_u: float, path: str,
+                           keep: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        w_gate = weight_of(g_codes, g_absmax, g_absmax2, g_code2, g_offset, g_rows, g_cols, g_block_size)
+        w_up = weight_of(u_codes, u_absmax, u_absmax2, u_code2, u_offset, u_rows, u_cols, u_block_size)
+        loras = (_lora(x, xd_g, a_g, b_g, scale_g), _lora(x, xd_u, a_u, b_u, scale_u))
+        h, gate, up, saved = swiglu_forward(x, w_gate, w_up, loras, path, keep)
+        return (h, _or_empty(gate, x), _or_empty(up, x)) + tuple(_or_empty(s and s[1], x) for s in saved)
+
+    @lora_nf4_swiglu_op.register_fake
+    def _(x, xd_g, a_g, b_g, xd_u, a_u, b_u, *args):
+        rows, keep = args[5], args[-1]
+        h = x.new_empty((*x.shape[:-1], rows))
+        kept = [x.new_empty(h.shape) if keep or a_g is not None or a_u is not None else x.new_empty(0)] * 2
+        ts = [x.new_empty(0) if a is None else x.new_empty((_rows_of(x), a.shape[0])) for a in (a_g, a_u)]
+        return (h, x.new_empty(kept[0].shape), x.new_empty(kept[1].shape), *ts)
+
+    @op("qmm::lora_nf4_swiglu_backward", mutates_args=())
+    def lora_nf4_swiglu_backward_op(dh: Tensor, gate: Tensor, up: Tensor, xs_g: Optional[Tensor],
+                                    xs_u: Optional[Tensor], t_g: Optional[Tensor], t_u: Optional[Tensor],
+                                    a_g: Optional[Tensor], b_g: Optional[Tensor], a_u: Optional[Tensor],
+                                    b_u: Optional[Tensor],
+                                    g_codes: Tensor, g_absmax: Tensor, g_absmax2: Optional[Tensor],
+                                    g_code2: Optional[Tensor], g_offset: Tensor, g_rows: int, g_cols: int,
+                                    g_block_size: int,
+                                    u_codes: Tensor, u_absmax: Tensor, u_absmax2: Optional[Tensor],
+                                    u_code2: Optional[Tensor], u_offset: Tensor, u_rows: int, u_cols: int,
+                                    u_block_size: int, scale_g: float, scale_u: float, path: str,
+                                    dropped_g: bool, dropped_u: bool, want: List[bool]
+                                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        w_gate = weight_of(g_codes, g_absmax, g_absmax2, g_code2, g_offset, g_rows, g_cols, g_block_size)
+        w_up = weight_of(u_codes, u_absmax, u_absmax2, u_code2, u_offset, u_rows, u_cols, u_block_size)
+        saved = (_saved(xs_g, t_g, a_g, b_g, dh.dtype), _saved(xs_u, t_u, a_u, b_u, dh.dtype))
+        grads = swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, (scale_g, scale_u),
+                                (dropped_g, dropped_u), (*dh.shape[:-1], g_cols), tuple(want))
+        return tuple(_or_empty(g, dh) for g in grads)
+
+    @lora_nf4_swiglu_backward_op.register_fake
+    def _(dh, gate, up, xs_g, xs_u, t_g, t_u, a_g, b_g, a_u, b_u, *args):
+        cols, dropped, want = args[6], args[-3:-1], args[-1]
+        empty = dh.new_empty(0)
+        x_shape = (*dh.shape[:-1], cols)
+
+        def param(p, wanted):
+            return p.new_empty(p.shape, dtype=torch.float32) if wanted and p is not None else empty
+        return (dh.new_empty(x_shape) if want[0] else empty,
+                dh.new_empty(x_shape) if want[1] and dropped[0] and a_g is not None else empty,
+                dh.new_empty(x_shape) if want[2] and dropped[1] and a_u is not None else empty,
+                param(a_g, want[3]), param(b_g, want[4]), param(a_u, want[5]), param(b_u, want[6]))
+
+    def _setup_swiglu_block(ctx, inputs, output):
+        x, xd_g, a_g, b_g, xd_u, a_u, b_u = inputs[:7]
+        xs = [None if a is None else x if xd is None else xd for xd, a in ((xd_g, a_g), (xd_u, a_u))]
+        ctx.save_for_backward(output[1], output[2], *xs, output[3], output[4], a_g, b_g, a_u, b_u,
+                              *inputs[7:12], *inputs[15:20])
+        ctx.g_scalars, ctx.u_scalars = inputs[12:15], inputs[20:23]
+        ctx.scales, ctx.path = inputs[23:25], inputs[25]
+        ctx.dropped = (xd_g is not None, xd_u is not None)
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+
+    def _swiglu_block_grad(ctx, dh, *_):
+        gate, up, xs_g, xs_u, t_g, t_u, a_g, b_g, a_u, b_u, *w_tensors = ctx.saved_tensors
+        n = ctx.needs_input_grad  # x, xd_g, a_g, b_g, xd_u, a_u, b_u
+        if dh is None:
+            return (None,) * 27
+        want = (n[0], n[1], n[4], n[2], n[3], n[5], n[6])
+        dx, dxd_g, dxd_u, da_g, db_g, da_u, db_u = (_or_none(g) for g in lora_nf4_swiglu_backward_op(
+            dh, gate, up, xs_g, xs_u, _or_none(t_g), _or_none(t_u), a_g, b_g, a_u, b_u, *w_tensors[:5],
+            *ctx.g_scalars, *w_tensors[5:], *ctx.u_scalars, *ctx.scales, ctx.path, *ctx.dropped, list(want)))
+        grads = (dx, dxd_g, _param_grad(da_g, a_g), _param_grad(db_g, b_g), dxd_u, _param_grad(da_u, a_u),
+                 _param_grad(db_u, b_u))
+        return tuple(g if wanted else None for g, wanted in zip(grads, n[:7])) + (None,) * 20
+
+    lora_nf4_swiglu_op.register_autograd(_swiglu_block_grad, setup_context=_setup_swiglu_block)
+
+    # ---- gate and up alone, and the SwiGLU alone ------------------------------------------------------------------
+
+    @op("qmm::nf4_gate_up", mutates_args=())
+    def nf4_gate_up_op(x: Tensor, g_codes: Tensor, g_absmax: Tensor, g_absmax2: Optional[Tensor],
+                       g_code2: Optional[Tensor], g_offset: Tensor, g_rows: int, g_cols: int, g_block_size: int,
+                       u_codes: Tensor, u_absmax: Tensor, u_absmax2: Optional[Tensor], u_code2: Optional[Tensor],
+                       u_offset: Tensor, u_rows: int, u_cols: int, u_block_size: int,
+                       path: str) -> Tuple[Tensor, Tensor]:
+        w_gate = weight_of(g_codes, g_absmax, g_absmax2, g_code2, g_offset, g_rows, g_cols, g_block_size)
+        w_up = weight_of(u_codes, u_absmax, u_absmax2, u_code2, u_offset, u_rows, u_cols, u_block_size)
+        gate, up, _ = _nf4_gate_up(x, w_gate, w_up, h=False, path=path)
+        return gate, up
+
+    @nf4_gate_up_op.register_fake
+    def _(x, *args):
+        rows = args[5]  # g_rows
+        return x.new_empty((*x.shape[:-1], rows)), x.new_empty((*x.shape[:-1], rows))
+
+    @op("qmm::nf4_input_grad", mutates_args=())
+    def nf4_input_grad_op(dy: Tensor, codes: Tensor, absmax: Tensor, absmax2: Optional[Tensor],
+                          code2: Optional[Tensor], offset: Tensor, rows: int, cols: int, block_size: int,
+                          path: str) -> Tensor:
+        return nf4_gemm_backward_a(dy, weight_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size),
+                                   path=path)
+
+    @nf4_input_grad_op.register_fake
+    def _(dy, codes, absmax, absmax2, code2, offset, rows, cols, block_size, path):
+        return dy.new_empty((*dy.shape[:-1], cols))
+
+    def _setup_gate_up(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[1:6], *inputs[9:14])
+        ctx.g_scalars, ctx.u_scalars, ctx.path = inputs[6:9], inputs[14:17], inputs[17]
+
+    def _gate_up_grad(ctx, dgate, dup):
+        saved = ctx.saved_tensors
+        g_args, u_args = (*saved[:5], *ctx.g_scalars), (*saved[5:], *ctx.u_scalars)
+        grads = [nf4_input_grad_op(d, *w_args, ctx.path) for d, w_args in ((dgate, g_args), (dup, u_args))
+                 if d is not None]
+        return (sum(grads[1:], grads[0]) if grads else None,) + (None,) * 17
+
+    nf4_gate_up_op.register_autograd(_gate_up_grad, setup_context=_setup_gate_up)
+
+    @op("qmm::swiglu", mutates_args=())
+    def swiglu_op(gate: Tensor, up: Tensor) -> Tensor:
+        return _swiglu(gate, up)
+
+    @swiglu_op.register_fake
+    def _(gate, up):
+        return torch.empty_like(gate)
+
+    @op("qmm::swiglu_backward", mutates_args=())
+    def swiglu_backward_op(gate: Tensor, up: Tensor, dh: Tensor) -> Tuple[Tensor, Tensor]:
+        return _swiglu_backward(gate, up, dh)
+
+    @swiglu_backward_op.register_fake
+    def _(gate, up, dh):
+        return torch.empty_like(gate), torch.empty_like(up)
+
+    def _setup_swiglu(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def _swiglu_grad(ctx, dh):
+        return swiglu_backward_op(*ctx.saved_tensors, dh)
+
+    swiglu_op.register_autograd(_swiglu_grad, setup_context=_setup_swiglu)
+
+
+# ---- what functional.py calls while torch.compile traces ------------------------------------------------------
+
+
+def lora_nf4_linear(x, w, lora, bias, path):
+    """lora: the (x_dropped or x, a, b, scale) of functional._check_lora, or None."""
+    xd, a, b, scale = (None, None, None, 1.0) if lora is None else lora
+    return lora_nf4_linear_op(x, None if xd is x else xd, a, b, bias, *_op_args(w), scale, path)[0]
+
+
+def lora_nf4_swiglu(x, w_gate, w_up, loras, path):
+    args, scales = [], []
+    for lora in loras:
+        xd, a, b, scale = (None, None, None, 1.0) if lora is None else lora
+        args += [None if xd is x else xd, a, b]
+        scales.append(scale)
+    keep = torch.is_grad_enabled()
+    return lora_nf4_swiglu_op(x, *args, *_op_args(w_gate), *_op_args(w_up), *scales, path, keep)[0]
+
+
+def nf4_gate_up(x, w_gate, w_up, path):
+    return nf4_gate_up_op(x, *_op_args(w_gate), *_op_args(w_up), path)
+
+
+def swiglu(gate, up):
+    return swiglu_op(gate, up)

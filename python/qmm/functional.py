@@ -1,0 +1,213 @@
+"""The differentiable ops: frozen NF4 bases (no weight gradient), optional LoRA adapters (gradients for A and B),
+differentiable in the activations. Eager calls run autograd.Functions; under torch.compile the same arithmetic
+(_impl.py) runs as PyTorch custom ops (compile_ops.py), which a compiled graph keeps whole."""
+import collections
+import math
+
+import torch
+
+from . import _impl, compile_ops
+from ._base import _error
+from .nf4 import Nf4Weight, _nf4
+from .ops import nf4_gate_up, nf4_gemm_backward_a, swiglu, swiglu_backward
+
+_compiling = compile_ops.compiling
+
+
+class Lora(collections.namedtuple("Lora", ("a", "b", "scale", "x_dropped"), defaults=(None,))):
+    """A LoRA adapter's term on a projection, scale * (x_dropped @ a^T) @ b^T: a [r, in] and b [out, r] trainable
+    (any float dtype; their products run in the activations' dtype with fp32 sums), `x_dropped` the adapter's input
+    when it is not x itself (dropout(x), computed by the caller with PyTorch, whose backward applies the mask)."""
+
+
+def _grad_wanted(*inputs):
+    """Whether autograd will differentiate through these inputs; where it will not (inference, frozen inputs), the
+    differentiable ops call the plain ones and skip what only a backward needs."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+
+
+def _weight(op, name, w):
+    """The Nf4Weight to compute with: w itself, or one made from compile_ops' argument tuple (a patched
+    bitsandbytes layer's weight)."""
+    return w if isinstance(w, Nf4Weight) else compile_ops.weight_of(*w) if isinstance(w, tuple) else _nf4(op, name, w)
+
+
+def _shape(w):
+    return w.shape if isinstance(w, Nf4Weight) else (w[5], w[6])
+
+
+def _check_lora(op, name, lora, x, out_features, in_features):
+    """Checks an adapter against x and the weight [out_features, in_features]; returns the _impl tuple or None."""
+    if lora is None:
+        return None
+    if not isinstance(lora, Lora):
+        raise _error("InvalidArgument", f"{op}: argument '{name}' must be a qmm.Lora, not {type(lora).__name__}")
+    a, b, scale, xd = lora
+    rank = a.shape[0] if a.dim() == 2 else -1
+    if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank) or rank < 1:
+        raise _error("ShapeMismatch", f"{op}: argument '{name}' has a {list(a.shape)} and b {list(b.shape)}; they "
+                                      f"must be [r, {in_features}] and [{out_features}, r]")
+    if xd is not None and xd.shape != x.shape:
+        raise _error("ShapeMismatch", f"{op}: argument '{name}' has x_dropped {list(xd.shape)}, not x's shape "
+                                      f"{list(x.shape)}")
+    if not math.isfinite(scale):
+        raise _error("InvalidArgument", f"{op}: argument '{name}' has scale {scale}; it must be finite")
+    return (x if xd is None else xd, a, b, float(scale))
+
+
+def _param_grad(grad, like):
+    return None if grad is None else grad.to(like.dtype)
+
+
+def _bias_grad(dy, bias):
+    return dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(bias.dtype)
+
+
+class _LoraNf4Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, xd, a, b, bias, w, scale, path):
+        lora = None if a is None else (x if xd is None else xd, a, b, scale)
+        y, saved = _impl.linear_forward(x, w, bias, lora, path)
+        ctx.save_for_backward(*(saved or ()), a, b, bias)
+        ctx.w, ctx.path, ctx.scale, ctx.dropped, ctx.x_shape = w, path, scale, xd is not None, x.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        *saved, a, b, bias = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dx, dxd, da, db = _impl.linear_backward(dy, ctx.w, ctx.path, tuple(saved) or None, ctx.scale, ctx.dropped,
+                                                ctx.x_shape, need[:4])
+        dbias = _bias_grad(dy, bias) if need[4] else None
+        return dx, dxd, _param_grad(da, a), _param_grad(db, b), dbias, None, None, None
+
+
+def lora_nf4_linear(x, w, lora=None, bias=None, path="auto"):
+    """y = x @ dequant(W)^T + bias + lora's term, for x [..., in] (float32 or bfloat16; y has x's dtype) and a
+    frozen NF4 weight W [out, in]: the base product, the bias (added in the product's sum) and the adapter (its sum
+    in its second GEMM's epilogue) as one op. Differentiable in x, the bias and the adapter's a, b and x_dropped;
+    the backward reads the output gradient once for both of the adapter's products."""
+    op = "lora_nf4_linear"
+    out_features, in_features = _shape(w) if isinstance(w, tuple) else _nf4(op, "w", w)
+    lora_args = _check_lora(op, "lora", lora, x, out_features, in_features)
+    if _compiling():
+        return compile_ops.lora_nf4_linear(x, w, lora_args, bias, path)
+    w = _weight(op, "w", w)
+    if not _grad_wanted(x, bias, *(lora or ())[:2], lora and lora.x_dropped):
+        return _impl.linear_forward(x, w, bias, lora_args, path)[0]
+    if lora is None:
+        return _LoraNf4Linear.apply(x, None, None, None, bias, w, 1.0, path)
+    return _LoraNf4Linear.apply(x, lora.x_dropped, lora.a, lora.b, bias, w, lora_args[3], path)
+
+
+def nf4_linear(x, w, bias=None, path="auto"):
+    """y = x @ dequant(W)^T (+ bias) for x [..., in] (float32 or bfloat16; y has x's dtype). Differentiable in x
+    and bias; W is frozen (no weight gradient)."""
+    return lora_nf4_linear(x, w, None, bias, path)
+
+
+class _LoraNf4SwiGlu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, xd_g, a_g, b_g, xd_u, a_u, b_u, w_gate, w_up, scales, path):
+        loras = tuple(None if a is None else (x if xd is None else xd, a, b, s)
+                      for xd, a, b, s in ((xd_g, a_g, b_g, scales[0]), (xd_u, a_u, b_u, scales[1])))
+        h, gate, up, saved = _impl.swiglu_forward(x, w_gate, w_up, loras, path, keep=True)
+        ctx.save_for_backward(gate, up, *(t for s in saved for t in (s or (None,) * 4)), a_g, b_g, a_u, b_u)
+        ctx.weights, ctx.path, ctx.scales, ctx.x_shape = (w_gate, w_up), path, scales, x.shape
+        ctx.has, ctx.dropped = tuple(lora is not None for lora in loras), (xd_g is not None, xd_u is not None)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        gate, up, *rest = ctx.saved_tensors
+        saved = tuple(tuple(rest[4 * i:4 * i + 4]) if ctx.has[i] else None for i in range(2))
+        params = rest[8:]
+        n = ctx.needs_input_grad  # x, xd_g, a_g, b_g, xd_u, a_u, b_u
+        dx, dxd_g, dxd_u, da_g, db_g, da_u, db_u = _impl.swiglu_backward(
+            dh, gate, up, *ctx.weights, ctx.path, saved, ctx.scales, ctx.dropped, ctx.x_shape,
+            (n[0], n[1], n[4], n[2], n[3], n[5], n[6]))
+        grads = [_param_grad(g, p) for g, p in zip((da_g, db_g, da_u, db_u), params)]
+        return dx, dxd_g, grads[0], grads[1], dxd_u, grads[2], grads[3], None, None, None, None
+
+
+def lora_nf4_swiglu(x, w_gate, w_up, gate_lora=None, up_lora=None, path="auto"):
+    """h = silu(gate) * up with gate = x @ dequant(Wg)^T + gate_lora's term and up = x @ dequant(Wu)^T + up_lora's
+    term: an MLP's input half with frozen NF4 weights [I, H], both base products from one read of x (nf4_gate_up),
+    the adapters' sums in their GEMMs' epilogues, then the SwiGLU. Differentiable in x and the adapters; keeps gate
+    and up for the backward. Without adapters the SwiGLU runs in the gate/up kernel's epilogue."""
+    op = "lora_nf4_swiglu"
+    shape = _shape(w_gate) if isinstance(w_gate, tuple) else _nf4(op, "w_gate", w_gate)
+    if (_shape(w_up) if isinstance(w_up, tuple) else _nf4(op, "w_up", w_up)) != shape:
+        raise _error("ShapeMismatch", f"{op}: w_gate is {list(shape)} but w_up is {list(_shape(w_up))}; they must "
+                                      f"match")
+    loras = (_check_lora(op, "gate_lora", gate_lora, x, *shape), _check_lora(op, "up_lora", up_lora, x, *shape))
+    if _compiling():
+        return compile_ops.lora_nf4_swiglu(x, w_gate, w_up, loras, path)
+    w_gate, w_up = _weight(op, "w_gate", w_gate), _weight(op, "w_up", w_up)
+    tensors = [t for lora in (gate_lora, up_lora) if lora is not None for t in (lora.a, lora.b, lora.x_dropped)]
+    if not _grad_wanted(x, *tensors):
+        return _impl.swiglu_forward(x, w_gate, w_up, loras, path, keep=False)[0]
+    args = []
+    for lora, lora_args in zip((gate_lora, up_lora), loras):
+        args += [None, None, None] if lora is None else [lora.x_dropped, lora.a, lora.b]
+    scales = tuple(1.0 if lora_args is None else lora_args[3] for lora_args in loras)
+    return _LoraNf4SwiGlu.apply(x, *args, w_gate, w_up, scales, path)
+
+
+def nf4_swiglu(x, w_gate, w_up, path="auto"):
+    """h = silu(x @ dequant(Wg)^T) * (x @ dequant(Wu)^T): an MLP's input half with frozen NF4 weights, both
+    projections from one read of x (nf4_gate_up). Differentiable in x; keeps gate and up for the backward."""
+    return lora_nf4_swiglu(x, w_gate, w_up, path=path)
+
+
+class _SwiGlu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return swiglu(gate, up)
+
+    @staticmethod
+    def backward(ctx, dh):
+        gate, up = ctx.saved_tensors
+        return swiglu_backward(gate, up, dh)
+
+
+def swiglu_autograd(gate, up):
+    """h = silu(gate) * up, differentiable in gate and up (qmm's forward and backward kernels)."""
+    if _compiling():
+        return compile_ops.swiglu(gate, up)
+    return _SwiGlu.apply(gate, up) if _grad_wanted(gate, up) else swiglu(gate, up)
+
+
+def _gate_up_input_grad(dgate, dup, w_gate, w_up, path):
+    """dx = dgate @ dequant(Wg) + dup @ dequant(Wu), either gradient possibly None (an output not used; None when
+    both are, which autograd takes as no gradient)."""
+    dx = None
+    for d, w in ((dgate, w_gate), (dup, w_up)):
+        if d is not None:
+            dx = nf4_gemm_backward_a(d, w, path=path) if dx is None else \
+                nf4_gemm_backward_a(d, w, out=dx, beta=1.0, path=path)
+    return dx
+
+
+class _Nf4GateUp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, path):
+        gate, up, _ = nf4_gate_up(x, w_gate, w_up, h=False, path=path)
+        ctx.weights, ctx.path = (w_gate, w_up), path
+        return gate, up
+
+    @staticmethod
+    def backward(ctx, dgate, dup):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        return _gate_up_input_grad(dgate, dup, *ctx.weights, ctx.path), None, None, None
+
+
+def nf4_gate_up_linear(x, w_gate, w_up, path="auto"):
+    """(x @ dequant(Wg)^T, x @ dequant(Wu)^T) from one read of x, differentiable in x (frozen NF4 weights)."""
+    if _compiling():
+        return compile_ops.nf4_gate_up(x, w_gate, w_up, path)
+    if _grad_wanted(x):
+        return _Nf4GateUp.apply(x, w_gate, w_up, path)
+    return nf4_gate_up(x, w_gate, w_up, h=False, path=path)[:2]

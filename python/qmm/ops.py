@@ -1,0 +1,126 @@
+"""qmm's ops on torch tensors, as they are (no autograd): dense GEMMs, SwiGLU, NF4 GEMMs and LoRA's backward
+products. Outputs are allocated here unless passed as `out=`."""
+import torch
+
+from . import _qmm
+from ._base import _call, _dim, _in, _out, _rows
+from .nf4 import _nf4
+
+
+def cuda_device_count():
+    """GPUs qmm can use (0 where qmm was built without CUDA or none is usable)."""
+    return _qmm.cuda_device_count()
+
+
+# ---- dense GEMMs ------------------------------------------------------------------------------------------------
+
+
+def _gemm(fn, op, x, y, shape, out, alpha, beta, math_mode, out_dtype):
+    x, y = _in(x), _in(y)
+    out = _out(op, out, shape, out_dtype, x, beta)
+    _call(fn, x, x, y, out.detach(), alpha=alpha, beta=beta, math=math_mode)
+    return out
+
+
+def gemm(a, b, *, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
+    """out[M,N] = alpha * a[M,K] @ b[K,N] + beta * out. a and b share a dtype (float32 or bfloat16); out is that
+    dtype or float32. math ("fp32", "tf32", "bf16") sets how float32 operands multiply (bf16 truncates them)."""
+    return _gemm(_qmm.gemm, "gemm", a, b, (_dim(a, 0), _dim(b, 1)), out, alpha, beta, math, out_dtype)
+
+
+def gemm_bt(a, b, *, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
+    """out[M,N] = alpha * a[M,K] @ b[N,K]^T + beta * out (a linear layer's forward)."""
+    return _gemm(_qmm.gemm_bt, "gemm_bt", a, b, (_dim(a, 0), _dim(b, 0)), out, alpha, beta, math, out_dtype)
+
+
+def gemm_backward_a(dc, b, *, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
+    """da[M,K] = alpha * dc[M,N] @ b[K,N]^T + beta * da (gemm's input gradient)."""
+    return _gemm(_qmm.gemm_backward_a, "gemm_backward_a", dc, b, (_dim(dc, 0), _dim(b, 0)), out, alpha, beta, math,
+                 out_dtype)
+
+
+def gemm_backward_b(a, dc, *, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
+    """db[K,N] = alpha * a[M,K]^T @ dc[M,N] + beta * db (gemm's weight gradient)."""
+    return _gemm(_qmm.gemm_backward_b, "gemm_backward_b", a, dc, (_dim(a, 1), _dim(dc, 1)), out, alpha, beta, math,
+                 out_dtype)
+
+
+def batched_gemm(a, b, *, transpose_b=False, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
+    """out[B,H,M,N] = alpha * a[B,H,M,K] @ b[B,H,K,N] (or b[B,H,N,K]^T with transpose_b) + beta * out."""
+    a, b = _in(a), _in(b)
+    shape = (_dim(a, 0), _dim(a, 1), _dim(a, 2), _dim(b, 2) if transpose_b else _dim(b, 3))
+    out = _out("batched_gemm", out, shape, out_dtype, a, beta)
+    _call(_qmm.batched_gemm, a, a, b, out.detach(), transpose_b=transpose_b, alpha=alpha, beta=beta, math=math)
+    return out
+
+
+# ---- SwiGLU -----------------------------------------------------------------------------------------------------
+
+
+def swiglu(gate, up, *, out=None):
+    """h = silu(gate) * up (float32 or bfloat16, one shape and dtype for all three)."""
+    gate, up = _in(gate), _in(up)
+    out = _out("swiglu", out, gate.shape, None, gate, 0.0)
+    _call(_qmm.swiglu, gate, gate, up, out.detach())
+    return out
+
+
+def swiglu_backward(gate, up, dh):
+    """(dgate, dup) = (dh * up * silu'(gate), dh * silu(gate))."""
+    gate, up, dh = _in(gate), _in(up), _in(dh)
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    _call(_qmm.swiglu_backward, gate, gate, up, dh, dgate, dup)
+    return dgate, dup
+
+
+# ---- NF4 --------------------------------------------------------------------------------------------------------
+def _nf4_gemm(fn, op, x, x_name, out_name, in_cols, out_cols, w, out, alpha, beta, path, out_dtype):
+    x2 = _rows(op, x_name, x, in_cols)
+    out = _out(op, out, (*x.shape[:-1], out_cols), out_dtype, x, beta)
+    out2 = _rows(op, out_name, out, out_cols, output=True)
+    _call(fn, x2, x2, w._native, out2, alpha=alpha, beta=beta, path=path)
+    return out
+
+
+def nf4_gemm(a, w, *, out=None, alpha=1.0, beta=0.0, path="auto", out_dtype=None):
+    """out[..., N] = alpha * a[..., K] @ dequant(W)^T + beta * out for W [N, K]: bf16 products, fp32 sums (see
+    include/qmm/ops.h for the small-M kernels' scale-after contract). path forces an implementation: "auto",
+    "dequant_gemm", "small_m", "fused", "fused_shared", "fused_mma", or "reference" (CPU)."""
+    n, k = _nf4("nf4_gemm", "w", w)
+    return _nf4_gemm(_qmm.nf4_gemm, "nf4_gemm", a, "a", "c", k, n, w, out, alpha, beta, path, out_dtype)
+
+
+def nf4_gemm_backward_a(dc, w, *, out=None, alpha=1.0, beta=0.0, path="auto", out_dtype=None):
+    """da[..., K] = alpha * dc[..., N] @ dequant(W) + beta * da for W [N, K] (nf4_gemm's input gradient)."""
+    n, k = _nf4("nf4_gemm_backward_a", "w", w)
+    return _nf4_gemm(_qmm.nf4_gemm_backward_a, "nf4_gemm_backward_a", dc, "dc", "da", n, k, w, out, alpha, beta,
+                     path, out_dtype)
+
+
+def nf4_gate_up(a, w_gate, w_up, *, gate=True, up=True, h=True, path="auto", out_dtype=None):
+    """Both MLP input projections from one read of a [..., K]: gate = a @ dequant(Wg)^T, up = a @ dequant(Wu)^T
+    and h = silu(gate) * up. Returns (gate, up, h), each None where not asked for."""
+    n, k = _nf4("nf4_gate_up", "w_gate", w_gate)
+    _nf4("nf4_gate_up", "w_up", w_up)
+    a2 = _rows("nf4_gate_up", "a", a, k)
+    shape = (*a.shape[:-1], n)
+    outs = [torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device) if want else None
+            for want in (gate, up, h)]
+    views = [None if t is None else t.view(-1, n) for t in outs]
+    _call(_qmm.nf4_gate_up, a2, a2, w_gate._native, w_up._native, *views, path=path)
+    return tuple(outs)
+
+
+
+
+# ---- LoRA -------------------------------------------------------------------------------------------------------
+
+
+def lora_backward_dy(dy, b, t, grad_b, *, scale=1.0, out=None, math="fp32"):
+    """LoRA's two products of the output gradient dy [M, N] for an adapter B [N, r] and the saved t = x @ A^T
+    [M, r]: returns dt = scale * dy @ B [M, r] (into `out` where given) and accumulates grad_b [N, r] (float32) +=
+    scale * dy^T @ t, in one read of dy where the GPU kernel applies (bf16, r 8/16/32, N a multiple of 8)."""
+    dy, b, t = _in(dy), _in(b), _in(t)
+    out = _out("lora_backward_dy", out, (_dim(dy, 0), _dim(b, 1)), None, dy, 0.0)
+    _call(_qmm.lora_backward_dy, dy, dy, b, t, out.detach(), grad_b.detach(), scale=scale, math=math)
+    return out

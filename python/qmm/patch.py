@@ -1,0 +1,293 @@
+"""patch_bnb: a bitsandbytes 4-bit model (PEFT-wrapped or not) computed by qmm, in place.
+
+patch_bnb leaves a model as it is (its modules, parameters and state-dict names, PEFT's LoRA adapters, accelerate's
+hooks) and changes only how the patched modules compute: with qmm wherever the case is one qmm covers, with the
+module's own forward everywhere else, decided per call. Three kinds of module are patched:
+- a bitsandbytes NF4 layer: base product and bias as one qmm op (lora_nf4_linear without adapter);
+- a PEFT LoRA layer around one: base, bias and its active plain adapter as one op (lora_nf4_linear), PEFT's own
+  lora_A/lora_B parameters trained (their products in x's dtype with fp32 sums), its dropout applied by PyTorch;
+- a Llama/Qwen/Mistral-style MLP on such layers: gate and up (with their adapters) and the SwiGLU as one op
+  (lora_nf4_swiglu), then its down_proj (patched as above).
+
+Every forward traces under torch.compile without a graph break: while compiling, a layer's NF4 weight reaches qmm's
+custom ops as its tensors read from the layer at the call (compile_ops.py), never through a Python-side cache; the
+one value not on the layer as a tensor qmm can read without a device synchronization, the double quantization's
+offset, is kept on bitsandbytes' QuantState as a CPU tensor, made when the weight is first seen (patch_bnb, or an
+eager call after bitsandbytes replaced it)."""
+import functools
+import warnings
+import weakref
+
+import torch
+
+from . import _qmm
+from .compile_ops import compiling
+from .functional import Lora, lora_nf4_linear, lora_nf4_swiglu, nf4_gate_up_linear, swiglu_autograd
+from .layers import _has_bnb_weight, _is_lora_wrapper, _model
+from .nf4 import Nf4Weight
+
+_PATCH = "_qmm_patch"  # set on a patched module: (the attribute patched, its previous instance value or None)
+_OFFSET = "_qmm_offset"  # set on a bitsandbytes QuantState: its offset as a 0-d float64 CPU tensor
+_QMM_DTYPES = (torch.float32, torch.bfloat16)
+_nf4_cache = weakref.WeakKeyDictionary()  # bitsandbytes layer -> (its weight's identity, Nf4Weight)
+
+
+def _is_bnb_nf4_layer(layer):
+    """A bitsandbytes 4-bit layer holding NF4 (or not yet quantized: bitsandbytes quantizes on moving to a GPU); not
+    a PEFT LoRA layer around one, which shows its base's weight."""
+    return _has_bnb_weight(layer) and getattr(layer.weight.quant_state, "quant_type", "nf4") == "nf4" and \
+        not _is_lora_wrapper(layer)
+
+
+def _bnb_nf4_base(layer):
+    """The bitsandbytes NF4 layer that computes `layer`'s base product (itself or a PEFT wrapper's), or None."""
+    base = layer.base_layer if _is_lora_wrapper(layer) else layer
+    return base if _is_bnb_nf4_layer(base) else None
+
+
+def _nf4_state(weight):
+    """The weight's QuantState where it holds NF4 in bitsandbytes' layout, else None (not quantized yet, another
+    quant type, or repacked for bitsandbytes' CPU inference kernels after an unpatched layer ran inference)."""
+    qs = getattr(weight, "quant_state", None)
+    if qs is None or qs.quant_type != "nf4" or getattr(qs, "packing_format_for_cpu", False):
+        return None
+    return qs
+
+
+def _offset_of(qs):
+    """The QuantState's offset as compile_ops takes it, made once per QuantState (a device read: eager only)."""
+    offset = qs.__dict__.get(_OFFSET)
+    if offset is None:
+        value = float(qs.offset) if getattr(qs, "state2", None) is not None else 0.0
+        offset = torch.tensor(value, dtype=torch.float64)
+        setattr(qs, _OFFSET, offset)
+    return offset
+
+
+def _current_nf4(layer):
+    """The Nf4Weight of a bitsandbytes layer's weight as it is now (eager calls), or None where it is not NF4.
+    Cached per layer and made again when the weight was replaced or moved (bitsandbytes quantizes on .to(device); a
+    PEFT merge quantizes a new weight)."""
+    weight = layer.weight
+    qs = _nf4_state(weight)
+    if qs is None:
+        return None
+    key = (weight.data_ptr(), weight.device, id(qs), qs.absmax.data_ptr())
+    cached = _nf4_cache.get(layer)
+    if cached is None or cached[0] != key:
+        _offset_of(qs)
+        cached = _nf4_cache[layer] = (key, Nf4Weight.from_bnb(weight, qs))
+    return cached[1]
+
+
+def _traced_nf4(layer):
+    """The weight as compile_ops' argument tuple, read from the layer while torch.compile traces (attribute reads
+    it guards on; no lookup of its own). A QuantState that no eager call or patch_bnb has seen has no offset tensor
+    yet: making one reads the device, so that breaks the graph once."""
+    weight = layer.weight
+    qs = _nf4_state(weight)
+    if qs is None:
+        return None
+    offset = getattr(qs, _OFFSET, None)
+    if offset is None:
+        offset = _offset_outside_graph(qs)
+    codes = weight if weight.dtype == torch.uint8 else weight.view(torch.uint8)
+    nested = getattr(qs, "state2", None)
+    return (codes, qs.absmax, None if nested is None else nested.absmax, None if nested is None else nested.code,
+            offset, qs.shape[0], qs.shape[1], qs.blocksize)
+
+
+def _offset_outside_graph(qs):
+    return _offset_of(qs)
+
+
+if hasattr(getattr(torch, "compiler", None), "disable"):
+    _offset_outside_graph = torch.compiler.disable(_offset_outside_graph)
+
+
+def _weight_now(layer):
+    return _traced_nf4(layer) if compiling() else _current_nf4(layer)
+
+
+def _lora_terms(layer):
+    """How `layer`'s own forward adds LoRA: "none" (a plain layer; adapters disabled, or merged into the base),
+    "add" (each active adapter's dropout/lora_A/lora_B/scaling term, PEFT's plain LoRA), or None for anything else
+    (DoRA and other variants; a disabled adapter that is still merged), which the patched forwards leave to it."""
+    if not _is_lora_wrapper(layer):
+        return "none"
+    if layer.disable_adapters:
+        return None if layer.merged else "none"
+    if layer.merged:
+        return "none"
+    variants, dora = getattr(layer, "lora_variant", {}), getattr(layer, "use_dora", {})
+    active = [a for a in layer.active_adapters if a in layer.lora_A.keys()]
+    return None if any(a in variants or dora.get(a, False) for a in active) else "add"
+
+
+def _one_adapter(layer):
+    """The name of the layer's one active adapter where the fused ops take it (plain linear lora_A and lora_B
+    without bias), else None (several active adapters, or a lora_B with a bias: PEFT's way, _add_lora, adds them)."""
+    active = [a for a in layer.active_adapters if a in layer.lora_A.keys()]
+    if len(active) != 1:
+        return None
+    a, b = layer.lora_A[active[0]], layer.lora_B[active[0]]
+    linear = isinstance(a, torch.nn.Linear) and isinstance(b, torch.nn.Linear)
+    return active[0] if linear and a.bias is None and b.bias is None else None
+
+
+def _adapter(layer, name, x):
+    """The adapter `name` of a PEFT layer as a qmm.Lora for input x; its dropout, where active, applied here."""
+    drop = layer.lora_dropout[name]
+    idle = isinstance(drop, torch.nn.Identity) or \
+        (isinstance(drop, torch.nn.Dropout) and (drop.p == 0 or not drop.training))
+    return Lora(layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name], None if idle else drop(x))
+
+
+def _add_lora(layer, x, y):
+    """y + layer's active LoRA terms for input x, computed as PEFT's LoRA layer computes them."""
+    convert = not torch.is_autocast_enabled()
+    for a in layer.active_adapters:
+        if a not in layer.lora_A.keys():
+            continue
+        lora_a = layer.lora_A[a]
+        xa = x.to(lora_a.weight.dtype) if convert else x
+        term = layer.lora_B[a](lora_a(layer.lora_dropout[a](xa))) * layer.scaling[a]
+        y = y + (term.to(y.dtype) if convert else term)
+    return y
+
+
+def _unpatched(module):
+    """The forward `module` had before patch_bnb."""
+    attr, previous = module.__dict__[_PATCH]
+    return previous if previous is not None else getattr(type(module), attr).__get__(module)
+
+
+def _fallback(module, why, x, *args, **kwargs):
+    """Runs the module's own forward for a call qmm does not cover, saying why once per reason (Python's warnings
+    show each message once), so that a model that stays slow tells its user."""
+    warnings.warn(f"qmm.patch_bnb: {why}; the module's own forward runs instead", stacklevel=3)
+    return _unpatched(module)(x, *args, **kwargs)
+
+
+def _uncovered_call(x, args, kwargs):
+    """Why qmm does not take this call's arguments, or None."""
+    if args or kwargs:
+        return "a call with arguments besides the input"
+    if x.dtype not in _QMM_DTYPES:
+        return f"{x.dtype} activations (qmm takes torch.float32 and torch.bfloat16)"
+    return None
+
+
+_NOT_NF4 = "a weight not in bitsandbytes' NF4 layout (not quantized yet, or repacked for bitsandbytes' CPU kernels)"
+_VARIANT = "a LoRA variant (DoRA, ...) or a disabled adapter still merged"
+
+
+def _bnb_linear_forward(layer, path, x, *args, **kwargs):
+    why = _uncovered_call(x, args, kwargs)
+    w = None if why else _weight_now(layer)
+    if w is None:
+        return _fallback(layer, why or _NOT_NF4, x, *args, **kwargs)
+    return lora_nf4_linear(x, w, None, layer.bias, path)
+
+
+def _lora_linear_forward(layer, path, x, *args, **kwargs):
+    """A PEFT LoRA layer on a bitsandbytes NF4 base: one op for base, bias and its one active adapter."""
+    why = _uncovered_call(x, args, kwargs)
+    terms = _lora_terms(layer) if why is None else None
+    why = why or (None if terms is not None else _VARIANT)
+    base = layer.base_layer
+    w = None if why else _weight_now(base)
+    if w is None:
+        return _fallback(layer, why or _NOT_NF4, x, *args, **kwargs)
+    name = _one_adapter(layer) if terms == "add" else None
+    if terms == "add" and name is None:  # several adapters: the base by qmm, the adapters as PEFT adds them
+        return _add_lora(layer, x, lora_nf4_linear(x, w, None, base.bias, path))
+    return lora_nf4_linear(x, w, None if name is None else _adapter(layer, name, x), base.bias, path)
+
+
+def _swiglu_mlp_forward(mlp, path, x, *args, **kwargs):
+    projections = (mlp.gate_proj, mlp.up_proj)
+    bases = [_bnb_nf4_base(p) for p in projections]
+    terms = [_lora_terms(p) for p in projections]
+    why = _uncovered_call(x, args, kwargs)
+    if why is None and None in bases:
+        why = "gate_proj or up_proj is no longer a bitsandbytes NF4 layer"
+    if why is None and None in terms:
+        why = _VARIANT + " on gate_proj or up_proj"
+    weights = [None] if why else [_weight_now(b) for b in bases]
+    if None in weights:
+        return _fallback(mlp, why or _NOT_NF4, x, *args, **kwargs)
+    names = [_one_adapter(p) if t == "add" else None for p, t in zip(projections, terms)]
+    fused = all(b.bias is None for b in bases) and all(t == "none" or n is not None for t, n in zip(terms, names))
+    if fused:  # gate, up, their adapters and the SwiGLU as one op
+        loras = [None if n is None else _adapter(p, n, x) for p, n in zip(projections, names)]
+        return mlp.down_proj(lora_nf4_swiglu(x, *weights, *loras, path))
+    outs = nf4_gate_up_linear(x, *weights, path)  # biases, or several adapters: added as PEFT adds them
+    gate, up = ((y if b.bias is None else y + b.bias.to(y.dtype)) for y, b in zip(outs, bases))
+    gate, up = ((_add_lora(p, x, y) if t == "add" else y) for p, t, y in zip(projections, terms, (gate, up)))
+    return mlp.down_proj(swiglu_autograd(gate, up))
+
+
+def _is_swiglu_mlp(module):
+    """An MLP module in the Hugging Face Llama/Qwen/Mistral form: down_proj(act_fn(gate_proj(x)) * up_proj(x)) with
+    a SiLU act_fn and bitsandbytes NF4 bases (PEFT-wrapped or not) under gate_proj and up_proj."""
+    act = getattr(module, "act_fn", None)
+    return act is not None and "silu" in type(act).__name__.lower() and hasattr(module, "down_proj") and \
+        all(_bnb_nf4_base(getattr(module, p, None)) is not None for p in ("gate_proj", "up_proj"))
+
+
+def _patch(module, forward, path):
+    # accelerate's hooks (device_map) wrap a module's forward and call the original as _old_forward: patch that one.
+    attr = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
+    module.__dict__[_PATCH] = (attr, module.__dict__.get(attr))
+    setattr(module, attr, functools.partial(forward, module, path))
+
+
+def patch_bnb(model, path="auto", fuse_mlp=True):
+    """Runs a bitsandbytes 4-bit model's NF4 layers with qmm, in place, and changes nothing else: modules,
+    parameters, state-dict names and PEFT's LoRA adapters stay (PEFT trains, saves and merges them as before). Every
+    bitsandbytes NF4 linear layer then computes with qmm (bf16 products, fp32 sums, whatever its compute_dtype); a
+    PEFT LoRA layer around one computes base, bias and its plain adapter as one op (lora_nf4_linear: PEFT's lora_A
+    and lora_B trained, their products in the activations' dtype with fp32 sums, LoRA dropout by PyTorch); with
+    `fuse_mlp`, every MLP of Hugging Face's Llama/Qwen/Mistral form (down_proj(silu(gate_proj(x)) * up_proj(x)),
+    gate_proj and up_proj NF4, PEFT-wrapped or not) computes both input projections from one read of x, their
+    adapters and the SwiGLU as one op (lora_nf4_swiglu). A call that qmm does not cover (float16 activations, DoRA
+    or other LoRA variants, extra arguments, a weight not yet quantized) runs the module's own forward, with a
+    warning that says why (once per reason). The patched model traces whole under torch.compile (fullgraph=True).
+    `path` forces qmm's NF4 implementation (see nf4_gemm). Returns the patched modules' names; unpatch_bnb undoes
+    it."""
+    _model("patch_bnb", model)
+    _qmm.check_nf4_path(path, "patch_bnb")
+    patched = []
+    for name, module in model.named_modules():
+        if _PATCH in module.__dict__:
+            continue
+        if _is_bnb_nf4_layer(module):
+            _patch(module, _bnb_linear_forward, path)
+            qs = _nf4_state(module.weight)
+            if qs is not None:  # read now, so that a compiled step never needs to
+                _offset_of(qs)
+        elif _is_lora_wrapper(module) and _bnb_nf4_base(module) is not None:
+            _patch(module, _lora_linear_forward, path)
+        elif fuse_mlp and _is_swiglu_mlp(module):
+            _patch(module, _swiglu_mlp_forward, path)
+        else:
+            continue
+        patched.append(name)
+    return patched
+
+
+def unpatch_bnb(model):
+    """Gives every module that patch_bnb patched inside `model` its previous forward back; returns their names."""
+    _model("unpatch_bnb", model)
+    restored = []
+    for name, module in model.named_modules():
+        if _PATCH in module.__dict__:
+            attr, previous = module.__dict__.pop(_PATCH)
+            if previous is None:
+                delattr(module, attr)
+            else:
+                setattr(module, attr, previous)
+            _nf4_cache.pop(module, None)
+            restored.append(name)
+    return restored
