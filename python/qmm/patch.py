@@ -14,7 +14,7 @@ custom ops as its tensors read from the layer at the call (compile_ops.py), neve
 one value not on the layer as a tensor qmm can read without a device synchronization, the double quantization's
 offset, is kept on bitsandbytes' QuantState as a CPU tensor, made when the weight is first seen (patch_bnb, or an
 eager call after bitsandbytes replaced it)."""
-import functools
+import types
 import warnings
 import weakref
 
@@ -26,7 +26,7 @@ from .functional import Lora, lora_nf4_linear, lora_nf4_swiglu, nf4_gate_up_line
 from .layers import _has_bnb_weight, _is_lora_wrapper, _model
 from .nf4 import Nf4Weight
 
-_PATCH = "_qmm_patch"  # set on a patched module: (the attribute patched, its previous instance value or None)
+_PATCH = "_qmm_patch"  # set on a patched module: (the attribute patched, its previous instance value or None, path)
 _OFFSET = "_qmm_offset"  # set on a bitsandbytes QuantState: its offset as a 0-d float64 CPU tensor
 _QMM_DTYPES = (torch.float32, torch.bfloat16)
 _nf4_cache = weakref.WeakKeyDictionary()  # bitsandbytes layer -> (its weight's identity, Nf4Weight)
@@ -158,7 +158,7 @@ def _add_lora(layer, x, y):
 
 def _unpatched(module):
     """The forward `module` had before patch_bnb."""
-    attr, previous = module.__dict__[_PATCH]
+    attr, previous, _ = module.__dict__[_PATCH]
     return previous if previous is not None else getattr(type(module), attr).__get__(module)
 
 
@@ -182,15 +182,19 @@ _NOT_NF4 = "a weight not in bitsandbytes' NF4 layout (not quantized yet, or repa
 _VARIANT = "a LoRA variant (DoRA, ...) or a disabled adapter still merged"
 
 
-def _bnb_linear_forward(layer, path, x, *args, **kwargs):
+def _path(module):
+    return module.__dict__[_PATCH][2]
+
+
+def _bnb_linear_forward(layer, x, *args, **kwargs):
     why = _uncovered_call(x, args, kwargs)
     w = None if why else _weight_now(layer)
     if w is None:
         return _fallback(layer, why or _NOT_NF4, x, *args, **kwargs)
-    return lora_nf4_linear(x, w, None, layer.bias, path)
+    return lora_nf4_linear(x, w, None, layer.bias, _path(layer))
 
 
-def _lora_linear_forward(layer, path, x, *args, **kwargs):
+def _lora_linear_forward(layer, x, *args, **kwargs):
     """A PEFT LoRA layer on a bitsandbytes NF4 base: one op for base, bias and its one active adapter."""
     why = _uncovered_call(x, args, kwargs)
     terms = _lora_terms(layer) if why is None else None
@@ -201,11 +205,11 @@ def _lora_linear_forward(layer, path, x, *args, **kwargs):
         return _fallback(layer, why or _NOT_NF4, x, *args, **kwargs)
     name = _one_adapter(layer) if terms == "add" else None
     if terms == "add" and name is None:  # several adapters: the base by qmm, the adapters as PEFT adds them
-        return _add_lora(layer, x, lora_nf4_linear(x, w, None, base.bias, path))
-    return lora_nf4_linear(x, w, None if name is None else _adapter(layer, name, x), base.bias, path)
+        return _add_lora(layer, x, lora_nf4_linear(x, w, None, base.bias, _path(layer)))
+    return lora_nf4_linear(x, w, None if name is None else _adapter(layer, name, x), base.bias, _path(layer))
 
 
-def _swiglu_mlp_forward(mlp, path, x, *args, **kwargs):
+def _swiglu_mlp_forward(mlp, x, *args, **kwargs):
     projections = (mlp.gate_proj, mlp.up_proj)
     bases = [_bnb_nf4_base(p) for p in projections]
     terms = [_lora_terms(p) for p in projections]
@@ -221,8 +225,8 @@ def _swiglu_mlp_forward(mlp, path, x, *args, **kwargs):
     fused = all(b.bias is None for b in bases) and all(t == "none" or n is not None for t, n in zip(terms, names))
     if fused:  # gate, up, their adapters and the SwiGLU as one op
         loras = [None if n is None else _adapter(p, n, x) for p, n in zip(projections, names)]
-        return mlp.down_proj(lora_nf4_swiglu(x, *weights, *loras, path))
-    outs = nf4_gate_up_linear(x, *weights, path)  # biases, or several adapters: added as PEFT adds them
+        return mlp.down_proj(lora_nf4_swiglu(x, *weights, *loras, _path(mlp)))
+    outs = nf4_gate_up_linear(x, *weights, _path(mlp))  # biases, or several adapters: added as PEFT adds them
     gate, up = ((y if b.bias is None else y + b.bias.to(y.dtype)) for y, b in zip(outs, bases))
     gate, up = ((_add_lora(p, x, y) if t == "add" else y) for p, t, y in zip(projections, terms, (gate, up)))
     return mlp.down_proj(swiglu_autograd(gate, up))
@@ -238,9 +242,11 @@ def _is_swiglu_mlp(module):
 
 def _patch(module, forward, path):
     # accelerate's hooks (device_map) wrap a module's forward and call the original as _old_forward: patch that one.
+    # A bound method of one function for all modules (not a partial per module), so that torch.compile guards on the
+    # function and compiles a region once for all layers of a kind.
     attr = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
-    module.__dict__[_PATCH] = (attr, module.__dict__.get(attr))
-    setattr(module, attr, functools.partial(forward, module, path))
+    module.__dict__[_PATCH] = (attr, module.__dict__.get(attr), path)
+    setattr(module, attr, types.MethodType(forward, module))
 
 
 def patch_bnb(model, path="auto", fuse_mlp=True):
@@ -283,7 +289,7 @@ def unpatch_bnb(model):
     restored = []
     for name, module in model.named_modules():
         if _PATCH in module.__dict__:
-            attr, previous = module.__dict__.pop(_PATCH)
+            attr, previous, _ = module.__dict__.pop(_PATCH)
             if previous is None:
                 delattr(module, attr)
             else:

@@ -6,6 +6,7 @@ Tolerances (written per case below) follow the contracts of include/qmm/ops.h: f
 bf16 products on the GPU, and the small-M kernels' scale-after contract (a weight within 2^-9 of its bf16 value).
 """
 import copy
+import functools
 import io
 import json
 import os
@@ -418,6 +419,152 @@ def test_nf4_swiglu_autograd_matches_torch(device):
     assert_close(x.grad, xd.grad, 2.0 ** -7 * mag + 1e-5, "nf4_swiglu dx")
 
 
+def _fused_reference(x, wds, loras, bias, douts, swiglu):
+    """The fused ops' outputs and gradients in fp64 by PyTorch's autograd: x, the dequantized weights (wds), each
+    adapter (a, b, scale, dropout mask or None), the bias and the output gradient as fp64 leaves; returns the output
+    (the SwiGLU of the two projections, or their sum) and the gradients of x, every a and b, and the bias. Run on the
+    inputs' absolute values (and a mask's) without the SwiGLU, it gives the magnitudes that bound each result's
+    rounding errors."""
+    x = x.detach().double().requires_grad_()
+    leaves, ys = [x], []
+    xb = x + (bf16(x) - x).detach()  # the bf16 operand of the NF4 product, with the gradient passed through as is
+    for wd, lora in zip(wds, loras):
+        y = xb @ wd.t()
+        if lora is not None:
+            a, b, scale, mask = lora
+            a, b = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+            leaves += [a, b]
+            xd = x if mask is None else x * mask
+            y = y + scale * (xd @ a.t()) @ b.t()
+        ys.append(y)
+    if bias is not None:
+        bias = bias.detach().double().requires_grad_()
+        leaves.append(bias)
+        ys[0] = ys[0] + bias
+    out = torch.nn.functional.silu(ys[0]) * ys[1] if swiglu else sum(ys)
+    out.backward(douts.detach().double())
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _fused_case(device, dtype, m, k, n, adapters, dropout, seed):
+    """Inputs of a fused-op test: x [2, m, k] (leading dims), NF4 weights [n, k], adapters of rank 4 (float32, as
+    PEFT keeps them) and, with dropout, PyTorch's mask applied to x (the adapter's input)."""
+    ws = [qmm.Nf4Weight.quantize(randn((n, k), seed + i, device) * 0.5) for i in range(2)]
+    x = randn((2, m, k), seed + 2, device, dtype)
+    loras = []
+    for i in range(adapters):
+        a, b = randn((4, k), seed + 3 + i, device) * 0.2, randn((n, 4), seed + 5 + i, device) * 0.2
+        mask = (torch.rand((2, m, k), generator=gen(seed + 7 + i)) > 0.25).to(dtype).to(device) / 0.75 \
+            if dropout else None
+        loras.append((a.requires_grad_(), b.requires_grad_(), 2.0, mask))
+    return ws, x, loras + [None] * (2 - adapters)
+
+
+def _fused_bounds(device, dtype, magnitudes, loras):
+    """Error bounds of the fused ops' results, from their contracts, given magnitudes(abs_loras) (the results'
+    magnitudes for the adapters' absolute values) and the adapters. bf16 activations: the adapter's input, A, B and
+    t = xd @ A^T are each rounded to bf16 (2^-9 each, four roundings and the output's: 2^-6 of all magnitudes, with
+    room). fp32 activations keep the adapter in fp32: its terms within 1e-6 of their magnitudes on the CPU's fp64
+    sums, 1e-5 on the GPU's fp32 ones; only the NF4 products' bf16 operands (x, and dy in the input gradient: 2^-9;
+    2^-8 on the GPU, whose small-M kernels also take the weight as bf16(code) * scale) count against the base's."""
+    absolute = [None if lora is None else tuple(t.abs() if torch.is_tensor(t) else t for t in lora) for lora in loras]
+    full = magnitudes(absolute)
+    if dtype == torch.bfloat16:
+        return [2.0 ** -6 * m + 1e-5 for m in full]
+    base = magnitudes([None if a is None else (0 * a[0], 0 * a[1]) + a[2:] for a in absolute])
+    rel_base, rel = (2.0 ** -8, 1e-6) if device == "cpu" else (2.0 ** -7, 1e-5)
+    return [rel_base * b + rel * f + 1e-6 for b, f in zip(base, full)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 7), (7, 128, 63), (65, 192, 65), (33, 256, 96)])
+@pytest.mark.parametrize("adapter,bias,dropout", [(True, True, False), (True, False, True), (False, True, False)])
+def test_lora_nf4_linear_matches_reference(device, dtype, m, k, n, adapter, bias, dropout):
+    """lora_nf4_linear (NF4 base, bias and adapter as one op) and its gradients in x, the bias, A and B against
+    PyTorch's autograd in fp64 on the same operands, with leading dimensions, ragged shapes and LoRA dropout (x's
+    mask applied by PyTorch before the op, as patch_bnb does)."""
+    seed = m * 100 + k + n
+    (w4, _), x, (lora, _) = _fused_case(device, dtype, m, k, n, int(adapter), dropout, seed)
+    bias_t = randn((n,), seed + 9, device, dtype).requires_grad_() if bias else None
+    xr = x.clone().requires_grad_()
+    term = None
+    if lora is not None:
+        a, b, scale, mask = lora
+        term = qmm.Lora(a, b, scale, None if mask is None else xr * mask)
+    y = qmm.lora_nf4_linear(xr, w4, term, bias_t)
+    assert y.shape == (2, m, n) and y.dtype == dtype
+    dy = randn(y.shape, seed + 10, device, dtype)
+    y.backward(dy)
+    got = [y, xr.grad] + ([] if lora is None else [lora[0].grad, lora[1].grad]) + ([bias_t.grad] if bias else [])
+    wd = [w4.dequantize(torch.bfloat16).double().cpu()]
+    cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
+    ref_lora = None if lora is None else (cpu(lora[0]), cpu(lora[1]), lora[2], cpu(lora[3]))
+    ref = _fused_reference(cpu(x), wd, [ref_lora], cpu(bias_t), cpu(dy), False)
+    bounds = _fused_bounds(device, dtype, lambda loras: _fused_reference(
+        cpu(x).abs(), [w.abs() for w in wd], loras, None if not bias else cpu(bias_t).abs(), cpu(dy).abs(), False),
+        [ref_lora])
+    for i, (g, r, bound) in enumerate(zip(got, ref, bounds)):
+        assert g.dtype == (dtype if i in (0, 1) or (bias and i == len(got) - 1) else torch.float32)
+        assert_close(g, r, bound, f"lora_nf4_linear result {i}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 7), (7, 128, 63), (65, 192, 65)])
+@pytest.mark.parametrize("adapters,dropout", [(2, False), (1, True), (0, False)])
+def test_lora_nf4_swiglu_matches_reference(device, dtype, m, k, n, adapters, dropout):
+    """lora_nf4_swiglu (gate and up from one read of x with their adapters, then the SwiGLU) and its gradients
+    against PyTorch's autograd in fp64: both adapters, the gate's alone with dropout, none."""
+    seed = m * 100 + k + n + 7
+    ws, x, loras = _fused_case(device, dtype, m, k, n, adapters, dropout, seed)
+    xr = x.clone().requires_grad_()
+    terms = [None if lora is None else qmm.Lora(lora[0], lora[1], lora[2], None if lora[3] is None else xr * lora[3])
+             for lora in loras]
+    h = qmm.lora_nf4_swiglu(xr, *ws, *terms)
+    assert h.shape == (2, m, n) and h.dtype == dtype
+    dh = randn(h.shape, seed + 10, device, dtype)
+    h.backward(dh)
+    got = [h, xr.grad] + [t.grad for lora in loras if lora is not None for t in lora[:2]]
+    wds = [w.dequantize(torch.bfloat16).double().cpu() for w in ws]
+    cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
+    ref_loras = [None if lora is None else (cpu(lora[0]), cpu(lora[1]), lora[2], cpu(lora[3])) for lora in loras]
+    ref = _fused_reference(cpu(x), wds, ref_loras, None, cpu(dh), True)
+    # The SwiGLU's magnitudes: with G >= |gate|, |up| (the projections' magnitudes), |silu(g)| <= |g| and
+    # |silu'(g)| <= 1.1, an error e in gate or up moves h by at most 1.1 e (G + 1) and the gradients of gate and up
+    # are at most 1.1 |dh| (G + 1) (with silu'' <= 0.5 for their own errors): the linear magnitudes under that
+    # gradient bound the backward's, and 2.2 G (G + 1) bounds h's.
+    absw = [w.abs() for w in wds]
+
+    def magnitudes(loras):
+        g_mag = _fused_reference(cpu(x).abs(), absw, loras, None, torch.ones_like(cpu(dh)), False)[0]
+        mag = _fused_reference(cpu(x).abs(), absw, loras, None, 2.2 * (g_mag + 1) * cpu(dh).abs(), False)
+        return [2.2 * g_mag * (g_mag + 1)] + mag[1:]
+    for i, (g, r, bound) in enumerate(zip(got, ref, _fused_bounds(device, dtype, magnitudes, ref_loras))):
+        assert_close(g, r, 2 * bound, f"lora_nf4_swiglu result {i}")
+
+
+def test_fused_ops_check_their_adapters():
+    """A wrong adapter is reported by the fused op, naming it, before anything runs."""
+    w4 = qmm.Nf4Weight.quantize(randn((32, 64), 1, "cpu"))
+    x = randn((3, 64), 2, "cpu")
+    cases = ((qmm.Lora(torch.zeros(4, 32), torch.zeros(32, 4), 1.0), "ShapeMismatch", "must be [r, 64] and [32, r]"),
+             (qmm.Lora(torch.zeros(4, 64), torch.zeros(32, 5), 1.0), "ShapeMismatch", "must be [r, 64] and [32, r]"),
+             (qmm.Lora(torch.zeros(4, 64), torch.zeros(32, 4), float("nan")), "InvalidArgument", "scale nan"),
+             (qmm.Lora(torch.zeros(4, 64), torch.zeros(32, 4), 1.0, torch.zeros(2, 64)), "ShapeMismatch",
+              "x_dropped"),
+             ((torch.zeros(4, 64), torch.zeros(32, 4), 1.0), "InvalidArgument", "must be a qmm.Lora"))
+    for lora, code, words in cases:
+        for call in (lambda: qmm.lora_nf4_linear(x, w4, lora),
+                     lambda: qmm.lora_nf4_swiglu(x, w4, w4, lora)):
+            with pytest.raises(qmm.Error) as e:
+                call()
+            assert e.value.code == code and words in str(e.value), str(e.value)
+    with pytest.raises(qmm.Error) as e:
+        qmm.lora_nf4_swiglu(x, w4, qmm.Nf4Weight.quantize(randn((16, 64), 3, "cpu")))
+    assert e.value.code == "ShapeMismatch" and "w_up" in str(e.value)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_qlora_linear_trains_like_torch(device):
     torch.manual_seed(0)
@@ -727,12 +874,13 @@ def _lora_model(device, hidden=64, inter=96):
     return torch.nn.Sequential(FakeLora(q, 4, 20), mlp)
 
 
-def _forward_backward(model, x, dy):
-    """The model's output, x's gradient and the LoRA parameters' gradients for the loss sum(y * dy)."""
+def _forward_backward(model, x, dy, params_of=None):
+    """The model's output, x's gradient and the LoRA parameters' gradients (of `params_of`, by default the model)
+    for the loss sum(y * dy)."""
     x = x.detach().clone().requires_grad_()
     y = model(x)
     (y.double() * dy.double()).sum().backward()
-    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    params = [p for n, p in (params_of or model).named_parameters() if "lora_" in n]
     grads = [p.grad.clone() for p in params]
     for p in params:
         p.grad = None
@@ -829,22 +977,65 @@ def test_patch_bnb_follows_a_replaced_weight_and_keeps_hooks(device):
     assert layer.forward is hooked and layer._old_forward.__func__ is FakeLinear4bit.forward
 
 
-@pytest.mark.skipif(not hasattr(torch.library, "custom_op"), reason="needs PyTorch >= 2.4")
+def _compile_test_model(device, dropout):
+    """Three PEFT-style LoRA layers on 4-bit bases of different double-quantization offsets (one with a bias), then
+    an MLP whose projections are all LoRA-wrapped; with `dropout`, LoRA dropout on every adapter."""
+    layers = [FakeLora(FakeLinear4bit(qmm.Nf4Weight.quantize(randn((64, 64), 30 + i, device)),
+                                      bias=randn((64,), 50, device) if i == 1 else None), 4, 40 + 2 * i)
+              for i in range(3)]
+    model = torch.nn.Sequential(*layers, _lora_model(device)[1])
+    for m in model.modules():
+        if isinstance(m, FakeLora) and dropout:
+            m.lora_dropout["default"] = torch.nn.Dropout(dropout)
+    return model
+
+
+def _graph_breaks():
+    from torch._dynamo.utils import counters
+    return sum(counters["graph_break"].values())
+
+
+@pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
 @pytest.mark.parametrize("device", DEVICES)
-def test_patch_bnb_under_torch_compile(device):
-    """A patched model compiles (with a graph break at each NF4 layer, where its current weight is looked up) and
-    gives the eager results (1e-5 relative); layers of one shape share one compiled graph: no recompilation per
-    layer, which a per-layer float argument (the double quantization's offset) would cause."""
-    model = torch.nn.Sequential(*(FakeLora(FakeLinear4bit(qmm.Nf4Weight.quantize(randn((64, 64), 30 + i, device))),
-                                           4, 40 + 2 * i) for i in range(3)))
-    assert len({m.base_layer.weight.quant_state.offset.item() for m in model}) == 3
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_patch_bnb_compiles_whole_and_equals_eager(device, dropout):
+    """A patched PEFT-style model (LoRA layers with a bias, the fused MLP, LoRA dropout) under
+    torch.compile(fullgraph=True): no graph break, and the output, x's gradient and every LoRA gradient equal the
+    eager ones bit for bit (the same kernels in the same order; aot_eager runs PyTorch's own ops, dropout included,
+    as eager does, from the same seed)."""
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    model = _compile_test_model(device, dropout)
+    assert len({m.base_layer.weight.quant_state.offset.item() for m in model[:3]}) == 3
+    qmm.patch_bnb(model)
+    x, dy = randn((2, 5, 64), 6, device), randn((2, 5, 64), 7, device)
+    torch.manual_seed(3)
+    eager = _forward_backward(model, x, dy)
+    torch.manual_seed(3)
+    compiled = _forward_backward(torch.compile(model, backend="aot_eager", fullgraph=True), x, dy)
+    assert _graph_breaks() == 0
+    assert all(torch.equal(c, e) for c, e in zip(compiled, eager))
+    calls = [m.base_layer.calls for m in model.modules() if isinstance(m, FakeLora)]
+    assert calls == [0] * len(calls), "a 4-bit product ran in the layer's own forward, not in qmm"
+
+
+@pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
+@pytest.mark.parametrize("device", DEVICES)
+def test_patched_layers_compiled_one_by_one_share_a_graph(device):
+    """Each decoder layer compiled as its own region (as Unsloth does): layers of one shape share one compiled
+    graph, forward and backward, with no recompilation for their weights' different offsets (which the custom ops
+    take as a tensor, not as a float the graph would specialize on)."""
+    torch._dynamo.reset()
+    model = _compile_test_model(device, 0.0)
     qmm.patch_bnb(model)
     x, dy = randn((5, 64), 6, device), randn((5, 64), 7, device)
-    eager = _forward_backward(model, x, dy)
-    torch._dynamo.reset()
+    eager = [_forward_backward(layer, x, dy) for layer in (model[0], model[2])]
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = _forward_backward(torch.compile(model, backend="aot_eager"), x, dy)
-    _assert_near(compiled, eager, 1e-5, "compiled vs eager", rel_grads=1e-5)
+        region = torch.compile(lambda layer, inp: layer(inp), backend="aot_eager", fullgraph=True)
+        compiled = [_forward_backward(functools.partial(region, layer), x, dy, layer) for layer in (model[0], model[2])]
+    for c, e in zip(compiled, eager):
+        assert all(torch.equal(a, b) for a, b in zip(c, e))
 
 
 @pytest.mark.parametrize("device", DEVICES)
