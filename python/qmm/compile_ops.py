@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ._impl import linear_backward, linear_forward, swiglu_backward, swiglu_forward
+from . import _impl
 from .nf4 import Nf4Weight
 from .ops import nf4_gate_up as _nf4_gate_up
 from .ops import nf4_gemm_backward_a, swiglu_backward as _swiglu_backward
@@ -77,7 +77,7 @@ if AVAILABLE:
                            code2: Optional[Tensor], offset: Tensor, rows: int, cols: int, block_size: int,
                            scale: float, path: str) -> Tuple[Tensor, Tensor]:
         w = weight_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size)
-        y, saved = linear_forward(x, w, bias, _lora(x, xd, a, b, scale), path)
+        y, saved = _impl.linear_forward(x, w, bias, _lora(x, xd, a, b, scale), path)
         return y, _or_empty(saved and saved[1], x)
 
     @lora_nf4_linear_op.register_fake
@@ -93,7 +93,7 @@ if AVAILABLE:
                                     want_da: bool, want_db: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         w = weight_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size)
         x_shape = (*dy.shape[:-1], cols) if xs is None else xs.shape
-        grads = linear_backward(dy, w, path, _saved(xs, t, a, b, dy.dtype), scale, dropped, x_shape,
+        grads = _impl.linear_backward(dy, w, path, _saved(xs, t, a, b, dy.dtype), scale, dropped, x_shape,
                                 (want_dx, want_dxd, want_da, want_db))
         return tuple(_or_empty(g, dy) for g in grads)
 
@@ -141,7 +141,7 @@ if AVAILABLE:
         w_gate = weight_of(g_codes, g_absmax, g_absmax2, g_code2, g_offset, g_rows, g_cols, g_block_size)
         w_up = weight_of(u_codes, u_absmax, u_absmax2, u_code2, u_offset, u_rows, u_cols, u_block_size)
         loras = (_lora(x, xd_g, a_g, b_g, scale_g), _lora(x, xd_u, a_u, b_u, scale_u))
-        h, gate, up, saved = swiglu_forward(x, w_gate, w_up, loras, path, keep)
+        h, gate, up, saved = _impl.swiglu_forward(x, w_gate, w_up, loras, path, keep)
         return (h, _or_empty(gate, x), _or_empty(up, x)) + tuple(_or_empty(s and s[1], x) for s in saved)
 
     @lora_nf4_swiglu_op.register_fake
@@ -168,7 +168,7 @@ if AVAILABLE:
         w_gate = weight_of(g_codes, g_absmax, g_absmax2, g_code2, g_offset, g_rows, g_cols, g_block_size)
         w_up = weight_of(u_codes, u_absmax, u_absmax2, u_code2, u_offset, u_rows, u_cols, u_block_size)
         saved = (_saved(xs_g, t_g, a_g, b_g, dh.dtype), _saved(xs_u, t_u, a_u, b_u, dh.dtype))
-        grads = swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, (scale_g, scale_u),
+        grads = _impl.swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, (scale_g, scale_u),
                                 (dropped_g, dropped_u), (*dh.shape[:-1], g_cols), tuple(want))
         return tuple(_or_empty(g, dh) for g in grads)
 

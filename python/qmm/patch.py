@@ -14,6 +14,8 @@ custom ops as its tensors read from the layer at the call (compile_ops.py), neve
 one value not on the layer as a tensor qmm can read without a device synchronization, the double quantization's
 offset, is kept on bitsandbytes' QuantState as a CPU tensor, made when the weight is first seen (patch_bnb, or an
 eager call after bitsandbytes replaced it)."""
+import collections
+import functools
 import types
 import warnings
 import weakref
@@ -26,7 +28,7 @@ from .functional import Lora, lora_nf4_linear, lora_nf4_swiglu, nf4_gate_up_line
 from .layers import _has_bnb_weight, _is_lora_wrapper, _model
 from .nf4 import Nf4Weight
 
-_PATCH = "_qmm_patch"  # set on a patched module: (the attribute patched, its previous instance value or None, path)
+_PATCH = "_qmm_patch"  # set on a patched module: its _Patch
 _OFFSET = "_qmm_offset"  # set on a bitsandbytes QuantState: its offset as a 0-d float64 CPU tensor
 _QMM_DTYPES = (torch.float32, torch.bfloat16)
 _nf4_cache = weakref.WeakKeyDictionary()  # bitsandbytes layer -> (its weight's identity, Nf4Weight)
@@ -35,8 +37,10 @@ _nf4_cache = weakref.WeakKeyDictionary()  # bitsandbytes layer -> (its weight's 
 def _is_bnb_nf4_layer(layer):
     """A bitsandbytes 4-bit layer holding NF4 (or not yet quantized: bitsandbytes quantizes on moving to a GPU); not
     a PEFT LoRA layer around one, which shows its base's weight."""
-    return _has_bnb_weight(layer) and getattr(layer.weight.quant_state, "quant_type", "nf4") == "nf4" and \
-        not _is_lora_wrapper(layer)
+    if not _has_bnb_weight(layer) or _is_lora_wrapper(layer):
+        return False
+    weight = layer.weight  # before quantization Params4bit holds its quant_type itself
+    return getattr(weight.quant_state, "quant_type", getattr(weight, "quant_type", "nf4")) == "nf4"
 
 
 def _bnb_nf4_base(layer):
@@ -158,8 +162,10 @@ def _add_lora(layer, x, y):
 
 def _unpatched(module):
     """The forward `module` had before patch_bnb."""
-    attr, previous, _ = module.__dict__[_PATCH]
-    return previous if previous is not None else getattr(type(module), attr).__get__(module)
+    patch = module.__dict__[_PATCH]
+    if patch.attr is None:
+        return getattr(type(module), _ORIGINAL).__get__(module)
+    return patch.previous if patch.previous is not None else getattr(type(module), patch.attr).__get__(module)
 
 
 def _fallback(module, why, x, *args, **kwargs):
@@ -183,7 +189,7 @@ _VARIANT = "a LoRA variant (DoRA, ...) or a disabled adapter still merged"
 
 
 def _path(module):
-    return module.__dict__[_PATCH][2]
+    return module.__dict__[_PATCH].path
 
 
 def _bnb_linear_forward(layer, x, *args, **kwargs):
@@ -240,13 +246,45 @@ def _is_swiglu_mlp(module):
         all(_bnb_nf4_base(getattr(module, p, None)) is not None for p in ("gate_proj", "up_proj"))
 
 
+_Patch = collections.namedtuple("_Patch", ("fn", "path", "attr", "previous"))
+_Patch.__doc__ = """What patch_bnb sets on a module (as _qmm_patch): its forward fn(module, x, ...) and NF4 path, and where
+an instance attribute was patched (attr "forward" or accelerate's "_old_forward", and its previous value), else
+attr None: the class's forward dispatches."""
+_ORIGINAL = "_qmm_original_forward"  # on a class whose forward dispatches: its own forward
+
+
+def _dispatching_forward(cls, original):
+    """cls's forward, dispatching on the instance: patched instances of cls itself run their patch, everything
+    else (unpatched instances, subclasses reaching it through super()) cls's own forward."""
+    def forward(self, *args, **kwargs):
+        patch = self.__dict__.get(_PATCH)
+        if patch is None or type(self) is not cls:
+            return original(self, *args, **kwargs)
+        return patch.fn(self, *args, **kwargs)
+    return functools.wraps(original)(forward)
+
+
+def _instance_forward(self, *args, **kwargs):
+    return self.__dict__[_PATCH].fn(self, *args, **kwargs)
+
+
 def _patch(module, forward, path):
-    # accelerate's hooks (device_map) wrap a module's forward and call the original as _old_forward: patch that one.
-    # A bound method of one function for all modules (not a partial per module), so that torch.compile guards on the
-    # function and compiles a region once for all layers of a kind.
-    attr = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
-    module.__dict__[_PATCH] = (attr, module.__dict__.get(attr), path)
-    setattr(module, attr, types.MethodType(forward, module))
+    """Patches one module. Its class's forward dispatches on the instance's _qmm_patch (installed once per class; an
+    instance that patch_bnb did not patch runs the class's own forward): one function for all modules of a class,
+    so that torch.compile compiles a region once for every layer of a kind (a forward per module is guarded by
+    identity: one graph per layer), and torch.save of a patched module pickles its patch with it. Where the
+    instance has a forward of its own (accelerate's hooks wrap it and call the original as _old_forward), that
+    attribute is patched instead."""
+    attr = next((a for a in ("_old_forward", "forward") if a in module.__dict__), None)
+    module.__dict__[_PATCH] = _Patch(forward, path, attr, module.__dict__.get(attr) if attr else None)
+    if attr is not None:
+        setattr(module, attr, types.MethodType(_instance_forward, module))
+        return
+    cls = type(module)
+    if _ORIGINAL not in cls.__dict__:
+        original = cls.forward
+        setattr(cls, _ORIGINAL, original)
+        cls.forward = _dispatching_forward(cls, original)
 
 
 def patch_bnb(model, path="auto", fuse_mlp=True):
@@ -289,11 +327,11 @@ def unpatch_bnb(model):
     restored = []
     for name, module in model.named_modules():
         if _PATCH in module.__dict__:
-            attr, previous, _ = module.__dict__.pop(_PATCH)
-            if previous is None:
-                delattr(module, attr)
-            else:
-                setattr(module, attr, previous)
+            patch = module.__dict__.pop(_PATCH)
+            if patch.attr is not None and patch.previous is None:
+                delattr(module, patch.attr)
+            elif patch.attr is not None:
+                setattr(module, patch.attr, patch.previous)
             _nf4_cache.pop(module, None)
             restored.append(name)
     return restored
