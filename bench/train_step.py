@@ -1,0 +1,291 @@
+#!/usr/bin/env python3
+"""The QLoRA training step of a Hugging Face model, as users run it, for every variant in one run:
+
+  bf16         bf16 weights + PEFT LoRA (the speed qmm aims at)
+  bnb          bitsandbytes NF4 (double quant, bf16 compute) + PEFT LoRA (what QLoRA users run)
+  qmm          the same model after qmm.patch_bnb
+  qmm-compile  the same, then torch.compile(model, fullgraph=True); its first step's time is reported apart
+  liger        Liger-Kernel's patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) on bnb + PEFT
+  unsloth      Unsloth's FastLanguageModel in 4-bit with its LoRA
+
+Models are built from real configs (random weights, no hub): saved once with a tokenizer beside them, then loaded
+by each variant in its own process (from_pretrained, with BitsAndBytesConfig for the 4-bit ones). LoRA r 16, alpha
+32 on all seven projections, the same nonzero adapter initialisation in every variant (PEFT's B = 0 would leave A's
+gradient zero), the same token batch, AdamW on the adapters. Per variant: median and min step time, tokens/s,
+torch's peak allocated memory and the device's used memory (torch.cuda.mem_get_info, which also sees qmm's pool),
+every step's loss, kernels per step and GPU busy time (torch.profiler over two steps), and the LoRA gradients of
+step 0 against bnb's (relative difference, norm-wise, per tensor: largest and median). Variants whose packages are
+missing are reported as skipped.
+
+    PYTHONPATH=build/python python3 bench/train_step.py [--models qwen,llama] [--variants ...] [--steps 10]
+        [--checkpointing] [--json out/train_step.json] [--unsloth-path DIR]
+--tiny runs a small Llama config on any device (the CPU too): a check of the script, not a benchmark.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+
+MODELS = {  # name: (config class, config, batch, sequence length)
+    "qwen": ("Qwen2Config", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                 max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                 tie_word_embeddings=True), 2, 1024, "Qwen2.5-1.5B config, 28 layers"),
+    "llama": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                  max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                  tie_word_embeddings=False), 4, 1024, "Llama-3-8B widths, 4 layers"),
+    "tiny": ("LlamaConfig", dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=256), 2, 64,
+             "tiny Llama (a check of the script)"),
+}
+VARIANTS = ["bf16", "bnb", "qmm", "qmm-compile", "liger", "unsloth"]
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, ALPHA = 16, 32
+
+
+# ---- the parent: models, one process per variant, the table ------------------------------------------------------
+
+
+def save_model(name, folder):
+    """A random-init model of MODELS[name] in bf16, and a word-level tokenizer over its vocabulary, in folder."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    cls, config, _, _, _ = MODELS[name]
+    config = getattr(transformers, cls)(**config, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    vocab.update({"<unk>": 0, "<s>": 1, "</s>": 2})
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>", bos_token="<s>",
+        eos_token="</s>", pad_token="</s>")
+    tokenizer.save_pretrained(folder)
+
+
+def run_variant(variant, args, folder, out_json):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
+               PYTHONUNBUFFERED="1")
+    if variant == "unsloth" and args.unsloth_path:  # Unsloth patches transformers on import: its own site first
+        env["PYTHONPATH"] = args.unsloth_path + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--model-dir", folder, "--out", out_json,
+           "--model", args.model_now, "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
+    cmd += ["--checkpointing"] if args.checkpointing else []
+    cmd += ["--profile"] if args.profile else []
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0 or not os.path.exists(out_json):
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        return {"variant": variant, "skipped": lines[-1] if lines else f"exit {done.returncode}"}
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def compare_grads(result, reference):
+    import torch
+    mine, ref = torch.load(result["grads"]), torch.load(reference["grads"])
+    rel = sorted(((mine[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref if n in mine)
+    return {"grad_rel_max": rel[-1], "grad_rel_median": rel[len(rel) // 2], "grads_compared": len(rel)} if rel else {}
+
+
+def table(model_label, results):
+    by = {r["variant"]: r for r in results}
+    bnb = by.get("bnb", {}).get("median_ms")
+    lines = [f"### {model_label}", "",
+             "| variant | median ms | min ms | vs bnb | tokens/s | torch peak GiB | device used GiB | kernels/step | "
+             "GPU busy ms | LoRA grad rel. diff vs bnb (max / median) | max loss diff vs bnb | first step s |",
+             "| --- " * 12 + "|"]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"| {r['variant']} | skipped: {r['skipped'][:150]} |" + " |" * 10)
+            continue
+        ratio = f"{r['median_ms'] / bnb:.2f}x" if bnb else "-"
+        grads = f"{r['grad_rel_max']:.3f} / {r['grad_rel_median']:.3f}" if "grad_rel_max" in r else "-"
+        losses = by.get("bnb", {}).get("losses")
+        loss_diff = f"{max(abs(a - b) for a, b in zip(r['losses'], losses)):.2e}" if losses else "-"
+        lines.append(f"| {r['variant']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {ratio} | {r['tokens_per_s']:.0f} | "
+                     f"{r['torch_peak_gib']:.2f} | {r['device_used_gib']:.2f} | {r.get('kernels_per_step', '-')} | "
+                     f"{r.get('gpu_busy_ms', '-')} | {grads} | {loss_diff} | {r['first_step_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def parent(args):
+    import torch
+    report = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "models": {}}
+    print(f"train_step: {report['device']}, torch {report['torch']}, {args.steps} steps after {args.warmup} warm-up"
+          f"{', gradient checkpointing' if args.checkpointing else ''}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            folder = os.path.join(tmp, model)
+            save_model(model, folder)
+            args.model_now = model
+            results = [run_variant(v, args, folder, os.path.join(tmp, f"{model}-{v}.json"))
+                       for v in args.variants.split(",")]
+            reference = next((r for r in results if r["variant"] == "bnb" and "skipped" not in r), None)
+            for r in results:
+                if reference and "skipped" not in r and r is not reference:
+                    r.update(compare_grads(r, reference))
+            for r in results:
+                r.pop("grads", None)
+            report["models"][model] = results
+            print(table(f"{MODELS[model][4]} ({MODELS[model][2]} x {MODELS[model][3]})", results), flush=True)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+# ---- a worker: one variant of one model --------------------------------------------------------------------------
+
+
+def load(variant, folder, args):
+    import torch
+    import transformers
+
+    dtype = torch.bfloat16
+    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+    seq = MODELS[args.model][3]
+    if variant == "unsloth":
+        from unsloth import FastLanguageModel
+        model, _ = FastLanguageModel.from_pretrained(folder, max_seq_length=seq, dtype=dtype, load_in_4bit=True)
+        return FastLanguageModel.get_peft_model(
+            model, r=RANK, lora_alpha=ALPHA, lora_dropout=0, bias="none", target_modules=PROJECTIONS,
+            use_gradient_checkpointing="unsloth" if args.checkpointing else False)
+    if variant == "liger":
+        import liger_kernel.transformers as liger
+        {"llama": liger.apply_liger_kernel_to_llama, "tiny": liger.apply_liger_kernel_to_llama,
+         "qwen": liger.apply_liger_kernel_to_qwen2}[args.model]()
+    import peft
+    kwargs = dict(torch_dtype=dtype, device_map={"": args.device})
+    if variant != "bf16":
+        kwargs["quantization_config"] = quant
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                       target_modules=PROJECTIONS, task_type="CAUSAL_LM"))
+    if variant.startswith("qmm"):
+        import qmm
+        qmm.patch_bnb(model)
+    return model
+
+
+def lora_params(model):
+    """The adapters' parameters by a name common to every variant (from "layers." on)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and ("lora_A" in name or "lora_B" in name):
+            out[name[name.index("layers."):] if "layers." in name else name] = p
+    return out
+
+
+def init_adapters(params):
+    """The same nonzero adapters in every variant: A ~ U(±1/sqrt(in)), B ~ U(±1/sqrt(r)) / 4, seeded by name."""
+    import torch
+    with torch.no_grad():
+        for name, p in params.items():
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            bound = (1 / p.shape[1] ** 0.5) * (0.25 if "lora_B" in name else 1.0)
+            p.copy_((torch.rand(p.shape, generator=g) * 2 - 1) * bound)
+
+
+def worker(args):
+    import torch
+    device = args.device
+    _, config, batch, seq, _ = MODELS[args.model]
+    model = load(args.worker, args.model_dir, args).train()
+    params = lora_params(model)
+    init_adapters(params)
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-4)
+    ids = torch.randint(3, config["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    step_fn = model
+    if args.worker == "qmm-compile":
+        step_fn = torch.compile(model, fullgraph=True)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    losses, times, used, grads = [], [], [], None
+    for i in range(args.warmup + args.steps):
+        sync()
+        start = time.perf_counter()
+        loss = step_fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if i == 0:
+            grads = {n: p.grad.detach().float().cpu() for n, p in params.items()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        elapsed = time.perf_counter() - start
+        if i == 0:
+            first = elapsed
+        if i >= args.warmup:
+            times.append(elapsed * 1e3)
+        losses.append(loss.item())
+        if device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            used.append((total - free) / 2 ** 30)
+    result = {"variant": args.worker, "median_ms": statistics.median(times), "min_ms": min(times),
+              "tokens_per_s": batch * seq / (statistics.median(times) / 1e3), "losses": losses, "first_step_s": first,
+              "torch_peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else 0.0,
+              "device_used_gib": max(used) if used else 0.0}
+    if args.profile and device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step_fn(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            sync()
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        result["kernels_per_step"] = len(kernels) // 2
+        result["gpu_busy_ms"] = round(sum(e.device_time for e in kernels) / 2 / 1e3, 1)
+    grads_path = args.out + ".grads.pt"
+    torch.save(grads, grads_path)
+    result["grads"] = grads_path
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="qwen,llama")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--checkpointing", action="store_true", help="transformers' gradient checkpointing")
+    ap.add_argument("--profile", action="store_true", help="kernels per step and GPU busy time (torch.profiler)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="the tiny config only (any device): checks the script")
+    ap.add_argument("--json")
+    ap.add_argument("--unsloth-path", help="a folder with Unsloth's packages, put first on its worker's path")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    if args.tiny:
+        args.models = "tiny"
+    elif set(args.models.split(",")) - {"qwen", "llama"}:
+        ap.error("--models takes qwen and llama (or --tiny)")
+    if args.steps < 1 or args.warmup < 1:
+        ap.error("--steps and --warmup must be at least 1")
+    parent(args)
+
+
+if __name__ == "__main__":
+    main()
