@@ -76,7 +76,7 @@ def _current_nf4(layer):
     qs = _nf4_state(weight)
     if qs is None:
         return None
-    key = (weight.data_ptr(), weight.device, id(qs), qs.absmax.data_ptr())
+    key = (weight.data_ptr(), id(qs))  # a move or a new quantization changes one of them
     cached = _nf4_cache.get(layer)
     if cached is None or cached[0] != key:
         _offset_of(qs)
@@ -113,34 +113,38 @@ def _weight_now(layer):
     return _traced_nf4(layer) if compiling() else _current_nf4(layer)
 
 
-def _lora_terms(layer):
-    """How `layer`'s own forward adds LoRA: "none" (a plain layer; adapters disabled, or merged into the base),
-    "add" (each active adapter's dropout/lora_A/lora_B/scaling term, PEFT's plain LoRA), or None for anything else
-    (DoRA and other variants; a disabled adapter that is still merged), which the patched forwards leave to it."""
+def _lora_plan(layer):
+    """How `layer`'s own forward adds LoRA, and so how the patched forwards compute it: "none" (a plain layer;
+    adapters disabled, or merged into the base, or none active), ("one", name) (one active plain adapter with linear
+    lora_A and lora_B without bias: qmm's fused ops take it), "add" (several, or a lora_B with a bias: qmm's base,
+    PEFT's way for the adapters), or None for anything else (DoRA and other variants; a disabled adapter that is
+    still merged), which the patched forwards leave to the layer. Each attribute is read once: this runs per call."""
     if not _is_lora_wrapper(layer):
         return "none"
     if layer.disable_adapters:
         return None if layer.merged else "none"
     if layer.merged:
         return "none"
+    lora_a = layer.lora_A
+    active = [a for a in layer.active_adapters if a in lora_a]
+    if not active:
+        return "none"
     variants, dora = getattr(layer, "lora_variant", {}), getattr(layer, "use_dora", {})
-    active = [a for a in layer.active_adapters if a in layer.lora_A.keys()]
-    return None if any(a in variants or dora.get(a, False) for a in active) else "add"
-
-
-def _one_adapter(layer):
-    """The name of the layer's one active adapter where the fused ops take it (plain linear lora_A and lora_B
-    without bias), else None (several active adapters, or a lora_B with a bias: PEFT's way, _add_lora, adds them)."""
-    active = [a for a in layer.active_adapters if a in layer.lora_A.keys()]
-    if len(active) != 1:
+    if any(a in variants or dora.get(a, False) for a in active):
         return None
-    a, b = layer.lora_A[active[0]], layer.lora_B[active[0]]
-    linear = isinstance(a, torch.nn.Linear) and isinstance(b, torch.nn.Linear)
-    return active[0] if linear and a.bias is None and b.bias is None else None
+    if len(active) > 1:
+        return "add"
+    a, b = lora_a[active[0]], layer.lora_B[active[0]]
+    plain = type(a) is torch.nn.Linear and type(b) is torch.nn.Linear and a.bias is None and b.bias is None
+    return ("one", active[0]) if plain else "add"
 
 
-def _adapter(layer, name, x):
-    """The adapter `name` of a PEFT layer as a qmm.Lora for input x; its dropout, where active, applied here."""
+def _adapter(layer, plan, x):
+    """The adapter of a ("one", name) plan as a qmm.Lora for input x, its dropout, where active, applied here; None
+    for other plans."""
+    if not isinstance(plan, tuple):
+        return None
+    name = plan[1]
     drop = layer.lora_dropout[name]
     idle = isinstance(drop, torch.nn.Identity) or \
         (isinstance(drop, torch.nn.Dropout) and (drop.p == 0 or not drop.training))
@@ -203,38 +207,35 @@ def _bnb_linear_forward(layer, x, *args, **kwargs):
 def _lora_linear_forward(layer, x, *args, **kwargs):
     """A PEFT LoRA layer on a bitsandbytes NF4 base: one op for base, bias and its one active adapter."""
     why = _uncovered_call(x, args, kwargs)
-    terms = _lora_terms(layer) if why is None else None
-    why = why or (None if terms is not None else _VARIANT)
+    plan = _lora_plan(layer) if why is None else None
+    why = why or (None if plan is not None else _VARIANT)
     base = layer.base_layer
     w = None if why else _weight_now(base)
     if w is None:
         return _fallback(layer, why or _NOT_NF4, x, *args, **kwargs)
-    name = _one_adapter(layer) if terms == "add" else None
-    if terms == "add" and name is None:  # several adapters: the base by qmm, the adapters as PEFT adds them
+    if plan == "add":  # the base by qmm, the adapters as PEFT adds them
         return _add_lora(layer, x, lora_nf4_linear(x, w, None, base.bias, _path(layer)))
-    return lora_nf4_linear(x, w, None if name is None else _adapter(layer, name, x), base.bias, _path(layer))
+    return lora_nf4_linear(x, w, _adapter(layer, plan, x), base.bias, _path(layer))
 
 
 def _swiglu_mlp_forward(mlp, x, *args, **kwargs):
     projections = (mlp.gate_proj, mlp.up_proj)
     bases = [_bnb_nf4_base(p) for p in projections]
-    terms = [_lora_terms(p) for p in projections]
+    plans = [_lora_plan(p) for p in projections]
     why = _uncovered_call(x, args, kwargs)
     if why is None and None in bases:
         why = "gate_proj or up_proj is no longer a bitsandbytes NF4 layer"
-    if why is None and None in terms:
+    if why is None and None in plans:
         why = _VARIANT + " on gate_proj or up_proj"
     weights = [None] if why else [_weight_now(b) for b in bases]
     if None in weights:
         return _fallback(mlp, why or _NOT_NF4, x, *args, **kwargs)
-    names = [_one_adapter(p) if t == "add" else None for p, t in zip(projections, terms)]
-    fused = all(b.bias is None for b in bases) and all(t == "none" or n is not None for t, n in zip(terms, names))
-    if fused:  # gate, up, their adapters and the SwiGLU as one op
-        loras = [None if n is None else _adapter(p, n, x) for p, n in zip(projections, names)]
+    if all(b.bias is None for b in bases) and "add" not in plans:  # gate, up, their adapters and the SwiGLU: one op
+        loras = [_adapter(p, plan, x) for p, plan in zip(projections, plans)]
         return mlp.down_proj(lora_nf4_swiglu(x, *weights, *loras, _path(mlp)))
     outs = nf4_gate_up_linear(x, *weights, _path(mlp))  # biases, or several adapters: added as PEFT adds them
     gate, up = ((y if b.bias is None else y + b.bias.to(y.dtype)) for y, b in zip(outs, bases))
-    gate, up = ((_add_lora(p, x, y) if t == "add" else y) for p, t, y in zip(projections, terms, (gate, up)))
+    gate, up = ((y if plan == "none" else _add_lora(p, x, y)) for p, plan, y in zip(projections, plans, (gate, up)))
     return mlp.down_proj(swiglu_autograd(gate, up))
 
 

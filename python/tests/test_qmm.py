@@ -954,6 +954,31 @@ def test_patch_bnb_runs_a_peft_model_with_qmm(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_patch_bnb_with_several_adapters_or_a_biased_lora_b(device):
+    """Two active adapters on one layer, or a lora_B with a bias (PEFT's lora_bias): qmm computes the base product
+    and adds the adapters as PEFT does; the outputs and gradients are the unpatched model's (to
+    test_patch_bnb_runs_a_peft_model_with_qmm's tolerances), and no 4-bit product runs in the layers."""
+    model = _lora_model(device)
+    for i, layer in enumerate((model[0], model[1].gate_proj)):
+        out_features, in_features = layer.base_layer.weight.quant_state.shape
+        layer.lora_A["second"] = torch.nn.Linear(in_features, 2, bias=False, device=device)
+        layer.lora_B["second"] = torch.nn.Linear(2, out_features, bias=False, device=device)
+        layer.lora_dropout["second"], layer.scaling["second"] = torch.nn.Identity(), 0.5
+        with torch.no_grad():
+            layer.lora_B["second"].weight.copy_(randn((out_features, 2), 60 + i, device) * 0.1)
+        layer.active_adapters = ["default", "second"]
+    up = model[1].up_proj
+    up.lora_B["default"] = torch.nn.Linear(4, 96, bias=True, device=device)
+    x, dy = randn((2, 5, 64), 6, device), randn((2, 5, 64), 7, device)
+    ref = _forward_backward(model, x, dy)
+    qmm.patch_bnb(model)
+    bases = [m.base_layer for m in model.modules() if isinstance(m, FakeLora)]
+    rel = 1e-6 if device == "cpu" else 2.0 ** -6
+    _assert_near(_forward_backward(model, x, dy), ref, rel, "several adapters")
+    assert all(b.calls == 1 for b in bases), "a 4-bit product ran in the layer's own forward, not in qmm"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_patch_bnb_follows_a_replaced_weight_and_keeps_hooks(device):
     """A patched layer reads its weight as it is at the call (bitsandbytes quantizes on .to(device), PEFT's merge
     writes a new one); accelerate's hooks (a forward wrapper calling _old_forward) stay in place and are called."""
