@@ -9,6 +9,9 @@ from ._base import _call, _dim, _error, _in
 
 NF4_NESTED_BLOCK_SIZE = 256  # blocks per absmax2 group when double-quantized (bitsandbytes' nested block size)
 NF4_CODEBOOK = tuple(_qmm.nf4_codebook())  # the 16 NF4 values (float32), bitsandbytes' quant_map for nf4
+_FILE_DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+                torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
+                torch.bool: "BOOL"}  # safetensors' names, as qmm's checkpoint loader checks them
 
 
 
@@ -26,12 +29,24 @@ class Nf4Weight:
 
     def __init__(self, codes, absmax, shape, block_size=64, absmax2=None, code2=None, offset=0.0):
         # Kept as qmm takes them, once: detached, dense and flat (views of the given tensors where they are dense),
-        # and converted for the ops once (`_native`, which checks dtypes and devices). Treat it as immutable.
+        # and converted for the ops once (`_native`, which checks every field against the others: a weight built
+        # from inconsistent parts fails here, not at its first use). Treat it as immutable.
+        for name, t in (("codes", codes), ("absmax", absmax), ("absmax2", absmax2), ("code2", code2)):
+            if not (isinstance(t, torch.Tensor) or (t is None and name in ("absmax2", "code2"))):
+                raise _error("InvalidArgument", f"Nf4Weight: argument '{name}' must be a torch.Tensor, not "
+                                                f"{type(t).__name__}")
+        try:
+            shape = (int(shape[0]), int(shape[1]))
+            block_size, offset = int(block_size), float(offset)
+        except (TypeError, ValueError, IndexError, OverflowError) as e:
+            raise _error("InvalidArgument", f"Nf4Weight: shape (rows, cols), block_size and offset must be numbers "
+                                            f"({e})") from None
+        if not all(-2 ** 63 <= v < 2 ** 63 for v in shape) or not -2 ** 31 <= block_size < 2 ** 31:
+            raise _error("InvalidArgument", f"Nf4Weight: shape {shape} or block size {block_size} overflows qmm's "
+                                            f"integers")
         flat = lambda t: None if t is None else _in(t).reshape(-1)  # noqa: E731
         self.codes, self.absmax, self.absmax2, self.code2 = flat(codes), flat(absmax), flat(absmax2), flat(code2)
-        self.shape = (int(shape[0]), int(shape[1]))
-        self.block_size = int(block_size)
-        self.offset = float(offset)
+        self.shape, self.block_size, self.offset = shape, block_size, offset
         # The offset for the custom ops (torch.compile): a float argument would compile one graph per value (per
         # layer), a tensor only per shape and dtype.
         self._offset_arg = torch.tensor(self.offset, dtype=torch.float64)
@@ -118,23 +133,36 @@ class Nf4Weight:
     @classmethod
     def from_bnb_state_dict(cls, state_dict, prefix="weight"):
         """The weight `prefix` of a bitsandbytes 4-bit checkpoint's state dict: `prefix` (packed codes),
-        `prefix.absmax`, `prefix.quant_state.bitsandbytes__nf4` (JSON: shape, blocksize, nested_offset, ...), and
-        when double-quantized `prefix.nested_absmax` and `prefix.nested_quant_map`."""
-        key = f"{prefix}.quant_state.bitsandbytes__nf4"
-        if key not in state_dict:
-            found = [k for k in state_dict if k.startswith(f"{prefix}.quant_state.")]
-            raise _error("Unsupported" if found else "InvalidArgument",
-                         f"Nf4Weight.from_bnb_state_dict: no '{key}'" + (f" (found {found[0]})" if found else ""))
-        meta = json.loads(bytes(state_dict[key].cpu().to(torch.uint8).tolist()).decode("utf-8"))
-        shape, block_size = tuple(meta["shape"]), int(meta["blocksize"])
-        codes, absmax = _as_bytes(state_dict[prefix]), state_dict[f"{prefix}.absmax"]
-        if f"{prefix}.nested_absmax" not in state_dict:
-            return cls(codes, absmax, shape, block_size)
-        if int(meta.get("nested_blocksize", NF4_NESTED_BLOCK_SIZE)) != NF4_NESTED_BLOCK_SIZE:
-            raise _error("Unsupported", f"Nf4Weight.from_bnb_state_dict: nested block size "
-                                        f"{meta['nested_blocksize']} (qmm takes {NF4_NESTED_BLOCK_SIZE})")
-        return cls(codes, absmax, shape, block_size, state_dict[f"{prefix}.nested_absmax"],
-                   state_dict[f"{prefix}.nested_quant_map"], float(meta["nested_offset"]))
+        `prefix.absmax`, `prefix.quant_state.bitsandbytes__nf4` (JSON: shape, blocksize, nested_offset, ...), when
+        double-quantized `prefix.nested_absmax` and `prefix.nested_quant_map`, optionally `prefix.quant_map`. Every
+        field is checked against the others by qmm's checkpoint loader (the checks `qmm finetune` runs on a file):
+        a missing or malformed one is a qmm.Error naming its key (code "Io"), a valid format qmm does not take (FP4,
+        another block size or code map) "Unsupported". The tensors are taken as they are, not copied."""
+        op = "Nf4Weight.from_bnb_state_dict"
+        if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
+            raise _error("InvalidArgument", f"{op}: argument 'state_dict' must be a mapping of names to tensors, not "
+                                            f"{type(state_dict).__name__}")
+        if not isinstance(prefix, str):
+            raise _error("InvalidArgument", f"{op}: argument 'prefix' must be a str, not {type(prefix).__name__}")
+        fields = {k: state_dict[k] for k in state_dict.keys()
+                  if isinstance(k, str) and (k == prefix or k.startswith(prefix + "."))}
+        for k, v in fields.items():
+            if not isinstance(v, torch.Tensor):
+                raise _error("Io", f"{op}: '{k}' is a {type(v).__name__}, not a tensor")
+        # The packed codes are bytes whatever dtype bitsandbytes stored them in (its quant_storage).
+        meta = {k: ("U8", [v.numel() * v.element_size()]) if k == prefix else (_FILE_DTYPES.get(v.dtype, str(v.dtype)),
+                                                                                list(v.shape))
+                for k, v in fields.items()}
+
+        def read(name):
+            return fields[name].detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+
+        rows, cols, block_size, nested, offset = _qmm.check_bnb_nf4(meta, read, prefix, op)
+        codes, absmax = _as_bytes(fields[prefix]), fields[f"{prefix}.absmax"]
+        if not nested:
+            return cls(codes, absmax, (rows, cols), block_size)
+        return cls(codes, absmax, (rows, cols), block_size, fields[f"{prefix}.nested_absmax"],
+                   fields[f"{prefix}.nested_quant_map"], offset)
 
     def to_bnb_state_dict(self, prefix="weight", dtype=torch.bfloat16):
         """The weight as a bitsandbytes 4-bit checkpoint stores it (the keys from_bnb_state_dict reads, plus

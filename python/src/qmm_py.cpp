@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "qmm/checkpoint.h"
 #include "qmm/qmm.h"
 
 namespace nb = nanobind;
@@ -49,9 +50,13 @@ qmm::TensorView view_of(const Array& a, const char* op, const char* name) {
          std::string("argument '") + name + "' has rank " + std::to_string(rank) + " (at most 4)");
   qmm::Shape shape;
   shape.rank = rank;
-  std::int64_t expected = 1;
-  for (int i = rank - 1; i >= 0; --i) {
+  bool empty = false;  // an empty tensor holds no element: any strides describe it, and qmm reads none
+  for (int i = 0; i < rank; ++i) {
     shape.dims[static_cast<std::size_t>(i)] = static_cast<std::int64_t>(a.shape(static_cast<std::size_t>(i)));
+    empty = empty || shape.dims[static_cast<std::size_t>(i)] == 0;
+  }
+  std::int64_t expected = 1;
+  for (int i = rank - 1; i >= 0 && !empty; --i) {
     const std::int64_t extent = shape.dims[static_cast<std::size_t>(i)];
     if (extent > 1 && a.stride(static_cast<std::size_t>(i)) != expected)
       fail(qmm::ErrorCode::InvalidArgument, op,
@@ -150,6 +155,29 @@ struct Nf4Handle {
   nb::object codes, absmax, absmax2, code2;
 };
 
+// A state dict's fields for qmm::check_bnb_nf4_weight: `meta` maps each name to (file dtype, shape), and `read`
+// returns a name's bytes as a 1-D contiguous host uint8 array (called only for the fields the checks read).
+class StateDictSource final : public qmm::TensorSource {
+ public:
+  StateDictSource(nb::dict meta, nb::callable read) : meta_(std::move(meta)), read_(std::move(read)) {}
+  bool contains(const std::string& name) const override { return meta_.contains(name.c_str()); }
+  std::string dtype(const std::string& name) const override { return nb::cast<std::string>(entry(name)[0]); }
+  std::vector<std::int64_t> shape(const std::string& name) const override {
+    return nb::cast<std::vector<std::int64_t>>(entry(name)[1]);
+  }
+  std::vector<std::uint8_t> bytes(const std::string& name) const override {
+    const auto a = nb::cast<nb::ndarray<const std::uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(
+        read_(name.c_str()));
+    return {a.data(), a.data() + a.size()};
+  }
+  std::string kind() const override { return "the state dict"; }
+
+ private:
+  nb::tuple entry(const std::string& name) const { return nb::cast<nb::tuple>(meta_[name.c_str()]); }
+  nb::dict meta_;
+  nb::callable read_;
+};
+
 qmm::GemmOptions gemm_options(float alpha, float beta, const std::string& math, const char* op) {
   return {alpha, beta, math_of(math, op)};
 }
@@ -231,10 +259,20 @@ NB_MODULE(_qmm, m) {
   m.def(
       "nf4_handle",
       [](nb::handle w) {
-        return Nf4Handle{nf4_of(w, "Nf4Weight"), w.attr("codes"), w.attr("absmax"), w.attr("absmax2"),
-                         w.attr("code2")};
+        Nf4Handle h{nf4_of(w, "Nf4Weight"), w.attr("codes"), w.attr("absmax"), w.attr("absmax2"), w.attr("code2")};
+        qmm::validate_nf4_weight(context_for(h.view.codes, 0), h.view, "Nf4Weight");
+        return h;
       },
       nb::arg("w"), "Converts an object with qmm.Nf4Weight's tensors and fields once (checks dtypes and layout).");
+  m.def(
+      "check_bnb_nf4",
+      [](nb::dict meta, nb::callable read, const std::string& prefix, const std::string& op) {
+        const qmm::Bnb4bitLayout l = qmm::check_bnb_nf4_weight(StateDictSource(meta, read), prefix, "", op);
+        return nb::make_tuple(l.rows, l.cols, l.block_size, l.double_quant, l.offset);
+      },
+      nb::arg("meta"), nb::arg("read"), nb::arg("prefix"), nb::arg("op"),
+      "Checks a bitsandbytes 4-bit weight in a state dict as qmm's checkpoint loader does; returns (rows, cols, "
+      "block_size, double_quant, offset).");
 
   m.def("cuda_device_count", &qmm::Context::cuda_device_count);
   m.def("nf4_codebook", [] {

@@ -375,6 +375,127 @@ def test_errors_name_the_op_and_leave_outputs_untouched(device):
     assert e.value.code == "InvalidArgument"
 
 
+def _expect_error(code, fragment, fn):
+    with pytest.raises(qmm.Error) as e:
+        fn()
+    assert e.value.code == code and fragment in str(e.value), (e.value.code, str(e.value))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemms_with_an_empty_dimension_and_wrong_ranks(device):
+    """A zero dimension is valid: M or N = 0 gives an empty output, K = 0 gives C = beta * C (zeros for beta = 0),
+    as PyTorch's matmul; an operand of the wrong rank says "rank", naming it."""
+    zero_k = qmm.gemm(randn((3, 0), 1, device), randn((0, 4), 2, device))
+    assert zero_k.shape == (3, 4) and (zero_k == 0).all()
+    out = torch.full((3, 4), 2.0, device=device)
+    qmm.gemm_bt(randn((3, 0), 1, device), randn((4, 0), 2, device), out=out, beta=0.5)
+    assert (out == 1.0).all()
+    assert qmm.gemm(randn((3, 5), 1, device), randn((5, 0), 2, device)).shape == (3, 0)
+    assert qmm.gemm(randn((0, 5), 1, device), randn((5, 4), 2, device)).shape == (0, 4)
+    _expect_error("ShapeMismatch", "B must have rank 2", lambda: qmm.gemm(randn((3, 5), 1, device),
+                                                                          randn((5,), 2, device)))
+    _expect_error("ShapeMismatch", "A must have rank 2", lambda: qmm.gemm(randn((5,), 1, device),
+                                                                          randn((5, 2), 2, device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_rejects_non_finite_weights(device, bad, dtype):
+    """NF4 has no code for NaN or infinity: quantize names the first bad element instead of turning it into
+    -absmax (NaN) or an infinite scale (Inf)."""
+    w = randn((8, 192), 1, device)
+    w[5, 77], w[6, 3] = bad, bad
+    _expect_error("InvalidArgument", "index 1037 (row 5, column 77)",
+                  lambda: qmm.Nf4Weight.quantize(w.to(dtype), double_quant=True))
+    _expect_error("InvalidArgument", "NaN or infinity", lambda: qmm.Nf4Weight.quantize(w.to(dtype), double_quant=False))
+
+
+def _bnb_state_dict(device="cpu", double_quant=True):
+    return qmm.Nf4Weight.quantize(randn((32, 128), 1, device), double_quant=double_quant).to_bnb_state_dict("w")
+
+
+def _with_meta(sd, **changes):
+    key = "w.quant_state.bitsandbytes__nf4"
+    meta = json.loads(bytes(sd[key].tolist()).decode("utf-8"))
+    meta.update(changes)
+    out = dict(sd)
+    out[key] = torch.tensor(list(json.dumps(meta).encode("utf-8")), dtype=torch.uint8)
+    return out
+
+
+def test_from_bnb_state_dict_is_as_strict_as_the_checkpoint_loader():
+    """from_bnb_state_dict runs qmm's checkpoint loader's checks (the ones `qmm finetune` runs on a file): every
+    malformed field is a qmm.Error naming its key, code Io; a valid format qmm does not take is Unsupported; no raw
+    KeyError, JSONDecodeError or TypeError, and nothing that fails only at the first GEMM."""
+    sd = _bnb_state_dict()
+    assert qmm.Nf4Weight.from_bnb_state_dict(sd, "w").shape == (32, 128)
+    without = lambda k: {key: v for key, v in sd.items() if key != k}  # noqa: E731
+    nan_absmax2 = dict(sd, **{"w.nested_absmax": sd["w.nested_absmax"].clone().fill_(float("nan"))})
+    cases = [
+        (_with_meta(sd, quant_type="fp4"), "Unsupported", "quant_type \"fp4\""),
+        (dict(sd, **{"w.quant_map": sd["w.quant_map"][:15]}), "Io", "'w.quant_map' has 15 elements"),
+        (dict(sd, **{"w.quant_map": torch.zeros(16)}), "Unsupported", "'w.quant_map' differs from the NF4 codebook"),
+        (nan_absmax2, "Io", "'w.nested_absmax' holds a non-finite value"),
+        (without("w.absmax"), "Io", "the state dict has no tensor 'w.absmax'"),
+        (without("w.nested_absmax"), "Io", "no tensor 'w.nested_absmax'"),
+        (without("w"), "Io", "no tensor 'w'"),
+        (without("w.quant_state.bitsandbytes__nf4"), "Io", "not a bitsandbytes 4-bit weight under the prefix 'w'"),
+        (dict(sd, **{"w.quant_state.bitsandbytes__nf4": torch.tensor(list(b"{not json"), dtype=torch.uint8)}), "Io",
+         "is not valid JSON"),
+        (_with_meta(sd, shape=[32, -128]), "Io", "must be [N, K] with N, K >= 1"),
+        (_with_meta(sd, shape=[2 ** 62, 2 ** 62]), "Io", "overflows"),
+        (_with_meta(sd, shape=[32, 64]), "Io", "'w' has 2048 elements but a packed [32,64] weight"),
+        (_with_meta(sd, blocksize="64"), "Io", "no integer \"blocksize\""),
+        (_with_meta(sd, blocksize=96), "Io", "power of two"),
+        (_with_meta(sd, nested_offset=float("inf")), "Io", "nested_offset"),
+        (_with_meta(sd, nested_blocksize=128), "Unsupported", "nested_blocksize 128"),
+        (dict(sd, **{"w.absmax": sd["w.absmax"].float()}), "Io", "has a nested_offset but 'w.absmax' is F32"),
+        (dict(sd, **{"w.absmax": "not a tensor"}), "Io", "'w.absmax' is a str, not a tensor"),
+    ]
+    for bad, code, words in cases:
+        _expect_error(code, words, lambda: qmm.Nf4Weight.from_bnb_state_dict(bad, "w"))
+        assert str(_error_of(lambda: qmm.Nf4Weight.from_bnb_state_dict(bad, "w"))).startswith(
+            "Nf4Weight.from_bnb_state_dict: ")
+    plain = _bnb_state_dict(double_quant=False)
+    inf_absmax = dict(plain, **{"w.absmax": plain["w.absmax"].clone()})
+    inf_absmax["w.absmax"][3] = float("inf")
+    _expect_error("Io", "'w.absmax' holds a non-finite value (inf) at index 3",
+                  lambda: qmm.Nf4Weight.from_bnb_state_dict(inf_absmax, "w"))
+    _expect_error("InvalidArgument", "argument 'state_dict'", lambda: qmm.Nf4Weight.from_bnb_state_dict([], "w"))
+
+
+def _error_of(fn):
+    with pytest.raises(qmm.Error) as e:
+        fn()
+    return e.value
+
+
+def test_nf4_weight_checks_its_parts_when_built():
+    """Nf4Weight(...) from inconsistent parts is refused when built, naming the field, not at its first use; a
+    negative or huge shape is a qmm.Error, not a torch error."""
+    w4 = qmm.Nf4Weight.quantize(randn((32, 128), 1, "cpu"))
+    parts = dict(codes=w4.codes, absmax=w4.absmax, shape=w4.shape, block_size=64, absmax2=w4.absmax2,
+                 code2=w4.code2, offset=w4.offset)
+    assert qmm.Nf4Weight(**parts).shape == (32, 128)
+    cases = [
+        (dict(codes=w4.codes[:-1]), "ShapeMismatch", "codes has 2047 bytes"),
+        (dict(absmax=w4.absmax[:-1]), "ShapeMismatch", "absmax has 63 elements"),
+        (dict(absmax2=None), "InvalidArgument", "absmax2 is missing"),
+        (dict(code2=w4.code2[:100]), "ShapeMismatch", "code2 has 100 elements"),
+        (dict(offset=float("nan")), "InvalidArgument", "offset is nan"),
+        (dict(block_size=48), "InvalidArgument", "block size 48"),
+        (dict(shape=(-32, 128)), "InvalidArgument", "rows and cols must be >= 1"),
+        (dict(shape=(2 ** 62, 2 ** 62)), "InvalidArgument", "overflows"),
+        (dict(shape=(2 ** 70, 2)), "InvalidArgument", "Nf4Weight"),
+        (dict(codes=w4.codes.float()), "DTypeMismatch", "codes"),
+        (dict(codes=[1, 2]), "InvalidArgument", "argument 'codes' must be a torch.Tensor"),
+        (dict(shape=(32,)), "InvalidArgument", "shape (rows, cols)"),
+    ]
+    for change, code, words in cases:
+        _expect_error(code, words, lambda: qmm.Nf4Weight(**dict(parts, **change)))
+
+
 # ---- autograd ---------------------------------------------------------------------------------------------------
 
 

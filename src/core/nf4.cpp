@@ -184,4 +184,8 @@ void require_nf4_weight(const Context& ctx, const char* op, const char* name, co
 }
 
 }  // namespace detail
+void validate_nf4_weight(const Context& ctx, const Nf4Weight& w, const std::string& op) {
+  detail::require_nf4_weight(ctx, op.c_str(), "W", w);
+}
+
 }  // namespace qmm

@@ -1,5 +1,6 @@
 // Public NF4 entry points: validate every argument (shapes against W [N,K], dtypes, devices, every weight field,
 // aliasing), then route to the backend of the context's device. Nothing is written before validation passes.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -99,6 +100,53 @@ void require_quantize_input(const Context& ctx, const char* op, const TensorView
   detail::fail(ErrorCode::NoDevice, op, "qmm was built without CUDA");
 }
 
+// The index of the first NaN or infinity among n elements of a host buffer of dtype `dtype` (f32, bf16 or f16),
+// or -1: an all-ones exponent field.
+std::int64_t first_non_finite_host(const void* data, DType dtype, std::int64_t n) {
+  if (dtype == DType::F32) {
+    const float* v = static_cast<const float*>(data);
+    for (std::int64_t i = 0; i < n; ++i)
+      if (!std::isfinite(v[i])) return i;
+    return -1;
+  }
+  const std::uint16_t exponent = dtype == DType::BF16 ? 0x7f80 : 0x7c00;
+  const std::uint16_t* v = static_cast<const std::uint16_t*>(data);
+  for (std::int64_t i = 0; i < n; ++i)
+    if ((v[i] & exponent) == exponent) return i;
+  return -1;
+}
+
+// NF4 has no code for NaN or infinity: a block holding one would quantize to garbage (a NaN is dropped by the
+// block's absmax and lands on -absmax; an infinity makes the scale, and with double quantization the offset,
+// infinite). So quantize rejects them first, naming the first. A GPU weight is scanned on the host in chunks of
+// rows (quantization is a one-time step; the copy costs about as much as the quantization itself).
+void require_finite_weight(const Context& ctx, const char* op, const TensorView& w) {
+  const std::int64_t rows = w.dim(0), cols = w.dim(1);
+  auto report = [&](std::int64_t index) {
+    const std::int64_t r = index / cols, c = index % cols;
+    fail(ErrorCode::InvalidArgument, op,
+         "W holds a NaN or infinity at index " + std::to_string(index) + " (row " + std::to_string(r) + ", column " +
+             std::to_string(c) + "); NF4 has no code for non-finite values");
+  };
+  if (w.device().is_cpu()) {
+    const std::int64_t bad = first_non_finite_host(w.data(), w.dtype(), w.numel());
+    if (bad >= 0) report(bad);
+    return;
+  }
+  const std::int64_t chunk_rows = std::max<std::int64_t>(1, (std::int64_t{16} << 20) / (cols * dtype_size(w.dtype())));
+  Tensor host(w.dtype(), {std::min(chunk_rows, rows), cols});
+  for (std::int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
+    const std::int64_t n = std::min(chunk_rows, rows - r0);
+    const TensorView part(static_cast<std::uint8_t*>(w.data()) + r0 * cols * dtype_size(w.dtype()), w.dtype(),
+                          {n, cols}, w.device());
+    const TensorView dst(host.data(), w.dtype(), {n, cols}, Device::cpu());
+    copy(ctx, dst, part);
+    ctx.synchronize();
+    const std::int64_t bad = first_non_finite_host(host.data(), w.dtype(), n * cols);
+    if (bad >= 0) report(r0 * cols + bad);
+  }
+}
+
 void round_to_bf16(const float* src, std::uint16_t* dst, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
 }
@@ -153,6 +201,7 @@ void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out) {
     require_disjoint(op, parts[i], {{"W", w}});
     require_disjoint(op, parts[i], std::vector<Part>(parts.begin() + static_cast<std::ptrdiff_t>(i) + 1, parts.end()));
   }
+  require_finite_weight(ctx, op, w);
   if (ctx.device().is_cpu()) return cpu::nf4_quantize(w, out);
 #ifdef QMM_WITH_CUDA
   cuda::nf4_quantize(ctx, w, out);

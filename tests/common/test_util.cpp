@@ -62,6 +62,8 @@ Tensor random_int_tensor(DType dtype, Shape shape, std::uint64_t seed, int range
   return t;
 }
 
+void set_value(const TensorView& t, std::int64_t i, double v) { store(t, i, v); }
+
 Tensor filled(DType dtype, Shape shape, float value) {
   Tensor t(dtype, shape);
   for (std::int64_t i = 0; i < t.numel(); ++i) store(t, i, value);

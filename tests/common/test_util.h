@@ -45,6 +45,8 @@ std::vector<double> to_doubles(const TensorView& t);
 // A host tensor of the same dtype and shape holding a copy.
 Tensor host_copy(const TensorView& t);
 Tensor filled(DType dtype, Shape shape, float value);
+// Sets element i of a host tensor to v, rounded to its dtype (NaN and infinities included).
+void set_value(const TensorView& t, std::int64_t i, double v);
 
 // Compares got against ref element by element; reports the first failures and the norms.
 ::testing::AssertionResult all_close(const TensorView& got, const TensorView& ref, Tolerance tol);

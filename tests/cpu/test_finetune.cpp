@@ -2,6 +2,7 @@
 // malformed field) and the `qmm finetune` job run in-process on the CPU at tiny sizes.
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -331,6 +332,20 @@ TEST(Finetune, ClearErrors) {
   tool::FinetuneOptions o;
   o.path = temp_path("does_not_exist");
   EXPECT_TRUE(test::throws_error([&] { run(o); }, ErrorCode::Io, {"no such file"}));
+
+  // A weight or bias holding NaN or infinity: refused before training, naming the file, the tensor and the index.
+  for (const char* name : {"proj.weight", "proj.bias"}) {
+    StateDict lin;
+    lin["proj.weight"] = test::random_tensor(DType::BF16, {24, 40}, 5);
+    lin["proj.bias"] = test::random_tensor(DType::F32, {24}, 6);
+    if (std::string(name) == "proj.bias") lin[name].data_as<float>()[7] = INFINITY;
+    else lin[name].data_as<std::uint16_t>()[123] = 0x7fc0;  // a bf16 NaN
+    const TempFile bad = write(lin, "non_finite");
+    o.path = bad.path;
+    EXPECT_TRUE(test::throws_error([&] { run(o); }, ErrorCode::InvalidArgument,
+                                   {bad.path, std::string("'") + name + "'", std::string(name) == "proj.bias" ?
+                                   "at index 7" : "at index 123", "finite"}));
+  }
 
   StateDict nothing;
   nothing["scale"] = test::filled(DType::F32, {4}, 1);

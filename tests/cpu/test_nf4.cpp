@@ -1,6 +1,7 @@
 // NF4 on the CPU backend: byte identity with bitsandbytes' golden vectors (quantize, double quantization,
 // dequantize, a whole Linear4bit checkpoint), the NF4 GEMMs against naive loops over the dequantized weight,
 // gate_up against its parts, edge cases of the format, and every validation path.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -420,6 +421,24 @@ TEST(Nf4Gemm, RealisticShapeRunsAndMatches) {
     const TensorView got(c.data_as<float>() + i * n, DType::F32, {1, n});
     EXPECT_TRUE(test::all_close(got, ref, same_operands(DType::F32))) << "row " << i;
   }
+}
+
+// NF4 has no code for NaN or infinity: quantize names the first one (row and column) and writes nothing.
+TEST(Nf4Quantize, RejectsNonFiniteWeightsNamingTheFirstAndWritesNothing) {
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    for (bool dq : {false, true})
+      for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+        Tensor wt = test::random_tensor(dt, {9, 130}, 7);
+        for (std::int64_t i : {std::int64_t{4 * 130 + 17}, std::int64_t{8 * 130 + 1}}) test::set_value(wt, i, bad);
+        Nf4Tensor out = Nf4Tensor::allocate(9, 130, dq);
+        std::fill_n(out.codes.data_as<std::uint8_t>(), out.codes.numel(), std::uint8_t{0xAB});
+        Nf4Weight view = out.view();
+        EXPECT_TRUE(test::throws_error([&] { nf4_quantize(cpu_ctx(), wt, view); }, ErrorCode::InvalidArgument,
+                                       {"nf4_quantize", "index 537", "row 4, column 17", "NaN or infinity"}))
+            << dtype_name(dt) << (dq ? " double" : " plain");
+        for (std::int64_t i = 0; i < out.codes.numel(); ++i)
+          ASSERT_EQ(out.codes.data_as<std::uint8_t>()[i], 0xAB) << "quantize wrote before failing";
+      }
 }
 
 TEST(Nf4Gemm, EmptyMWritesNothing) {

@@ -1,6 +1,7 @@
 // NF4 on the GPU: quantize and dequantize byte-identical to the CPU backend and to bitsandbytes' golden vectors
 // (tests/data/nf4-bnb), and the dequantize + GEMM path of nf4_gemm, nf4_gemm_backward_a and nf4_gate_up against
 // the CPU oracle (which multiplies the same bf16-rounded operands in fp64).
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -316,6 +317,23 @@ TEST(Nf4QuantizeGpu, LargeMatchesCpu) {
   for (DType dt : {DType::F32, DType::BF16, DType::F16})
     for (bool dq : {false, true}) check_random_quantize(4096, 4096, dt, dq, 64, ++seed);
   check_random_quantize(4096, 4096, DType::BF16, true, 128, ++seed);
+}
+
+// Non-finite weights are refused on the GPU as on the CPU (the scan copies W to the host in chunks of rows: a
+// weight larger than one chunk puts the bad element in the second).
+TEST(Nf4QuantizeGpu, RejectsNonFiniteWeightsNamingTheFirst) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  for (DType dt : {DType::F32, DType::BF16})
+    for (bool dq : {false, true}) {
+      const std::int64_t rows = 1100, cols = 4096;  // 16 MiB chunks: 1024 f32 rows, 2048 bf16 rows
+      Tensor wt = test::random_tensor(dt, {rows, cols}, 9);
+      test::set_value(wt, 1050 * cols + 33, std::nanf(""));
+      const Tensor wd = to_device(wt, gpu_device());
+      EXPECT_TRUE(test::throws_error([&] { nf4_quantize(gpu, wd, dq); }, ErrorCode::InvalidArgument,
+                                     {"nf4_quantize", "row 1050, column 33"}))
+          << dtype_name(dt) << (dq ? " double" : " plain");
+    }
 }
 
 TEST(Nf4QuantizeGpu, AllZeroWeightMatchesCpu) {

@@ -99,18 +99,28 @@ Source embedded_mlp(std::int64_t h, std::int64_t i, std::uint64_t seed) {
   return s;
 }
 
+// A float tensor of the file with every value finite (NF4 has no code for NaN or infinity, and training on one
+// only ends in "loss did not fall"): the error names the file, the tensor and the first bad index.
+Tensor finite(Tensor t, const std::string& path, const std::string& name) {
+  for (std::int64_t i = 0; i < t.numel(); ++i)
+    if (!std::isfinite(f32(t)[i]))
+      fail(ErrorCode::InvalidArgument, path + ": '" + name + "' holds " + std::to_string(f32(t)[i]) + " at index " +
+                                           std::to_string(i) + "; the weights must be finite");
+  return t;
+}
+
 Tensor dense_weight(const SafetensorsFile& f, const std::string& path, const std::string& name) {
   const Tensor t = f.tensor(name);
   if (t.shape().rank != 2)
     fail(ErrorCode::ShapeMismatch, path + ": '" + name + "' is " + t.shape().str() + ", not 2-D");
-  return as_f32(t, name);
+  return finite(as_f32(t, name), path, name);
 }
 
 // The bias beside a weight named "<p>weight", when the file has one.
 Tensor optional_bias(const SafetensorsFile& f, const std::string& path, const std::string& weight, std::int64_t n) {
   const std::string name = weight.substr(0, weight.size() - 6) + "bias";
   if (!ends_with(weight, "weight") || !f.contains(name)) return {};
-  Tensor b = as_f32(f.tensor(name), name);
+  Tensor b = finite(as_f32(f.tensor(name), name), path, name);
   if (b.shape() != Shape{n})
     fail(ErrorCode::ShapeMismatch,
          path + ": '" + name + "' is " + b.shape().str() + " but its weight has " + std::to_string(n) + " outputs");
