@@ -92,11 +92,9 @@ struct Nf4Tensor {
   operator Nf4Weight() const { return view(); }  // NOLINT
 };
 
-class Context;
-
-// Checks that w is a consistent NF4 weight on ctx's device (shape, block size, each buffer's dtype and size, a
-// finite offset): what every NF4 op checks first. Throws Error naming `op` and the field.
-void validate_nf4_weight(const Context& ctx, const Nf4Weight& w, const std::string& op = "Nf4Weight");
+// Checks that w is a consistent NF4 weight, all of it on its codes' device (shape, block size, each buffer's dtype
+// and size, a finite offset): what every NF4 op checks first. Throws Error naming `op` and the field.
+void validate_nf4_weight(const Nf4Weight& w, const std::string& op = "Nf4Weight");
 
 // The kNf4Code2Size (256) values of bitsandbytes' signed "dynamic" 8-bit map, ascending, used by double quantization.
 const float* nf4_code2_table();

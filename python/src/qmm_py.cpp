@@ -260,7 +260,7 @@ NB_MODULE(_qmm, m) {
       "nf4_handle",
       [](nb::handle w) {
         Nf4Handle h{nf4_of(w, "Nf4Weight"), w.attr("codes"), w.attr("absmax"), w.attr("absmax2"), w.attr("code2")};
-        qmm::validate_nf4_weight(context_for(h.view.codes, 0), h.view, "Nf4Weight");
+        qmm::validate_nf4_weight(h.view, "Nf4Weight");
         return h;
       },
       nb::arg("w"), "Converts an object with qmm.Nf4Weight's tensors and fields once (checks dtypes and layout).");

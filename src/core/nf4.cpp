@@ -133,6 +133,10 @@ float nf4_block_scale(const Nf4Weight& w, std::int64_t block) {
 namespace detail {
 
 void require_nf4_weight(const Context& ctx, const char* op, const char* name, const Nf4Weight& w) {
+  require_nf4_weight(ctx.device(), op, name, w);
+}
+
+void require_nf4_weight(Device device, const char* op, const char* name, const Nf4Weight& w) {
   // Messages are built only on failure: this runs on every NF4 call, some of them microsecond kernels.
   const std::string n(name);
   auto shape = [&] { return std::string("[") + std::to_string(w.rows) + "," + std::to_string(w.cols) + "]"; };
@@ -144,7 +148,7 @@ void require_nf4_weight(const Context& ctx, const char* op, const char* name, co
     fail(ErrorCode::InvalidArgument, op,
          n + " has block size " + std::to_string(w.block_size) + " but it must be " + block_size_rule());
 
-  require_tensor(ctx, op, (n + ".codes").c_str(), w.codes);
+  require_tensor(device, op, (n + ".codes").c_str(), w.codes);
   require_dtype(op, (n + ".codes").c_str(), w.codes, {DType::U8});
   const std::int64_t want_codes = (w.numel() + 1) / 2;
   if (w.codes.numel() != want_codes)
@@ -153,7 +157,7 @@ void require_nf4_weight(const Context& ctx, const char* op, const char* name, co
              std::to_string(want_codes) + " (two codes per byte)");
 
   if (w.absmax.empty()) fail(ErrorCode::InvalidArgument, op, n + ".absmax is missing");
-  require_tensor(ctx, op, (n + ".absmax").c_str(), w.absmax);
+  require_tensor(device, op, (n + ".absmax").c_str(), w.absmax);
   if (w.absmax.dtype() != DType::F32 && w.absmax.dtype() != DType::U8)
     fail(ErrorCode::DTypeMismatch, op,
          n + ".absmax is " + dtype_name(w.absmax.dtype()) + " but must be f32 (plain) or u8 (double-quantized)");
@@ -168,13 +172,13 @@ void require_nf4_weight(const Context& ctx, const char* op, const char* name, co
     fail(ErrorCode::InvalidArgument, op, n + ".absmax is u8 (double-quantized) but " + n + ".absmax2 is missing");
   if (w.code2.empty())
     fail(ErrorCode::InvalidArgument, op, n + ".absmax is u8 (double-quantized) but " + n + ".code2 is missing");
-  require_tensor(ctx, op, (n + ".absmax2").c_str(), w.absmax2);
+  require_tensor(device, op, (n + ".absmax2").c_str(), w.absmax2);
   require_dtype(op, (n + ".absmax2").c_str(), w.absmax2, {DType::F32});
   if (w.absmax2.numel() != w.num_groups())
     fail(ErrorCode::ShapeMismatch, op,
          n + ".absmax2 has " + std::to_string(w.absmax2.numel()) + " elements but " + std::to_string(nblocks) +
              " blocks make " + std::to_string(w.num_groups()) + " groups of " + std::to_string(kNf4NestedBlockSize));
-  require_tensor(ctx, op, (n + ".code2").c_str(), w.code2);
+  require_tensor(device, op, (n + ".code2").c_str(), w.code2);
   require_dtype(op, (n + ".code2").c_str(), w.code2, {DType::F32});
   if (w.code2.numel() != kCode2Size)
     fail(ErrorCode::ShapeMismatch, op,
@@ -184,8 +188,8 @@ void require_nf4_weight(const Context& ctx, const char* op, const char* name, co
 }
 
 }  // namespace detail
-void validate_nf4_weight(const Context& ctx, const Nf4Weight& w, const std::string& op) {
-  detail::require_nf4_weight(ctx, op.c_str(), "W", w);
+void validate_nf4_weight(const Nf4Weight& w, const std::string& op) {
+  detail::require_nf4_weight(w.codes.device(), op.c_str(), "W", w);
 }
 
 }  // namespace qmm

@@ -5,10 +5,14 @@
 namespace qmm::detail {
 
 void require_tensor(const Context& ctx, const char* op, const char* name, const TensorView& t) {
+  require_tensor(ctx.device(), op, name, t);
+}
+
+void require_tensor(Device device, const char* op, const char* name, const TensorView& t) {
   require(t.data() != nullptr || t.numel() == 0, ErrorCode::InvalidArgument, op,
           std::string(name) + " has null data");
-  require(t.device() == ctx.device(), ErrorCode::DeviceMismatch, op,
-          std::string(name) + " is on " + t.device().str() + " but the context runs on " + ctx.device().str());
+  require(t.device() == device, ErrorCode::DeviceMismatch, op,
+          std::string(name) + " is on " + t.device().str() + " but the context runs on " + device.str());
 }
 
 void require_rank(const char* op, const char* name, const TensorView& t, int rank) {

@@ -19,6 +19,8 @@ inline void require(bool ok, ErrorCode code, const char* op, const std::string& 
 
 // Data non-null (unless the tensor has no elements), on the context's device.
 void require_tensor(const Context& ctx, const char* op, const char* name, const TensorView& t);
+// The same against a device rather than a context's.
+void require_tensor(Device device, const char* op, const char* name, const TensorView& t);
 void require_rank(const char* op, const char* name, const TensorView& t, int rank);
 void require_dtype(const char* op, const char* name, const TensorView& t, std::initializer_list<DType> allowed);
 void require_same_dtype(const char* op, const char* name_a, const TensorView& a, const char* name_b,
@@ -27,6 +29,7 @@ void require_same_shape(const char* op, const char* name_a, const TensorView& a,
                         const TensorView& b);
 // Checks every field of an NF4 weight: shapes, dtypes, devices, block size, double-quantization fields.
 void require_nf4_weight(const Context& ctx, const char* op, const char* name, const Nf4Weight& w);
+void require_nf4_weight(Device device, const char* op, const char* name, const Nf4Weight& w);
 // Two views whose byte ranges overlap (used to reject outputs aliasing inputs where that is not allowed).
 bool overlaps(const TensorView& a, const TensorView& b);
 void require_no_overlap(const char* op, const char* name_a, const TensorView& a, const char* name_b,
