@@ -4,14 +4,19 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "commands.h"
@@ -98,14 +103,34 @@ class InputPool {
   Tensor host_;
 };
 
+// The (op, shape label) pairs that the runs test with Bench::selected, in run order.
+using Catalogue = std::vector<std::pair<std::string, std::string>>;
+
 class Bench {
  public:
-  Bench(const Context& ctx, const BenchOptions& opts) : ctx_(ctx), opts_(opts), pool_(pool_bytes(ctx)) {
+  Bench(const Context& ctx, const BenchOptions& opts) : ctx_(ctx), opts_(opts), pool_(std::in_place, pool_bytes(ctx)) {
     info_ = ctx.info();
     is_gpu_ = ctx.device().is_cuda();
   }
 
+  // What a run on a GPU (gpu) or on the CPU would select from: the run_* functions are walked with every case
+  // declined, so --op and --shape are checked against the very names the runs use, before any work.
+  static Catalogue catalogue(bool gpu) {
+    const Context cpu = Context::cpu();  // never used for work: nothing is selected
+    const BenchOptions none;
+    Catalogue cases;
+    Bench b(cpu, none, std::nullopt);
+    b.is_gpu_ = gpu;
+    b.catalogue_ = &cases;
+    b.run_all();
+    return cases;
+  }
+
   bool selected(const std::string& op, const std::string& shape) const {
+    if (catalogue_) {
+      catalogue_->emplace_back(op, shape);
+      return false;
+    }
     if (!opts_.ops.empty() && std::find(opts_.ops.begin(), opts_.ops.end(), op) == opts_.ops.end()) return false;
     if (opts_.shapes.empty()) return true;
     for (const auto& s : opts_.shapes)
@@ -199,13 +224,13 @@ class Bench {
   void measure_ceilings() {
     if (!is_gpu_) return;
     const std::int64_t n = 256ll << 20;  // 1 GiB of f32 each way
-    Tensor a = pool_.make(ctx_, DType::F32, {n}, 1), b(DType::F32, {n}, ctx_.device());
+    Tensor a = pool_->make(ctx_, DType::F32, {n}, 1), b(DType::F32, {n}, ctx_.device());
     // Ceilings from eager timing: these calls are long enough that the host does not matter, and a copy captured
     // in a graph runs on a copy engine (about 2.7 TB/s here) rather than as the kernel a program gets.
     const Stats c = time([&](int) { copy(ctx_, b, a); });
     ceil_.copy_gbps = 2.0 * static_cast<double>(a.nbytes()) / (c.eager_us * 1e-6) / 1e9;
     auto gemm_rate = [&](DType dt, MathMode math, std::int64_t s) {
-      Tensor x = pool_.make(ctx_, dt, {s, s}, 2), y = pool_.make(ctx_, dt, {s, s}, 3), z(dt, {s, s}, ctx_.device());
+      Tensor x = pool_->make(ctx_, dt, {s, s}, 2), y = pool_->make(ctx_, dt, {s, s}, 3), z(dt, {s, s}, ctx_.device());
       const Stats st = time([&](int) { gemm(ctx_, x, y, z, {1, 0, math}); });
       return 2.0 * static_cast<double>(s) * s * s / (st.eager_us * 1e-6) / 1e12;
     };
@@ -266,6 +291,14 @@ class Bench {
   void run_train();
   void run_nf4();
   void run_mlp();
+  void run_all() {  // every family, in the order of the table
+    run_dense();
+    run_batched();
+    run_swiglu();
+    run_train();
+    run_nf4();
+    run_mlp();
+  }
   void add_ratios();
   void write_json(const std::string& path) const;
 
@@ -291,14 +324,17 @@ class Bench {
 
  private:
   static std::size_t pool_bytes(const Context& ctx) { return ctx.device().is_cuda() ? (256u << 20) : (16u << 20); }
+  // For catalogue(): no input pool (16 MiB of random numbers) where nothing runs.
+  Bench(const Context& ctx, const BenchOptions& opts, std::nullopt_t) : ctx_(ctx), opts_(opts) {}
 
   const Context& ctx_;
   const BenchOptions& opts_;
-  InputPool pool_;
+  std::optional<InputPool> pool_;  // empty in catalogue()'s dry walk
   DeviceInfo info_;
   bool is_gpu_ = false;
   Ceilings ceil_;
   std::vector<Result> results_;
+  Catalogue* catalogue_ = nullptr;  // set: a dry walk that records what selected() is asked
 };
 
 struct DenseMode {
@@ -336,8 +372,8 @@ void Bench::run_dense() {
           const int sets = sets_for(bytes);
           std::vector<Tensor> as, bs, cs;
           for (int s = 0; s < sets; ++s) {
-            as.push_back(pool_.make(ctx_, mode.dtype, {v.rows_a, v.cols_a}, 10 + s));
-            bs.push_back(pool_.make(ctx_, mode.dtype, {v.rows_b, v.cols_b}, 50 + s));
+            as.push_back(pool_->make(ctx_, mode.dtype, {v.rows_a, v.cols_a}, 10 + s));
+            bs.push_back(pool_->make(ctx_, mode.dtype, {v.rows_b, v.cols_b}, 50 + s));
             cs.emplace_back(mode.dtype, Shape{v.rows_c, v.cols_c}, ctx_.device());
           }
           const GemmOptions o{1, 0, mode.math};
@@ -373,8 +409,8 @@ void Bench::run_batched() {
         const int sets = sets_for(bytes);
         std::vector<Tensor> as, bs, cs;
         for (int i = 0; i < sets; ++i) {
-          as.push_back(pool_.make(ctx_, mode.dtype, sa, 90 + i));
-          bs.push_back(pool_.make(ctx_, mode.dtype, sb, 130 + i));
+          as.push_back(pool_->make(ctx_, mode.dtype, sa, 90 + i));
+          bs.push_back(pool_->make(ctx_, mode.dtype, sb, 130 + i));
           cs.emplace_back(mode.dtype, sc, ctx_.device());
         }
         const GemmOptions o{1, 0, mode.math};
@@ -400,9 +436,9 @@ void Bench::run_swiglu() {
         const int sets = sets_for(bytes);
         std::vector<Tensor> g, u, dh, o1, o2;
         for (int s = 0; s < sets; ++s) {
-          g.push_back(pool_.make(ctx_, dt, {n}, 200 + s));
-          u.push_back(pool_.make(ctx_, dt, {n}, 240 + s));
-          if (backward) dh.push_back(pool_.make(ctx_, dt, {n}, 280 + s));
+          g.push_back(pool_->make(ctx_, dt, {n}, 200 + s));
+          u.push_back(pool_->make(ctx_, dt, {n}, 240 + s));
+          if (backward) dh.push_back(pool_->make(ctx_, dt, {n}, 280 + s));
           o1.emplace_back(dt, Shape{n}, ctx_.device());
           if (backward) o2.emplace_back(dt, Shape{n}, ctx_.device());
         }
@@ -437,9 +473,9 @@ void Bench::run_train() {
       std::vector<std::vector<AdamWParam>> groups(static_cast<std::size_t>(nsets));
       for (int k = 0; k < nsets; ++k)
         for (std::size_t t = 0; t < shapes.size(); ++t) {
-          const Tensor p = pool_.make(ctx_, DType::F32, shapes[t], 700 + t);
-          const Tensor g = pool_.make(ctx_, DType::F32, shapes[t], 710 + t);
-          const Tensor m = pool_.make(ctx_, DType::F32, shapes[t], 720 + t), v(DType::F32, shapes[t], ctx_.device());
+          const Tensor p = pool_->make(ctx_, DType::F32, shapes[t], 700 + t);
+          const Tensor g = pool_->make(ctx_, DType::F32, shapes[t], 710 + t);
+          const Tensor m = pool_->make(ctx_, DType::F32, shapes[t], 720 + t), v(DType::F32, shapes[t], ctx_.device());
           zero(ctx_, v);  // second moments must not be negative
           groups[static_cast<std::size_t>(k)].push_back({p, g, m, v});
           buffers.insert(buffers.end(), {p, g, m, v});
@@ -464,10 +500,10 @@ void Bench::run_train() {
       const int sets = sets_for(bytes);
       std::vector<Tensor> dy, t;
       for (int i = 0; i < sets; ++i) {
-        dy.push_back(pool_.make(ctx_, DType::BF16, {m, n}, 800 + i));
-        t.push_back(pool_.make(ctx_, DType::BF16, {m, r}, 840 + i));
+        dy.push_back(pool_->make(ctx_, DType::BF16, {m, n}, 800 + i));
+        t.push_back(pool_->make(ctx_, DType::BF16, {m, r}, 840 + i));
       }
-      const Tensor b = pool_.make(ctx_, DType::BF16, {n, r}, 880), dt(DType::BF16, {m, r}, ctx_.device());
+      const Tensor b = pool_->make(ctx_, DType::BF16, {n, r}, 880), dt(DType::BF16, {m, r}, ctx_.device());
       const Tensor gb(DType::F32, {n, r}, ctx_.device());
       zero(ctx_, gb);
       const std::vector<std::function<void(int)>> fns = {
@@ -494,18 +530,20 @@ void Bench::run_nf4() {
   for (const Projection& p : projections()) {
     const std::int64_t N = p.n, K = p.k;
     if (p.label.find("down") != std::string::npos) continue;  // same element count as gate_up
+    const std::string label = p.label.substr(0, p.label.find(' ')) + " " + std::to_string(N) + "x" + std::to_string(K);
     for (bool dq : {false, true}) {
       const std::string mode = dq ? "dq" : "plain";
-      Tensor w = pool_.make(ctx_, DType::BF16, {N, K}, 300);
+      const bool deq = selected("nf4_dequantize", label), quant = selected("nf4_quantize", label);
+      if (!deq && !quant) continue;  // quantizing the weight is work: only for a selected case
+      Tensor w = pool_->make(ctx_, DType::BF16, {N, K}, 300);
       Nf4Tensor q = nf4_quantize(ctx_, w, dq);
       Tensor out(DType::BF16, {N, K}, ctx_.device());
-      const std::string label = p.label.substr(0, p.label.find(' ')) + " " + std::to_string(N) + "x" + std::to_string(K);
-      if (selected("nf4_dequantize", label)) {
+      if (deq) {
         const double bytes = nf4_bytes(N, K, dq) + 2.0 * N * K;
         record({"nf4_dequantize", mode, label, 1, N, K, 1, 0, bytes,
                 time([&](int) { nf4_dequantize(ctx_, q, out); })});
       }
-      if (selected("nf4_quantize", label)) {
+      if (quant) {
         const double bytes = nf4_bytes(N, K, dq) + 2.0 * N * K;
         Nf4Tensor q2 = Nf4Tensor::allocate(N, K, dq, ctx_.device());
         Nf4Weight qv = q2.view();
@@ -517,9 +555,9 @@ void Bench::run_nf4() {
   // Whether this build and GPU run a forced fused path (Fused: sm_90a on Hopper; FusedMma: sm_80 on): one that
   // cannot raises Unsupported.
   auto runs = [&](Nf4Path path) {
-    if (!is_gpu_) return false;
+    if (!is_gpu_ || catalogue_) return false;
     try {
-      Nf4Tensor w = nf4_quantize(ctx_, pool_.make(ctx_, DType::BF16, {64, 64}, 399), false);
+      Nf4Tensor w = nf4_quantize(ctx_, pool_->make(ctx_, DType::BF16, {64, 64}, 399), false);
       Tensor a(DType::BF16, {1, 64}, ctx_.device()), c(DType::BF16, {1, 64}, ctx_.device());
       nf4_gemm(ctx_, a, w, c, {1.0f, 0.0f, path});
     } catch (const Error& e) {
@@ -541,7 +579,7 @@ void Bench::run_nf4() {
     for (std::int64_t m : nf4_tokens) {
       const std::int64_t M = m, N = p.n, K = p.k;
       const bool fwd = selected("nf4_gemm", p.label), bwd = selected("nf4_gemm_backward_a", p.label);
-      const bool gu = selected("nf4_gate_up", p.label) && p.label.find("gate_up") != std::string::npos &&
+      const bool gu = p.label.find("gate_up") != std::string::npos && selected("nf4_gate_up", p.label) &&
                       (M <= 64 || M == 2048);
       if (!fwd && !bwd && !gu) continue;
       const double wbytes = nf4_bytes(N, K, true);
@@ -551,14 +589,14 @@ void Bench::run_nf4() {
       // f32 activations too where the small-M kernels serve them (Auto; they round A to bf16 as every path does).
       const bool f32_a = fwd && is_gpu_ && M <= 16;
       for (int s = 0; s < sets; ++s) {
-        Tensor w = pool_.make(ctx_, DType::BF16, {N, K}, 400 + s);
+        Tensor w = pool_->make(ctx_, DType::BF16, {N, K}, 400 + s);
         ws.push_back(nf4_quantize(ctx_, w, true));
-        if (gu) ws2.push_back(nf4_quantize(ctx_, pool_.make(ctx_, DType::BF16, {N, K}, 450 + s), true));
-        as.push_back(pool_.make(ctx_, DType::BF16, {M, K}, 500 + s));
-        if (f32_a) as32.push_back(pool_.make(ctx_, DType::F32, {M, K}, 520 + s));
+        if (gu) ws2.push_back(nf4_quantize(ctx_, pool_->make(ctx_, DType::BF16, {N, K}, 450 + s), true));
+        as.push_back(pool_->make(ctx_, DType::BF16, {M, K}, 500 + s));
+        if (f32_a) as32.push_back(pool_->make(ctx_, DType::F32, {M, K}, 520 + s));
         cs.emplace_back(DType::BF16, Shape{M, N}, ctx_.device());
         if (bwd) {
-          dcs.push_back(pool_.make(ctx_, DType::BF16, {M, N}, 540 + s));
+          dcs.push_back(pool_->make(ctx_, DType::BF16, {M, N}, 540 + s));
           das.emplace_back(DType::BF16, Shape{M, K}, ctx_.device());
         }
         if (gu) hs.emplace_back(DType::BF16, Shape{M, N}, ctx_.device());
@@ -623,8 +661,8 @@ void Bench::run_mlp() {
     for (bool nf4 : {false, true}) {
       const std::string mode = nf4 ? "nf4" : "bf16";
       if (!selected("mlp_block", b.label)) continue;
-      const Tensor wg = pool_.make(ctx_, DType::BF16, {b.i, b.h}, 600), wu = pool_.make(ctx_, DType::BF16, {b.i, b.h}, 601),
-                   wd = pool_.make(ctx_, DType::BF16, {b.h, b.i}, 602);
+      const Tensor wg = pool_->make(ctx_, DType::BF16, {b.i, b.h}, 600), wu = pool_->make(ctx_, DType::BF16, {b.i, b.h}, 601),
+                   wd = pool_->make(ctx_, DType::BF16, {b.h, b.i}, 602);
       Nf4Tensor qg, qu, qd;
       if (nf4) {
         qg = nf4_quantize(ctx_, wg, true);
@@ -639,10 +677,10 @@ void Bench::run_mlp() {
       SwiGluMlp mlp(ctx_, base(wg, qg), base(wu, qu), base(wd, qd), cfg);
       for (LoraLinear* l : {&mlp.gate(), &mlp.up(), &mlp.down()}) {  // nonzero adapters, as after some training
         const std::int64_t r = cfg.rank, k = l->in_features(), n = l->out_features();
-        l->load_adapters(pool_.make(ctx_, DType::F32, {r, k}, 610), pool_.make(ctx_, DType::F32, {n, r}, 611));
+        l->load_adapters(pool_->make(ctx_, DType::F32, {r, k}, 610), pool_->make(ctx_, DType::F32, {n, r}, 611));
       }
       mlp.reserve(b.m);
-      const Tensor x = pool_.make(ctx_, DType::BF16, {b.m, b.h}, 620), dy = pool_.make(ctx_, DType::BF16, {b.m, b.h}, 621);
+      const Tensor x = pool_->make(ctx_, DType::BF16, {b.m, b.h}, 620), dy = pool_->make(ctx_, DType::BF16, {b.m, b.h}, 621);
       const Tensor y(DType::BF16, {b.m, b.h}, ctx_.device()), dx(DType::BF16, {b.m, b.h}, ctx_.device());
       // Base GEMMs: 3 forward + 3 input-gradient, 2*M*H*I each; the rank-16 adapters add about 3% more.
       const double flops = 12.0 * b.m * b.h * b.i;
@@ -717,29 +755,92 @@ void Bench::write_json(const std::string& path) const {
   std::ofstream f(path);
   if (!f) throw Error(ErrorCode::Io, "bench: cannot write " + path);
   f << j.dump(1) << "\n";
+  f.close();
+  if (!f) throw Error(ErrorCode::Io, "bench: writing " + path + " failed (disk full?)");
   std::printf("\nwrote %zu results to %s\n", results_.size(), path.c_str());
+}
+
+template <class Item, class Range>
+bool contains(const Range& r, const Item& x) {
+  return std::find(r.begin(), r.end(), x) != r.end();
+}
+
+std::string joined(const std::vector<std::string>& items) {
+  std::string s;
+  for (const std::string& i : items) s += (s.empty() ? "" : ", ") + i;
+  return s;
+}
+
+// The distinct ops of a catalogue, in run order.
+std::vector<std::string> ops_of(const Catalogue& c) {
+  std::vector<std::string> ops;
+  for (const auto& [op, label] : c)
+    if (!contains(ops, op)) ops.push_back(op);
+  return ops;
+}
+// The distinct shape labels of the ops in `of` (of every op when empty), in run order.
+std::vector<std::string> labels_of(const Catalogue& c, const std::vector<std::string>& of) {
+  std::vector<std::string> labels;
+  for (const auto& [op, label] : c)
+    if ((of.empty() || contains(of, op)) && !contains(labels, label)) labels.push_back(label);
+  return labels;
+}
+
+// An --op that names no op, or a --shape that matches no shape of the selected ops, would run nothing and print
+// empty tables: a typo. Each filter must select something on this backend.
+void check_selection(const BenchOptions& o, bool gpu) {
+  const Catalogue here = Bench::catalogue(gpu);
+  const std::vector<std::string> ops = ops_of(here);
+  for (const std::string& op : o.ops) {
+    if (contains(ops, op)) continue;
+    const std::vector<std::string> all = gpu ? ops : ops_of(Bench::catalogue(true));
+    if (contains(all, op))
+      throw Error(ErrorCode::InvalidArgument, "bench: --op '" + op + "' runs on a GPU only; ops on the CPU backend: " +
+                                                  joined(ops));
+    throw Error(ErrorCode::InvalidArgument, "bench: --op '" + op + "' names no op; ops: " + joined(all));
+  }
+  const std::vector<std::string> labels = labels_of(here, o.ops);
+  for (const std::string& text : o.shapes) {
+    if (std::any_of(labels.begin(), labels.end(), [&](const std::string& l) { return l.find(text) != l.npos; }))
+      continue;
+    throw Error(ErrorCode::InvalidArgument,
+                "bench: --shape '" + text + "' matches no shape of " + (o.ops.empty() ? "any op" : joined(o.ops)) +
+                    (gpu ? "" : " on the CPU backend") + " (a shape is selected when its label contains the text); "
+                    "shapes: " + joined(labels));
+  }
+}
+
+// --json is written after the run: check now that it can be, rather than fail after minutes of timing. A file
+// that this check creates is removed again.
+void check_writable(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw Error(ErrorCode::Io, "bench: cannot write --json " + path + ": it is a directory");
+  const bool existed = std::filesystem::exists(path, ec);
+  std::FILE* f = std::fopen(path.c_str(), "a");  // appends nothing: an existing file is left as it is
+  if (!f) throw Error(ErrorCode::Io, "bench: cannot write --json " + path + ": " + std::strerror(errno));
+  std::fclose(f);
+  if (!existed) std::filesystem::remove(path, ec);
 }
 
 }  // namespace
 
 int run_bench(const BenchOptions& opts) {
   const bool gpu = !opts.cpu && Context::cuda_device_count() > 0;
+  check_selection(opts, gpu);
+  if (!opts.json_path.empty()) check_writable(opts.json_path);
   const Context ctx = gpu ? Context::cuda_with_new_stream(0) : Context::cpu();  // a stream that graphs can capture
   BenchOptions o = opts;
   if (!gpu && o.repeats > 3) o.repeats = 3;  // the CPU reference backend is a correctness tool, not a fast path
   std::printf("qmm bench on %s%s, %d repeats per case", ctx.device_name().c_str(),
               gpu ? "" : " (CPU reference backend: small shapes only)", o.repeats);
   if (gpu && o.hold_ms > 0) std::printf(", each held %d ms before timing", o.hold_ms);
+  if (!gpu && o.hold_ms > 0) std::printf(", --hold-ms ignored (GPU only)");
   std::printf("\n");
   Bench b(ctx, o);
   b.measure_ceilings();
   b.print_header();
-  b.run_dense();
-  b.run_batched();
-  b.run_swiglu();
-  b.run_train();
-  b.run_nf4();
-  b.run_mlp();
+  b.run_all();
   b.add_ratios();
   b.print_ratios();
   if (!o.json_path.empty()) b.write_json(o.json_path);

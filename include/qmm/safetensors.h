@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,11 +20,28 @@ struct SafetensorsEntry {
   std::uint64_t end = 0;
 };
 
+// A validated file: its header is parsed and every entry checked when it is opened or parsed, so the accessors
+// cannot run off the data. Copies are cheap and share the data (the file's mapping or the in-memory image), which
+// lives as long as any copy does.
+//
+// Shapes: every extent is a non-negative int64 and the product of the non-zero extents must fit in int64 (so no
+// element count a caller computes, in any order, wraps); for the dtypes the format defines, element count × size
+// must equal the bytes the entry's data_offsets span. An empty tensor with a huge other extent (e.g. F32 of shape
+// [2^63-1, 0], data_offsets [n, n]) is valid and loads as an empty Tensor of that shape.
 class SafetensorsFile {
  public:
-  // Reads and validates a whole file; throws Error(Io) naming the file and the fault.
+  // Opens a file on disk. Checks, in this order and before any tensor data is read or mapped: that the path is a
+  // regular file (a FIFO, device, socket or directory is refused without being opened for reading), that it
+  // holds the 8-byte header length, that the header fits in the file (and in 100 MB), then the header itself (a
+  // JSON object nested at most 32 deep, string metadata) and every entry's dtype, shape and data_offsets against
+  // the file's actual size (no two tensors overlapping). Only the length field and the
+  // header are read; the data section is then mapped read-only (mmap) and tensors are copied out of the mapping
+  // on request, so loading costs at most the file size in page cache plus the tensors kept (where the file cannot
+  // be mapped, the data section is read into memory instead). Throws Error(Io) "safetensors: <path>: <what>".
+  // As with any mapped file, truncating the file on disk while it is open makes later reads of the cut-off part
+  // fault (SIGBUS): replace files by renaming, not by rewriting in place.
   static SafetensorsFile open(const std::string& path);
-  // Validates an in-memory image; `source` names it in error messages.
+  // The same checks on an in-memory image (kept, whole, by the result); `source` names it in error messages.
   static SafetensorsFile parse(std::vector<std::uint8_t> bytes, const std::string& source = "<memory>");
 
   std::vector<std::string> names() const;  // sorted
@@ -38,8 +56,12 @@ class SafetensorsFile {
   Tensor tensor(const std::string& name, DType expected) const;
 
  private:
+  const std::uint8_t* data_of(const SafetensorsEntry& e) const;  // the entry's first byte, bounds checked
+
   std::string source_;
-  std::vector<std::uint8_t> data_;  // the data section
+  std::shared_ptr<const void> storage_;  // owns the data section: the file's mapping or the in-memory image
+  const std::uint8_t* data_ = nullptr;   // the data section (inside storage_)
+  std::uint64_t data_size_ = 0;
   std::map<std::string, SafetensorsEntry> entries_;
   std::map<std::string, std::string> metadata_;
 };

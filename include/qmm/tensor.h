@@ -39,6 +39,8 @@ struct Shape {
   Shape() = default;
   Shape(std::initializer_list<std::int64_t> d);  // throws InvalidArgument on rank > 4 or a negative extent
   std::int64_t operator[](int i) const { return dims[static_cast<std::size_t>(i)]; }
+  // The element count: 0 when any extent is 0 (whatever the others), else the product; throws InvalidArgument
+  // naming the shape when that product overflows int64, so no caller ever sees a wrapped count.
   std::int64_t numel() const;
   bool operator==(const Shape& o) const;
   std::string str() const;  // "[64,32]"
@@ -59,7 +61,7 @@ class TensorView {
   int rank() const { return shape_.rank; }
   std::int64_t dim(int i) const { return shape_[i]; }
   std::int64_t numel() const { return shape_.numel(); }
-  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
+  std::size_t nbytes() const;  // numel() * dtype size; throws InvalidArgument naming the view if that overflows
   Device device() const { return device_; }
   // A default-constructed "absent" view (rank 0 with null data: a rank-0 shape otherwise counts one element).
   bool empty() const { return data_ == nullptr && (shape_.rank == 0 || numel() == 0); }
@@ -76,7 +78,9 @@ class TensorView {
 class Tensor {
  public:
   Tensor() = default;
-  Tensor(DType dtype, Shape shape, Device device = Device::cpu());  // uninitialised contents
+  // Uninitialised contents. Throws InvalidArgument naming the shape for a negative extent, a rank outside 0..4 or
+  // a byte size that overflows (checked before anything is allocated).
+  Tensor(DType dtype, Shape shape, Device device = Device::cpu());
 
   TensorView view() const { return view_; }
   operator TensorView() const { return view_; }  // NOLINT: a Tensor is usable wherever a view is

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/json_depth.h"
 #include "qmm/error.h"
 
 namespace qmm {
@@ -123,6 +124,9 @@ std::int64_t json_int(const Reader& r, const Json& qs, const std::string& where,
 Json parse_quant_state(const Reader& r, const std::string& name) {
   r.require_entry(name, {"U8"});
   const std::vector<std::uint8_t> bytes = r.source().bytes(name);
+  constexpr int kMaxDepth = 8;  // the quant state needs 2 ({"shape": [N, K]})
+  if (detail::json_depth(reinterpret_cast<const char*>(bytes.data()), bytes.size()) > kMaxDepth)
+    r.fail(ErrorCode::Io, Reader::quoted(name) + " nests JSON deeper than " + std::to_string(kMaxDepth) + " levels");
   Json qs;
   try {
     qs = Json::parse(bytes.begin(), bytes.end());

@@ -1,9 +1,11 @@
 #include "qmm/tensor.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "core/validate.h"
 #include "qmm/context.h"
@@ -46,8 +48,15 @@ Shape::Shape(std::initializer_list<std::int64_t> d) {
 }
 
 std::int64_t Shape::numel() const {
+  // dims is a public array: a rank set by hand must not index past it.
+  if (rank < 0 || rank > kMaxRank)
+    throw Error(ErrorCode::InvalidArgument, "Shape: rank " + std::to_string(rank) + " is outside 0..4");
+  for (int i = 0; i < rank; ++i)
+    if (dims[static_cast<std::size_t>(i)] == 0) return 0;  // empty, however large the other extents
   std::int64_t n = 1;
-  for (int i = 0; i < rank; ++i) n *= dims[static_cast<std::size_t>(i)];
+  for (int i = 0; i < rank; ++i)
+    if (__builtin_mul_overflow(n, dims[static_cast<std::size_t>(i)], &n))
+      throw Error(ErrorCode::InvalidArgument, "Shape " + str() + ": the element count overflows int64");
   return n;
 }
 
@@ -60,11 +69,19 @@ bool Shape::operator==(const Shape& o) const {
 
 std::string Shape::str() const {
   std::string s = "[";
-  for (int i = 0; i < rank; ++i) {
+  for (int i = 0; i < std::min(rank, kMaxRank); ++i) {  // error messages print shapes that failed validation
     if (i) s += ',';
     s += std::to_string(dims[static_cast<std::size_t>(i)]);  // appended alone: gcc 12 -Wrestrict misfires on "," + s
   }
   return s + "]";
+}
+
+std::size_t TensorView::nbytes() const {
+  const std::int64_t n = numel();
+  std::size_t bytes = 0;
+  if (n < 0 || __builtin_mul_overflow(static_cast<std::size_t>(n), dtype_size(dtype_), &bytes))
+    throw Error(ErrorCode::InvalidArgument, "TensorView " + str() + ": the byte size overflows");
+  return bytes;
 }
 
 std::string TensorView::str() const {
@@ -72,7 +89,17 @@ std::string TensorView::str() const {
 }
 
 Tensor::Tensor(DType dtype, Shape shape, Device device) {
-  const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
+  // Every size is checked before allocating: a wrapped byte count would allocate a wrong, small buffer.
+  if (shape.rank < 0 || shape.rank > kMaxRank)
+    throw Error(ErrorCode::InvalidArgument, "Tensor: rank " + std::to_string(shape.rank) + " is outside 0..4");
+  for (int i = 0; i < shape.rank; ++i)
+    if (shape[i] < 0)
+      throw Error(ErrorCode::InvalidArgument, "Tensor: shape " + shape.str() + " has a negative extent");
+  std::size_t bytes = 0;
+  if (__builtin_mul_overflow(static_cast<std::size_t>(shape.numel()), dtype_size(dtype), &bytes) ||
+      bytes > std::numeric_limits<std::size_t>::max() - 63)
+    throw Error(ErrorCode::InvalidArgument, std::string("Tensor: ") + dtype_name(dtype) + shape.str() +
+                                                " has a byte size that overflows size_t");
   const std::size_t alloc = bytes == 0 ? 64 : bytes;  // a real pointer even for empty tensors
   if (device.is_cpu()) {
     void* p = std::aligned_alloc(64, (alloc + 63) / 64 * 64);
