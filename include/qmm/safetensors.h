@@ -57,11 +57,13 @@ class SafetensorsFile {
 
  private:
   const std::uint8_t* data_of(const SafetensorsEntry& e) const;  // the entry's first byte, bounds checked
+  void copy_out(const SafetensorsEntry& e, void* dst) const;      // the entry's bytes into dst
 
   std::string source_;
   std::shared_ptr<const void> storage_;  // owns the data section: the file's mapping or the in-memory image
   const std::uint8_t* data_ = nullptr;   // the data section (inside storage_)
   std::uint64_t data_size_ = 0;
+  bool mapped_ = false;  // storage_ is a mapping of the file
   std::map<std::string, SafetensorsEntry> entries_;
   std::map<std::string, std::string> metadata_;
 };

@@ -301,6 +301,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     f.storage_ =
         std::shared_ptr<const void>(base, [map_len](const void* p) { ::munmap(const_cast<void*>(p), map_len); });
     f.data_ = static_cast<const std::uint8_t*>(base) + (data_begin - map_begin);
+    f.mapped_ = true;
     return f;
   }
   // A file system that cannot map files: read the data section instead.
@@ -350,11 +351,32 @@ const std::uint8_t* SafetensorsFile::data_of(const SafetensorsEntry& e) const {
   return data_ + e.begin;
 }
 
+// From a mapping the copy goes in slices, each slice's whole pages released after it: the file's pages then do not
+// stay resident beside the copy, so reading a tensor costs its own size, not twice it (they are read again from the
+// file if asked for again).
+void SafetensorsFile::copy_out(const SafetensorsEntry& e, void* dst) const {
+  const std::uint8_t* src = data_of(e);
+  const std::uint64_t size = e.end - e.begin;
+  if (!mapped_) {
+    if (size > 0) std::memcpy(dst, src, size);
+    return;
+  }
+  constexpr std::uint64_t kSlice = std::uint64_t{64} << 20;
+  const std::uintptr_t page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  for (std::uint64_t done = 0; done < size; done += kSlice) {
+    const std::uint64_t n = std::min(kSlice, size - done);
+    std::memcpy(static_cast<std::uint8_t*>(dst) + done, src + done, n);
+    const std::uintptr_t lo = (reinterpret_cast<std::uintptr_t>(src + done) + page - 1) / page * page;
+    const std::uintptr_t hi = reinterpret_cast<std::uintptr_t>(src + done + n) / page * page;
+    if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);  // advice: a failure costs memory only
+  }
+}
+
 std::vector<std::uint8_t> SafetensorsFile::bytes(const std::string& name) const {
   const SafetensorsEntry& e = entry(name);
-  if (e.end == e.begin) return {};
-  const std::uint8_t* p = data_of(e);
-  return {p, p + (e.end - e.begin)};
+  std::vector<std::uint8_t> out(static_cast<std::size_t>(e.end - e.begin));
+  copy_out(e, out.data());
+  return out;
 }
 
 Tensor SafetensorsFile::tensor(const std::string& name) const {
@@ -376,7 +398,7 @@ Tensor SafetensorsFile::tensor(const std::string& name) const {
     io_fail(source_, "tensor " + quoted(name) + " of shape " + shape.str() + " does not match its " +
                          std::to_string(e.end - e.begin) + " bytes");
   Tensor t(dtype, shape);  // 64-byte aligned, wherever the bytes sit in the file
-  if (e.end > e.begin) std::memcpy(t.data(), data_of(e), e.end - e.begin);
+  copy_out(e, t.data());
   return t;
 }
 
