@@ -11,6 +11,7 @@ per layer; a CPU tensor is read without a device synchronization), rows, cols an
 gives them, and patch.py takes them from a bitsandbytes layer directly, so no Python-side lookup runs inside a
 traced region. An adapter enters as its x_dropped (None: x itself), a and b (None: no adapter) and scale."""
 import math
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -31,9 +32,27 @@ def compiling():
     return AVAILABLE and torch.compiler.is_compiling()
 
 
+# The Nf4Weights of the tensors the custom ops are called with, by the identity of the codes tensor (a compiled
+# graph passes a layer's same tensors at every call): making one converts and checks its tensors, which would cost
+# more than the call itself. An entry holds a view of the codes, not the tensor it is keyed by, and goes with it.
+_weights = {}
+
+
 def weight_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size):
     """The Nf4Weight of an op's 8 weight arguments."""
-    return Nf4Weight(codes, absmax, (rows, cols), block_size, absmax2, code2, offset.item())
+    fields = (codes.data_ptr(), *(None if t is None else t.data_ptr() for t in (absmax, absmax2, code2)),
+              offset.item(), rows, cols, block_size)
+    cached = _weights.get(id(codes))
+    if cached is not None and cached[0]() is codes and cached[1] == fields:
+        return cached[2]
+    w = Nf4Weight(codes.view(codes.shape), absmax, (rows, cols), block_size, absmax2, code2, fields[4])
+    key = id(codes)
+    try:
+        ref = weakref.ref(codes, lambda _, key=key: _weights.pop(key, None))
+    except TypeError:  # a tensor type that takes no weak reference: made at every call
+        return w
+    _weights[key] = (ref, fields, w)
+    return w
 
 
 def _op_args(w):

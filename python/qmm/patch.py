@@ -298,20 +298,23 @@ def patch_bnb(model, path="auto", fuse_mlp=True):
     gate_proj and up_proj NF4, PEFT-wrapped or not) computes both input projections from one read of x, their
     adapters and the SwiGLU as one op (lora_nf4_swiglu). A call that qmm does not cover (float16 activations, DoRA
     or other LoRA variants, extra arguments, a weight not yet quantized) runs the module's own forward, with a
-    warning that says why (once per reason). The patched model traces whole under torch.compile (fullgraph=True).
+    warning that says why (once per reason). The patched model traces whole under torch.compile (fullgraph=True);
+    after bitsandbytes replaces weights (merge_adapter, a move to another device), one eager call or another
+    patch_bnb(model) reads the new weights' offsets, which a compiled step cannot without breaking its graph.
     `path` forces qmm's NF4 implementation (see nf4_gemm). Returns the patched modules' names; unpatch_bnb undoes
     it."""
     _model("patch_bnb", model)
     _qmm.check_nf4_path(path, "patch_bnb")
     patched = []
     for name, module in model.named_modules():
+        if _is_bnb_nf4_layer(module):
+            qs = _nf4_state(module.weight)
+            if qs is not None:  # read now (also for a layer patched before), so that a compiled step never needs to
+                _offset_of(qs)
         if _PATCH in module.__dict__:
             continue
         if _is_bnb_nf4_layer(module):
             _patch(module, _bnb_linear_forward, path)
-            qs = _nf4_state(module.weight)
-            if qs is not None:  # read now, so that a compiled step never needs to
-                _offset_of(qs)
         elif _is_lora_wrapper(module) and _bnb_nf4_base(module) is not None:
             _patch(module, _lora_linear_forward, path)
         elif fuse_mlp and _is_swiglu_mlp(module):

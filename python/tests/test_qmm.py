@@ -7,6 +7,7 @@ bf16 products on the GPU, and the small-M kernels' scale-after contract (a weigh
 """
 import copy
 import functools
+import gc
 import io
 import json
 import os
@@ -1164,6 +1165,37 @@ def test_patch_bnb_compiles_whole_and_equals_eager(device, dropout):
     assert all(torch.equal(c, e) for c, e in zip(compiled, eager))
     calls = [m.base_layer.calls for m in model.modules() if isinstance(m, FakeLora)]
     assert calls == [0] * len(calls), "a 4-bit product ran in the layer's own forward, not in qmm"
+
+
+@pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
+def test_compiled_ops_reuse_a_weight_made_once_and_follow_a_replaced_one(monkeypatch):
+    """The custom ops get a layer's same weight tensors at every call of a compiled model: its Nf4Weight is made at
+    the first call only; a weight bitsandbytes replaces (new tensors) gets a new one, and the old one is let go."""
+    torch._dynamo.reset()
+    model = _compile_test_model("cpu", 0.0)[:3]
+    qmm.patch_bnb(model)
+    made = []
+    init = qmm.nf4.Nf4Weight.__init__
+    monkeypatch.setattr(qmm.nf4.Nf4Weight, "__init__", lambda self, *a, **k: made.append(1) or init(self, *a, **k))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, dy = randn((5, 64), 6, "cpu"), randn((5, 64), 7, "cpu")
+    _forward_backward(compiled, x, dy)
+    assert len(made) == 3
+    made.clear()
+    _forward_backward(compiled, x, dy)
+    assert made == []
+    before = _forward_backward(compiled, x, dy)
+    old_key = id(model[1].base_layer.weight)  # the ops take a uint8 weight itself as the codes
+    assert old_key in qmm.compile_ops._weights
+    model[1].base_layer.weight = FakeLinear4bit(qmm.Nf4Weight.quantize(randn((64, 64), 77, "cpu"))).weight
+    assert qmm.patch_bnb(model) == []  # reads the new weight's offset (and patches nothing again)
+    gc.collect()
+    made.clear()
+    assert old_key not in qmm.compile_ops._weights, "the replaced weight's entry outlived it"
+    got = _forward_backward(compiled, x, dy)
+    assert len(made) == 1 and id(model[1].base_layer.weight) in qmm.compile_ops._weights
+    eager = _forward_backward(model, x, dy)
+    assert all(torch.equal(g, e) for g, e in zip(got, eager)) and not torch.equal(got[0], before[0])
 
 
 @pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
