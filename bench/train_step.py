@@ -246,9 +246,10 @@ def worker(args):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             sync()
-        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        kernels = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
+        busy_us = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0) for e in kernels)
         result["kernels_per_step"] = len(kernels) // 2
-        result["gpu_busy_ms"] = round(sum(e.device_time for e in kernels) / 2 / 1e3, 1)
+        result["gpu_busy_ms"] = round(busy_us / 2 / 1e3, 1)
     grads_path = args.out + ".grads.pt"
     torch.save(grads, grads_path)
     result["grads"] = grads_path
