@@ -11,9 +11,9 @@
 
 namespace qmm {
 
-enum class DType { F32, BF16, F16, U8 };
+enum class DType { F32, BF16, F16, U8, I32 };  // I32: labels (token ids)
 
-const char* dtype_name(DType dtype);  // "f32", "bf16", "f16", "u8"
+const char* dtype_name(DType dtype);  // "f32", "bf16", "f16", "u8", "i32"
 std::size_t dtype_size(DType dtype);
 
 enum class DeviceType { Cpu, Cuda };

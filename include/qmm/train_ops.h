@@ -34,6 +34,22 @@ bool dropout_keep(std::uint64_t seed, std::int64_t index, float p);
 void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target, const TensorView& loss,
               const TensorView& dy, float scale = 1.0f);
 
+// A causal LM's head and loss in one: the mean cross-entropy of the logits z = h·Wᵀ against labels, without
+// the [T, V] logits ever held whole (tokens go through in chunks of opts.chunk_tokens; 0 lets the op choose).
+//   loss[0] = Σ_{t: labels[t] != ignore_index} (logsumexp(z_t) − z_t[labels[t]]) / n,  n = the count of such t
+// h [T,H] f32 or bf16; w [V,H] of h's dtype (a separate head or the tied embedding); labels [T] i32, each in
+// [0, V) or ignore_index (anything else is InvalidArgument naming the first); loss [1] f32, written. With all
+// tokens ignored (n = 0) the loss is 0 and the gradients are 0. The products multiply bf16 (or f32) operands with
+// fp32 sums; the log-sum-exp is fp32 (fp64 on the CPU backend). Gradients of the mean loss: dh [T,H] of h's dtype,
+// written, where given (empty: none); dw [V,H] f32, accumulated (dw += ∂loss/∂W), where given.
+struct CrossEntropyOptions {
+  std::int32_t ignore_index = -100;
+  std::int64_t chunk_tokens = 0;
+};
+void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorView& w, const TensorView& labels,
+                          const TensorView& loss, const TensorView& dh = {}, const TensorView& dw = {},
+                          const CrossEntropyOptions& opts = {});
+
 // One tensor the optimizer updates: parameter, its gradient and the two moment buffers, all f32, one shape.
 struct AdamWParam {
   TensorView param;

@@ -34,10 +34,11 @@ qmm::DType dtype_of(const nb::dlpack::dtype& t, const char* op, const char* name
     if (t.code == static_cast<std::uint8_t>(Code::Bfloat) && t.bits == 16) return qmm::DType::BF16;
     if (t.code == static_cast<std::uint8_t>(Code::Float) && t.bits == 16) return qmm::DType::F16;
     if (t.code == static_cast<std::uint8_t>(Code::UInt) && t.bits == 8) return qmm::DType::U8;
+    if (t.code == static_cast<std::uint8_t>(Code::Int) && t.bits == 32) return qmm::DType::I32;
   }
   fail(qmm::ErrorCode::DTypeMismatch, op,
        std::string("argument '") + name + "' has a dtype qmm does not take (code " + std::to_string(t.code) +
-           ", " + std::to_string(t.bits) + " bits; qmm takes float32, bfloat16, float16 and uint8)");
+           ", " + std::to_string(t.bits) + " bits; qmm takes float32, bfloat16, float16, uint8 and int32)");
 }
 
 // A TensorView of a dense row-major array. Strided arrays are refused rather than copied: an output written into a

@@ -47,12 +47,13 @@ const char* file_dtype(DType d) {
     case DType::BF16: return "BF16";
     case DType::F16: return "F16";
     case DType::U8: return "U8";
+    case DType::I32: return "I32";
   }
   return "?";
 }
 
 bool qmm_dtype(const std::string& name, DType& out) {
-  for (DType d : {DType::F32, DType::BF16, DType::F16, DType::U8})
+  for (DType d : {DType::F32, DType::BF16, DType::F16, DType::U8, DType::I32})
     if (name == file_dtype(d)) {
       out = d;
       return true;
@@ -384,7 +385,7 @@ Tensor SafetensorsFile::tensor(const std::string& name) const {
   DType dtype;
   if (!qmm_dtype(e.dtype, dtype))
     throw Error(ErrorCode::Unsupported, "safetensors: " + source_ + ": tensor " + quoted(name) + " has dtype " +
-                                            e.dtype + ", which qmm does not support (F32, BF16, F16, U8)");
+                                            e.dtype + ", which qmm does not support (F32, BF16, F16, U8, I32)");
   if (e.shape.size() > static_cast<std::size_t>(kMaxRank))
     throw Error(ErrorCode::Unsupported, "safetensors: " + source_ + ": tensor " + quoted(name) + " has rank " +
                                             std::to_string(e.shape.size()) + " but qmm tensors have rank <= 4");

@@ -22,6 +22,7 @@ const char* dtype_name(DType dtype) {
     case DType::BF16: return "bf16";
     case DType::F16: return "f16";
     case DType::U8: return "u8";
+    case DType::I32: return "i32";
   }
   return "?";
 }
@@ -32,6 +33,7 @@ std::size_t dtype_size(DType dtype) {
     case DType::BF16: return 2;
     case DType::F16: return 2;
     case DType::U8: return 1;
+    case DType::I32: return 4;
   }
   return 0;
 }

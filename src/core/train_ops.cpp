@@ -234,6 +234,58 @@ void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target,
   QMM_TRAIN_ROUTE(ctx, op, mse_loss, y, target, loss, dy, scale);
 }
 
+void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorView& w, const TensorView& labels,
+                          const TensorView& loss, const TensorView& dh, const TensorView& dw,
+                          const CrossEntropyOptions& opts) {
+  const char* op = "linear_cross_entropy";
+  require_float_tensor(ctx, op, "h", h);
+  detail::require_rank(op, "h", h, 2);
+  detail::require_tensor(ctx, op, "w", w);
+  detail::require_rank(op, "w", w, 2);
+  detail::require_same_dtype(op, "w", w, "h", h);
+  const std::int64_t t = h.dim(0), hidden = h.dim(1), vocab = w.dim(0);
+  require(w.dim(1) == hidden && vocab >= 1 && hidden >= 1, ErrorCode::ShapeMismatch, op,
+          "h is " + h.shape().str() + " but w is " + w.shape().str() + ": w must be [V, H] with h's H, V and H >= 1");
+  detail::require_tensor(ctx, op, "labels", labels);
+  detail::require_dtype(op, "labels", labels, {DType::I32});
+  require(labels.rank() == 1 && labels.dim(0) == t, ErrorCode::ShapeMismatch, op,
+          "labels is " + labels.shape().str() + " but must be [" + std::to_string(t) + "] (one per row of h)");
+  require_scalar_output(ctx, op, "loss", loss);
+  require(opts.chunk_tokens >= 0, ErrorCode::InvalidArgument, op,
+          "chunk_tokens is " + std::to_string(opts.chunk_tokens) + " but must be >= 0");
+  if (!dh.empty()) require_like(ctx, op, "dh", dh, "h", h);
+  if (!dw.empty()) {
+    detail::require_tensor(ctx, op, "dw", dw);
+    detail::require_dtype(op, "dw", dw, {DType::F32});
+    require(dw.shape() == w.shape(), ErrorCode::ShapeMismatch, op,
+            "dw is " + dw.shape().str() + " but must be w's shape " + w.shape().str());
+  }
+  const std::pair<const char*, const TensorView*> outputs[] = {{"loss", &loss}, {"dh", &dh}, {"dw", &dw}};
+  const std::pair<const char*, const TensorView*> inputs[] = {{"h", &h}, {"w", &w}, {"labels", &labels}};
+  for (const auto& [out_name, out] : outputs) {
+    if (out->empty()) continue;
+    for (const auto& [in_name, in] : inputs) detail::require_no_overlap(op, out_name, *out, in_name, *in);
+  }
+  detail::require_no_overlap(op, "dh", dh, "loss", loss);
+  detail::require_no_overlap(op, "dw", dw, "loss", loss);
+  detail::require_no_overlap(op, "dh", dh, "dw", dw);
+  // Every label in range (read on the host: a GPU's labels are copied, T * 4 bytes).
+  Tensor host_labels;
+  const std::int32_t* lab = labels.data_as<const std::int32_t>();
+  if (!labels.device().is_cpu() && t > 0) {
+    host_labels = Tensor(DType::I32, {t});
+    copy(ctx, host_labels, labels);
+    ctx.synchronize();
+    lab = host_labels.data_as<const std::int32_t>();
+  }
+  for (std::int64_t i = 0; i < t; ++i)
+    require(lab[i] == opts.ignore_index || (lab[i] >= 0 && lab[i] < vocab), ErrorCode::InvalidArgument, op,
+            "labels[" + std::to_string(i) + "] is " + std::to_string(lab[i]) + " but must be in [0, " +
+                std::to_string(vocab) + ") or the ignore_index " + std::to_string(opts.ignore_index));
+  if (ctx.device().is_cpu()) return cpu::linear_cross_entropy(h, w, labels, loss, dh, dw, opts.ignore_index);
+  detail::fail(ErrorCode::Unsupported, op, "runs on the CPU backend only for now (no GPU implementation yet)");
+}
+
 void grad_norm(const Context& ctx, std::span<const TensorView> grads, const TensorView& norm) {
   const char* op = "grad_norm";
   require(!grads.empty(), ErrorCode::InvalidArgument, op, "grads is empty");

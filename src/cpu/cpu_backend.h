@@ -29,5 +29,7 @@ void mse_loss(const TensorView& y, const TensorView& target, const TensorView& l
 void grad_norm(std::span<const TensorView> grads, const TensorView& norm);
 void adamw_step(std::span<const AdamWParam> params, const AdamWOptions& opts, int step, const TensorView& norm);
 void zero(const TensorView& t);
+void linear_cross_entropy(const TensorView& h, const TensorView& w, const TensorView& labels, const TensorView& loss,
+                          const TensorView& dh, const TensorView& dw, std::int32_t ignore_index);
 
 }  // namespace qmm::cpu

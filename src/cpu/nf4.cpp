@@ -39,7 +39,8 @@ float load_element(const void* base, DType dtype, std::int64_t i) {
     case DType::F32: return static_cast<const float*>(base)[i];
     case DType::BF16: return bf16_to_float(static_cast<const std::uint16_t*>(base)[i]);
     case DType::F16: return f16_to_float(static_cast<const std::uint16_t*>(base)[i]);
-    case DType::U8: break;
+    case DType::U8:
+    case DType::I32: break;
   }
   return 0.0f;
 }
@@ -164,7 +165,8 @@ void nf4_quantize(const TensorView& w, Nf4Weight& out) {
     case DType::F32: quantize_all<DType::F32>(w, out.block_size, codes, absmax); break;
     case DType::BF16: quantize_all<DType::BF16>(w, out.block_size, codes, absmax); break;
     case DType::F16: quantize_all<DType::F16>(w, out.block_size, codes, absmax); break;
-    case DType::U8: return;  // rejected by validation
+    case DType::U8:
+    case DType::I32: return;  // rejected by validation
   }
   if (!out.double_quant()) return;
   const float offset = nf4_absmax_mean(absmax, nblocks);

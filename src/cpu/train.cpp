@@ -191,4 +191,73 @@ void adamw_step(std::span<const AdamWParam> params, const AdamWOptions& opts, in
 
 void zero(const TensorView& t) { std::memset(t.data(), 0, t.nbytes()); }
 
+// Token by token in fp64: the logits row, its log-sum-exp, the loss term, and (for the gradients) the row of
+// (softmax - onehot) / n. Per-token losses are summed in token order; dw's rows are summed over tokens in order
+// (each thread owns whole rows of dw), so the result does not depend on the thread count.
+void linear_cross_entropy(const TensorView& h, const TensorView& w, const TensorView& labels, const TensorView& loss,
+                          const TensorView& dh, const TensorView& dw, std::int32_t ignore_index) {
+  const std::int64_t t = h.dim(0), hid = h.dim(1), vocab = w.dim(0);
+  const std::int32_t* lab = labels.data_as<const std::int32_t>();
+  std::int64_t n = 0;
+  for (std::int64_t i = 0; i < t; ++i) n += lab[i] != ignore_index;
+  const bool want_grads = !dh.empty() || !dw.empty();
+  std::vector<double> hd(static_cast<std::size_t>(t * hid)), wd(static_cast<std::size_t>(vocab * hid));
+  with_storage(h.dtype(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (std::int64_t i = 0; i < t * hid; ++i) hd[static_cast<std::size_t>(i)] = load(h.data_as<const T>(), i);
+    for (std::int64_t i = 0; i < vocab * hid; ++i) wd[static_cast<std::size_t>(i)] = load(w.data_as<const T>(), i);
+  });
+  std::vector<double> token_loss(static_cast<std::size_t>(t), 0.0);
+  // g[i, v] = (softmax - onehot) / n for counted tokens, 0 for ignored ones.
+  std::vector<double> g(want_grads ? static_cast<std::size_t>(t * vocab) : 0, 0.0);
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < t; ++i) {
+    if (lab[i] == ignore_index) continue;
+    std::vector<double> z(static_cast<std::size_t>(vocab));
+    double zmax = -INFINITY;
+    for (std::int64_t v = 0; v < vocab; ++v) {
+      double acc = 0;
+      for (std::int64_t k = 0; k < hid; ++k)
+        acc += hd[static_cast<std::size_t>(i * hid + k)] * wd[static_cast<std::size_t>(v * hid + k)];
+      z[static_cast<std::size_t>(v)] = acc;
+      zmax = std::max(zmax, acc);
+    }
+    double sum = 0;
+    for (double zv : z) sum += std::exp(zv - zmax);
+    const double lse = zmax + std::log(sum);
+    token_loss[static_cast<std::size_t>(i)] = lse - z[static_cast<std::size_t>(lab[i])];
+    if (!want_grads) continue;
+    for (std::int64_t v = 0; v < vocab; ++v)
+      g[static_cast<std::size_t>(i * vocab + v)] =
+          (std::exp(z[static_cast<std::size_t>(v)] - lse) - (v == lab[i] ? 1.0 : 0.0)) / static_cast<double>(n);
+  }
+  double total = 0;
+  for (double l : token_loss) total += l;
+  loss.data_as<float>()[0] = n > 0 ? static_cast<float>(total / static_cast<double>(n)) : 0.0f;
+  if (!dh.empty()) {
+    with_storage(dh.dtype(), [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+#pragma omp parallel for schedule(static)
+      for (std::int64_t i = 0; i < t; ++i)
+        for (std::int64_t k = 0; k < hid; ++k) {
+          double acc = 0;
+          for (std::int64_t v = 0; v < vocab; ++v)
+            acc += g[static_cast<std::size_t>(i * vocab + v)] * wd[static_cast<std::size_t>(v * hid + k)];
+          store(dh.data_as<T>(), i * hid + k, acc);
+        }
+    });
+  }
+  if (!dw.empty()) {
+    float* out = dw.data_as<float>();
+#pragma omp parallel for schedule(static)
+    for (std::int64_t v = 0; v < vocab; ++v)
+      for (std::int64_t k = 0; k < hid; ++k) {
+        double acc = 0;
+        for (std::int64_t i = 0; i < t; ++i)
+          acc += g[static_cast<std::size_t>(i * vocab + v)] * hd[static_cast<std::size_t>(i * hid + k)];
+        out[v * hid + k] = static_cast<float>(out[v * hid + k] + acc);
+      }
+  }
+}
+
 }  // namespace qmm::cpu

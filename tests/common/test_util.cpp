@@ -33,6 +33,7 @@ void store(const TensorView& t, std::int64_t i, double v) {
     case DType::BF16: t.data_as<std::uint16_t>()[i] = float_to_bf16(f); break;
     case DType::F16: t.data_as<std::uint16_t>()[i] = float_to_f16(f); break;
     case DType::U8: t.data_as<std::uint8_t>()[i] = static_cast<std::uint8_t>(v); break;
+    case DType::I32: t.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(v); break;
   }
 }
 double load(const TensorView& t, std::int64_t i) {
@@ -41,6 +42,7 @@ double load(const TensorView& t, std::int64_t i) {
     case DType::BF16: return bf16_to_float(t.data_as<std::uint16_t>()[i]);
     case DType::F16: return f16_to_float(t.data_as<std::uint16_t>()[i]);
     case DType::U8: return t.data_as<std::uint8_t>()[i];
+    case DType::I32: return t.data_as<std::int32_t>()[i];
   }
   return 0;
 }
@@ -63,6 +65,7 @@ Tensor random_int_tensor(DType dtype, Shape shape, std::uint64_t seed, int range
 }
 
 void set_value(const TensorView& t, std::int64_t i, double v) { store(t, i, v); }
+double get_value(const TensorView& t, std::int64_t i) { return load(t, i); }
 
 Tensor filled(DType dtype, Shape shape, float value) {
   Tensor t(dtype, shape);

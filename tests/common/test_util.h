@@ -47,6 +47,7 @@ Tensor host_copy(const TensorView& t);
 Tensor filled(DType dtype, Shape shape, float value);
 // Sets element i of a host tensor to v, rounded to its dtype (NaN and infinities included).
 void set_value(const TensorView& t, std::int64_t i, double v);
+double get_value(const TensorView& t, std::int64_t i);  // element i of a host tensor, as a double
 
 // Compares got against ref element by element; reports the first failures and the norms.
 ::testing::AssertionResult all_close(const TensorView& got, const TensorView& ref, Tolerance tol);

@@ -3,11 +3,14 @@
 // every validation path (right code, a message naming op and argument, outputs untouched).
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -850,4 +853,156 @@ TEST(TrainOps, EmptyTensorsAreANoOp) {
 }
 
 }  // namespace
+
+// ---- linear_cross_entropy -----------------------------------------------------------------------------------------
+
+namespace {
+
+struct CeReference {
+  double loss = 0;
+  std::vector<double> dh, dw;  // of the mean loss
+};
+
+// The loss and its gradients from the definition, written independently of the backend: softmax as exp(z) / Σ exp(z)
+// over logits shifted by their row maximum, the gradient of each term, then the mean.
+CeReference ce_reference(const Tensor& h, const Tensor& w, const std::vector<std::int32_t>& labels, std::int32_t ignore) {
+  const std::int64_t t = h.dim(0), hid = h.dim(1), vocab = w.dim(0);
+  auto val = [](const Tensor& x, std::int64_t i) {
+    return x.dtype() == DType::F32 ? double(x.data_as<float>()[i]) : double(bf16_to_float(x.data_as<std::uint16_t>()[i]));
+  };
+  CeReference r;
+  r.dh.assign(static_cast<std::size_t>(t * hid), 0.0);
+  r.dw.assign(static_cast<std::size_t>(vocab * hid), 0.0);
+  std::int64_t n = 0;
+  for (std::int32_t l : labels) n += l != ignore;
+  for (std::int64_t i = 0; i < t; ++i) {
+    if (labels[static_cast<std::size_t>(i)] == ignore) continue;
+    std::vector<double> z(static_cast<std::size_t>(vocab));
+    for (std::int64_t v = 0; v < vocab; ++v)
+      for (std::int64_t k = 0; k < hid; ++k) z[static_cast<std::size_t>(v)] += val(h, i * hid + k) * val(w, v * hid + k);
+    const double m = *std::max_element(z.begin(), z.end());
+    double s = 0;
+    for (double zv : z) s += std::exp(zv - m);
+    const std::int32_t y = labels[static_cast<std::size_t>(i)];
+    r.loss += -(z[static_cast<std::size_t>(y)] - m - std::log(s)) / double(n);
+    for (std::int64_t v = 0; v < vocab; ++v) {
+      const double g = (std::exp(z[static_cast<std::size_t>(v)] - m) / s - (v == y)) / double(n);
+      for (std::int64_t k = 0; k < hid; ++k) {
+        r.dh[static_cast<std::size_t>(i * hid + k)] += g * val(w, v * hid + k);
+        r.dw[static_cast<std::size_t>(v * hid + k)] += g * val(h, i * hid + k);
+      }
+    }
+  }
+  return r;
+}
+
+std::vector<std::int32_t> ce_labels(std::int64_t t, std::int64_t vocab, std::uint64_t seed, int ignore_every) {
+  std::vector<std::int32_t> out(static_cast<std::size_t>(t));
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (std::int64_t i = 0; i < t; ++i) {
+    x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
+    out[static_cast<std::size_t>(i)] =
+        ignore_every > 0 && i % ignore_every == 1 ? -100 : static_cast<std::int32_t>((x * 2685821657736338717ull) % vocab);
+  }
+  return out;
+}
+
+Tensor i32_tensor(const std::vector<std::int32_t>& v) {
+  Tensor t(DType::I32, {static_cast<std::int64_t>(v.size())});
+  if (!v.empty()) std::memcpy(t.data(), v.data(), v.size() * sizeof(std::int32_t));
+  return t;
+}
+
+}  // namespace
+
+TEST(TrainLinearCrossEntropy, MatchesDefinitionOnRaggedShapes) {
+  const Context& ctx = Context::cpu();
+  std::uint64_t seed = 500;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (auto [t, hid, vocab] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1, 7, 1}, {7, 32, 63},
+                                 {65, 16, 130}, {33, 1, 65}}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " T=" + std::to_string(t) + " H=" + std::to_string(hid) +
+                   " V=" + std::to_string(vocab));
+      const Tensor h = test::random_tensor(dt, {t, hid}, ++seed, -2.0f, 2.0f);
+      const Tensor w = test::random_tensor(dt, {vocab, hid}, ++seed, -2.0f, 2.0f);
+      const std::vector<std::int32_t> labels = ce_labels(t, vocab, ++seed, 3);
+      const CeReference ref = ce_reference(h, w, labels, -100);
+      Tensor loss = test::filled(DType::F32, {1}, NAN), dh(dt, {t, hid}), dw = test::filled(DType::F32, {vocab, hid}, 1.0f);
+      test::poison(dh);
+      linear_cross_entropy(ctx, h, w, i32_tensor(labels), loss, dh, dw);
+      // fp64 sums rounded once: the f32 loss and dw to 1e-6 of their magnitude, dh to its dtype's rounding.
+      EXPECT_NEAR(loss.data_as<float>()[0], ref.loss, 1e-6 * (1 + std::abs(ref.loss)));
+      const double dh_tol = dt == DType::BF16 ? 1.0 / 256 : 1e-6;
+      for (std::int64_t i = 0; i < t * hid; ++i)
+        ASSERT_NEAR(test::get_value(dh, i), ref.dh[static_cast<std::size_t>(i)],
+                    dh_tol * std::abs(ref.dh[static_cast<std::size_t>(i)]) + 1e-7) << "dh " << i;
+      for (std::int64_t i = 0; i < vocab * hid; ++i)  // accumulated onto the ones dw held
+        ASSERT_NEAR(dw.data_as<float>()[i], 1.0 + ref.dw[static_cast<std::size_t>(i)], 1e-6) << "dw " << i;
+    }
+}
+
+TEST(TrainLinearCrossEntropy, LossAloneAllIgnoredAndTheIgnoreIndex) {
+  const Context& ctx = Context::cpu();
+  const Tensor h = test::random_tensor(DType::F32, {9, 8}, 1), w = test::random_tensor(DType::F32, {20, 8}, 2);
+  std::vector<std::int32_t> labels = ce_labels(9, 20, 3, 0);
+  Tensor loss(DType::F32, {1}), with_grads(DType::F32, {1}), dh(DType::F32, {9, 8});
+  linear_cross_entropy(ctx, h, w, i32_tensor(labels), loss);  // no gradients asked for
+  linear_cross_entropy(ctx, h, w, i32_tensor(labels), with_grads, dh);
+  EXPECT_EQ(loss.data_as<float>()[0], with_grads.data_as<float>()[0]);
+  EXPECT_NEAR(loss.data_as<float>()[0], ce_reference(h, w, labels, -100).loss, 1e-6);
+  // All ignored: loss 0 and zero gradients (dw unchanged).
+  const std::vector<std::int32_t> none(9, 7);
+  Tensor dw = test::filled(DType::F32, {20, 8}, 0.5f);
+  CrossEntropyOptions opts;
+  opts.ignore_index = 7;
+  linear_cross_entropy(ctx, h, w, i32_tensor(none), loss, dh, dw, opts);
+  EXPECT_EQ(loss.data_as<float>()[0], 0.0f);
+  for (std::int64_t i = 0; i < dh.numel(); ++i) ASSERT_EQ(dh.data_as<float>()[i], 0.0f);
+  for (std::int64_t i = 0; i < dw.numel(); ++i) ASSERT_EQ(dw.data_as<float>()[i], 0.5f);
+  // Another ignore index: -100 is then an out-of-range label.
+  labels[4] = -100;
+  EXPECT_TRUE(test::throws_error([&] { linear_cross_entropy(ctx, h, w, i32_tensor(labels), loss, {}, {}, opts); },
+                                 ErrorCode::InvalidArgument, {"labels[4] is -100", "[0, 20)", "ignore_index 7"}));
+}
+
+TEST(TrainLinearCrossEntropy, BadArgumentsNameThemAndWriteNothing) {
+  const Context& ctx = Context::cpu();
+  const Tensor h = test::random_tensor(DType::F32, {5, 8}, 1), w = test::random_tensor(DType::F32, {11, 8}, 2);
+  const Tensor labels = i32_tensor({1, 2, 3, 4, 5});
+  Tensor loss = test::filled(DType::F32, {1}, NAN), dh = test::filled(DType::F32, {5, 8}, NAN);
+  struct Case {
+    const char* what;
+    std::function<void()> call;
+    ErrorCode code;
+    std::string needle;
+  };
+  const Tensor bad_labels = i32_tensor({1, 2, 11, 4, 5}), negative = i32_tensor({1, -1, 3, 4, 5});
+  const Case cases[] = {
+      {"label = V", [&] { linear_cross_entropy(ctx, h, w, bad_labels, loss, dh); }, ErrorCode::InvalidArgument,
+       "labels[2] is 11"},
+      {"negative label", [&] { linear_cross_entropy(ctx, h, w, negative, loss, dh); }, ErrorCode::InvalidArgument,
+       "labels[1] is -1"},
+      {"labels f32", [&] { linear_cross_entropy(ctx, h, w, test::filled(DType::F32, {5}, 1), loss, dh); },
+       ErrorCode::DTypeMismatch, "labels"},
+      {"labels count", [&] { linear_cross_entropy(ctx, h, w, i32_tensor({1, 2}), loss, dh); },
+       ErrorCode::ShapeMismatch, "labels is [2]"},
+      {"w width", [&] { linear_cross_entropy(ctx, h, test::random_tensor(DType::F32, {11, 7}, 3), labels, loss, dh); },
+       ErrorCode::ShapeMismatch, "w must be [V, H]"},
+      {"w dtype", [&] { linear_cross_entropy(ctx, h, test::random_tensor(DType::BF16, {11, 8}, 3), labels, loss); },
+       ErrorCode::DTypeMismatch, "w"},
+      {"loss size", [&] { linear_cross_entropy(ctx, h, w, labels, test::filled(DType::F32, {2}, 0)); },
+       ErrorCode::ShapeMismatch, "loss"},
+      {"dh shape", [&] { linear_cross_entropy(ctx, h, w, labels, loss, test::filled(DType::F32, {5, 7}, 0)); },
+       ErrorCode::ShapeMismatch, "dh"},
+      {"dw dtype", [&] { linear_cross_entropy(ctx, h, w, labels, loss, {}, test::filled(DType::BF16, {11, 8}, 0)); },
+       ErrorCode::DTypeMismatch, "dw"},
+      {"dh is h", [&] { linear_cross_entropy(ctx, h, w, labels, loss, h); }, ErrorCode::InvalidArgument, "dh"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    EXPECT_TRUE(test::throws_error(c.call, c.code, {"linear_cross_entropy", c.needle}));
+    EXPECT_TRUE(std::isnan(loss.data_as<float>()[0]) && std::isnan(dh.data_as<float>()[0]));
+  }
+}
+
 }  // namespace qmm

@@ -34,6 +34,7 @@ double value_at(const Tensor& t, std::int64_t i) {
     case DType::BF16: return bf16_to_float(t.data_as<std::uint16_t>()[i]);
     case DType::F16: return f16_to_float(t.data_as<std::uint16_t>()[i]);
     case DType::U8: return t.data_as<std::uint8_t>()[i];
+    case DType::I32: return t.data_as<std::int32_t>()[i];
   }
   return 0;
 }
