@@ -110,7 +110,8 @@ def table(model_label, results):
         grads = f"{r['grad_rel_max']:.3f} / {r['grad_rel_median']:.3f}" if "grad_rel_max" in r else "-"
         losses = by.get("bnb", {}).get("losses")
         loss_diff = f"{max(abs(a - b) for a, b in zip(r['losses'], losses)):.2e}" if losses else "-"
-        lines.append(f"| {r['variant']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {ratio} | {r['tokens_per_s']:.0f} | "
+        lines.append(f"| {r['variant']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {ratio} | "
+                     f"{r['tokens_per_s']:.0f} | "
                      f"{r['torch_peak_gib']:.2f} | {r['device_used_gib']:.2f} | {r.get('kernels_per_step', '-')} | "
                      f"{r.get('gpu_busy_ms', '-')} | {grads} | {loss_diff} | {r['first_step_s']:.1f} |")
     return "\n".join(lines)

@@ -22,12 +22,14 @@ from .functional import (Lora, lora_nf4_linear, lora_nf4_swiglu, nf4_gate_up_lin
 from .layers import LoraAdapter, QLoraLinear, QLoraSwiGluMlp, replace_bnb_linears, replace_bnb_mlps
 from .nf4 import NF4_CODEBOOK, NF4_NESTED_BLOCK_SIZE, Nf4Weight
 from .ops import (batched_gemm, cuda_device_count, gemm, gemm_backward_a, gemm_backward_b, gemm_bt,
-                  lora_backward_dy, nf4_gate_up, nf4_gemm, nf4_gemm_backward_a, swiglu, swiglu_backward)
+                  linear_cross_entropy, lora_backward_dy, nf4_gate_up, nf4_gemm, nf4_gemm_backward_a, swiglu,
+                  swiglu_backward)
 from .patch import patch_bnb, unpatch_bnb
 
 __all__ = [
-    "Error", "Lora", "LoraAdapter", "Nf4Weight", "QLoraLinear", "QLoraSwiGluMlp", "batched_gemm", "cuda_device_count",
-    "gemm", "gemm_backward_a", "gemm_backward_b", "gemm_bt", "lora_backward_dy", "lora_nf4_linear", "lora_nf4_swiglu",
-    "nf4_gate_up", "nf4_gate_up_linear", "nf4_gemm", "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu", "patch_bnb",
-    "replace_bnb_linears", "replace_bnb_mlps", "swiglu", "swiglu_autograd", "swiglu_backward", "unpatch_bnb",
+    "Error", "Lora", "LoraAdapter", "Nf4Weight", "QLoraLinear", "QLoraSwiGluMlp", "batched_gemm",
+    "cuda_device_count", "gemm", "gemm_backward_a", "gemm_backward_b", "gemm_bt", "linear_cross_entropy",
+    "lora_backward_dy", "lora_nf4_linear", "lora_nf4_swiglu", "nf4_gate_up", "nf4_gate_up_linear", "nf4_gemm",
+    "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu", "patch_bnb", "replace_bnb_linears", "replace_bnb_mlps",
+    "swiglu", "swiglu_autograd", "swiglu_backward", "unpatch_bnb",
 ]

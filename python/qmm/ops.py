@@ -124,3 +124,22 @@ def lora_backward_dy(dy, b, t, grad_b, *, scale=1.0, out=None, math="fp32"):
     out = _out("lora_backward_dy", out, (_dim(dy, 0), _dim(b, 1)), None, dy, 0.0)
     _call(_qmm.lora_backward_dy, dy, dy, b, t, out.detach(), grad_b.detach(), scale=scale, math=math)
     return out
+
+
+# ---- loss -------------------------------------------------------------------------------------------------------
+
+
+def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, chunk_tokens=0):
+    """The mean cross-entropy of the logits h @ w^T against labels, for h [T, H] (float32 or bfloat16), w [V, H] of
+    h's dtype and labels [T] (int32, or int64 converted), each in [0, V) or ignore_index; the [T, V] logits are never
+    held whole. Returns (loss, dh): loss a float32 scalar tensor (0 when every token is ignored), dh the loss's
+    gradient in h (where dh=True, else None); `dw` (float32 [V, H]) accumulates the gradient in w where given."""
+    h, w = _in(h), _in(w)
+    labels = _in(labels)
+    if labels.dtype == torch.int64:
+        labels = labels.to(torch.int32)
+    loss = torch.empty((), dtype=torch.float32, device=h.device).reshape(1)
+    dh_out = torch.empty_like(h) if dh else None
+    _call(_qmm.linear_cross_entropy, h, h, w, labels, loss, None if dh_out is None else dh_out,
+          None if dw is None else dw.detach(), ignore_index=ignore_index, chunk_tokens=chunk_tokens)
+    return loss.reshape(()), dh_out

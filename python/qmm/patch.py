@@ -248,9 +248,9 @@ def _is_swiglu_mlp(module):
 
 
 _Patch = collections.namedtuple("_Patch", ("fn", "path", "attr", "previous"))
-_Patch.__doc__ = """What patch_bnb sets on a module (as _qmm_patch): its forward fn(module, x, ...) and NF4 path, and where
-an instance attribute was patched (attr "forward" or accelerate's "_old_forward", and its previous value), else
-attr None: the class's forward dispatches."""
+_Patch.__doc__ = """What patch_bnb sets on a module (as _qmm_patch): its forward fn(module, x, ...) and NF4 path,
+and where an instance attribute was patched (attr "forward" or accelerate's "_old_forward", and its previous value),
+else attr None: the class's forward dispatches."""
 _ORIGINAL = "_qmm_original_forward"  # on a class whose forward dispatches: its own forward
 
 

@@ -1294,3 +1294,39 @@ def test_nf4_modules_move_with_to_and_keep_their_format_under_dtype_casts(device
     assert (mlp.w_gate.codes is codes) == (device == "cpu")
     got = mlp(x.to(device))
     assert_close(got, expected, (1e-6 if device == "cpu" else 2.0 ** -6) * expected.abs().max().item() + 1e-7, "moved")
+
+
+# ---- linear_cross_entropy ------------------------------------------------------------------------------------------
+
+
+def test_linear_cross_entropy_matches_torch():
+    """The fused head + loss against PyTorch's cross_entropy of the fp64 logits (ignore index, int64 labels), its dh
+    against autograd's and dw accumulated; and against what PyTorch users get (bf16 logits upcast to fp32) within the
+    bf16 rounding of the logits. The CPU backend sums in fp64 (the GPU has no implementation yet)."""
+    for dtype, t, hid, vocab in ((torch.float32, 7, 16, 63), (torch.bfloat16, 65, 32, 130), (torch.float32, 1, 3, 1)):
+        h, w = randn((t, hid), 1, "cpu", dtype), randn((vocab, hid), 2, "cpu", dtype)
+        labels = torch.randint(0, vocab, (t,), generator=gen(3))
+        labels[1::3] = -100
+        dw = torch.ones((vocab, hid))
+        loss, dh = qmm.linear_cross_entropy(h, w, labels, dh=True, dw=dw)
+        hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
+        ref = torch.nn.functional.cross_entropy(hd @ wd.t(), labels, ignore_index=-100)
+        ref.backward()
+        assert loss.dtype == torch.float32 and loss.shape == ()
+        assert abs(loss.item() - ref.item()) <= 1e-6 * (1 + abs(ref.item()))
+        assert_close(dh, hd.grad, (2.0 ** -8 if dtype == torch.bfloat16 else 1e-6) * hd.grad.abs() + 1e-7, "dh")
+        assert_close(dw, 1 + wd.grad, 1e-6, "dw accumulated")
+        users = torch.nn.functional.cross_entropy((h @ w.t()).float(), labels, ignore_index=-100)
+        logit_bound = (2.0 ** -8 if dtype == torch.bfloat16 else 1e-6) * (h.double().abs() @ w.double().abs().t()).max()
+        assert abs(loss.item() - users.item()) <= 2 * logit_bound.item() + 1e-6
+
+
+def test_linear_cross_entropy_bad_input_and_all_ignored():
+    h, w = randn((4, 8), 1, "cpu"), randn((10, 8), 2, "cpu")
+    loss, dh = qmm.linear_cross_entropy(h, w, torch.full((4,), -100), dh=True)
+    assert loss.item() == 0.0 and (dh == 0).all()  # every token ignored: 0, with a defined (zero) gradient
+    _expect_error("InvalidArgument", "labels[2] is 10",
+                  lambda: qmm.linear_cross_entropy(h, w, torch.tensor([1, 2, 10, 3])))
+    _expect_error("ShapeMismatch", "labels is [3]", lambda: qmm.linear_cross_entropy(h, w, torch.tensor([1, 2, 3])))
+    _expect_error("DTypeMismatch", "labels", lambda: qmm.linear_cross_entropy(h, w, torch.ones(4)))
+    _expect_error("ShapeMismatch", "w must be [V, H]", lambda: qmm.linear_cross_entropy(h, w[:, :7], torch.zeros(4)))
