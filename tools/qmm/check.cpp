@@ -490,6 +490,48 @@ struct Result {
   bool finite = true;
 };
 
+// linear_cross_entropy: loss and dh against the definition (CPU only: the op has no GPU implementation yet).
+void add_loss_cases(std::vector<Case>& cases, std::int64_t t, std::int64_t hidden, std::int64_t vocab) {
+  auto H = std::make_shared<Tensor>(random(DType::F32, {t, hidden}, 91));
+  auto W = std::make_shared<Tensor>(random(DType::F32, {vocab, hidden}, 92));
+  auto L = std::make_shared<Tensor>(DType::I32, Shape{t});
+  for (std::int64_t i = 0; i < t; ++i)  // every fifth token ignored
+    L->data_as<std::int32_t>()[i] = i % 5 == 2 ? -100 : static_cast<std::int32_t>((i * 7919) % vocab);
+  cases.push_back({"linear_cross_entropy f32 (loss, dh)", dims(t, hidden, vocab),
+                   [=](const Context& ctx) {
+                     Tensor loss = poisoned(ctx, DType::F32, {1}), dh = poisoned(ctx, DType::F32, {t, hidden});
+                     linear_cross_entropy(ctx, on(ctx, *H), on(ctx, *W), on(ctx, *L), loss, dh);
+                     return Outputs{loss, dh};
+                   },
+                   [=] {
+                     std::vector<double> dh(static_cast<std::size_t>(t * hidden), 0.0);
+                     double total = 0;
+                     std::int64_t n = 0;
+                     for (std::int64_t i = 0; i < t; ++i) n += L->data_as<std::int32_t>()[i] != -100;
+                     for (std::int64_t i = 0; i < t; ++i) {
+                       const std::int32_t y = L->data_as<std::int32_t>()[i];
+                       if (y == -100) continue;
+                       std::vector<double> p(static_cast<std::size_t>(vocab));
+                       double sum = 0;
+                       for (std::int64_t v = 0; v < vocab; ++v) {
+                         double z = 0;
+                         for (std::int64_t k = 0; k < hidden; ++k)
+                           z += value_at(*H, i * hidden + k) * value_at(*W, v * hidden + k);
+                         p[static_cast<std::size_t>(v)] = std::exp(z);  // random(±1) inputs: no overflow
+                         sum += p[static_cast<std::size_t>(v)];
+                       }
+                       total -= std::log(p[static_cast<std::size_t>(y)] / sum);
+                       for (std::int64_t v = 0; v < vocab; ++v) {
+                         const double g = (p[static_cast<std::size_t>(v)] / sum - (v == y)) / static_cast<double>(n);
+                         for (std::int64_t k = 0; k < hidden; ++k)
+                           dh[static_cast<std::size_t>(i * hidden + k)] += g * value_at(*W, v * hidden + k);
+                       }
+                     }
+                     return Reference{{total / static_cast<double>(n)}, dh};
+                   },
+                   1e-6, 1e-6});
+}
+
 Result compare(const Outputs& got, const Reference& ref) {
   double d2 = 0, r2 = 0;
   bool finite = true;
@@ -531,6 +573,7 @@ int run_check(const CheckOptions& opts) {
   add_swiglu_cases(cpu_cases, 100003 * s);
   add_nf4_cases(cpu_cases, 17 * s, 512 * s, 192 * s);
   add_train_cases(cpu_cases, 100003 * s, 256 * s, 1000 * s);
+  add_loss_cases(cpu_cases, 33 * s, 64, 130 * s);
   if (gpus > 0) {
     add_dense_cases(gpu_cases, 256 * s, 1536, 1000 * s);
     add_batched_case(gpu_cases, 2, 4, 255 * s, 128);
