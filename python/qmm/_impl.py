@@ -9,7 +9,8 @@ sum added in the second GEMM's epilogue (beta = 1), after the NF4 base product a
 bases. The backward reads dy once for dt = scale * dy @ b_w and grad_b (lora_backward_dy)."""
 import torch
 
-from .ops import gemm, gemm_backward_b, gemm_bt, lora_backward_dy, nf4_gate_up, nf4_gemm, nf4_gemm_backward_a, swiglu
+from .ops import (gemm, gemm_backward_b, gemm_bt, linear_cross_entropy, lora_backward_dy, nf4_gate_up, nf4_gemm,
+                  nf4_gemm_backward_a, swiglu)
 from .ops import swiglu_backward as _swiglu_backward
 
 
@@ -100,3 +101,11 @@ def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd
     dxds = [None if s is None else _adapter_input_grad(dt, s[2], dx, drop, want_dxd, xd_shape)
             for dt, s, drop, want_dxd in zip(dts, saved, dropped, want[1:3])]
     return (dx, *dxds, *grads)
+
+
+def cross_entropy(h, w, labels, ignore_index, want_dh, want_dw):
+    """The mean cross-entropy of h [T, H] @ w^T against labels [T], with its gradients computed in the same pass
+    (the logits are never held whole): (loss, dh or None, dw float32 or None)."""
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
+    loss, dh = linear_cross_entropy(h, w, labels, ignore_index=ignore_index, dh=want_dh, dw=dw)
+    return loss, dh, dw

@@ -230,6 +230,34 @@ if AVAILABLE:
 
     lora_nf4_swiglu_op.register_autograd(_swiglu_block_grad, setup_context=_setup_swiglu_block)
 
+    # ---- the head and its cross-entropy ---------------------------------------------------------------------------
+
+    @op("qmm::linear_cross_entropy", mutates_args=())
+    def linear_cross_entropy_op(h: Tensor, w: Tensor, labels: Tensor, ignore_index: int, want_dh: bool,
+                                want_dw: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        loss, dh, dw = _impl.cross_entropy(h, w, labels, ignore_index, want_dh, want_dw)
+        return loss, _or_empty(dh, h), _or_empty(dw, h)
+
+    @linear_cross_entropy_op.register_fake
+    def _(h, w, labels, ignore_index, want_dh, want_dw):
+        return (h.new_empty((), dtype=torch.float32), h.new_empty(h.shape) if want_dh else h.new_empty(0),
+                w.new_empty(w.shape, dtype=torch.float32) if want_dw else h.new_empty(0))
+
+    def _setup_cross_entropy(ctx, inputs, output):
+        ctx.save_for_backward(output[1], output[2])
+        ctx.want, ctx.w_dtype = inputs[4:6], inputs[1].dtype
+        ctx.mark_non_differentiable(output[1], output[2])
+        ctx.set_materialize_grads(False)
+
+    def _cross_entropy_grad(ctx, grad, *_):
+        dh, dw = ctx.saved_tensors
+        if grad is None:
+            return (None,) * 6
+        return (dh * grad.to(dh.dtype) if ctx.want[0] else None,
+                (dw * grad).to(ctx.w_dtype) if ctx.want[1] else None, None, None, None, None)
+
+    linear_cross_entropy_op.register_autograd(_cross_entropy_grad, setup_context=_setup_cross_entropy)
+
     # ---- gate and up alone, and the SwiGLU alone ------------------------------------------------------------------
 
     @op("qmm::nf4_gate_up", mutates_args=())
@@ -314,6 +342,12 @@ def lora_nf4_swiglu(x, w_gate, w_up, loras, path):
         scales.append(scale)
     keep = torch.is_grad_enabled()
     return lora_nf4_swiglu_op(x, *args, *_op_args(w_gate), *_op_args(w_up), *scales, path, keep)[0]
+
+
+def linear_cross_entropy(h, w, labels, ignore_index):
+    want = torch.is_grad_enabled()
+    return linear_cross_entropy_op(h, w, labels, ignore_index, want and h.requires_grad,
+                                   want and w.requires_grad)[0]
 
 
 def nf4_gate_up(x, w_gate, w_up, path):

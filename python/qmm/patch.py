@@ -24,7 +24,8 @@ import torch
 
 from . import _qmm
 from .compile_ops import compiling
-from .functional import Lora, lora_nf4_linear, lora_nf4_swiglu, nf4_gate_up_linear, swiglu_autograd
+from .functional import (Lora, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_swiglu, nf4_gate_up_linear,
+                         swiglu_autograd)
 from .layers import _has_bnb_weight, _is_lora_wrapper, _model
 from .nf4 import Nf4Weight
 
@@ -172,11 +173,11 @@ def _unpatched(module):
     return patch.previous if patch.previous is not None else getattr(type(module), patch.attr).__get__(module)
 
 
-def _fallback(module, why, x, *args, **kwargs):
+def _fallback(module, why, *args, **kwargs):
     """Runs the module's own forward for a call qmm does not cover, saying why once per reason (Python's warnings
     show each message once), so that a model that stays slow tells its user."""
     warnings.warn(f"qmm.patch_bnb: {why}; the module's own forward runs instead", stacklevel=3)
-    return _unpatched(module)(x, *args, **kwargs)
+    return _unpatched(module)(*args, **kwargs)
 
 
 def _uncovered_call(x, args, kwargs):
@@ -239,6 +240,42 @@ def _swiglu_mlp_forward(mlp, x, *args, **kwargs):
     return mlp.down_proj(swiglu_autograd(gate, up))
 
 
+def _is_causal_lm(module):
+    """A Hugging Face causal LM of the Llama/Qwen2/Mistral kind: a decoder under .model returning hidden states, and
+    a linear lm_head without bias or logit soft-capping."""
+    config = getattr(module, "config", None)
+    return type(module).__name__.endswith("ForCausalLM") and hasattr(module, "model") and \
+        type(getattr(module, "lm_head", None)) is torch.nn.Linear and module.lm_head.bias is None and \
+        getattr(config, "final_logit_softcapping", None) is None
+
+
+def _causal_lm_forward(lm, *args, labels=None, **kwargs):
+    """Training with labels: the loss from the hidden states through linear_cross_entropy_loss, as transformers'
+    causal-LM loss defines it (labels shifted by one, -100 ignored, the mean, or the sum over num_items_in_batch),
+    and no logits. Everything else (no labels, eval mode, generation) runs the model's own forward."""
+    if labels is None or not lm.training or not torch.is_grad_enabled():
+        return _unpatched(lm)(*args, labels=labels, **kwargs)
+    why = "positional arguments" if args else None
+    if why is None and kwargs.get("logits_to_keep", 0) not in (0, None):
+        why = "logits_to_keep"
+    if why is None and lm.lm_head.weight.is_cuda:  # the op's GPU kernel is not written yet
+        why = "linear_cross_entropy on a GPU (not implemented yet)"
+    if why is not None:
+        return _fallback(lm, why, *args, labels=labels, **kwargs)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    kwargs.pop("logits_to_keep", None)
+    outputs = lm.model(**kwargs)
+    hidden = outputs[0]
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    loss = linear_cross_entropy_loss(hidden, lm.lm_head.weight, shifted, -100)
+    if num_items is not None:  # a sum over the tokens of several micro-batches (gradient accumulation)
+        loss = loss * (shifted != -100).sum() / num_items
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
+                                  hidden_states=getattr(outputs, "hidden_states", None),
+                                  attentions=getattr(outputs, "attentions", None))
+
+
 def _is_swiglu_mlp(module):
     """An MLP module in the Hugging Face Llama/Qwen/Mistral form: down_proj(act_fn(gate_proj(x)) * up_proj(x)) with
     a SiLU act_fn and bitsandbytes NF4 bases (PEFT-wrapped or not) under gate_proj and up_proj."""
@@ -288,7 +325,7 @@ def _patch(module, forward, path):
         cls.forward = _dispatching_forward(cls, original)
 
 
-def patch_bnb(model, path="auto", fuse_mlp=True):
+def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False):
     """Runs a bitsandbytes 4-bit model's NF4 layers with qmm, in place, and changes nothing else: modules,
     parameters, state-dict names and PEFT's LoRA adapters stay (PEFT trains, saves and merges them as before). Every
     bitsandbytes NF4 linear layer then computes with qmm (bf16 products, fp32 sums, whatever its compute_dtype); a
@@ -301,8 +338,10 @@ def patch_bnb(model, path="auto", fuse_mlp=True):
     warning that says why (once per reason). The patched model traces whole under torch.compile (fullgraph=True);
     after bitsandbytes replaces weights (merge_adapter, a move to another device), one eager call or another
     patch_bnb(model) reads the new weights' offsets, which a compiled step cannot without breaking its graph.
-    `path` forces qmm's NF4 implementation (see nf4_gemm). Returns the patched modules' names; unpatch_bnb undoes
-    it."""
+    With `fused_loss`, a Hugging Face causal LM (Llama, Qwen2, Mistral) trained with labels returns its loss from
+    the hidden states through linear_cross_entropy_loss, never holding the [tokens, vocab] logits, and no logits
+    (the CPU backend only for now: on a GPU the model's own loss runs, with a warning). `path` forces qmm's NF4
+    implementation (see nf4_gemm). Returns the patched modules' names; unpatch_bnb undoes it."""
     _model("patch_bnb", model)
     _qmm.check_nf4_path(path, "patch_bnb")
     patched = []
@@ -319,6 +358,8 @@ def patch_bnb(model, path="auto", fuse_mlp=True):
             _patch(module, _lora_linear_forward, path)
         elif fuse_mlp and _is_swiglu_mlp(module):
             _patch(module, _swiglu_mlp_forward, path)
+        elif fused_loss and _is_causal_lm(module):
+            _patch(module, _causal_lm_forward, path)
         else:
             continue
         patched.append(name)
