@@ -41,7 +41,9 @@ void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target,
 // [0, V) or ignore_index (anything else is InvalidArgument naming the first); loss [1] f32, written. With all
 // tokens ignored (n = 0) the loss is 0 and the gradients are 0. The products multiply bf16 (or f32) operands with
 // fp32 sums; the log-sum-exp is fp32 (fp64 on the CPU backend). Gradients of the mean loss: dh [T,H] of h's dtype,
-// written, where given (empty: none); dw [V,H] f32, accumulated (dw += ∂loss/∂W), where given.
+// written, where given (empty: none); dw [V,H] f32, accumulated (dw += ∂loss/∂W), where given. The labels are
+// range-checked on the host (a GPU's are copied: the call waits for the device). On a GPU the gradient rows are
+// rounded to h's dtype before their GEMMs.
 struct CrossEntropyOptions {
   std::int32_t ignore_index = -100;
   std::int64_t chunk_tokens = 0;

@@ -133,7 +133,8 @@ def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, 
     """The mean cross-entropy of the logits h @ w^T against labels, for h [T, H] (float32 or bfloat16), w [V, H] of
     h's dtype and labels [T] (int32, or int64 converted), each in [0, V) or ignore_index; the [T, V] logits are never
     held whole. Returns (loss, dh): loss a float32 scalar tensor (0 when every token is ignored), dh the loss's
-    gradient in h (where dh=True, else None); `dw` (float32 [V, H]) accumulates the gradient in w where given."""
+    gradient in h (where dh=True, else None); `dw` (float32 [V, H]) accumulates the gradient in w where given. (Its
+    GPU path, chunked logits GEMMs and a row kernel, has not yet run on a GPU.)"""
     h, w = _in(h), _in(w)
     labels = _in(labels)
     if labels.dtype == torch.int64:

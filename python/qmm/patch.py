@@ -258,8 +258,8 @@ def _causal_lm_forward(lm, *args, labels=None, **kwargs):
     why = "positional arguments" if args else None
     if why is None and kwargs.get("logits_to_keep", 0) not in (0, None):
         why = "logits_to_keep"
-    if why is None and lm.lm_head.weight.is_cuda:  # the op's GPU kernel is not written yet
-        why = "linear_cross_entropy on a GPU (not implemented yet)"
+    if why is None and lm.lm_head.weight.is_cuda:  # the op's GPU path has not run on a GPU yet
+        why = "linear_cross_entropy on a GPU (not yet verified there)"
     if why is not None:
         return _fallback(lm, why, *args, labels=labels, **kwargs)
     num_items = kwargs.pop("num_items_in_batch", None)
@@ -340,7 +340,8 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False):
     patch_bnb(model) reads the new weights' offsets, which a compiled step cannot without breaking its graph.
     With `fused_loss`, a Hugging Face causal LM (Llama, Qwen2, Mistral) trained with labels returns its loss from
     the hidden states through linear_cross_entropy_loss, never holding the [tokens, vocab] logits, and no logits
-    (the CPU backend only for now: on a GPU the model's own loss runs, with a warning). `path` forces qmm's NF4
+    (the CPU backend only for now: the op's GPU path has not yet run on a GPU, so there the model's own loss runs,
+    with a warning). `path` forces qmm's NF4
     implementation (see nf4_gemm). Returns the patched modules' names; unpatch_bnb undoes it."""
     _model("patch_bnb", model)
     _qmm.check_nf4_path(path, "patch_bnb")

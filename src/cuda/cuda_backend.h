@@ -58,5 +58,12 @@ void grad_norm(const Context& ctx, std::span<const TensorView> grads, const Tens
 void adamw_step(const Context& ctx, std::span<const AdamWParam> params, const AdamWOptions& opts, int step,
                 const TensorView& norm);
 void zero(const Context& ctx, const TensorView& t);
+// linear_cross_entropy's step over one chunk of fp32 logits [rows, V] (the core runs the chunks' GEMMs): each row's
+// loss term logsumexp(z) - z[label] into row_loss[row] (fp64; 0 for an ignored row) and, where g is given (f32 or
+// bf16 [rows, V]), the gradient rows g = (softmax(z) - onehot(label)) * inv_n (0 for an ignored row).
+void cross_entropy_rows(const Context& ctx, const TensorView& logits, const TensorView& labels,
+                        std::int32_t ignore_index, float inv_n, const TensorView& g, const TensorView& row_loss);
+// loss[0] = sum(row_loss) / divisor, summed in a fixed order (row_loss f64 viewed as its bytes: U8 [8 * rows]).
+void cross_entropy_mean(const Context& ctx, const TensorView& row_loss, double divisor, const TensorView& loss);
 
 }  // namespace qmm::cuda

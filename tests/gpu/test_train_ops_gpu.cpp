@@ -18,6 +18,7 @@
 #include <iterator>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/test_util.h"
@@ -442,6 +443,42 @@ TEST(TrainOpsGpu, HostTensorsAreRejected) {
                                  {"mse_loss: loss", "cpu"}));
   gpu.synchronize();
   EXPECT_TRUE(test::bytes_equal(dev.view, host));
+}
+
+// linear_cross_entropy on the GPU (chunked logits GEMMs and the row kernel) against the CPU oracle (fp64): ragged
+// token counts over several chunks, ignored tokens, both dtypes. The loss comes from fp32 logits on both sides:
+// 1e-5 relative. The gradient rows are rounded to the activations' dtype before their GEMMs (bf16: 2^-9 each, summed
+// over V terms and T tokens): dh and dw within 1% (bf16) or 1e-4 (f32) Frobenius-relative of the oracle's.
+TEST(TrainOpsGpu, LinearCrossEntropyMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  std::uint64_t seed = 700;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (auto [t, hidden, vocab, chunk] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>{
+             1, 64, 1, 0}, {7, 64, 130, 0}, {300, 128, 32003, 64}, {65, 64, 1000, 7}}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " T=" + std::to_string(t) + " V=" + std::to_string(vocab));
+      const Tensor h = test::random_tensor(dt, {t, hidden}, ++seed);
+      const Tensor w = test::random_tensor(dt, {vocab, hidden}, ++seed);
+      Tensor labels(DType::I32, {t});
+      for (std::int64_t i = 0; i < t; ++i)
+        labels.data_as<std::int32_t>()[i] = i % 4 == 3 ? -100 : static_cast<std::int32_t>((i * 7919 + 13) % vocab);
+      CrossEntropyOptions opts;
+      opts.chunk_tokens = chunk;
+      Tensor loss(DType::F32, {1}), dh(dt, {t, hidden}), dw = test::filled(DType::F32, {vocab, hidden}, 0.0f);
+      linear_cross_entropy(Context::cpu(), h, w, labels, loss, dh, dw, opts);
+      const Device dev = gpu.device();
+      const Tensor loss_d = to_device(test::filled(DType::F32, {1}, NAN), dev);
+      const Tensor dh_d = to_device(test::filled(dt, {t, hidden}, NAN), dev);
+      const Tensor dw_d = to_device(test::filled(DType::F32, {vocab, hidden}, 0.0f), dev);
+      linear_cross_entropy(gpu, to_device(h, dev), to_device(w, dev), to_device(labels, dev), loss_d, dh_d, dw_d,
+                           opts);
+      gpu.synchronize();
+      EXPECT_NEAR(test::host_copy(loss_d).data_as<float>()[0], loss.data_as<float>()[0],
+                  1e-5 * std::abs(loss.data_as<float>()[0]));
+      const double rel = dt == DType::BF16 ? 1e-2 : 1e-4;
+      EXPECT_TRUE(test::all_close(test::host_copy(dh_d), dh, {1e-6, 8 * rel, rel})) << "dh";
+      EXPECT_TRUE(test::all_close(test::host_copy(dw_d), dw, {1e-6, 8 * rel, rel})) << "dw";
+    }
 }
 
 }  // namespace
