@@ -52,6 +52,18 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
                           const TensorView& loss, const TensorView& dh = {}, const TensorView& dw = {},
                           const CrossEntropyOptions& opts = {});
 
+// RMSNorm over the last dimension, as Hugging Face's LlamaRMSNorm and Qwen2RMSNorm compute it: per row
+// rstd = 1 / sqrt(mean(x²) + eps) in fp32, then y = w · x̂ with x̂ = x · rstd rounded to x's dtype first (the
+// product rounded again). x, y [T, H] f32 or bf16 (y may be x); w [H] of x's dtype; rstd [T] f32, written for the
+// backward where given (empty: not kept). eps finite and >= 0.
+void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y,
+              const TensorView& rstd, float eps);
+// Its backward from the forward's rstd: dx = rstd · (g − x̂ · mean(g · x̂)) with g = dy · w and x̂ = x · rstd (fp32),
+// written in x's dtype (dx may be dy); dw [H] f32 accumulated, dw += Σ_t dy · x̂, summed over the rows in a fixed
+// order (the same bits for any thread count or GPU); dx or dw may be empty (not wanted).
+void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
+                       const TensorView& dy, const TensorView& dx, const TensorView& dw);
+
 // One tensor the optimizer updates: parameter, its gradient and the two moment buffers, all f32, one shape.
 struct AdamWParam {
   TensorView param;

@@ -235,6 +235,65 @@ void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target,
   QMM_TRAIN_ROUTE(ctx, op, mse_loss, y, target, loss, dy, scale);
 }
 
+void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd,
+              float eps) {
+  const char* op = "rms_norm";
+  require_float_tensor(ctx, op, "x", x);
+  detail::require_rank(op, "x", x, 2);
+  require_like(ctx, op, "y", y, "x", x);
+  detail::require_tensor(ctx, op, "w", w);
+  detail::require_same_dtype(op, "w", w, "x", x);
+  require(w.rank() == 1 && w.dim(0) == x.dim(1), ErrorCode::ShapeMismatch, op,
+          "w is " + w.shape().str() + " but must be [" + std::to_string(x.dim(1)) + "] (x's last dimension)");
+  if (!rstd.empty()) {
+    detail::require_tensor(ctx, op, "rstd", rstd);
+    detail::require_dtype(op, "rstd", rstd, {DType::F32});
+    require(rstd.rank() == 1 && rstd.dim(0) == x.dim(0), ErrorCode::ShapeMismatch, op,
+            "rstd is " + rstd.shape().str() + " but must be [" + std::to_string(x.dim(0)) + "] (x's rows)");
+  }
+  require(std::isfinite(eps) && eps >= 0.0f, ErrorCode::InvalidArgument, op,
+          "eps is " + num(eps) + " but must be finite and >= 0");
+  require_exact_alias_or_disjoint(op, "y", y, "x", x);
+  detail::require_no_overlap(op, "y", y, "w", w);
+  for (const auto& [name, in] : {std::pair<const char*, const TensorView*>{"x", &x}, {"w", &w}, {"y", &y}})
+    detail::require_no_overlap(op, "rstd", rstd, name, *in);
+  if (x.numel() == 0) return;
+  QMM_TRAIN_ROUTE(ctx, op, rms_norm, x, w, y, rstd, eps);
+}
+
+void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
+                       const TensorView& dy, const TensorView& dx, const TensorView& dw) {
+  const char* op = "rms_norm_backward";
+  require_float_tensor(ctx, op, "x", x);
+  detail::require_rank(op, "x", x, 2);
+  require_like(ctx, op, "dy", dy, "x", x);
+  detail::require_tensor(ctx, op, "w", w);
+  detail::require_same_dtype(op, "w", w, "x", x);
+  require(w.rank() == 1 && w.dim(0) == x.dim(1), ErrorCode::ShapeMismatch, op,
+          "w is " + w.shape().str() + " but must be [" + std::to_string(x.dim(1)) + "] (x's last dimension)");
+  detail::require_tensor(ctx, op, "rstd", rstd);
+  detail::require_dtype(op, "rstd", rstd, {DType::F32});
+  require(rstd.rank() == 1 && rstd.dim(0) == x.dim(0), ErrorCode::ShapeMismatch, op,
+          "rstd is " + rstd.shape().str() + " but must be [" + std::to_string(x.dim(0)) + "] (from the forward)");
+  if (!dx.empty()) {
+    require_like(ctx, op, "dx", dx, "x", x);
+    require_exact_alias_or_disjoint(op, "dx", dx, "dy", dy);
+    for (const auto& [name, in] : {std::pair<const char*, const TensorView*>{"x", &x}, {"w", &w}, {"rstd", &rstd}})
+      detail::require_no_overlap(op, "dx", dx, name, *in);
+  }
+  if (!dw.empty()) {
+    detail::require_tensor(ctx, op, "dw", dw);
+    detail::require_dtype(op, "dw", dw, {DType::F32});
+    require(dw.shape() == w.shape(), ErrorCode::ShapeMismatch, op,
+            "dw is " + dw.shape().str() + " but must be w's shape " + w.shape().str());
+    for (const auto& [name, in] : {std::pair<const char*, const TensorView*>{"x", &x}, {"w", &w}, {"rstd", &rstd},
+                                   {"dy", &dy}, {"dx", &dx}})
+      detail::require_no_overlap(op, "dw", dw, name, *in);
+  }
+  if (x.numel() == 0) return;
+  QMM_TRAIN_ROUTE(ctx, op, rms_norm_backward, x, w, rstd, dy, dx, dw);
+}
+
 void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorView& w, const TensorView& labels,
                           const TensorView& loss, const TensorView& dh, const TensorView& dw,
                           const CrossEntropyOptions& opts) {

@@ -29,6 +29,9 @@ void mse_loss(const TensorView& y, const TensorView& target, const TensorView& l
 void grad_norm(std::span<const TensorView> grads, const TensorView& norm);
 void adamw_step(std::span<const AdamWParam> params, const AdamWOptions& opts, int step, const TensorView& norm);
 void zero(const TensorView& t);
+void rms_norm(const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd, float eps);
+void rms_norm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
+                       const TensorView& dx, const TensorView& dw);
 void linear_cross_entropy(const TensorView& h, const TensorView& w, const TensorView& labels, const TensorView& loss,
                           const TensorView& dh, const TensorView& dw, std::int32_t ignore_index);
 

@@ -191,6 +191,67 @@ void adamw_step(std::span<const AdamWParam> params, const AdamWOptions& opts, in
 
 void zero(const TensorView& t) { std::memset(t.data(), 0, t.nbytes()); }
 
+// The storage dtype's value of v (the rounding a bf16 or f32 store makes).
+template <class T>
+double rounded(double v) {
+  T tmp;
+  store(&tmp, 0, v);
+  return load(&tmp, 0);
+}
+
+void rms_norm(const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd, float eps) {
+  const std::int64_t rows = x.dim(0), hid = x.dim(1);
+  with_storage(x.dtype(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xp = x.data_as<const T>();
+    const T* wp = w.data_as<const T>();
+    T* yp = y.data_as<T>();
+#pragma omp parallel for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      double ss = 0;
+      for (std::int64_t k = 0; k < hid; ++k) ss += load(xp, r * hid + k) * load(xp, r * hid + k);
+      const float rs = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(hid) + eps));  // fp32, the contract
+      if (!rstd.empty()) rstd.data_as<float>()[r] = rs;
+      for (std::int64_t k = 0; k < hid; ++k)  // y may be x: each element read before it is written
+        store(yp, r * hid + k, load(wp, k) * rounded<T>(load(xp, r * hid + k) * rs));
+    }
+  });
+}
+
+void rms_norm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
+                       const TensorView& dx, const TensorView& dw) {
+  const std::int64_t rows = x.dim(0), hid = x.dim(1);
+  const float* rs = rstd.data_as<const float>();
+  with_storage(x.dtype(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xp = x.data_as<const T>();
+    const T* wp = w.data_as<const T>();
+    const T* dyp = dy.data_as<const T>();
+    if (!dw.empty()) {  // first: dx may be dy. Each column summed over the rows in order.
+      float* dwp = dw.data_as<float>();
+#pragma omp parallel for schedule(static)
+      for (std::int64_t k = 0; k < hid; ++k) {
+        double acc = 0;
+        for (std::int64_t r = 0; r < rows; ++r) acc += load(dyp, r * hid + k) * load(xp, r * hid + k) * rs[r];
+        dwp[k] = static_cast<float>(dwp[k] + acc);
+      }
+    }
+    if (dx.empty()) return;
+    T* dxp = dx.data_as<T>();
+#pragma omp parallel for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      double dot = 0;
+      for (std::int64_t k = 0; k < hid; ++k)
+        dot += load(dyp, r * hid + k) * load(wp, k) * load(xp, r * hid + k) * rs[r];
+      const double mean = dot / static_cast<double>(hid);
+      for (std::int64_t k = 0; k < hid; ++k) {
+        const double g = load(dyp, r * hid + k) * load(wp, k), xh = load(xp, r * hid + k) * rs[r];
+        store(dxp, r * hid + k, rs[r] * (g - xh * mean));
+      }
+    }
+  });
+}
+
 // Token by token in fp64: the logits row, its log-sum-exp, the loss term, and (for the gradients) the row of
 // (softmax - onehot) / n. Per-token losses are summed in token order; dw's rows are summed over tokens in order
 // (each thread owns whole rows of dw), so the result does not depend on the thread count.

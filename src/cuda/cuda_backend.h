@@ -58,6 +58,10 @@ void grad_norm(const Context& ctx, std::span<const TensorView> grads, const Tens
 void adamw_step(const Context& ctx, std::span<const AdamWParam> params, const AdamWOptions& opts, int step,
                 const TensorView& norm);
 void zero(const Context& ctx, const TensorView& t);
+void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y,
+              const TensorView& rstd, float eps);
+void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
+                       const TensorView& dy, const TensorView& dx, const TensorView& dw);
 // linear_cross_entropy's step over one chunk of fp32 logits [rows, V] (the core runs the chunks' GEMMs): each row's
 // loss term logsumexp(z) - z[label] into row_loss[row] (fp64; 0 for an ignored row) and, where g is given (f32 or
 // bf16 [rows, V]), the gradient rows g = (softmax(z) - onehot(label)) * inv_n (0 for an ignored row).

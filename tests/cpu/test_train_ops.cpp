@@ -865,11 +865,10 @@ struct CeReference {
 
 // The loss and its gradients from the definition, written independently of the backend: softmax as exp(z) / Σ exp(z)
 // over logits shifted by their row maximum, the gradient of each term, then the mean.
-CeReference ce_reference(const Tensor& h, const Tensor& w, const std::vector<std::int32_t>& labels, std::int32_t ignore) {
+CeReference ce_reference(const Tensor& h, const Tensor& w, const std::vector<std::int32_t>& labels,
+                         std::int32_t ignore) {
   const std::int64_t t = h.dim(0), hid = h.dim(1), vocab = w.dim(0);
-  auto val = [](const Tensor& x, std::int64_t i) {
-    return x.dtype() == DType::F32 ? double(x.data_as<float>()[i]) : double(bf16_to_float(x.data_as<std::uint16_t>()[i]));
-  };
+  auto val = [](const Tensor& x, std::int64_t i) { return test::get_value(x, i); };
   CeReference r;
   r.dh.assign(static_cast<std::size_t>(t * hid), 0.0);
   r.dw.assign(static_cast<std::size_t>(vocab * hid), 0.0);
@@ -879,7 +878,8 @@ CeReference ce_reference(const Tensor& h, const Tensor& w, const std::vector<std
     if (labels[static_cast<std::size_t>(i)] == ignore) continue;
     std::vector<double> z(static_cast<std::size_t>(vocab));
     for (std::int64_t v = 0; v < vocab; ++v)
-      for (std::int64_t k = 0; k < hid; ++k) z[static_cast<std::size_t>(v)] += val(h, i * hid + k) * val(w, v * hid + k);
+      for (std::int64_t k = 0; k < hid; ++k)
+        z[static_cast<std::size_t>(v)] += val(h, i * hid + k) * val(w, v * hid + k);
     const double m = *std::max_element(z.begin(), z.end());
     double s = 0;
     for (double zv : z) s += std::exp(zv - m);
@@ -902,7 +902,9 @@ std::vector<std::int32_t> ce_labels(std::int64_t t, std::int64_t vocab, std::uin
   for (std::int64_t i = 0; i < t; ++i) {
     x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
     out[static_cast<std::size_t>(i)] =
-        ignore_every > 0 && i % ignore_every == 1 ? -100 : static_cast<std::int32_t>((x * 2685821657736338717ull) % vocab);
+        ignore_every > 0 && i % ignore_every == 1
+            ? -100
+            : static_cast<std::int32_t>((x * 2685821657736338717ull) % static_cast<std::uint64_t>(vocab));
   }
   return out;
 }
@@ -927,7 +929,8 @@ TEST(TrainLinearCrossEntropy, MatchesDefinitionOnRaggedShapes) {
       const Tensor w = test::random_tensor(dt, {vocab, hid}, ++seed, -2.0f, 2.0f);
       const std::vector<std::int32_t> labels = ce_labels(t, vocab, ++seed, 3);
       const CeReference ref = ce_reference(h, w, labels, -100);
-      Tensor loss = test::filled(DType::F32, {1}, NAN), dh(dt, {t, hid}), dw = test::filled(DType::F32, {vocab, hid}, 1.0f);
+      Tensor loss = test::filled(DType::F32, {1}, NAN), dh(dt, {t, hid});
+      Tensor dw = test::filled(DType::F32, {vocab, hid}, 1.0f);
       test::poison(dh);
       linear_cross_entropy(ctx, h, w, i32_tensor(labels), loss, dh, dw);
       // fp64 sums rounded once: the f32 loss and dw to 1e-6 of their magnitude, dh to its dtype's rounding.
@@ -1003,6 +1006,76 @@ TEST(TrainLinearCrossEntropy, BadArgumentsNameThemAndWriteNothing) {
     EXPECT_TRUE(test::throws_error(c.call, c.code, {"linear_cross_entropy", c.needle}));
     EXPECT_TRUE(std::isnan(loss.data_as<float>()[0]) && std::isnan(dh.data_as<float>()[0]));
   }
+}
+
+// ---- rms_norm ---------------------------------------------------------------------------------------------------
+
+TEST(TrainRmsNorm, ForwardAndBackwardMatchTheDefinition) {
+  const Context& ctx = Context::cpu();
+  std::uint64_t seed = 900;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (auto [rows, hid] : {std::pair<std::int64_t, std::int64_t>{1, 1}, {7, 7}, {65, 64}, {3, 1536}}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " " + std::to_string(rows) + "x" + std::to_string(hid));
+      const Tensor x = test::random_tensor(dt, {rows, hid}, ++seed, -3.0f, 3.0f);
+      const Tensor w = test::random_tensor(dt, {hid}, ++seed, 0.5f, 1.5f);
+      const Tensor dy = test::random_tensor(dt, {rows, hid}, ++seed);
+      const float eps = 1e-6f;
+      Tensor y(dt, {rows, hid}), rstd = test::filled(DType::F32, {rows}, NAN);
+      rms_norm(ctx, x, w, y, rstd, eps);
+      Tensor dx(dt, {rows, hid}), dw = test::filled(DType::F32, {hid}, 0.25f);
+      rms_norm_backward(ctx, x, w, rstd, dy, dx, dw);
+      const double ulp = dt == DType::BF16 ? 1.0 / 128 : 1e-6;  // two roundings in y (x̂, then the product)
+      std::vector<double> dw_ref(static_cast<std::size_t>(hid), 0.25);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        double ss = 0;
+        for (std::int64_t k = 0; k < hid; ++k) ss += std::pow(test::get_value(x, r * hid + k), 2);
+        const double rs = 1.0 / std::sqrt(ss / double(hid) + eps);
+        ASSERT_NEAR(rstd.data_as<float>()[r], rs, 1e-6 * rs);
+        double gx = 0;  // Σ g·x, for dx = rs·g − rs³·x·Σ(g·x)/H: the same gradient, written another way
+        for (std::int64_t k = 0; k < hid; ++k)
+          gx += test::get_value(dy, r * hid + k) * test::get_value(w, k) * test::get_value(x, r * hid + k);
+        for (std::int64_t k = 0; k < hid; ++k) {
+          const double xv = test::get_value(x, r * hid + k), wv = test::get_value(w, k);
+          const double g = test::get_value(dy, r * hid + k);
+          const double y_ref = wv * xv * rs;
+          ASSERT_NEAR(test::get_value(y, r * hid + k), y_ref, ulp * std::abs(y_ref) + 1e-7) << "y " << k;
+          const double dx_ref = rs * g * wv - rs * rs * rs * xv * gx / double(hid);
+          const double dx_mag = rs * std::abs(g * wv) + rs * rs * rs * std::abs(xv) * std::abs(gx) / double(hid);
+          ASSERT_NEAR(test::get_value(dx, r * hid + k), dx_ref, (dt == DType::BF16 ? 1.0 / 128 : 1e-5) * dx_mag + 1e-7)
+              << "dx " << k;
+          dw_ref[static_cast<std::size_t>(k)] += g * xv * rs;
+        }
+      }
+      for (std::int64_t k = 0; k < hid; ++k) {
+        const double ref = dw_ref[static_cast<std::size_t>(k)];
+        ASSERT_NEAR(dw.data_as<float>()[k], ref, 1e-5 * (1 + std::abs(ref))) << "dw " << k;
+      }
+      // In place (y = x, dx = dy) gives the same values.
+      Tensor xy = test::host_copy(x), g = test::host_copy(dy), dw2 = test::filled(DType::F32, {hid}, 0.25f);
+      rms_norm(ctx, xy, w, xy, {}, eps);
+      EXPECT_TRUE(test::bytes_equal(xy, y));
+      rms_norm_backward(ctx, x, w, rstd, g, g, dw2);
+      EXPECT_TRUE(test::bytes_equal(g, dx));
+      EXPECT_TRUE(test::bytes_equal(dw2, dw));
+    }
+}
+
+TEST(TrainRmsNorm, BadArgumentsNameThem) {
+  const Context& ctx = Context::cpu();
+  const Tensor x = test::random_tensor(DType::F32, {4, 8}, 1), w = test::random_tensor(DType::F32, {8}, 2);
+  Tensor y(DType::F32, {4, 8}), rstd(DType::F32, {4}), dx(DType::F32, {4, 8}), dw(DType::F32, {8});
+  EXPECT_TRUE(test::throws_error([&] { rms_norm(ctx, x, test::random_tensor(DType::F32, {7}, 3), y, rstd, 1e-6f); },
+                                 ErrorCode::ShapeMismatch, {"rms_norm", "w is [7]"}));
+  EXPECT_TRUE(test::throws_error([&] { rms_norm(ctx, x, test::random_tensor(DType::BF16, {8}, 3), y, rstd, 1e-6f); },
+                                 ErrorCode::DTypeMismatch, {"rms_norm", "w"}));
+  EXPECT_TRUE(test::throws_error([&] { rms_norm(ctx, x, w, y, Tensor(DType::F32, {3}), 1e-6f); },
+                                 ErrorCode::ShapeMismatch, {"rms_norm", "rstd is [3]"}));
+  EXPECT_TRUE(test::throws_error([&] { rms_norm(ctx, x, w, y, rstd, NAN); }, ErrorCode::InvalidArgument,
+                                 {"rms_norm", "eps"}));
+  EXPECT_TRUE(test::throws_error([&] { rms_norm_backward(ctx, x, w, Tensor(DType::F32, {5}), x, dx, dw); },
+                                 ErrorCode::ShapeMismatch, {"rms_norm_backward", "rstd"}));
+  EXPECT_TRUE(test::throws_error([&] { rms_norm_backward(ctx, x, w, rstd, x, dx, Tensor(DType::BF16, {8})); },
+                                 ErrorCode::DTypeMismatch, {"rms_norm_backward", "dw"}));
 }
 
 }  // namespace qmm

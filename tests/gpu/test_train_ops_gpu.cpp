@@ -445,6 +445,35 @@ TEST(TrainOpsGpu, HostTensorsAreRejected) {
   EXPECT_TRUE(test::bytes_equal(dev.view, host));
 }
 
+// rms_norm forward and backward on the GPU against the CPU oracle: rstd to fp32 sums' rounding (1e-5), y and dx to
+// one rounding of their dtype beside the sums' order, dw (fp32 sums over rows in groups) to 1e-4 relative.
+TEST(TrainOpsGpu, RmsNormMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  std::uint64_t seed = 800;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (auto [rows, hid] : {std::pair<std::int64_t, std::int64_t>{1, 64}, {7, 100}, {300, 1536}, {2048, 4096}}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " " + std::to_string(rows) + "x" + std::to_string(hid));
+      const Tensor x = test::random_tensor(dt, {rows, hid}, ++seed, -3.0f, 3.0f);
+      const Tensor w = test::random_tensor(dt, {hid}, ++seed, 0.5f, 1.5f);
+      const Tensor dy = test::random_tensor(dt, {rows, hid}, ++seed);
+      Tensor y(dt, {rows, hid}), rstd(DType::F32, {rows}), dx(dt, {rows, hid}), dw = test::filled(DType::F32, {hid}, 0);
+      rms_norm(Context::cpu(), x, w, y, rstd, 1e-6f);
+      rms_norm_backward(Context::cpu(), x, w, rstd, dy, dx, dw);
+      const Device dev = gpu.device();
+      const Tensor y_d(dt, {rows, hid}, dev), rstd_d(DType::F32, {rows}, dev), dx_d(dt, {rows, hid}, dev);
+      const Tensor dw_d = to_device(test::filled(DType::F32, {hid}, 0), dev), x_d = to_device(x, dev);
+      rms_norm(gpu, x_d, to_device(w, dev), y_d, rstd_d, 1e-6f);
+      rms_norm_backward(gpu, x_d, to_device(w, dev), rstd_d, to_device(dy, dev), dx_d, dw_d);
+      gpu.synchronize();
+      const double one = dt == DType::BF16 ? 1.0 / 128 : 1e-5;
+      EXPECT_TRUE(test::all_close(test::host_copy(rstd_d), rstd, {0, 1e-5, 1e-6})) << "rstd";
+      EXPECT_TRUE(test::all_close(test::host_copy(y_d), y, {1e-6, one, one})) << "y";
+      EXPECT_TRUE(test::all_close(test::host_copy(dx_d), dx, {1e-4, one, one})) << "dx";
+      EXPECT_TRUE(test::all_close(test::host_copy(dw_d), dw, {1e-4, 1e-4, 1e-5})) << "dw";
+    }
+}
+
 // linear_cross_entropy on the GPU (chunked logits GEMMs and the row kernel) against the CPU oracle (fp64): ragged
 // token counts over several chunks, ignored tokens, both dtypes. The loss comes from fp32 logits on both sides:
 // 1e-5 relative. The gradient rows are rounded to the activations' dtype before their GEMMs (bf16: 2^-9 each, summed
