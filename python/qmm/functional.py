@@ -9,7 +9,7 @@ import torch
 from . import _impl, compile_ops
 from ._base import _error
 from .nf4 import Nf4Weight, _nf4
-from .ops import nf4_gate_up, nf4_gemm_backward_a, swiglu, swiglu_backward
+from .ops import nf4_gate_up, nf4_gemm_backward_a, rms_norm, rms_norm_backward, swiglu, swiglu_backward
 
 _compiling = compile_ops.compiling
 
@@ -241,3 +241,25 @@ def linear_cross_entropy_loss(h, w, labels, ignore_index=-100):
     if not _grad_wanted(h, w):
         return _impl.cross_entropy(h2, w, labels, ignore_index, False, False)[0]
     return _LinearCrossEntropy.apply(h2, w, labels, ignore_index)
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        y, rstd = rms_norm(x, w, eps, rstd=True)
+        ctx.save_for_backward(x, w, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, rstd = ctx.saved_tensors
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
+        dx = rms_norm_backward(x, w, rstd, dy, dx=ctx.needs_input_grad[0], dw=dw)
+        return dx, None if dw is None else dw.to(w.dtype), None
+
+
+def rms_norm_autograd(x, w, eps):
+    """y = rms_norm(x, w, eps) (see qmm.rms_norm), differentiable in x and w (qmm's backward kernel)."""
+    if not _grad_wanted(x, w):
+        return rms_norm(x, w, eps)[0]
+    return _RmsNorm.apply(x, w, float(eps))

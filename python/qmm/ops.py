@@ -144,3 +144,27 @@ def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, 
     _call(_qmm.linear_cross_entropy, h, h, w, labels, loss, None if dh_out is None else dh_out,
           None if dw is None else dw.detach(), ignore_index=ignore_index, chunk_tokens=chunk_tokens)
     return loss.reshape(()), dh_out
+
+
+# ---- normalization ----------------------------------------------------------------------------------------------
+
+
+def rms_norm(x, w, eps, *, rstd=False):
+    """RMSNorm over the last dimension as Hugging Face's Llama/Qwen2 modules compute it: y = w * (x * rstd rounded
+    to x's dtype), rstd = 1 / sqrt(mean(x^2) + eps) in fp32. x [..., H] float32 or bfloat16, w [H] of x's dtype.
+    Returns (y, rstd [rows] float32 where rstd=True, else None). (Its GPU kernel has not yet run on a GPU.)"""
+    x2 = _in(x).reshape(-1, _dim(x, -1)) if x.dim() >= 1 else _in(x)
+    y = torch.empty_like(x2)
+    r = torch.empty((x2.shape[0],), dtype=torch.float32, device=x.device) if rstd else None
+    _call(_qmm.rms_norm, x2, x2, _in(w), y, r, eps=float(eps))
+    return y.view(x.shape), r
+
+
+def rms_norm_backward(x, w, rstd, dy, *, dx=True, dw=None):
+    """rms_norm's gradients from its rstd: returns dx (x's dtype; None where dx=False) and accumulates the float32
+    gradient of w into `dw` where given."""
+    hidden = _dim(x, -1)
+    x2, dy2 = _in(x).reshape(-1, hidden), _in(dy).reshape(-1, hidden)
+    dx_out = torch.empty_like(x2) if dx else None
+    _call(_qmm.rms_norm_backward, x2, x2, _in(w), _in(rstd), dy2, dx_out, None if dw is None else dw.detach())
+    return None if dx_out is None else dx_out.view(x.shape)

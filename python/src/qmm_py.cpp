@@ -329,6 +329,30 @@ NB_MODULE(_qmm, m) {
       nb::arg("gate"), nb::arg("up"), nb::arg("h"), nb::arg("stream") = 0);
 
   m.def(
+      "rms_norm",
+      [](const In& x, const In& w, const Out& y, const nb::object& rstd, float eps, std::uintptr_t stream) {
+        const char* op = "rms_norm";
+        const qmm::TensorView xv = view_of(x, op, "x"), wv = view_of(w, op, "w"), yv = view_of(y, op, "y"),
+                              rv = view_or_empty<Out>(rstd, op, "rstd");
+        const qmm::Context ctx = context_for(xv, stream);
+        run([&] { qmm::rms_norm(ctx, xv, wv, yv, rv, eps); });
+      },
+      nb::arg("x"), nb::arg("w"), nb::arg("y"), nb::arg("rstd").none(), nb::arg("eps"), nb::arg("stream") = 0);
+  m.def(
+      "rms_norm_backward",
+      [](const In& x, const In& w, const In& rstd, const In& dy, const nb::object& dx, const nb::object& dw,
+         std::uintptr_t stream) {
+        const char* op = "rms_norm_backward";
+        const qmm::TensorView xv = view_of(x, op, "x"), wv = view_of(w, op, "w"), rv = view_of(rstd, op, "rstd"),
+                              dyv = view_of(dy, op, "dy"), dxv = view_or_empty<Out>(dx, op, "dx"),
+                              dwv = view_or_empty<Out>(dw, op, "dw");
+        const qmm::Context ctx = context_for(xv, stream);
+        run([&] { qmm::rms_norm_backward(ctx, xv, wv, rv, dyv, dxv, dwv); });
+      },
+      nb::arg("x"), nb::arg("w"), nb::arg("rstd"), nb::arg("dy"), nb::arg("dx").none(), nb::arg("dw").none(),
+      nb::arg("stream") = 0);
+
+  m.def(
       "linear_cross_entropy",
       [](const In& h, const In& w, const In& labels, const Out& loss, const nb::object& dh, const nb::object& dw,
          std::int32_t ignore_index, std::int64_t chunk_tokens, std::uintptr_t stream) {

@@ -1330,3 +1330,35 @@ def test_linear_cross_entropy_bad_input_and_all_ignored():
     _expect_error("ShapeMismatch", "labels is [3]", lambda: qmm.linear_cross_entropy(h, w, torch.tensor([1, 2, 3])))
     _expect_error("DTypeMismatch", "labels", lambda: qmm.linear_cross_entropy(h, w, torch.ones(4)))
     _expect_error("ShapeMismatch", "w must be [V, H]", lambda: qmm.linear_cross_entropy(h, w[:, :7], torch.zeros(4)))
+
+
+# ---- rms_norm ---------------------------------------------------------------------------------------------------
+
+
+def _hf_rms_norm(x, w, eps):
+    """Hugging Face's LlamaRMSNorm.forward, written out."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_hugging_faces_module(dtype):
+    """qmm.rms_norm_autograd against Hugging Face's RMSNorm arithmetic in PyTorch: the output to one rounding of its
+    dtype (the same two roundings, fp32 vs fp64 statistics), the gradients of x and w against PyTorch's autograd of
+    the same module in fp64 (qmm's backward uses the unrounded x·rstd)."""
+    x = randn((2, 5, 64), 1, "cpu", dtype) * 3
+    w = (randn((64,), 2, "cpu") * 0.2 + 1).to(dtype)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = qmm.rms_norm_autograd(xr, wr, 1e-6)
+    dy = randn(y.shape, 3, "cpu", dtype)
+    y.backward(dy)
+    ref = _hf_rms_norm(x, w, 1e-6)
+    one = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6
+    assert_close(y, ref, one * ref.double().abs() + 1e-6, "rms_norm y")
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    (wd * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6))).backward(dy.double())
+    tol = 2.0 ** -6 if dtype == torch.bfloat16 else 1e-5
+    assert_close(xr.grad, xd.grad, tol * xd.grad.abs().max() + 1e-6, "rms_norm dx")
+    assert_close(wr.grad, wd.grad, tol * wd.grad.abs().max() + 1e-6, "rms_norm dw")
+    _expect_error("ShapeMismatch", "w is [63]", lambda: qmm.rms_norm(x, w[:63], 1e-6))
