@@ -29,7 +29,10 @@ def _grad_wanted(*inputs):
 def _weight(op, name, w):
     """The Nf4Weight to compute with: w itself, or one made from compile_ops' argument tuple (a patched
     bitsandbytes layer's weight)."""
-    return w if isinstance(w, Nf4Weight) else compile_ops.weight_of(*w) if isinstance(w, tuple) else _nf4(op, name, w)
+    if isinstance(w, tuple):
+        return compile_ops.weight_of(*w)
+    _nf4(op, name, w)  # raises unless an Nf4Weight
+    return w
 
 
 def _shape(w):
