@@ -18,6 +18,16 @@ def _flat(t):
     return t.reshape(-1, t.shape[-1])
 
 
+def param_grad(grad, like):
+    """An adapter's float32 gradient in its parameter's dtype (None stays None)."""
+    return None if grad is None else grad.to(like.dtype)
+
+
+def bias_grad(dy, bias):
+    """The bias's gradient: dy summed over its rows in fp32, in the bias's dtype."""
+    return _flat(dy).sum(0, dtype=torch.float32).to(bias.dtype)
+
+
 def _adapter_into(y, lora):
     """y += scale * (xd @ a^T) @ b^T in place (y [..., N] dense); returns what the backward needs: (xd as rows, t,
     a_w, b_w)."""

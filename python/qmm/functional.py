@@ -58,14 +58,6 @@ def _check_lora(op, name, lora, x, out_features, in_features):
     return (x if xd is None else xd, a, b, float(scale))
 
 
-def _param_grad(grad, like):
-    return None if grad is None else grad.to(like.dtype)
-
-
-def _bias_grad(dy, bias):
-    return dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(bias.dtype)
-
-
 class _LoraNf4Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, xd, a, b, bias, w, scale, path):
@@ -81,8 +73,8 @@ class _LoraNf4Linear(torch.autograd.Function):
         need = ctx.needs_input_grad
         dx, dxd, da, db = _impl.linear_backward(dy, ctx.w, ctx.path, tuple(saved) or None, ctx.scale, ctx.dropped,
                                                 ctx.x_shape, need[:4])
-        dbias = _bias_grad(dy, bias) if need[4] else None
-        return dx, dxd, _param_grad(da, a), _param_grad(db, b), dbias, None, None, None
+        dbias = _impl.bias_grad(dy, bias) if need[4] else None
+        return dx, dxd, _impl.param_grad(da, a), _impl.param_grad(db, b), dbias, None, None, None
 
 
 def lora_nf4_linear(x, w, lora=None, bias=None, path="auto"):
@@ -129,7 +121,7 @@ class _LoraNf4SwiGlu(torch.autograd.Function):
         dx, dxd_g, dxd_u, da_g, db_g, da_u, db_u = _impl.swiglu_backward(
             dh, gate, up, *ctx.weights, ctx.path, saved, ctx.scales, ctx.dropped, ctx.x_shape,
             (n[0], n[1], n[4], n[2], n[3], n[5], n[6]))
-        grads = [_param_grad(g, p) for g, p in zip((da_g, db_g, da_u, db_u), params)]
+        grads = [_impl.param_grad(g, p) for g, p in zip((da_g, db_g, da_u, db_u), params)]
         return dx, dxd_g, grads[0], grads[1], dxd_u, grads[2], grads[3], None, None, None, None
 
 

@@ -102,12 +102,9 @@ def _traced_nf4(layer):
             offset, qs.shape[0], qs.shape[1], qs.blocksize)
 
 
-def _offset_outside_graph(qs):
-    return _offset_of(qs)
-
-
-if hasattr(getattr(torch, "compiler", None), "disable"):
-    _offset_outside_graph = torch.compiler.disable(_offset_outside_graph)
+# Called while tracing: a graph break there, since making the offset reads the device.
+_offset_outside_graph = torch.compiler.disable(_offset_of) if hasattr(getattr(torch, "compiler", None), "disable") \
+    else _offset_of
 
 
 def _weight_now(layer):

@@ -235,22 +235,28 @@ void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target,
   QMM_TRAIN_ROUTE(ctx, op, mse_loss, y, target, loss, dy, scale);
 }
 
-void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd,
-              float eps) {
-  const char* op = "rms_norm";
+// RMSNorm's operands, forward and backward: x [T, H] (f32 or bf16), `like` (y or dy) of x's shape and dtype, w [H] of
+// x's dtype, and rstd [T] f32 where given.
+void require_norm_operands(const Context& ctx, const char* op, const TensorView& x, const char* like_name,
+                           const TensorView& like, const TensorView& w, const TensorView& rstd) {
   require_float_tensor(ctx, op, "x", x);
   detail::require_rank(op, "x", x, 2);
-  require_like(ctx, op, "y", y, "x", x);
+  require_like(ctx, op, like_name, like, "x", x);
   detail::require_tensor(ctx, op, "w", w);
   detail::require_same_dtype(op, "w", w, "x", x);
   require(w.rank() == 1 && w.dim(0) == x.dim(1), ErrorCode::ShapeMismatch, op,
           "w is " + w.shape().str() + " but must be [" + std::to_string(x.dim(1)) + "] (x's last dimension)");
-  if (!rstd.empty()) {
-    detail::require_tensor(ctx, op, "rstd", rstd);
-    detail::require_dtype(op, "rstd", rstd, {DType::F32});
-    require(rstd.rank() == 1 && rstd.dim(0) == x.dim(0), ErrorCode::ShapeMismatch, op,
-            "rstd is " + rstd.shape().str() + " but must be [" + std::to_string(x.dim(0)) + "] (x's rows)");
-  }
+  if (rstd.empty()) return;
+  detail::require_tensor(ctx, op, "rstd", rstd);
+  detail::require_dtype(op, "rstd", rstd, {DType::F32});
+  require(rstd.rank() == 1 && rstd.dim(0) == x.dim(0), ErrorCode::ShapeMismatch, op,
+          "rstd is " + rstd.shape().str() + " but must be [" + std::to_string(x.dim(0)) + "] (x's rows)");
+}
+
+void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd,
+              float eps) {
+  const char* op = "rms_norm";
+  require_norm_operands(ctx, op, x, "y", y, w, rstd);
   require(std::isfinite(eps) && eps >= 0.0f, ErrorCode::InvalidArgument, op,
           "eps is " + num(eps) + " but must be finite and >= 0");
   require_exact_alias_or_disjoint(op, "y", y, "x", x);
@@ -264,17 +270,9 @@ void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, cons
 void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
                        const TensorView& dy, const TensorView& dx, const TensorView& dw) {
   const char* op = "rms_norm_backward";
-  require_float_tensor(ctx, op, "x", x);
-  detail::require_rank(op, "x", x, 2);
-  require_like(ctx, op, "dy", dy, "x", x);
-  detail::require_tensor(ctx, op, "w", w);
-  detail::require_same_dtype(op, "w", w, "x", x);
-  require(w.rank() == 1 && w.dim(0) == x.dim(1), ErrorCode::ShapeMismatch, op,
-          "w is " + w.shape().str() + " but must be [" + std::to_string(x.dim(1)) + "] (x's last dimension)");
-  detail::require_tensor(ctx, op, "rstd", rstd);
-  detail::require_dtype(op, "rstd", rstd, {DType::F32});
-  require(rstd.rank() == 1 && rstd.dim(0) == x.dim(0), ErrorCode::ShapeMismatch, op,
-          "rstd is " + rstd.shape().str() + " but must be [" + std::to_string(x.dim(0)) + "] (from the forward)");
+  require(!rstd.empty(), ErrorCode::ShapeMismatch, op,
+          "rstd is missing but must be [" + std::to_string(x.rank() == 2 ? x.dim(0) : 0) + "] (the forward's)");
+  require_norm_operands(ctx, op, x, "dy", dy, w, rstd);
   if (!dx.empty()) {
     require_like(ctx, op, "dx", dx, "x", x);
     require_exact_alias_or_disjoint(op, "dx", dx, "dy", dy);
