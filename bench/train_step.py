@@ -5,6 +5,7 @@
   bnb          bitsandbytes NF4 (double quant, bf16 compute) + PEFT LoRA (what QLoRA users run)
   qmm          the same model after qmm.patch_bnb
   qmm-compile  the same, then torch.compile(model, fullgraph=True); its first step's time is reported apart
+  qmm-loss     qmm.patch_bnb(model, fused_loss=True): the loss from the hidden states (linear_cross_entropy), no logits
   liger        Liger-Kernel's patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) on bnb + PEFT
   unsloth      Unsloth's FastLanguageModel in 4-bit with its LoRA
 
@@ -44,7 +45,7 @@ MODELS = {  # name: (config class, config, batch, sequence length)
                                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256), 2, 64,
              "tiny Llama (a check of the script)"),
 }
-VARIANTS = ["bf16", "bnb", "qmm", "qmm-compile", "liger", "unsloth"]
+VARIANTS = ["bf16", "bnb", "qmm", "qmm-compile", "qmm-loss", "liger", "unsloth"]
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 16, 32
 
@@ -177,7 +178,7 @@ def load(variant, folder, args):
                                                        target_modules=PROJECTIONS, task_type="CAUSAL_LM"))
     if variant.startswith("qmm"):
         import qmm
-        qmm.patch_bnb(model)
+        qmm.patch_bnb(model, fused_loss=variant == "qmm-loss")
     return model
 
 

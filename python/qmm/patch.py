@@ -255,8 +255,6 @@ def _causal_lm_forward(lm, *args, labels=None, **kwargs):
     why = "positional arguments" if args else None
     if why is None and kwargs.get("logits_to_keep", 0) not in (0, None):
         why = "logits_to_keep"
-    if why is None and lm.lm_head.weight.is_cuda:  # the op's GPU path has not run on a GPU yet
-        why = "linear_cross_entropy on a GPU (not yet verified there)"
     if why is not None:
         return _fallback(lm, why, *args, labels=labels, **kwargs)
     num_items = kwargs.pop("num_items_in_batch", None)
