@@ -289,6 +289,7 @@ class Bench {
   void run_batched();
   void run_swiglu();
   void run_train();
+  void run_loss();
   void run_nf4();
   void run_mlp();
   void run_all() {  // every family, in the order of the table
@@ -296,6 +297,7 @@ class Bench {
     run_batched();
     run_swiglu();
     run_train();
+    run_loss();
     run_nf4();
     run_mlp();
   }
@@ -520,6 +522,81 @@ void Bench::run_train() {
   }
 }
 
+// linear_cross_entropy at the lm heads of Llama-3-8B and Qwen2.5-1.5B against the bf16 GEMMs it contains, timed
+// in turns: the logits GEMM (bf16 out) and the input gradient's GEMM, plus the weight gradient's where dW is asked
+// (a frozen head, as in LoRA training, asks dh alone). Its extra memory (one chunk's fp32 logits and gradient rows)
+// is printed against the whole fp32 logits.
+void Bench::run_loss() {
+  struct Head {
+    std::string label;
+    std::int64_t tokens, hidden, vocab;
+  };
+  std::vector<Head> heads = {{"llama3-8b head", 4096, 4096, 128256}, {"qwen2.5-1.5b head", 2048, 1536, 151936}};
+  if (!is_gpu_) heads = {{"small head", 16, 64, 1000}};
+  for (const Head& hd : heads)
+    for (bool want_dw : {false, true}) {
+      const std::string mode = want_dw ? "dh+dw" : "dh";
+      if (!selected("linear_cross_entropy", hd.label + " " + mode)) continue;
+      const std::int64_t t = hd.tokens, h = hd.hidden, v = hd.vocab;
+      const Tensor x = pool_->make(ctx_, DType::BF16, {t, h}, 900), w = pool_->make(ctx_, DType::BF16, {v, h}, 901);
+      Tensor labels(DType::I32, {t});
+      for (std::int64_t i = 0; i < t; ++i) labels.data_as<std::int32_t>()[i] = static_cast<std::int32_t>((i * 7919) % v);
+      const Tensor lab(DType::I32, {t}, ctx_.device()), loss(DType::F32, {1}, ctx_.device());
+      copy(lab, labels);
+      const Tensor dh(DType::BF16, {t, h}, ctx_.device());
+      const Tensor dw = want_dw ? Tensor(DType::F32, {v, h}, ctx_.device()) : Tensor();
+      const Tensor logits(DType::BF16, {t, v}, ctx_.device());
+      const std::vector<std::function<void(int)>> fns = {
+          [&](int) { linear_cross_entropy(ctx_, x, w, lab, loss, dh, dw); },
+          [&](int) {
+            gemm_bt(ctx_, x, w, logits);
+            gemm(ctx_, logits, w, dh);
+            if (want_dw) gemm_backward_b(ctx_, logits, x, dw, {1.0f, 1.0f});
+          }};
+      const std::vector<Stats> st = time_interleaved(fns, 1);
+      const double flops = 2.0 * (want_dw ? 3.0 : 2.0) * static_cast<double>(t) * h * v;
+      const double bytes = 2.0 * static_cast<double>(v) * h * (want_dw ? 3.0 : 2.0);
+      for (std::size_t i = 0; i < fns.size(); ++i)
+        record({"linear_cross_entropy", i == 0 ? mode : (want_dw ? "3 gemms" : "2 gemms"), hd.label, 1, t, v, h,
+                flops, bytes, st[i]});
+      const std::int64_t chunk = std::min(t, std::max<std::int64_t>(64, (t + 31) / 32));  // the GPU path's default
+      if (is_gpu_)
+        std::printf("  linear_cross_entropy %s: extra memory %.1f MiB (one chunk's fp32 logits and bf16 gradient rows), "
+                  "%.1f%% of the fp32 logits' %.1f MiB\n", hd.label.c_str(), chunk * v * 6.0 / 1048576.0,
+                  100.0 * chunk * v * 6.0 / (t * v * 4.0), t * v * 4.0 / 1048576.0);
+    }
+
+  // rms_norm forward and backward (with dw) at the decoder's widths, bf16, against the copy bandwidth: forward reads
+  // x and writes y; backward reads x and dy (twice: dx and dw passes) and writes dx.
+  std::vector<std::pair<std::string, std::pair<std::int64_t, std::int64_t>>> norms = {
+      {"llama3-8b 4096 tok", {4096, 4096}}, {"qwen2.5-1.5b 2048 tok", {2048, 1536}}};
+  if (!is_gpu_) norms = {{"small", {16, 256}}};
+  for (const auto& [label, dims] : norms)
+    for (bool backward : {false, true}) {
+      const char* op = backward ? "rms_norm_backward" : "rms_norm";
+      if (!selected(op, label)) continue;
+      const auto [t, h] = dims;
+      const double bytes = 2.0 * static_cast<double>(t) * h * (backward ? 5.0 : 2.0);
+      const int sets = sets_for(bytes);
+      std::vector<Tensor> x, dy, y;
+      for (int i = 0; i < sets; ++i) {
+        x.push_back(pool_->make(ctx_, DType::BF16, {t, h}, 950 + i));
+        dy.push_back(pool_->make(ctx_, DType::BF16, {t, h}, 980 + i));
+        y.emplace_back(DType::BF16, Shape{t, h}, ctx_.device());
+      }
+      const Tensor w = pool_->make(ctx_, DType::BF16, {h}, 990), rstd(DType::F32, {t}, ctx_.device());
+      const Tensor dw(DType::F32, {h}, ctx_.device());
+      zero(ctx_, dw);
+      rms_norm(ctx_, x[0], w, y[0], rstd, 1e-6f);
+      auto fn = [&](int i) {
+        const int s = i % sets;
+        if (backward) rms_norm_backward(ctx_, x[s], w, rstd, dy[s], y[s], dw);
+        else rms_norm(ctx_, x[s], w, y[s], rstd, 1e-6f);
+      };
+      record({op, "bf16", label, 1, t, h, 1, 0, bytes, time(fn, sets)});
+    }
+}
+
 double nf4_bytes(std::int64_t n, std::int64_t k, bool dq) {
   const double blocks = std::ceil(static_cast<double>(n * k) / 64.0);
   return static_cast<double>(n * k) / 2.0 + (dq ? blocks + std::ceil(blocks / 256.0) * 4.0 + 1024.0 : 4.0 * blocks);
@@ -705,6 +782,9 @@ void Bench::add_ratios() {
     else if (r.op == "nf4_gemm_backward_a") base = find("gemm", "bf16", r.m, r.n, r.k), r.baseline = "gemm bf16";
     else if (r.op == "lora_backward_dy") {
       if (r.mode == "bf16") base = find(r.op, "2 gemms", r.m, r.n, r.k), r.baseline = "2 gemms";
+    } else if (r.op == "linear_cross_entropy") {
+      if (r.mode == "dh") base = find(r.op, "2 gemms", r.m, r.n, r.k), r.baseline = "2 gemms";
+      if (r.mode == "dh+dw") base = find(r.op, "3 gemms", r.m, r.n, r.k), r.baseline = "3 gemms";
     } else if (r.op == "mlp_block") {
       if (r.mode != "bf16") base = find("mlp_block", "bf16", r.m, r.n, r.k), r.baseline = "bf16 base";
     } else if (r.op == "nf4_gate_up") {
