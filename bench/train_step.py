@@ -5,7 +5,9 @@
   bnb          bitsandbytes NF4 (double quant, bf16 compute) + PEFT LoRA (what QLoRA users run)
   qmm          the same model after qmm.patch_bnb
   qmm-compile  the same, then torch.compile(model, fullgraph=True); its first step's time is reported apart
-  qmm-loss     qmm.patch_bnb(model, fused_loss=True): the loss from the hidden states (linear_cross_entropy), no logits
+  qmm-all      qmm.patch_bnb with every fusion: also the loss from the hidden states (fused_loss: no logits) and
+               the RMSNorms (fused_norm)
+  qmm-all-compile  the same, compiled
   liger        Liger-Kernel's patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) on bnb + PEFT
   unsloth      Unsloth's FastLanguageModel in 4-bit with its LoRA
 
@@ -45,7 +47,7 @@ MODELS = {  # name: (config class, config, batch, sequence length)
                                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256), 2, 64,
              "tiny Llama (a check of the script)"),
 }
-VARIANTS = ["bf16", "bnb", "qmm", "qmm-compile", "qmm-loss", "liger", "unsloth"]
+VARIANTS = ["bf16", "bnb", "qmm", "qmm-compile", "qmm-all", "qmm-all-compile", "liger", "unsloth"]
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 16, 32
 
@@ -178,7 +180,8 @@ def load(variant, folder, args):
                                                        target_modules=PROJECTIONS, task_type="CAUSAL_LM"))
     if variant.startswith("qmm"):
         import qmm
-        qmm.patch_bnb(model, fused_loss=variant == "qmm-loss")
+        everything = variant.startswith("qmm-all")
+        qmm.patch_bnb(model, fused_loss=everything, fused_norm=everything)
     return model
 
 
@@ -211,7 +214,7 @@ def worker(args):
     opt = torch.optim.AdamW(list(params.values()), lr=1e-4)
     ids = torch.randint(3, config["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
     step_fn = model
-    if args.worker == "qmm-compile":
+    if args.worker.endswith("-compile"):
         step_fn = torch.compile(model, fullgraph=True)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":

@@ -20,6 +20,8 @@ from . import _impl
 from .nf4 import Nf4Weight
 from .ops import nf4_gate_up as _nf4_gate_up
 from .ops import nf4_gemm_backward_a, swiglu_backward as _swiglu_backward
+from .ops import rms_norm as _rms_norm
+from .ops import rms_norm_backward as _rms_norm_backward
 from .ops import swiglu as _swiglu
 
 Tensor = torch.Tensor
@@ -254,6 +256,42 @@ if AVAILABLE:
 
     linear_cross_entropy_op.register_autograd(_cross_entropy_grad, setup_context=_setup_cross_entropy)
 
+    # ---- RMSNorm ----------------------------------------------------------------------------------------------------
+
+    @op("qmm::rms_norm", mutates_args=())
+    def rms_norm_op(x: Tensor, w: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
+        return _rms_norm(x, w, eps, rstd=True)
+
+    @rms_norm_op.register_fake
+    def _(x, w, eps):
+        return x.new_empty(x.shape), x.new_empty((_rows_of(x),), dtype=torch.float32)
+
+    @op("qmm::rms_norm_backward", mutates_args=())
+    def rms_norm_backward_op(x: Tensor, w: Tensor, rstd: Tensor, dy: Tensor, want_dx: bool,
+                             want_dw: bool) -> Tuple[Tensor, Tensor]:
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
+        dx = _rms_norm_backward(x, w, rstd, dy, dx=want_dx, dw=dw)
+        return _or_empty(dx, x), x.new_empty(0) if dw is None else dw.to(w.dtype)
+
+    @rms_norm_backward_op.register_fake
+    def _(x, w, rstd, dy, want_dx, want_dw):
+        return x.new_empty(x.shape) if want_dx else x.new_empty(0), w.new_empty(w.shape) if want_dw else x.new_empty(0)
+
+    def _setup_rms_norm(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[1], output[1])
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+
+    def _rms_norm_grad(ctx, dy, _):
+        x, w, rstd = ctx.saved_tensors
+        want = ctx.needs_input_grad[:2]
+        if dy is None or not any(want):
+            return None, None, None
+        dx, dw = rms_norm_backward_op(x, w, rstd, dy, want[0], want[1])
+        return _or_none(dx) if want[0] else None, _or_none(dw) if want[1] else None, None
+
+    rms_norm_op.register_autograd(_rms_norm_grad, setup_context=_setup_rms_norm)
+
     # ---- gate and up alone, and the SwiGLU alone ------------------------------------------------------------------
 
     @op("qmm::nf4_gate_up", mutates_args=())
@@ -344,6 +382,10 @@ def linear_cross_entropy(h, w, labels, ignore_index):
     want = torch.is_grad_enabled()
     return linear_cross_entropy_op(h, w, labels, ignore_index, want and h.requires_grad,
                                    want and w.requires_grad)[0]
+
+
+def rms_norm(x, w, eps):
+    return rms_norm_op(x, w, float(eps))[0]
 
 
 def nf4_gate_up(x, w_gate, w_up, path):

@@ -255,6 +255,8 @@ class _RmsNorm(torch.autograd.Function):
 
 def rms_norm_autograd(x, w, eps):
     """y = rms_norm(x, w, eps) (see qmm.rms_norm), differentiable in x and w (qmm's backward kernel)."""
+    if _compiling():
+        return compile_ops.rms_norm(x, w, eps)
     if not _grad_wanted(x, w):
         return rms_norm(x, w, eps)[0]
     return _RmsNorm.apply(x, w, float(eps))

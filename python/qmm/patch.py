@@ -25,7 +25,7 @@ import torch
 from . import _qmm
 from .compile_ops import compiling
 from .functional import (Lora, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_swiglu, nf4_gate_up_linear,
-                         swiglu_autograd)
+                         rms_norm_autograd, swiglu_autograd)
 from .layers import _has_bnb_weight, _is_lora_wrapper, _model
 from .nf4 import Nf4Weight
 
@@ -241,7 +241,8 @@ def _is_causal_lm(module):
     """A Hugging Face causal LM of the Llama/Qwen2/Mistral kind: a decoder under .model returning hidden states, and
     a linear lm_head without bias or logit soft-capping."""
     config = getattr(module, "config", None)
-    return type(module).__name__.endswith("ForCausalLM") and hasattr(module, "model") and \
+    transformers_model = any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)  # not PEFT's wrapper
+    return transformers_model and type(module).__name__.endswith("ForCausalLM") and hasattr(module, "model") and \
         type(getattr(module, "lm_head", None)) is torch.nn.Linear and module.lm_head.bias is None and \
         getattr(config, "final_logit_softcapping", None) is None
 
@@ -277,6 +278,27 @@ def _is_swiglu_mlp(module):
     act = getattr(module, "act_fn", None)
     return act is not None and "silu" in type(act).__name__.lower() and hasattr(module, "down_proj") and \
         all(_bnb_nf4_base(getattr(module, p, None)) is not None for p in ("gate_proj", "up_proj"))
+
+
+_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+
+
+def _is_rms_norm(module):
+    """Hugging Face's RMSNorm of Llama, Qwen2/3 and Mistral: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)
+    (Gemma's, with 1 + weight, is another class and is left alone)."""
+    return type(module).__name__ in _RMS_NORMS and isinstance(getattr(module, "weight", None), torch.Tensor) and \
+        module.weight.dim() == 1 and isinstance(getattr(module, "variance_epsilon", None), float)
+
+
+def _rms_norm_forward(norm, x, *args, **kwargs):
+    """rms_norm_autograd where x and the weight share a dtype qmm takes; otherwise (a weight upcast to float32 by
+    peft's prepare_model_for_kbit_training, float16) the module's own forward."""
+    why = _uncovered_call(x, args, kwargs)
+    if why is None and norm.weight.dtype != x.dtype:
+        why = f"an RMSNorm weight in {norm.weight.dtype} under {x.dtype} activations"
+    if why is not None:
+        return _fallback(norm, why, x, *args, **kwargs)
+    return rms_norm_autograd(x, norm.weight, norm.variance_epsilon)
 
 
 _Patch = collections.namedtuple("_Patch", ("fn", "path", "attr", "previous"))
@@ -320,7 +342,7 @@ def _patch(module, forward, path):
         cls.forward = _dispatching_forward(cls, original)
 
 
-def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False):
+def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=False):
     """Runs a bitsandbytes 4-bit model's NF4 layers with qmm, in place, and changes nothing else: modules,
     parameters, state-dict names and PEFT's LoRA adapters stay (PEFT trains, saves and merges them as before). Every
     bitsandbytes NF4 linear layer then computes with qmm (bf16 products, fp32 sums, whatever its compute_dtype); a
@@ -335,8 +357,9 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False):
     patch_bnb(model) reads the new weights' offsets, which a compiled step cannot without breaking its graph.
     With `fused_loss`, a Hugging Face causal LM (Llama, Qwen2, Mistral) trained with labels returns its loss from
     the hidden states through linear_cross_entropy_loss, never holding the [tokens, vocab] logits, and no logits
-    (the CPU backend only for now: the op's GPU path has not yet run on a GPU, so there the model's own loss runs,
-    with a warning). `path` forces qmm's NF4
+    (eval mode, generation and calls without labels run the model's own forward). With `fused_norm`, the RMSNorm
+    modules of Llama, Qwen2/3 and Mistral run qmm's rms_norm forward and backward kernels (bitsandbytes or not).
+    `path` forces qmm's NF4
     implementation (see nf4_gemm). Returns the patched modules' names; unpatch_bnb undoes it."""
     _model("patch_bnb", model)
     _qmm.check_nf4_path(path, "patch_bnb")
@@ -356,6 +379,8 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False):
             _patch(module, _swiglu_mlp_forward, path)
         elif fused_loss and _is_causal_lm(module):
             _patch(module, _causal_lm_forward, path)
+        elif fused_norm and _is_rms_norm(module):
+            _patch(module, _rms_norm_forward, path)
         else:
             continue
         patched.append(name)

@@ -81,7 +81,7 @@ def test_bitsandbytes_cpu_inference_layout_is_refused_not_misread():
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def qlora_llama(device):
+def qlora_llama(device, task_type=None):
     """A tiny Llama from transformers with bitsandbytes NF4 projections (the layout from_pretrained with
     load_in_4bit gives) and PEFT LoRA adapters on all seven, B random so that the adapters count. Every weight row
     is a whole number of blocks, as in real models (and as bitsandbytes' CPU dequantization needs, see above)."""
@@ -96,7 +96,8 @@ def qlora_llama(device):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, bnb_linear(module.weight.data, device))
     model = model.to(device)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS), init_lora_weights=False)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS), init_lora_weights=False,
+                             task_type=task_type)
     return peft.get_peft_model(model, config)
 
 
@@ -345,8 +346,8 @@ def test_patched_peft_llama_under_transformers_trainer_with_torch_compile(tmp_pa
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("compiled", [False, True])
-def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, device):
+@pytest.mark.parametrize("compiled,task_type", [(False, None), (True, None), (False, "CAUSAL_LM")])
+def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
     """patch_bnb(fused_loss=True): a PEFT QLoRA Llama trained with labels returns transformers' causal-LM loss (shift
     by one, -100 ignored; the sum over num_items_in_batch too) computed from the hidden states by
     linear_cross_entropy_loss, and no logits; its LoRA gradients are the unpatched model's; eval mode, calls without
@@ -356,7 +357,7 @@ def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, device):
     if compiled and not qmm.compile_ops.AVAILABLE:
         pytest.skip("needs PyTorch >= 2.4")
     from torch._dynamo.utils import counters
-    model = qlora_llama(device).train()
+    model = qlora_llama(device, task_type).train()  # CAUSAL_LM: PEFT's PeftModelForCausalLM around it
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
     tol = 1e-5 if device == "cpu" else 1e-4
     labels = ids.clone()
