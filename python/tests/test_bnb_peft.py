@@ -348,7 +348,7 @@ def test_patched_peft_llama_under_transformers_trainer_with_torch_compile(tmp_pa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compiled,task_type", [(False, None), (True, None), (False, "CAUSAL_LM")])
 def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
-    """patch_bnb(fused_loss=True): a PEFT QLoRA Llama trained with labels returns transformers' causal-LM loss (shift
+    """patch_bnb(fused_loss=True, fused_norm=True): a PEFT QLoRA Llama (its RMSNorms by qmm too) trained with labels returns transformers' causal-LM loss (shift
     by one, -100 ignored; the sum over num_items_in_batch too) computed from the hidden states by
     linear_cross_entropy_loss, and no logits; its LoRA gradients are the unpatched model's; eval mode, calls without
     labels and generate are unchanged. Compiled (aot_eager, fullgraph) it gives the same loss with no graph break.
@@ -364,7 +364,8 @@ def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
     labels[0, :3] = -100
     ref_loss, ref_grads = loss_and_grads_with(model, ids, labels)
     ref_sum = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(40, device=device)).loss.item()
-    qmm.patch_bnb(model, fused_loss=True)
+    patched = qmm.patch_bnb(model, fused_loss=True, fused_norm=True)
+    assert sum(n.endswith("norm") for n in patched) == 5, patched  # 2 layers x 2, and the final one
     torch._dynamo.reset()
     counters.clear()
     step = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model

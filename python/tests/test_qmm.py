@@ -1362,3 +1362,59 @@ def test_rms_norm_matches_hugging_faces_module(dtype):
     assert_close(xr.grad, xd.grad, tol * xd.grad.abs().max() + 1e-6, "rms_norm dx")
     assert_close(wr.grad, wd.grad, tol * wd.grad.abs().max() + 1e-6, "rms_norm dw")
     _expect_error("ShapeMismatch", "w is [63]", lambda: qmm.rms_norm(x, w[:63], 1e-6))
+
+
+class LlamaRMSNorm(torch.nn.Module):
+    """A stand-in of transformers' LlamaRMSNorm (the same class name, attributes and forward)."""
+
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        return _hf_rms_norm(x, self.weight, self.variance_epsilon)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_patch_bnb_fused_norm_runs_qmms_rms_norm(compiled, dtype):
+    """patch_bnb(fused_norm=True) patches RMSNorm modules (without bitsandbytes anywhere in the model): output and
+    gradients as the module's own forward within the op's test tolerances, qmm's kernel called (a poisoned
+    pure-PyTorch path would differ), no graph break compiled; a float32 weight under bf16 activations (peft's
+    prepare_model_for_kbit_training) falls back to the module's forward with a warning, and unpatch_bnb restores it."""
+    if compiled and not qmm.compile_ops.AVAILABLE:
+        pytest.skip("needs PyTorch >= 2.4")
+    norm = LlamaRMSNorm(64).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(randn((64,), 2, "cpu") * 0.2 + 1)
+    model = torch.nn.Sequential(norm, torch.nn.Identity())
+    x = randn((2, 5, 64), 1, "cpu", dtype) * 3
+    dy = randn((2, 5, 64), 3, "cpu", dtype)
+
+    def run(fn):
+        norm.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        y = fn(xr)
+        y.backward(dy)
+        return y.detach(), xr.grad, norm.weight.grad
+
+    ref = run(model)
+    assert qmm.patch_bnb(model, fused_norm=True) == ["0"]
+    if compiled:
+        torch._dynamo.reset()
+        from torch._dynamo.utils import counters
+        counters.clear()
+    got = run(torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model)
+    if compiled:
+        assert _graph_breaks() == 0
+    one, tol = (2.0 ** -7, 2.0 ** -6) if dtype == torch.bfloat16 else (1e-6, 1e-5)
+    assert_close(got[0], ref[0], one * ref[0].double().abs() + 1e-6, "patched norm y")
+    assert_close(got[1], ref[1], tol * ref[1].abs().max() + 1e-6, "patched norm dx")
+    assert_close(got[2], ref[2], tol * ref[2].abs().max() + 1e-6, "patched norm dw")
+    if dtype == torch.bfloat16:
+        norm.float()  # the weight upcast, the activations bf16: the module's own forward, with a warning
+        with pytest.warns(UserWarning, match="RMSNorm weight in torch.float32"):
+            y = model(x)
+        assert torch.equal(y, _hf_rms_norm(x, norm.weight, 1e-6))
+    assert qmm.unpatch_bnb(model) == ["0"]
