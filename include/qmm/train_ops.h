@@ -64,6 +64,20 @@ void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, cons
 void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
                        const TensorView& dy, const TensorView& dx, const TensorView& dw);
 
+// Rotary position embedding on q and k, the half-split rotation of Hugging Face's apply_rotary_pos_emb (Llama,
+// Qwen2, Mistral): with x = [x1, x2] (the halves of the head dimension D) and cos = [c1, c2], sin = [s1, s2]
+//   forward:  y1 = x1·c1 − x2·s1,  y2 = x2·c2 + x1·s2
+//   inverse:  y1 = x1·c1 + x2·s2,  y2 = x2·c2 − x1·s1   (the transpose: the forward's backward, on the gradients)
+// computed in fp32 (fp64 on the CPU backend) from the stored values and rounded once to x's dtype. (Hugging Face's
+// module rounds each product and the sum to x's dtype: three roundings, so bf16 results may differ from its by an
+// ulp or so.) q [B, S, Hq, D] and k [B, S, Hk, D] (the projections' output viewed per head, before Hugging Face's
+// transpose), f32 or bf16, one dtype, D even and >= 2; k may be absent (with k_out: default views). cos, sin
+// [Bc, S, D] with Bc 1 (broadcast over the batch) or B, both x's dtype or both f32. q_out, k_out of q's and k's
+// shape and dtype, each either its input (in place) or disjoint from every other argument. One launch covers q and
+// k on a GPU.
+void rope(const Context& ctx, const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
+          const TensorView& q_out, const TensorView& k_out, bool inverse = false);
+
 // One tensor the optimizer updates: parameter, its gradient and the two moment buffers, all f32, one shape.
 struct AdamWParam {
   TensorView param;

@@ -292,6 +292,52 @@ void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView
   QMM_TRAIN_ROUTE(ctx, op, rms_norm_backward, x, w, rstd, dy, dx, dw);
 }
 
+void rope(const Context& ctx, const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
+          const TensorView& q_out, const TensorView& k_out, bool inverse) {
+  const char* op = "rope";
+  require_float_tensor(ctx, op, "q", q);
+  detail::require_rank(op, "q", q, 4);
+  const std::int64_t batch = q.dim(0), seq = q.dim(1), head_dim = q.dim(3);
+  require(head_dim >= 2 && head_dim % 2 == 0, ErrorCode::ShapeMismatch, op,
+          "q is " + q.shape().str() + " but its head dimension D (the last) must be even and >= 2");
+  require_like(ctx, op, "q_out", q_out, "q", q);
+  // k is present where either of k, k_out is given (not a default view): one without the other is a caller's slip.
+  const auto absent = [](const TensorView& t) { return t.rank() == 0 && t.data() == nullptr; };
+  const bool has_k = !absent(k) || !absent(k_out);
+  if (has_k) {
+    require(!absent(k), ErrorCode::InvalidArgument, op, "k is missing but k_out is given");
+    require(!absent(k_out), ErrorCode::InvalidArgument, op, "k_out is missing but k is given");
+    detail::require_tensor(ctx, op, "k", k);
+    detail::require_rank(op, "k", k, 4);
+    detail::require_same_dtype(op, "k", k, "q", q);
+    require(k.dim(0) == batch && k.dim(1) == seq && k.dim(3) == head_dim, ErrorCode::ShapeMismatch, op,
+            "k is " + k.shape().str() + " but q is " + q.shape().str() + ": k must be [B, S, Hk, D] with q's B, S, D");
+    require_like(ctx, op, "k_out", k_out, "k", k);
+  }
+  detail::require_tensor(ctx, op, "cos", cos);
+  if (q.dtype() == DType::F32)
+    detail::require_dtype(op, "cos", cos, {DType::F32});
+  else
+    detail::require_dtype(op, "cos", cos, {DType::F32, q.dtype()});
+  const std::string cs_shape = "[1 or " + std::to_string(batch) + ", " + std::to_string(seq) + ", " +
+                               std::to_string(head_dim) + "] (q's B or 1, S, D)";
+  require(cos.rank() == 3 && (cos.dim(0) == 1 || cos.dim(0) == batch) && cos.dim(1) == seq && cos.dim(2) == head_dim,
+          ErrorCode::ShapeMismatch, op, "cos is " + cos.shape().str() + " but must be " + cs_shape);
+  require_like(ctx, op, "sin", sin, "cos", cos);
+  // Outputs: their own input exactly or disjoint; never any other argument (cos and sin may share memory: both read).
+  require_exact_alias_or_disjoint(op, "q_out", q_out, "q", q);
+  for (const auto& [name, in] :
+       {std::pair<const char*, const TensorView*>{"k", &k}, {"k_out", &k_out}, {"cos", &cos}, {"sin", &sin}})
+    detail::require_no_overlap(op, "q_out", q_out, name, *in);
+  if (has_k) {
+    require_exact_alias_or_disjoint(op, "k_out", k_out, "k", k);
+    for (const auto& [name, in] : {std::pair<const char*, const TensorView*>{"q", &q}, {"cos", &cos}, {"sin", &sin}})
+      detail::require_no_overlap(op, "k_out", k_out, name, *in);
+  }
+  if (q.numel() == 0 && (!has_k || k.numel() == 0)) return;  // (an absent view counts one element)
+  QMM_TRAIN_ROUTE(ctx, op, rope, q, k, cos, sin, q_out, k_out, inverse);
+}
+
 void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorView& w, const TensorView& labels,
                           const TensorView& loss, const TensorView& dh, const TensorView& dw,
                           const CrossEntropyOptions& opts) {

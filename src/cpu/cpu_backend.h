@@ -32,6 +32,9 @@ void zero(const TensorView& t);
 void rms_norm(const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd, float eps);
 void rms_norm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
                        const TensorView& dx, const TensorView& dw);
+// k and k_out are absent views (rank 0) where there is no k.
+void rope(const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
+          const TensorView& q_out, const TensorView& k_out, bool inverse);
 void linear_cross_entropy(const TensorView& h, const TensorView& w, const TensorView& labels, const TensorView& loss,
                           const TensorView& dh, const TensorView& dw, std::int32_t ignore_index);
 

@@ -252,6 +252,44 @@ void rms_norm_backward(const TensorView& x, const TensorView& w, const TensorVie
   });
 }
 
+// Each pair (x1, x2) = (x[j], x[j + D/2]) of a head rotated in fp64 with the token's cos and sin, rounded once. The
+// inverse is the forward with (s1, s2) replaced by (−s2, −s1): y1 = x1·c1 − x2·a, y2 = x2·c2 + x1·b for both.
+void rope(const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
+          const TensorView& q_out, const TensorView& k_out, bool inverse) {
+  const std::int64_t seq = q.dim(1), dim = q.dim(3), half = dim / 2, tokens = q.dim(0) * seq;
+  const bool per_batch = cos.dim(0) != 1;  // else one row of cos and sin per position, for every sequence
+  with_storage(cos.dtype(), [&](auto* ctag) {
+    using C = std::remove_pointer_t<decltype(ctag)>;
+    const C* cp = cos.data_as<const C>();
+    const C* sp = sin.data_as<const C>();
+    with_storage(q.dtype(), [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      const auto rotate = [&](const TensorView& x, const TensorView& out) {
+        if (x.rank() != 4) return;  // no k
+        const std::int64_t heads = x.dim(2);
+        const T* xp = x.data_as<const T>();
+        T* yp = out.data_as<T>();
+#pragma omp parallel for schedule(static) if (tokens * heads * dim >= kParallelMin)
+        for (std::int64_t t = 0; t < tokens; ++t) {
+          const std::int64_t row = (per_batch ? t : t % seq) * dim;
+          for (std::int64_t h = 0; h < heads; ++h)
+            for (std::int64_t j = 0; j < half; ++j) {
+              const std::int64_t i = (t * heads + h) * dim + j;
+              const double x1 = load(xp, i), x2 = load(xp, i + half);  // both read before either is written
+              const double c1 = load(cp, row + j), c2 = load(cp, row + j + half);
+              const double s1 = load(sp, row + j), s2 = load(sp, row + j + half);
+              const double a = inverse ? -s2 : s1, b = inverse ? -s1 : s2;
+              store(yp, i, x1 * c1 - x2 * a);
+              store(yp, i + half, x2 * c2 + x1 * b);
+            }
+        }
+      };
+      rotate(q, q_out);
+      rotate(k, k_out);
+    });
+  });
+}
+
 // Token by token in fp64: the logits row, its log-sum-exp, the loss term, and (for the gradients) the row of
 // (softmax - onehot) / n. Per-token losses are summed in token order; dw's rows are summed over tokens in order
 // (each thread owns whole rows of dw), so the result does not depend on the thread count.

@@ -62,6 +62,9 @@ void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, cons
               const TensorView& rstd, float eps);
 void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
                        const TensorView& dy, const TensorView& dx, const TensorView& dw);
+// k and k_out are absent views (rank 0) where there is no k.
+void rope(const Context& ctx, const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
+          const TensorView& q_out, const TensorView& k_out, bool inverse);
 // linear_cross_entropy's step over one chunk of fp32 logits [rows, V] (the core runs the chunks' GEMMs): each row's
 // loss term logsumexp(z) - z[label] into row_loss[row] (fp64; 0 for an ignored row) and, where g is given (f32 or
 // bf16 [rows, V]), the gradient rows g = (softmax(z) - onehot(label)) * inv_n (0 for an ignored row).

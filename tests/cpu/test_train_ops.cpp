@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -1076,6 +1077,253 @@ TEST(TrainRmsNorm, BadArgumentsNameThem) {
                                  ErrorCode::ShapeMismatch, {"rms_norm_backward", "rstd"}));
   EXPECT_TRUE(test::throws_error([&] { rms_norm_backward(ctx, x, w, rstd, x, dx, Tensor(DType::BF16, {8})); },
                                  ErrorCode::DTypeMismatch, {"rms_norm_backward", "dw"}));
+}
+
+// ---- rope -------------------------------------------------------------------------------------------------------
+
+namespace rope_test {
+
+// Shapes: B, S, Hq, Hk (0: no k), D. Ragged sequence lengths, grouped-query attention (Hq ≠ Hk), the smallest D.
+struct Shape5 {
+  std::int64_t b, s, hq, hk, d;
+};
+constexpr Shape5 kShapes[] = {{1, 1, 1, 1, 2},  {2, 7, 4, 2, 64}, {3, 65, 6, 2, 128},
+                              {1, 7, 3, 0, 64}, {2, 1, 2, 5, 2},  {3, 7, 5, 1, 6}};
+
+std::string describe(const Shape5& s, DType dt, DType ct, std::int64_t bc, bool inverse) {
+  return std::string(dtype_name(dt)) + " cos " + dtype_name(ct) + " B=" + std::to_string(s.b) +
+         " S=" + std::to_string(s.s) + " Hq=" + std::to_string(s.hq) + " Hk=" + std::to_string(s.hk) +
+         " D=" + std::to_string(s.d) + " Bc=" + std::to_string(bc) + (inverse ? " inverse" : "");
+}
+
+// Hugging Face's rotation written out in fp64 from the stored values: y = x·cos + rotate_half(x)·sin with
+// rotate_half(x) = [−x2, x1]; the inverse is its transpose, y = g·cos + rotate_halfᵀ(g·sin), rotate_halfᵀ(v) =
+// [v2, −v1]. Row (b, s) of x [B, S, H, D] uses row (b or 0, s) of cos and sin.
+std::vector<double> reference(const TensorView& x, const TensorView& cos, const TensorView& sin, bool inverse) {
+  const std::int64_t seq = x.dim(1), heads = x.dim(2), d = x.dim(3), half = d / 2;
+  std::vector<double> y(static_cast<std::size_t>(x.numel()));
+  for (std::int64_t b = 0; b < x.dim(0); ++b)
+    for (std::int64_t s = 0; s < seq; ++s) {
+      const std::int64_t row = ((cos.dim(0) == 1 ? 0 : b) * seq + s) * d;
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const std::int64_t base = ((b * seq + s) * heads + h) * d;
+        auto xv = [&](std::int64_t i) { return test::get_value(x, base + i); };
+        auto c = [&](std::int64_t i) { return test::get_value(cos, row + i); };
+        auto sn = [&](std::int64_t i) { return test::get_value(sin, row + i); };
+        for (std::int64_t i = 0; i < d; ++i) {
+          double rot;
+          if (!inverse)
+            rot = (i < half ? -xv(i + half) : xv(i - half)) * sn(i);
+          else
+            rot = i < half ? xv(i + half) * sn(i + half) : -xv(i - half) * sn(i - half);
+          y[static_cast<std::size_t>(base + i)] = xv(i) * c(i) + rot;
+        }
+      }
+    }
+  return y;
+}
+
+// One rounding of the fp64 rotation to the output dtype: at most half an ulp, 2^-24 (f32) or 2^-8 (bf16) of |y|;
+// atol covers fp64's own evaluation error where the two products cancel. NaN (an unwritten, poisoned element) fails.
+double rounding_tol(DType dt) { return dt == DType::BF16 ? 1.0 / 256 : 1.2e-7; }
+
+::testing::AssertionResult close_to(const TensorView& got, const std::vector<double>& ref, double rtol) {
+  std::int64_t bad = 0;
+  std::ostringstream first;
+  for (std::int64_t i = 0; i < got.numel(); ++i) {
+    const double g = test::get_value(got, i), r = ref[static_cast<std::size_t>(i)];
+    if (!(std::abs(g - r) <= rtol * std::abs(r) + 1e-12) && bad++ < 5)
+      first << "\n  [" << i << "] " << g << " vs " << r;
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << bad << " of " << got.numel() << " elements off:" << first.str();
+}
+
+// Σ a·b over two equally long tensors in fp64, and Σ |a·b| for its tolerance.
+std::pair<double, double> dot(const TensorView& a, const TensorView& b) {
+  double s = 0, m = 0;
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    const double p = test::get_value(a, i) * test::get_value(b, i);
+    s += p;
+    m += std::abs(p);
+  }
+  return {s, m};
+}
+
+}  // namespace rope_test
+
+TEST(TrainRope, MatchesTheDefinitionOutOfPlaceAndInPlace) {
+  using namespace rope_test;
+  const Context& ctx = Context::cpu();
+  std::uint64_t seed = 1100;
+  for (auto [dt, ct] : {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}})
+    for (const Shape5& sh : kShapes)
+      for (std::int64_t bc : {std::int64_t{1}, sh.b})
+        for (bool inverse : {false, true}) {
+          SCOPED_TRACE(describe(sh, dt, ct, bc, inverse));
+          const Tensor q = test::random_tensor(dt, {sh.b, sh.s, sh.hq, sh.d}, ++seed, -2.0f, 2.0f);
+          const Tensor k = sh.hk ? test::random_tensor(dt, {sh.b, sh.s, sh.hk, sh.d}, ++seed, -2.0f, 2.0f) : Tensor();
+          // Any cos and sin (not only a rotation's): every term of the definition is exercised.
+          const Tensor cs = test::random_tensor(ct, {bc, sh.s, sh.d}, ++seed);
+          const Tensor sn = test::random_tensor(ct, {bc, sh.s, sh.d}, ++seed);
+          Tensor q_out = test::filled(dt, q.shape(), NAN);
+          Tensor k_out = sh.hk ? test::filled(dt, k.shape(), NAN) : Tensor();
+          rope(ctx, q, k, cs, sn, q_out, k_out, inverse);
+          EXPECT_TRUE(close_to(q_out, reference(q, cs, sn, inverse), rounding_tol(dt))) << "q";
+          if (sh.hk) EXPECT_TRUE(close_to(k_out, reference(k, cs, sn, inverse), rounding_tol(dt))) << "k";
+          // In place gives the same bits.
+          Tensor q_in = test::host_copy(q), k_in = sh.hk ? test::host_copy(k) : Tensor();
+          rope(ctx, q_in, k_in, cs, sn, q_in, k_in, inverse);
+          EXPECT_TRUE(test::bytes_equal(q_in, q_out));
+          if (sh.hk) EXPECT_TRUE(test::bytes_equal(k_in, k_out));
+        }
+}
+
+// The inverse is the forward's transpose: <forward(x), g> = <x, inverse(g)> in fp64, up to the outputs' roundings
+// (relative to Σ|terms|: 2^-24 per f32 element, 2^-8 per bf16 element).
+TEST(TrainRope, InverseIsTheTranspose) {
+  using namespace rope_test;
+  const Context& ctx = Context::cpu();
+  std::uint64_t seed = 1200;
+  for (DType dt : kDTypes)
+    for (const Shape5& sh : {Shape5{2, 7, 4, 2, 64}, Shape5{3, 65, 2, 1, 2}, Shape5{1, 7, 3, 3, 128}}) {
+      SCOPED_TRACE(describe(sh, dt, dt, sh.b, false));
+      const Tensor x = test::random_tensor(dt, {sh.b, sh.s, sh.hq, sh.d}, ++seed);
+      const Tensor g = test::random_tensor(dt, x.shape(), ++seed);
+      const Tensor cs = test::random_tensor(dt, {sh.b, sh.s, sh.d}, ++seed);
+      const Tensor sn = test::random_tensor(dt, {sh.b, sh.s, sh.d}, ++seed);
+      Tensor y(dt, x.shape()), z(dt, x.shape());
+      rope(ctx, x, {}, cs, sn, y, {}, false);
+      rope(ctx, g, {}, cs, sn, z, {}, true);
+      const auto [yg, yg_mag] = dot(y, g);
+      const auto [xz, xz_mag] = dot(x, z);
+      EXPECT_NEAR(yg, xz, rounding_tol(dt) * (yg_mag + xz_mag));
+    }
+}
+
+// With Hugging Face's cos and sin (one angle per column pair: c1 = c2 = cos θ, s1 = s2 = sin θ, so cos² + sin² = 1)
+// the inverse undoes the forward, to the two roundings (and fp32's cos² + sin² − 1, ~1e-7): per pair of radius r,
+// 2e-6·r in f32 and 2^-6·r in bf16 (each rounding ≤ 2^-8 of a component, the rotation mixing two).
+TEST(TrainRope, InverseUndoesTheForwardForARotation) {
+  using namespace rope_test;
+  const Context& ctx = Context::cpu();
+  for (DType dt : kDTypes) {
+    const std::int64_t b = 2, s = 65, hq = 4, hk = 2, d = 64, half = d / 2;
+    const Tensor q = test::random_tensor(dt, {b, s, hq, d}, 1300), k = test::random_tensor(dt, {b, s, hk, d}, 1301);
+    Tensor cs(DType::F32, {1, s, d}), sn(DType::F32, {1, s, d});
+    for (std::int64_t p = 0; p < s; ++p)
+      for (std::int64_t j = 0; j < half; ++j) {
+        const double theta = static_cast<double>(p) * std::pow(10000.0, -2.0 * static_cast<double>(j) / d);
+        for (std::int64_t i : {j, j + half}) {
+          cs.data_as<float>()[p * d + i] = static_cast<float>(std::cos(theta));
+          sn.data_as<float>()[p * d + i] = static_cast<float>(std::sin(theta));
+        }
+      }
+    Tensor q2 = test::host_copy(q), k2 = test::host_copy(k);
+    rope(ctx, q2, k2, cs, sn, q2, k2, false);
+    rope(ctx, q2, k2, cs, sn, q2, k2, true);
+    const double tol = dt == DType::BF16 ? 1.0 / 64 : 2e-6;
+    for (const auto& [x, back] : {std::pair<const Tensor*, const Tensor*>{&q, &q2}, {&k, &k2}})
+      for (std::int64_t i = 0; i < x->numel(); ++i) {
+        const std::int64_t j = i % d, partner = j < half ? i + half : i - half;
+        const double r = std::hypot(test::get_value(*x, i), test::get_value(*x, partner));
+        ASSERT_NEAR(test::get_value(*back, i), test::get_value(*x, i), tol * r + 1e-30) << dtype_name(dt) << " " << i;
+      }
+  }
+}
+
+// No elements: nothing to do, nothing written; q without heads still rotates k.
+TEST(TrainRope, EmptyTensors) {
+  const Context& ctx = Context::cpu();
+  const Tensor cs = test::random_tensor(DType::F32, {1, 3, 4}, 1), sn = test::random_tensor(DType::F32, {1, 3, 4}, 2);
+  Tensor none(DType::F32, {0, 3, 2, 4});
+  rope(ctx, none, {}, test::filled(DType::F32, {1, 3, 4}, 0), cs, none, {});
+  const Tensor q(DType::F32, {2, 3, 0, 4}), k = test::random_tensor(DType::F32, {2, 3, 2, 4}, 3);
+  Tensor k_out = test::filled(DType::F32, k.shape(), NAN), want(DType::F32, k.shape());
+  rope(ctx, q, k, cs, sn, q, k_out);
+  rope(ctx, k, {}, cs, sn, want, {});
+  EXPECT_TRUE(test::bytes_equal(k_out, want));
+}
+
+TEST(TrainRope, BadArgumentsNameThemAndWriteNothing) {
+  const Context& ctx = Context::cpu();
+  const std::int64_t b = 3, s = 5, hq = 4, hk = 2, d = 8;
+  // Every argument a view into its own buffer, with room for misplaced views; the buffers are the watched outputs.
+  const Tensor qb = test::random_tensor(DType::F32, {b * s * hq * d + 8}, 1);
+  const Tensor kb = test::random_tensor(DType::F32, {b * s * hk * d + 8}, 2);
+  const Tensor cb = test::random_tensor(DType::F32, {b * s * d + 8}, 3),
+               sb = test::random_tensor(DType::F32, {b * s * d + 8}, 4);
+  const Tensor qob = test::filled(DType::F32, qb.shape(), NAN), kob = test::filled(DType::F32, kb.shape(), NAN);
+  const TensorView q = part(qb, 0, {b, s, hq, d}), k = part(kb, 0, {b, s, hk, d});
+  const TensorView cs = part(cb, 0, {1, s, d}), sn = part(sb, 0, {1, s, d});
+  const TensorView q_out = part(qob, 0, q.shape()), k_out = part(kob, 0, k.shape());
+  const Tensor q16 = test::random_tensor(DType::BF16, q.shape(), 5),
+               k16 = test::random_tensor(DType::BF16, k.shape(), 6);
+  const Tensor c16 = test::random_tensor(DType::BF16, cs.shape(), 7);
+  struct Case {
+    const char* what;
+    std::function<void()> call;
+    ErrorCode code;
+    std::string needle;
+  };
+  auto call = [&](TensorView q_, TensorView k_, TensorView c_, TensorView s_, TensorView qo_, TensorView ko_) {
+    return [=, &ctx] { rope(ctx, q_, k_, c_, s_, qo_, ko_); };
+  };
+  const Case cases[] = {
+      {"q rank", call(part(qb, 0, {b * s, hq, d}), k, cs, sn, part(qob, 0, {b * s, hq, d}), k_out), kShape,
+       "q must have rank 4"},
+      {"q odd D",
+       call(part(qb, 0, {b, s, hq, 7}), {}, part(cb, 0, {1, s, 7}), part(sb, 0, {1, s, 7}), part(qob, 0, {b, s, hq, 7}),
+            {}),
+       kShape, "head dimension"},
+      {"q u8", call(TensorView(qb.data(), DType::U8, q.shape()), {}, cs, sn, q_out, {}), kDType, "q is u8"},
+      {"q null", call(null_like(q), k, cs, sn, q_out, k_out), kInvalid, "q"},
+      {"q on a GPU", call(on_gpu(q), k, cs, sn, q_out, k_out), kDevice, "q"},
+      {"q_out shape", call(q, k, cs, sn, part(qob, 0, {b, s, hq - 1, d}), k_out), kShape, "q_out is"},
+      {"q_out dtype", call(q, k, cs, sn, TensorView(qob.data(), DType::BF16, q.shape()), k_out), kDType, "q_out"},
+      {"k dtype", call(q, k16, cs, sn, q_out, k_out), kDType, "k is bf16 but q is f32"},
+      {"k batch", call(q, part(kb, 0, {1, s, hk, d}), cs, sn, q_out, part(kob, 0, {1, s, hk, d})), kShape,
+       "k must be [B, S, Hk, D]"},
+      {"k head dim", call(q, part(kb, 0, {b, s, 1, 2 * d}), cs, sn, q_out, part(kob, 0, {b, s, 1, 2 * d})), kShape,
+       "k must be [B, S, Hk, D]"},
+      {"k rank", call(q, part(kb, 0, {b * s, hk, d}), cs, sn, q_out, part(kob, 0, {b * s, hk, d})), kShape,
+       "k must have rank 4"},
+      {"k on a GPU", call(q, on_gpu(k), cs, sn, q_out, k_out), kDevice, "k"},
+      {"k without k_out", call(q, k, cs, sn, q_out, {}), kInvalid, "k_out is missing"},
+      {"k_out without k", call(q, {}, cs, sn, q_out, k_out), kInvalid, "k is missing"},
+      {"k_out shape", call(q, k, cs, sn, q_out, part(kob, 0, {b, s, hk - 1, d})), kShape, "k_out is"},
+      {"k_out dtype", call(q16, k16, c16, c16, TensorView(qob.data(), DType::BF16, q.shape()), k_out), kDType, "k_out"},
+      {"cos rank", call(q, k, part(cb, 0, {s, d}), part(sb, 0, {s, d}), q_out, k_out), kShape, "cos is [5,8]"},
+      {"cos batch", call(q, k, part(cb, 0, {2, s, d}), part(sb, 0, {2, s, d}), q_out, k_out), kShape,
+       "cos is [2,5,8] but must be [1 or 3, 5, 8]"},
+      {"cos length", call(q, k, part(cb, 0, {1, s - 1, d}), part(sb, 0, {1, s - 1, d}), q_out, k_out), kShape,
+       "cos is"},
+      {"cos width", call(q, k, part(cb, 0, {1, s, d / 2}), part(sb, 0, {1, s, d / 2}), q_out, k_out), kShape, "cos is"},
+      {"cos bf16 for f32 q", call(q, k, c16, c16, q_out, k_out), kDType, "cos is bf16"},
+      {"cos null", call(q, k, null_like(cs), sn, q_out, k_out), kInvalid, "cos"},
+      {"cos on a GPU", call(q, k, on_gpu(cs), sn, q_out, k_out), kDevice, "cos"},
+      {"sin shape", call(q, k, cs, part(sb, 0, {3, s, d}), q_out, k_out), kShape, "sin is"},
+      {"sin dtype",
+       call(q16, k16, c16, cs, TensorView(qob.data(), DType::BF16, q.shape()),
+            TensorView(kob.data(), DType::BF16, k.shape())),
+       kDType, "sin"},
+      {"q_out overlaps q", call(q, k, cs, sn, part(qb, 1, q.shape()), k_out), kInvalid, "q_out and q overlap"},
+      {"q_out is k", call(q, part(qb, 0, {b, s, hq, d}), cs, sn, part(qb, 0, q.shape()), part(qob, 0, q.shape())),
+       kInvalid, "q_out and k"},
+      {"q_out is k_out", call(q, k, cs, sn, q_out, part(qob, 0, k.shape())), kInvalid, "q_out and k_out"},
+      {"q_out overlaps cos", call(q, k, part(qb, 0, {1, s, d}), sn, q, k_out), kInvalid, "q_out and cos"},
+      {"q_out overlaps sin", call(q, k, cs, part(qob, 3, {1, s, d}), q_out, k_out), kInvalid, "q_out and sin"},
+      {"k_out overlaps k", call(q, k, cs, sn, q_out, part(kb, 2, k.shape())), kInvalid, "k_out and k overlap"},
+      {"k_out overlaps q", call(q, k, cs, sn, q_out, part(qb, 0, k.shape())), kInvalid, "k_out and q"},
+      {"k_out overlaps cos", call(q, k, part(kob, 1, {1, s, d}), sn, q_out, k_out), kInvalid, "k_out and cos"},
+      {"k_out overlaps sin", call(q, k, cs, part(kob, 4, {1, s, d}), q_out, k_out), kInvalid, "k_out and sin"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    EXPECT_TRUE(rejects(c.call, c.code, {"rope: ", c.needle}, {qb, kb, cb, sb, qob, kob}));
+  }
+  // cos and sin may be one tensor (both only read); the checks above did not reject a good call.
+  rope(ctx, q, k, cs, cs, q_out, k_out);
 }
 
 }  // namespace qmm

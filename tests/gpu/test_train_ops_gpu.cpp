@@ -474,6 +474,57 @@ TEST(TrainOpsGpu, RmsNormMatchesCpu) {
     }
 }
 
+// rope on the GPU against the CPU oracle (fp64, rounded once): ragged shapes through every access width (16 bytes,
+// two elements where D/2 is not a multiple of the wide vector or a pointer is misaligned, one where D/2 is odd),
+// grouped-query heads, no k, cos and sin per sequence or broadcast, f32 cos with bf16 q, the inverse, in place, and
+// outputs poisoned first. The GPU rounds x2·s1 (x1·s2) to fp32 before the fused multiply-add: a few fp32 ulps of
+// the products, 1e-6 absolute at these magnitudes (< 4), plus one ulp of the output dtype where that moves its
+// rounding (2.4e-7 f32, 2^-7 bf16).
+TEST(TrainOpsGpu, RopeMatchesCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  struct Case {
+    std::int64_t b, s, hq, hk, d;
+    bool misaligned;
+  };
+  const Case cases[] = {{1, 1, 1, 1, 2, false},      {2, 7, 4, 2, 64, false}, {3, 65, 12, 2, 128, false},
+                        {1, 300, 32, 8, 128, false}, {2, 33, 5, 3, 6, false}, {1, 17, 3, 0, 256, false},
+                        {2, 9, 1, 7, 12, false},     {2, 65, 4, 2, 64, true}, {1, 4099, 2, 1, 2, false}};
+  std::uint64_t seed = 1500;
+  for (auto [dt, ct] : {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}})
+    for (const Case& c : cases)
+      for (std::int64_t bc : {std::int64_t{1}, c.b})
+        for (bool inverse : {false, true}) {
+          SCOPED_TRACE(std::string(dtype_name(dt)) + " cos " + dtype_name(ct) + " B=" + std::to_string(c.b) +
+                       " S=" + std::to_string(c.s) + " Hq=" + std::to_string(c.hq) + " Hk=" + std::to_string(c.hk) +
+                       " D=" + std::to_string(c.d) + " Bc=" + std::to_string(bc) + (c.misaligned ? " misaligned" : "") +
+                       (inverse ? " inverse" : ""));
+          const Tensor q = test::random_tensor(dt, {c.b, c.s, c.hq, c.d}, ++seed, -2.0f, 2.0f);
+          const Tensor k = c.hk ? test::random_tensor(dt, {c.b, c.s, c.hk, c.d}, ++seed, -2.0f, 2.0f) : Tensor();
+          const Tensor cs = test::random_tensor(ct, {bc, c.s, c.d}, ++seed);
+          const Tensor sn = test::random_tensor(ct, {bc, c.s, c.d}, ++seed);
+          Tensor q_ref(dt, q.shape()), k_ref = c.hk ? Tensor(dt, k.shape()) : Tensor();
+          rope(Context::cpu(), q, k, cs, sn, q_ref, k_ref, inverse);
+          const Dev q_d = on_device(q, c.misaligned), cs_d = on_device(cs), sn_d = on_device(sn);
+          const Dev q_out = device_tensor(dt, q.shape(), c.misaligned);
+          Dev k_d, k_out;
+          if (c.hk) {
+            k_d = on_device(k, c.misaligned);
+            k_out = device_tensor(dt, k.shape(), false);
+          }
+          rope(gpu, q_d.view, k_d.view, cs_d.view, sn_d.view, q_out.view, k_out.view, inverse);
+          rope(gpu, q_d.view, k_d.view, cs_d.view, sn_d.view, q_d.view, k_d.view, inverse);  // in place
+          gpu.synchronize();
+          const test::Tolerance tol =
+              dt == DType::BF16 ? test::Tolerance{1e-6, 1.0 / 128, 1.0 / 256} : test::Tolerance{1e-6, 2.4e-7, 1e-6};
+          EXPECT_TRUE(test::all_close(test::host_copy(q_out.view), q_ref, tol)) << "q";
+          EXPECT_TRUE(test::bytes_equal(test::host_copy(q_d.view), test::host_copy(q_out.view))) << "q in place";
+          if (!c.hk) continue;
+          EXPECT_TRUE(test::all_close(test::host_copy(k_out.view), k_ref, tol)) << "k";
+          EXPECT_TRUE(test::bytes_equal(test::host_copy(k_d.view), test::host_copy(k_out.view))) << "k in place";
+        }
+}
+
 // linear_cross_entropy on the GPU (chunked logits GEMMs and the row kernel) against the CPU oracle (fp64): ragged
 // token counts over several chunks, ignored tokens, both dtypes. The loss comes from fp32 logits on both sides:
 // 1e-5 relative. The gradient rows are rounded to the activations' dtype before their GEMMs (bf16: 2^-9 each, summed
