@@ -38,15 +38,18 @@ void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target,
 // the [T, V] logits ever held whole (tokens go through in chunks of opts.chunk_tokens; 0 lets the op choose).
 //   loss[0] = Σ_{t: labels[t] != ignore_index} (logsumexp(z_t) − z_t[labels[t]]) / n,  n = the count of such t
 // h [T,H] f32 or bf16; w [V,H] of h's dtype (a separate head or the tied embedding); labels [T] i32, each in
-// [0, V) or ignore_index (anything else is InvalidArgument naming the first); loss [1] f32, written. With all
-// tokens ignored (n = 0) the loss is 0 and the gradients are 0. The products multiply bf16 (or f32) operands with
-// fp32 sums; the log-sum-exp is fp32 (fp64 on the CPU backend). Gradients of the mean loss: dh [T,H] of h's dtype,
-// written, where given (empty: none); dw [V,H] f32, accumulated (dw += ∂loss/∂W), where given. The labels are
-// range-checked on the host (a GPU's are copied: the call waits for the device). On a GPU the gradient rows are
-// rounded to h's dtype before their GEMMs.
+// [0, V) or ignore_index; loss [1] f32, written. With all tokens ignored (n = 0) the loss is 0 and the gradients
+// are 0. The products multiply bf16 (or f32) operands with fp32 sums; the log-sum-exp is fp32 (fp64 on the CPU
+// backend). Gradients of the mean loss: dh [T,H] of h's dtype, written, where given (empty: none); dw [V,H] f32,
+// accumulated (dw += ∂loss/∂W), where given. On a GPU the gradient rows are rounded to h's dtype before their GEMMs.
+// Labels out of range: with opts.check_labels (the default) the labels are read on the host first (a GPU's are
+// copied: the call waits for the device) and the first one out of range is InvalidArgument, nothing written;
+// without, nothing waits (a CUDA graph can capture the call) and a label out of range makes the loss NaN and its
+// token's dh row NaN (and dw where given).
 struct CrossEntropyOptions {
   std::int32_t ignore_index = -100;
   std::int64_t chunk_tokens = 0;
+  bool check_labels = true;
 };
 void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorView& w, const TensorView& labels,
                           const TensorView& loss, const TensorView& dh = {}, const TensorView& dw = {},

@@ -373,37 +373,37 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
   detail::require_no_overlap(op, "dh", dh, "loss", loss);
   detail::require_no_overlap(op, "dw", dw, "loss", loss);
   detail::require_no_overlap(op, "dh", dh, "dw", dw);
-  // Every label in range (read on the host: a GPU's labels are copied, T * 4 bytes).
-  Tensor host_labels;
-  const std::int32_t* lab = labels.data_as<const std::int32_t>();
-  if (!labels.device().is_cpu() && t > 0) {
-    host_labels = Tensor(DType::I32, {t});
-    copy(ctx, host_labels, labels);
-    ctx.synchronize();
-    lab = host_labels.data_as<const std::int32_t>();
+  if (opts.check_labels) {  // every label in range, read on the host (a GPU's labels are copied: T * 4 bytes)
+    Tensor host_labels;
+    const std::int32_t* lab = labels.data_as<const std::int32_t>();
+    if (!labels.device().is_cpu() && t > 0) {
+      host_labels = Tensor(DType::I32, {t});
+      copy(ctx, host_labels, labels);
+      ctx.synchronize();
+      lab = host_labels.data_as<const std::int32_t>();
+    }
+    for (std::int64_t i = 0; i < t; ++i)
+      require(lab[i] == opts.ignore_index || (lab[i] >= 0 && lab[i] < vocab), ErrorCode::InvalidArgument, op,
+              "labels[" + std::to_string(i) + "] is " + std::to_string(lab[i]) + " but must be in [0, " +
+                  std::to_string(vocab) + ") or the ignore_index " + std::to_string(opts.ignore_index));
   }
-  for (std::int64_t i = 0; i < t; ++i)
-    require(lab[i] == opts.ignore_index || (lab[i] >= 0 && lab[i] < vocab), ErrorCode::InvalidArgument, op,
-            "labels[" + std::to_string(i) + "] is " + std::to_string(lab[i]) + " but must be in [0, " +
-                std::to_string(vocab) + ") or the ignore_index " + std::to_string(opts.ignore_index));
   if (ctx.device().is_cpu()) return cpu::linear_cross_entropy(h, w, labels, loss, dh, dw, opts.ignore_index);
 #ifdef QMM_WITH_CUDA
   // The tokens go through in chunks: a chunk's logits [c, V] (fp32) come from one GEMM, its rows' loss terms and
   // gradient rows from cuda::cross_entropy_rows, then its gradients' GEMMs. Memory: the logits and gradient rows of
-  // one chunk, by default a 32nd of the tokens (at least 64): about 5% of the whole fp32 logits.
-  std::int64_t n = 0;
-  for (std::int64_t i = 0; i < t; ++i) n += lab[i] != opts.ignore_index;
-  if (n == 0) {
+  // one chunk, by default a 32nd of the tokens (at least 64): about 5% of the whole fp32 logits. The count of
+  // tokens n that the mean divides by stays on the device: nothing here waits for it.
+  if (t == 0) {
     zero(ctx, loss);
-    if (!dh.empty()) zero(ctx, dh);
     return;
   }
   const Device dev = ctx.device();
   const std::int64_t chunk = opts.chunk_tokens > 0 ? std::min(opts.chunk_tokens, t)
                                                    : std::min(t, std::max<std::int64_t>(64, (t + 31) / 32));
   const bool grads = !dh.empty() || !dw.empty();
-  Tensor logits(DType::F32, {chunk, vocab}, dev), row_loss(DType::U8, {8 * t}, dev);
+  Tensor logits(DType::F32, {chunk, vocab}, dev), row_loss(DType::U8, {8 * t}, dev), stats(DType::U8, {16}, dev);
   Tensor g = grads ? Tensor(h.dtype(), {chunk, vocab}, dev) : Tensor();
+  cuda::cross_entropy_label_stats(ctx, labels, vocab, opts.ignore_index, stats);
   const std::size_t h_row = static_cast<std::size_t>(hidden) * dtype_size(h.dtype());
   auto rows = [](const TensorView& base, std::int64_t first, std::size_t row_bytes, Shape shape) {
     return TensorView(static_cast<std::uint8_t*>(base.data()) + static_cast<std::size_t>(first) * row_bytes,
@@ -414,12 +414,12 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
     const TensorView hc = rows(h, first, h_row, {c, hidden}), zc = rows(logits, 0, 0, {c, vocab});
     const TensorView gc = grads ? rows(g, 0, 0, {c, vocab}) : TensorView();
     gemm_bt(ctx, hc, w, zc);
-    cuda::cross_entropy_rows(ctx, zc, rows(labels, first, 4, {c}), opts.ignore_index,
-                             static_cast<float>(1.0 / static_cast<double>(n)), gc, rows(row_loss, first, 8, {8 * c}));
+    cuda::cross_entropy_rows(ctx, zc, rows(labels, first, 4, {c}), opts.ignore_index, stats, gc,
+                             rows(row_loss, first, 8, {8 * c}));
     if (!dh.empty()) gemm(ctx, gc, w, rows(dh, first, h_row, {c, hidden}));
     if (!dw.empty()) gemm_backward_b(ctx, gc, hc, dw, {1.0f, 1.0f});
   }
-  cuda::cross_entropy_mean(ctx, row_loss, static_cast<double>(n), loss);
+  cuda::cross_entropy_mean(ctx, row_loss, stats, loss);
 #else
   no_cuda(op);
 #endif

@@ -291,14 +291,16 @@ void rope(const TensorView& q, const TensorView& k, const TensorView& cos, const
 }
 
 // Token by token in fp64: the logits row, its log-sum-exp, the loss term, and (for the gradients) the row of
-// (softmax - onehot) / n. Per-token losses are summed in token order; dw's rows are summed over tokens in order
+// (softmax - onehot) / n; a label out of range (not checked: CrossEntropyOptions::check_labels off) gives a NaN
+// loss term and gradient row, as on a GPU. Per-token losses are summed in token order; dw's rows are summed over tokens in order
 // (each thread owns whole rows of dw), so the result does not depend on the thread count.
 void linear_cross_entropy(const TensorView& h, const TensorView& w, const TensorView& labels, const TensorView& loss,
                           const TensorView& dh, const TensorView& dw, std::int32_t ignore_index) {
   const std::int64_t t = h.dim(0), hid = h.dim(1), vocab = w.dim(0);
   const std::int32_t* lab = labels.data_as<const std::int32_t>();
   std::int64_t n = 0;
-  for (std::int64_t i = 0; i < t; ++i) n += lab[i] != ignore_index;
+  const auto in_range = [&](std::int32_t y) { return y >= 0 && y < vocab; };
+  for (std::int64_t i = 0; i < t; ++i) n += lab[i] != ignore_index && in_range(lab[i]);
   const bool want_grads = !dh.empty() || !dw.empty();
   std::vector<double> hd(static_cast<std::size_t>(t * hid)), wd(static_cast<std::size_t>(vocab * hid));
   with_storage(h.dtype(), [&](auto* tag) {
@@ -312,6 +314,11 @@ void linear_cross_entropy(const TensorView& h, const TensorView& w, const Tensor
 #pragma omp parallel for schedule(static)
   for (std::int64_t i = 0; i < t; ++i) {
     if (lab[i] == ignore_index) continue;
+    if (!in_range(lab[i])) {
+      token_loss[static_cast<std::size_t>(i)] = NAN;
+      if (want_grads) std::fill_n(g.begin() + i * vocab, vocab, NAN);
+      continue;
+    }
     std::vector<double> z(static_cast<std::size_t>(vocab));
     double zmax = -INFINITY;
     for (std::int64_t v = 0; v < vocab; ++v) {
@@ -332,7 +339,9 @@ void linear_cross_entropy(const TensorView& h, const TensorView& w, const Tensor
   }
   double total = 0;
   for (double l : token_loss) total += l;
-  loss.data_as<float>()[0] = n > 0 ? static_cast<float>(total / static_cast<double>(n)) : 0.0f;
+  loss.data_as<float>()[0] = std::isnan(total) ? NAN
+                              : n > 0           ? static_cast<float>(total / static_cast<double>(n))
+                                                : 0.0f;
   if (!dh.empty()) {
     with_storage(dh.dtype(), [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;

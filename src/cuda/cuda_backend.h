@@ -65,12 +65,19 @@ void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView
 // k and k_out are absent views (rank 0) where there is no k.
 void rope(const Context& ctx, const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
           const TensorView& q_out, const TensorView& k_out, bool inverse);
-// linear_cross_entropy's step over one chunk of fp32 logits [rows, V] (the core runs the chunks' GEMMs): each row's
-// loss term logsumexp(z) - z[label] into row_loss[row] (fp64; 0 for an ignored row) and, where g is given (f32 or
-// bf16 [rows, V]), the gradient rows g = (softmax(z) - onehot(label)) * inv_n (0 for an ignored row).
+// linear_cross_entropy's steps. label_stats: stats (U8 [16], two int64) = {n, the count of labels out of range}, n the
+// count of labels in [0, vocab) that are not ignore_index. rows, over one chunk of fp32 logits [rows, V] (the core
+// runs the chunks' GEMMs): each row's loss term logsumexp(z) - z[label] into row_loss[row] (fp64; 0 for an ignored
+// row, NaN for a label out of range) and, where g is given (f32 or bf16 [rows, V]), the gradient rows
+// g = (softmax(z) - onehot(label)) / n (0 for an ignored row, NaN for a label out of range).
+void cross_entropy_label_stats(const Context& ctx, const TensorView& labels, std::int64_t vocab,
+                               std::int32_t ignore_index, const TensorView& stats);
 void cross_entropy_rows(const Context& ctx, const TensorView& logits, const TensorView& labels,
-                        std::int32_t ignore_index, float inv_n, const TensorView& g, const TensorView& row_loss);
-// loss[0] = sum(row_loss) / divisor, summed in a fixed order (row_loss f64 viewed as its bytes: U8 [8 * rows]).
-void cross_entropy_mean(const Context& ctx, const TensorView& row_loss, double divisor, const TensorView& loss);
+                        std::int32_t ignore_index, const TensorView& stats, const TensorView& g,
+                        const TensorView& row_loss);
+// loss[0] = sum(row_loss) / n, summed in a fixed order (row_loss f64 viewed as its bytes: U8 [8 * rows]); 0 where
+// n = 0, NaN where a label was out of range.
+void cross_entropy_mean(const Context& ctx, const TensorView& row_loss, const TensorView& stats,
+                        const TensorView& loss);
 
 }  // namespace qmm::cuda

@@ -969,6 +969,31 @@ TEST(TrainLinearCrossEntropy, LossAloneAllIgnoredAndTheIgnoreIndex) {
                                  ErrorCode::InvalidArgument, {"labels[4] is -100", "[0, 20)", "ignore_index 7"}));
 }
 
+// With check_labels off nothing reads the labels on the host: a label out of range gives a NaN loss and NaN in its
+// token's dh row, and leaves the other rows as the same call with that token ignored computes them (n counts only
+// the labels in range).
+TEST(TrainLinearCrossEntropy, UncheckedLabelOutOfRangeGivesNaN) {
+  const Context& ctx = Context::cpu();
+  const Tensor h = test::random_tensor(DType::F32, {6, 8}, 11), w = test::random_tensor(DType::F32, {13, 8}, 12);
+  const std::vector<std::int32_t> labels = ce_labels(6, 13, 13, 0);
+  CrossEntropyOptions opts;
+  opts.check_labels = false;
+  for (std::int32_t bad : {13, -1, -101}) {
+    SCOPED_TRACE(bad);
+    std::vector<std::int32_t> with_bad = labels, ignored = labels;
+    with_bad[2] = bad;
+    ignored[2] = -100;
+    Tensor loss(DType::F32, {1}), dh(DType::F32, {6, 8}), ref_loss(DType::F32, {1}), ref_dh(DType::F32, {6, 8});
+    linear_cross_entropy(ctx, h, w, i32_tensor(with_bad), loss, dh, {}, opts);
+    linear_cross_entropy(ctx, h, w, i32_tensor(ignored), ref_loss, ref_dh);
+    EXPECT_TRUE(std::isnan(loss.data_as<float>()[0]));
+    for (std::int64_t i = 0; i < 6 * 8; ++i) {
+      if (i / 8 == 2) ASSERT_TRUE(std::isnan(dh.data_as<float>()[i])) << i;
+      else ASSERT_EQ(dh.data_as<float>()[i], ref_dh.data_as<float>()[i]) << i;
+    }
+  }
+}
+
 TEST(TrainLinearCrossEntropy, BadArgumentsNameThemAndWriteNothing) {
   const Context& ctx = Context::cpu();
   const Tensor h = test::random_tensor(DType::F32, {5, 8}, 1), w = test::random_tensor(DType::F32, {11, 8}, 2);

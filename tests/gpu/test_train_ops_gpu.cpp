@@ -526,39 +526,56 @@ TEST(TrainOpsGpu, RopeMatchesCpu) {
 }
 
 // linear_cross_entropy on the GPU (chunked logits GEMMs and the row kernel) against the CPU oracle (fp64): ragged
-// token counts over several chunks, ignored tokens, both dtypes. The loss comes from fp32 logits on both sides:
-// 1e-5 relative. The gradient rows are rounded to the activations' dtype before their GEMMs (bf16: 2^-9 each, summed
-// over V terms and T tokens): dh and dw within 1% (bf16) or 1e-4 (f32) Frobenius-relative of the oracle's.
+// token counts over several chunks, ignored tokens (all of them in one case), both dtypes, labels checked on the
+// host and not (the count n then comes from the device). The loss comes from fp32 logits on both sides: 1e-5
+// relative. The gradient rows are rounded to the activations' dtype before their GEMMs (bf16: 2^-9 each, summed
+// over V terms and T tokens): dh and dw within 1% (bf16) or 1e-4 (f32) Frobenius-relative of the oracle's. Unchecked,
+// a label out of range gives the CPU backend's result: a NaN loss and NaN in its token's dh row, the others finite.
 TEST(TrainOpsGpu, LinearCrossEntropyMatchesCpu) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();
+  const Device dev = gpu.device();
   std::uint64_t seed = 700;
   for (DType dt : {DType::F32, DType::BF16})
     for (auto [t, hidden, vocab, chunk] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>{
-             1, 64, 1, 0}, {7, 64, 130, 0}, {300, 128, 32003, 64}, {65, 64, 1000, 7}}) {
-      SCOPED_TRACE(std::string(dtype_name(dt)) + " T=" + std::to_string(t) + " V=" + std::to_string(vocab));
-      const Tensor h = test::random_tensor(dt, {t, hidden}, ++seed);
-      const Tensor w = test::random_tensor(dt, {vocab, hidden}, ++seed);
-      Tensor labels(DType::I32, {t});
-      for (std::int64_t i = 0; i < t; ++i)
-        labels.data_as<std::int32_t>()[i] = i % 4 == 3 ? -100 : static_cast<std::int32_t>((i * 7919 + 13) % vocab);
-      CrossEntropyOptions opts;
-      opts.chunk_tokens = chunk;
-      Tensor loss(DType::F32, {1}), dh(dt, {t, hidden}), dw = test::filled(DType::F32, {vocab, hidden}, 0.0f);
-      linear_cross_entropy(Context::cpu(), h, w, labels, loss, dh, dw, opts);
-      const Device dev = gpu.device();
-      const Tensor loss_d = to_device(test::filled(DType::F32, {1}, NAN), dev);
-      const Tensor dh_d = to_device(test::filled(dt, {t, hidden}, NAN), dev);
-      const Tensor dw_d = to_device(test::filled(DType::F32, {vocab, hidden}, 0.0f), dev);
-      linear_cross_entropy(gpu, to_device(h, dev), to_device(w, dev), to_device(labels, dev), loss_d, dh_d, dw_d,
-                           opts);
-      gpu.synchronize();
-      EXPECT_NEAR(test::host_copy(loss_d).data_as<float>()[0], loss.data_as<float>()[0],
-                  1e-5 * std::abs(loss.data_as<float>()[0]));
-      const double rel = dt == DType::BF16 ? 1e-2 : 1e-4;
-      EXPECT_TRUE(test::all_close(test::host_copy(dh_d), dh, {1e-6, 8 * rel, rel})) << "dh";
-      EXPECT_TRUE(test::all_close(test::host_copy(dw_d), dw, {1e-6, 8 * rel, rel})) << "dw";
-    }
+             1, 64, 1, 0}, {7, 64, 130, 0}, {300, 128, 32003, 64}, {65, 64, 1000, 7}, {5, 64, 100, 0}})
+      for (const bool checked : {true, false}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " T=" + std::to_string(t) + " V=" + std::to_string(vocab) +
+                     (checked ? " checked" : " unchecked"));
+        const Tensor h = test::random_tensor(dt, {t, hidden}, ++seed);
+        const Tensor w = test::random_tensor(dt, {vocab, hidden}, ++seed);
+        Tensor labels(DType::I32, {t});
+        for (std::int64_t i = 0; i < t; ++i)  // T = 5: every token ignored
+          labels.data_as<std::int32_t>()[i] =
+              i % 4 == 3 || t == 5 ? -100 : static_cast<std::int32_t>((i * 7919 + 13) % vocab);
+        CrossEntropyOptions opts;
+        opts.chunk_tokens = chunk;
+        opts.check_labels = checked;
+        Tensor loss(DType::F32, {1}), dh(dt, {t, hidden}), dw = test::filled(DType::F32, {vocab, hidden}, 0.0f);
+        linear_cross_entropy(Context::cpu(), h, w, labels, loss, dh, dw, opts);
+        const Tensor loss_d = to_device(test::filled(DType::F32, {1}, NAN), dev);
+        const Tensor dh_d = to_device(test::filled(dt, {t, hidden}, NAN), dev);
+        const Tensor dw_d = to_device(test::filled(DType::F32, {vocab, hidden}, 0.0f), dev);
+        linear_cross_entropy(gpu, to_device(h, dev), to_device(w, dev), to_device(labels, dev), loss_d, dh_d, dw_d,
+                             opts);
+        gpu.synchronize();
+        EXPECT_NEAR(test::host_copy(loss_d).data_as<float>()[0], loss.data_as<float>()[0],
+                    1e-5 * std::abs(loss.data_as<float>()[0]));
+        const double rel = dt == DType::BF16 ? 1e-2 : 1e-4;
+        EXPECT_TRUE(test::all_close(test::host_copy(dh_d), dh, {1e-6, 8 * rel, rel})) << "dh";
+        EXPECT_TRUE(test::all_close(test::host_copy(dw_d), dw, {1e-6, 8 * rel, rel})) << "dw";
+        if (checked || t < 7) continue;
+        labels.data_as<std::int32_t>()[2] = static_cast<std::int32_t>(vocab);  // out of range, unchecked
+        const Tensor bad_loss = to_device(test::filled(DType::F32, {1}, 0.0f), dev);
+        linear_cross_entropy(gpu, to_device(h, dev), to_device(w, dev), to_device(labels, dev), bad_loss, dh_d, {},
+                             opts);
+        const Tensor dh_bad = test::host_copy(dh_d);
+        EXPECT_TRUE(std::isnan(test::host_copy(bad_loss).data_as<float>()[0]));
+        for (std::int64_t k = 0; k < hidden; ++k) {
+          ASSERT_TRUE(std::isnan(test::get_value(dh_bad, 2 * hidden + k))) << k;
+          ASSERT_TRUE(std::isfinite(test::get_value(dh_bad, k))) << k;
+        }
+      }
 }
 
 }  // namespace

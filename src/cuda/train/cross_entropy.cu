@@ -1,7 +1,9 @@
-// linear_cross_entropy's row step on the GPU: one block per row of a chunk of fp32 logits. A first pass keeps each
-// thread's running maximum and sum of exponentials (rescaled when the maximum grows), the block combines them into
-// the row's log-sum-exp, thread 0 writes the row's loss term, and a second pass writes the gradient row
-// (softmax - onehot) * inv_n in g's dtype. The core (src/core/train_ops.cpp) runs the chunk's GEMMs around it.
+// linear_cross_entropy's steps on the GPU. label_stats counts the tokens that are not ignored (n) and the labels out
+// of range on the device, so that nothing waits for the host. The row step, one block per row of a chunk of fp32
+// logits: a first pass keeps each thread's running maximum and sum of exponentials (rescaled when the maximum grows),
+// the block combines them into the row's log-sum-exp, thread 0 writes the row's loss term, and a second pass writes
+// the gradient row (softmax - onehot) / n in g's dtype; a label out of range gives a NaN loss term and gradient row.
+// The core (src/core/train_ops.cpp) runs the chunk's GEMMs around it.
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -32,20 +34,55 @@ __device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) 
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
+// stats[0] = the count of labels equal to neither ignore_index nor out of [0, vocab), stats[1] = the count out of
+// range (one block).
+__global__ void __launch_bounds__(kThreads) label_stats_kernel(const std::int32_t* labels, std::int64_t count,
+                                                               std::int64_t vocab, std::int32_t ignore_index,
+                                                               long long* stats) {
+  __shared__ long long warp_n[kThreads / 32], warp_bad[kThreads / 32];
+  long long n = 0, bad = 0;
+  for (std::int64_t i = threadIdx.x; i < count; i += kThreads) {
+    const std::int32_t y = labels[i];
+    if (y == ignore_index) continue;
+    if (y >= 0 && y < vocab) ++n;
+    else ++bad;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    n += __shfl_down_sync(0xFFFFFFFFu, n, o);
+    bad += __shfl_down_sync(0xFFFFFFFFu, bad, o);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    warp_n[threadIdx.x >> 5] = n;
+    warp_bad[threadIdx.x >> 5] = bad;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  n = bad = 0;
+  for (int w = 0; w < kThreads / 32; ++w) {
+    n += warp_n[w];
+    bad += warp_bad[w];
+  }
+  stats[0] = n;
+  stats[1] = bad;
+}
+
 template <class G>
 __global__ void __launch_bounds__(kThreads)
     cross_entropy_rows_kernel(const float* logits, const std::int32_t* labels, std::int64_t vocab,
-                              std::int32_t ignore_index, float inv_n, G* g, double* row_loss) {
+                              std::int32_t ignore_index, const long long* stats, G* g, double* row_loss) {
   const std::int64_t row = blockIdx.x;
   const float* z = logits + row * vocab;
   G* grow = g ? g + row * vocab : nullptr;
   const std::int32_t label = labels[row];
-  if (label == ignore_index) {
-    if (threadIdx.x == 0) row_loss[row] = 0.0;
+  if (label == ignore_index || label < 0 || label >= vocab) {
+    const float fill = label == ignore_index ? 0.0f : NAN;
+    if (threadIdx.x == 0) row_loss[row] = fill;
     if (grow)
-      for (std::int64_t v = threadIdx.x; v < vocab; v += kThreads) store(grow + v, 0.0f);
+      for (std::int64_t v = threadIdx.x; v < vocab; v += kThreads) store(grow + v, fill);
     return;
   }
+  const float inv_n = 1.0f / static_cast<float>(stats[0]);  // n >= 1: this row counts
   float m = -INFINITY, s = 0.0f;
   for (std::int64_t v = threadIdx.x; v < vocab; v += kThreads) combine(m, s, z[v], 1.0f);
 #pragma unroll
@@ -75,9 +112,10 @@ __global__ void __launch_bounds__(kThreads)
     store(grow + v, (expf(z[v] - lse) - (v == label ? 1.0f : 0.0f)) * inv_n);
 }
 
-// out = sum(values) / divisor, one block, the values summed in a fixed order (the same bits every run).
-__global__ void __launch_bounds__(kThreads) mean_kernel(const double* values, std::int64_t count, double divisor,
-                                                        float* out) {
+// out = sum(values) / n with n = stats[0] (0 where n = 0 and no label was out of range), one block, the values summed
+// in a fixed order (the same bits every run).
+__global__ void __launch_bounds__(kThreads) mean_kernel(const double* values, std::int64_t count,
+                                                        const long long* stats, float* out) {
   __shared__ double warp_totals[kThreads / 32];
   double acc = 0.0;
   for (std::int64_t i = threadIdx.x; i < count; i += kThreads) acc += values[i];
@@ -88,34 +126,46 @@ __global__ void __launch_bounds__(kThreads) mean_kernel(const double* values, st
   if (threadIdx.x != 0) return;
   double total = 0.0;
   for (int w = 0; w < kThreads / 32; ++w) total += warp_totals[w];
-  *out = static_cast<float>(total / divisor);
+  const long long n = stats[0], bad = stats[1];
+  *out = bad > 0 ? NAN : n == 0 ? 0.0f : static_cast<float>(total / static_cast<double>(n));
 }
 
 }  // namespace
 
+void cross_entropy_label_stats(const Context& ctx, const TensorView& labels, std::int64_t vocab,
+                               std::int32_t ignore_index, const TensorView& stats) {
+  set_device(ctx);
+  label_stats_kernel<<<1, kThreads, 0, stream_of(ctx)>>>(labels.data_as<const std::int32_t>(), labels.numel(), vocab,
+                                                         ignore_index, static_cast<long long*>(stats.data()));
+  QMM_CUDA_CHECK_LAUNCH("label_stats_kernel");
+}
+
 void cross_entropy_rows(const Context& ctx, const TensorView& logits, const TensorView& labels,
-                        std::int32_t ignore_index, float inv_n, const TensorView& g, const TensorView& row_loss) {
+                        std::int32_t ignore_index, const TensorView& stats, const TensorView& g,
+                        const TensorView& row_loss) {
   const std::int64_t rows = logits.dim(0), vocab = logits.dim(1);
   if (rows == 0) return;
   set_device(ctx);
   const auto* z = logits.data_as<const float>();
   const auto* lab = labels.data_as<const std::int32_t>();
   auto* out = static_cast<double*>(row_loss.data());
+  const auto* st = static_cast<const long long*>(stats.data());
   const unsigned blocks = static_cast<unsigned>(rows);
   if (g.empty() || g.dtype() == DType::F32) {
     cross_entropy_rows_kernel<float><<<blocks, kThreads, 0, stream_of(ctx)>>>(
-        z, lab, vocab, ignore_index, inv_n, g.empty() ? nullptr : g.data_as<float>(), out);
+        z, lab, vocab, ignore_index, st, g.empty() ? nullptr : g.data_as<float>(), out);
   } else {
     cross_entropy_rows_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream_of(ctx)>>>(
-        z, lab, vocab, ignore_index, inv_n, static_cast<__nv_bfloat16*>(g.data()), out);
+        z, lab, vocab, ignore_index, st, static_cast<__nv_bfloat16*>(g.data()), out);
   }
   QMM_CUDA_CHECK_LAUNCH("cross_entropy_rows_kernel");
 }
 
-void cross_entropy_mean(const Context& ctx, const TensorView& row_loss, double divisor, const TensorView& loss) {
+void cross_entropy_mean(const Context& ctx, const TensorView& row_loss, const TensorView& stats,
+                        const TensorView& loss) {
   set_device(ctx);
   mean_kernel<<<1, kThreads, 0, stream_of(ctx)>>>(static_cast<const double*>(row_loss.data()), row_loss.numel() / 8,
-                                                  divisor, loss.data_as<float>());
+                                                  static_cast<const long long*>(stats.data()), loss.data_as<float>());
   QMM_CUDA_CHECK_LAUNCH("mean_kernel");
 }
 
