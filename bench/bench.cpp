@@ -595,6 +595,37 @@ void Bench::run_loss() {
       };
       record({op, "bf16", label, 1, t, h, 1, 0, bytes, time(fn, sets)});
     }
+
+  // rope on q and k (one launch) at the decoders' heads, bf16, the tokens one sequence (cos and sin [1, S, D]),
+  // against the copy bandwidth: reads q, k, cos and sin, writes q_out and k_out (out of place, as autograd runs it;
+  // the backward is the same kernel). N is the heads' width (Hq + Hk)·D.
+  struct Heads {
+    std::string label;
+    std::int64_t tokens, hq, hk, d;
+  };
+  std::vector<Heads> heads_of = {{"llama3-8b 4096 tok", 4096, 32, 8, 128}, {"qwen2.5-1.5b 2048 tok", 2048, 12, 2, 128}};
+  if (!is_gpu_) heads_of = {{"small", 16, 4, 2, 64}};
+  for (const Heads& hs : heads_of) {
+    if (!selected("rope", hs.label)) continue;
+    const std::int64_t t = hs.tokens, d = hs.d;
+    const double bytes =
+        2.0 * 2.0 * static_cast<double>(t) * (hs.hq + hs.hk) * d + 2.0 * 2.0 * static_cast<double>(t) * d;
+    const int sets = sets_for(bytes);
+    std::vector<Tensor> q, k, cs, sn, q_out, k_out;
+    for (int i = 0; i < sets; ++i) {
+      q.push_back(pool_->make(ctx_, DType::BF16, {1, t, hs.hq, d}, 1000 + i));
+      k.push_back(pool_->make(ctx_, DType::BF16, {1, t, hs.hk, d}, 1040 + i));
+      cs.push_back(pool_->make(ctx_, DType::BF16, {1, t, d}, 1080 + i));
+      sn.push_back(pool_->make(ctx_, DType::BF16, {1, t, d}, 1120 + i));
+      q_out.emplace_back(DType::BF16, Shape{1, t, hs.hq, d}, ctx_.device());
+      k_out.emplace_back(DType::BF16, Shape{1, t, hs.hk, d}, ctx_.device());
+    }
+    auto fn = [&](int i) {
+      const int s = i % sets;
+      rope(ctx_, q[s], k[s], cs[s], sn[s], q_out[s], k_out[s]);
+    };
+    record({"rope", "bf16", hs.label, 1, t, (hs.hq + hs.hk) * d, 1, 0, bytes, time(fn, sets)});
+  }
 }
 
 double nf4_bytes(std::int64_t n, std::int64_t k, bool dq) {

@@ -18,12 +18,12 @@ writes, for one): memory that PyTorch's allocator does not see.
 from . import compile_ops, functional, layers, nf4, ops, patch  # noqa: F401 (submodules, by concern)
 from ._base import Error
 from .functional import (Lora, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_swiglu, nf4_gate_up_linear,
-                         nf4_linear, nf4_swiglu, rms_norm_autograd, swiglu_autograd)
+                         nf4_linear, nf4_swiglu, rms_norm_autograd, rope_autograd, swiglu_autograd)
 from .layers import LoraAdapter, QLoraLinear, QLoraSwiGluMlp, replace_bnb_linears, replace_bnb_mlps
 from .nf4 import NF4_CODEBOOK, NF4_NESTED_BLOCK_SIZE, Nf4Weight
 from .ops import (batched_gemm, cuda_device_count, gemm, gemm_backward_a, gemm_backward_b, gemm_bt,
                   linear_cross_entropy, lora_backward_dy, nf4_gate_up, nf4_gemm, nf4_gemm_backward_a, rms_norm,
-                  rms_norm_backward, swiglu, swiglu_backward)
+                  rms_norm_backward, rope, swiglu, swiglu_backward)
 from .patch import patch_bnb, unpatch_bnb
 
 __all__ = [
@@ -31,6 +31,6 @@ __all__ = [
     "cuda_device_count", "gemm", "gemm_backward_a", "gemm_backward_b", "gemm_bt", "linear_cross_entropy",
     "linear_cross_entropy_loss", "lora_backward_dy", "lora_nf4_linear", "lora_nf4_swiglu", "nf4_gate_up",
     "nf4_gate_up_linear", "nf4_gemm", "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu", "patch_bnb",
-    "replace_bnb_linears", "replace_bnb_mlps", "rms_norm", "rms_norm_autograd", "rms_norm_backward", "swiglu",
-    "swiglu_autograd", "swiglu_backward", "unpatch_bnb",
+    "replace_bnb_linears", "replace_bnb_mlps", "rms_norm", "rms_norm_autograd", "rms_norm_backward", "rope",
+    "rope_autograd", "swiglu", "swiglu_autograd", "swiglu_backward", "unpatch_bnb",
 ]

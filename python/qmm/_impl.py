@@ -119,3 +119,11 @@ def cross_entropy(h, w, labels, ignore_index, want_dh, want_dw):
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
     loss, dh = linear_cross_entropy(h, w, labels, ignore_index=ignore_index, dh=want_dh, dw=dw)
     return loss, dh, dw
+
+
+def rope_grads(rotate_back, dq, dk):
+    """rope's input gradients from its outputs' (dq, dk), either possibly None (an output not used; it stays None):
+    rotate_back(x, y) applies the inverse rotation to x and y (or None) in one call and returns both."""
+    if dq is None:
+        return None, None if dk is None else rotate_back(dk, None)[0]
+    return rotate_back(dq, dk)

@@ -19,9 +19,10 @@ import torch
 from . import _impl
 from .nf4 import Nf4Weight
 from .ops import nf4_gate_up as _nf4_gate_up
-from .ops import nf4_gemm_backward_a, swiglu_backward as _swiglu_backward
+from .ops import nf4_gemm_backward_a, rope_like, swiglu_backward as _swiglu_backward
 from .ops import rms_norm as _rms_norm
 from .ops import rms_norm_backward as _rms_norm_backward
+from .ops import rope as _rope
 from .ops import swiglu as _swiglu
 
 Tensor = torch.Tensor
@@ -358,6 +359,32 @@ if AVAILABLE:
 
     swiglu_op.register_autograd(_swiglu_grad, setup_context=_setup_swiglu)
 
+    # ---- rotary position embedding ------------------------------------------------------------------------------
+
+    @op("qmm::rope", mutates_args=())
+    def rope_op(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, inverse: bool) -> Tuple[Tensor, Tensor]:
+        q_embed, k_embed = _rope(q, k, cos, sin, inverse=inverse)
+        return q_embed, _or_empty(k_embed, q)
+
+    @rope_op.register_fake
+    def _(q, k, cos, sin, inverse):
+        return rope_like(q, cos), q.new_empty(0) if k is None else rope_like(k, cos)
+
+    def _setup_rope(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2], inputs[3])
+        ctx.has_k = inputs[1] is not None
+        ctx.set_materialize_grads(False)
+
+    def _rope_grad(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+
+        def rotate_back(a, b):
+            da, db = rope_op(a, b, cos, sin, True)
+            return da, _or_none(db)
+        return (*_impl.rope_grads(rotate_back, dq, dk if ctx.has_k else None), None, None, None)
+
+    rope_op.register_autograd(_rope_grad, setup_context=_setup_rope)
+
 
 # ---- what functional.py calls while torch.compile traces ------------------------------------------------------
 
@@ -394,3 +421,8 @@ def nf4_gate_up(x, w_gate, w_up, path):
 
 def swiglu(gate, up):
     return swiglu_op(gate, up)
+
+
+def rope(q, k, cos, sin):
+    q_embed, k_embed = rope_op(q, k, cos, sin, False)
+    return q_embed, None if k is None else k_embed

@@ -9,7 +9,7 @@ import torch
 from . import _impl, compile_ops
 from ._base import _error
 from .nf4 import Nf4Weight, _nf4
-from .ops import nf4_gate_up, nf4_gemm_backward_a, rms_norm, rms_norm_backward, swiglu, swiglu_backward
+from .ops import nf4_gate_up, nf4_gemm_backward_a, rms_norm, rms_norm_backward, rope, swiglu, swiglu_backward
 
 _compiling = compile_ops.compiling
 
@@ -260,3 +260,27 @@ def rms_norm_autograd(x, w, eps):
     if not _grad_wanted(x, w):
         return rms_norm(x, w, eps)[0]
     return _RmsNorm.apply(x, w, float(eps))
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.set_materialize_grads(False)
+        return rope(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        return (*_impl.rope_grads(lambda a, b: rope(a, b, cos, sin, inverse=True), dq, dk), None, None)
+
+
+def rope_autograd(q, k, cos, sin):
+    """(q_embed, k_embed) = rope(q, k, cos, sin) (see qmm.rope: Hugging Face's apply_rotary_pos_emb), differentiable
+    in q and k: the backward rotates the gradients back (the inverse rotation, one launch for both). cos and sin get
+    no gradient (Hugging Face's rotary embedding computes them without one). k may be None."""
+    if _compiling():
+        return compile_ops.rope(q, k, cos, sin)
+    if not _grad_wanted(q, k):
+        return rope(q, k, cos, sin)
+    return _Rope.apply(q, k, cos, sin)

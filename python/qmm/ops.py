@@ -3,7 +3,7 @@ products. Outputs are allocated here unless passed as `out=`."""
 import torch
 
 from . import _qmm
-from ._base import _call, _dim, _in, _out, _rows
+from ._base import _call, _dim, _error, _in, _out, _rows
 from .nf4 import _nf4
 
 
@@ -168,3 +168,103 @@ def rms_norm_backward(x, w, rstd, dy, *, dx=True, dw=None):
     dx_out = torch.empty_like(x2) if dx else None
     _call(_qmm.rms_norm_backward, x2, x2, _in(w), _in(rstd), dy2, dx_out, None if dw is None else dw.detach())
     return None if dx_out is None else dx_out.view(x.shape)
+
+
+# ---- rotary position embedding ----------------------------------------------------------------------------------
+
+
+def _cos_batch(cos):
+    return cos.shape[0] if cos.dim() == 3 else 1
+
+
+def _require_heads(op, name, t):
+    if t.dim() != 4:
+        raise _error("ShapeMismatch", f"{op}: argument '{name}' has shape {list(t.shape)}; it must be [B, H, S, D]")
+
+
+def _token_major(op, name, t, cos_batch):
+    """t [B, H, S, D] (Hugging Face's shape) as a [B', S, H', D] tensor for qmm, whether that is a copy, and how to
+    view a result of its shape as [B, H, S, D]. Hugging Face's own layout (the projection output [B, S, H, D],
+    transposed) is taken as it is; a contiguous [B, H, S, D] as [B·H, S, 1, D] where cos and sin are broadcast over
+    the batch (each (b, h) then a sequence of its own); anything else as a [B, S, H, D] copy."""
+    _require_heads(op, name, t)
+    b, h, s, d = t.shape
+    if t.transpose(1, 2).is_contiguous():
+        return _in(t.transpose(1, 2)), False, lambda y: y.transpose(1, 2)
+    if t.is_contiguous() and cos_batch == 1:
+        return _in(t).view(b * h, s, 1, d), False, lambda y: y.view(b, h, s, d)
+    return _in(t.transpose(1, 2)), True, lambda y: y.transpose(1, 2)
+
+
+def _span(t):
+    """The byte range t's elements lie in."""
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _check_pair(op, q, k, cos, sin, inplace):
+    """What qmm checks of q and k together, checked here in Hugging Face's shapes and before either is written: they
+    may reach qmm in two calls, or in shapes it cannot tell apart (contiguous [B, H, S, D] as [B·H, S, 1, D])."""
+    _require_heads(op, "q", q)
+    _require_heads(op, "k", k)
+    names = {torch.float32: "f32", torch.bfloat16: "bf16"}
+    if k.dtype != q.dtype:
+        raise _error("DTypeMismatch", f"{op}: k is {names.get(k.dtype, k.dtype)} but q is "
+                                      f"{names.get(q.dtype, q.dtype)}")
+    if k.device != q.device:
+        raise _error("DeviceMismatch", f"{op}: k is on {k.device} but q is on {q.device}")
+    if (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3]):
+        raise _error("ShapeMismatch", f"{op}: k has shape {list(k.shape)} but q has {list(q.shape)}: k must be "
+                                      f"[B, Hk, S, D] with q's B, S, D")
+    if not inplace:
+        return  # the outputs are new tensors
+    spans = {name: _span(t) for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin))}
+    for a, b in (("q", "k"), ("q", "cos"), ("q", "sin"), ("k", "cos"), ("k", "sin")):
+        (a0, a1), (b0, b1) = spans[a], spans[b]
+        if a0 < b1 and b0 < a1:
+            raise _error("InvalidArgument", f"{op}: {a} and {b} overlap in memory (rotated in place, {a} must be "
+                                            f"disjoint from every other argument)")
+
+
+def rope_like(x, cos):
+    """An uninitialised result of rope for x: x's shape, dtype and device, and the strides rope gives it."""
+    x2, _, back = _token_major("rope", "x", x, _cos_batch(cos))
+    return back(torch.empty_like(x2, memory_format=torch.contiguous_format))
+
+
+def rope(q, k, cos, sin, *, inverse=False, inplace=False):
+    """Hugging Face's apply_rotary_pos_emb(q, k, cos, sin) (Llama, Qwen2, Mistral): q·cos + rotate_half(q)·sin and
+    the same for k, computed in fp32 and rounded once to q's dtype (Hugging Face rounds each product and the sum, so
+    bf16 results may differ from its by an ulp). q [B, Hq, S, D] and k [B, Hk, S, D] (or None) in Hugging Face's
+    shapes, float32 or bfloat16, D even: taken without a copy where their memory is [B, S, H, D] (the projection's
+    output viewed per head and transposed, as Hugging Face's attention makes them) or, with cos and sin broadcast
+    over the batch, contiguous [B, H, S, D]; copied otherwise. cos, sin [B or 1, S, D] (or [S, D]) as Hugging Face's
+    rotary embedding returns them, q's dtype or float32. inverse=True applies the transpose (the backward, on
+    gradients). Returns (q_embed, k_embed) of q's and k's shapes (k_embed None without k); with inplace=True, q and
+    k themselves, rotated in place (refused where they would be copied). qmm's messages name the shapes it takes:
+    [B, S, H, D], or [B·H, S, 1, D] for contiguous inputs."""
+    op = "rope"
+    cos, sin = _in(cos), _in(sin)
+    if cos.dim() == 2:
+        cos = cos.unsqueeze(0)
+    if sin.dim() == 2:
+        sin = sin.unsqueeze(0)
+    if k is not None:
+        _check_pair(op, q, k, cos, sin, inplace)
+    pairs = []
+    for name, t in (("q", q), ("k", k)):
+        if t is None:
+            continue
+        t2, copied, back = _token_major(op, name, t, _cos_batch(cos))
+        if inplace and copied:
+            raise _error("InvalidArgument", f"{op}: argument '{name}' cannot be rotated in place: its memory is "
+                                            f"neither [B, S, H, D] nor (cos broadcast over the batch) [B, H, S, D]")
+        pairs.append((t, t2, t2 if inplace else torch.empty_like(t2), back))
+    # One launch for both where q and k share qmm's [B, S] (Hugging Face's layout); else one each.
+    groups = [pairs] if len(pairs) < 2 or pairs[0][1].shape[:2] == pairs[1][1].shape[:2] else [[p] for p in pairs]
+    for g in groups:
+        (_, x, y, _), rest = g[0], g[1:]
+        kx, ky = (rest[0][1], rest[0][2]) if rest else (None, None)
+        _call(_qmm.rope, x, x, kx, cos, sin, y, ky, inverse=inverse)
+    outs = [t if inplace else back(y) for t, _, y, back in pairs]
+    return outs[0], outs[1] if k is not None else None

@@ -353,6 +353,21 @@ NB_MODULE(_qmm, m) {
       nb::arg("stream") = 0);
 
   m.def(
+      "rope",
+      [](const In& q, const nb::object& k, const In& cos, const In& sin, const Out& q_out, const nb::object& k_out,
+         bool inverse, std::uintptr_t stream) {
+        const char* op = "rope";
+        const qmm::TensorView qv = view_of(q, op, "q"), kv = view_or_empty<In>(k, op, "k"),
+                              cv = view_of(cos, op, "cos"), sv = view_of(sin, op, "sin"),
+                              qov = view_of(q_out, op, "q_out"), kov = view_or_empty<Out>(k_out, op, "k_out");
+        const qmm::Context ctx = context_for(qv, stream);
+        run([&] { qmm::rope(ctx, qv, kv, cv, sv, qov, kov, inverse); });
+      },
+      nb::arg("q"), nb::arg("k").none(), nb::arg("cos"), nb::arg("sin"), nb::arg("q_out"), nb::arg("k_out").none(),
+      nb::arg("inverse") = false, nb::arg("stream") = 0,
+      "q_out, k_out = q, k [B, S, H, D] rotated by cos, sin [1 or B, S, D] (Hugging Face's rotary embedding)");
+
+  m.def(
       "linear_cross_entropy",
       [](const In& h, const In& w, const In& labels, const Out& loss, const nb::object& dh, const nb::object& dw,
          std::int32_t ignore_index, std::int64_t chunk_tokens, std::uintptr_t stream) {

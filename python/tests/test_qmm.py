@@ -1418,3 +1418,161 @@ def test_patch_bnb_fused_norm_runs_qmms_rms_norm(compiled, dtype):
             y = model(x)
         assert torch.equal(y, _hf_rms_norm(x, norm.weight, 1e-6))
     assert qmm.unpatch_bnb(model) == ["0"]
+
+
+# ---- rope -------------------------------------------------------------------------------------------------------
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _hf_rope(q, k, cos, sin):
+    """Hugging Face's apply_rotary_pos_emb (unsqueeze_dim=1), written out."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rope_inputs(device, dtype, b, s, hq, hk, d, cos_batch, seed):
+    """q and k as Hugging Face's attention makes them (projection outputs [B, S, H·D] viewed per head, transposed
+    to [B, H, S, D]) and cos, sin [cos_batch, S, D] as its rotary embedding does (one angle per column pair,
+    positions shifted per sequence where cos_batch = B), in q's dtype."""
+    q = randn((b, s, hq * d), seed, device, dtype).view(b, s, hq, d).transpose(1, 2)
+    k = randn((b, s, hk * d), seed + 1, device, dtype).view(b, s, hk, d).transpose(1, 2)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    pos = torch.arange(s, dtype=torch.float64)[None] + 5 * torch.arange(cos_batch, dtype=torch.float64)[:, None]
+    emb = torch.cat((pos[..., None] * inv_freq,) * 2, dim=-1)
+    return q, k, emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
+
+
+def _rope_bound(x, cos, sin, rtol):
+    """rtol times |x·cos| + |rotate_half(x)·sin| in fp64: one rounding of the result (and fp32's of its products)
+    relative to the terms' size, not the result's, which the two terms may cancel."""
+    x, cos, sin = x.double().cpu(), cos.double().cpu().unsqueeze(1), sin.double().cpu().unsqueeze(1)
+    return rtol * ((x * cos).abs() + (_rotate_half(x) * sin).abs()) + 1e-30
+
+
+# One rounding to the output dtype, the products rounded to fp32 first on a GPU: 2^-22 (f32), 2^-8 (bf16) of the terms.
+ROPE_RTOL = {torch.float32: 2.0 ** -22, torch.bfloat16: 2.0 ** -8}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,s,hq,hk,d,cos_batch", [(1, 1, 1, 1, 2, 1), (2, 7, 4, 2, 64, 1), (3, 65, 6, 2, 128, 3),
+                                                   (2, 9, 3, 3, 6, 2)])
+def test_rope_matches_hugging_faces_formula(device, dtype, b, s, hq, hk, d, cos_batch):
+    """qmm.rope against Hugging Face's q·cos + rotate_half(q)·sin in fp64 on the same stored inputs, for q and k in
+    Hugging Face's layout (read in place), contiguous [B, H, S, D] (viewed or copied), in place; and its three-
+    rounding bf16 result within another ulp. The inverse rotates back (cos² + sin² = 1 up to their rounding)."""
+    q, k, cos, sin = _rope_inputs(device, dtype, b, s, hq, hk, d, cos_batch, 10 * b + s)
+    ref_q, ref_k = _hf_rope(q.double(), k.double(), cos.double(), sin.double())
+    rtol = ROPE_RTOL[dtype]
+    bound_q, bound_k = _rope_bound(q, cos, sin, rtol), _rope_bound(k, cos, sin, rtol)
+    qe, ke = qmm.rope(q, k, cos, sin)
+    assert qe.shape == q.shape and ke.shape == k.shape and qe.dtype == dtype and qe.stride() == q.stride()
+    assert_close(qe, ref_q, bound_q, "rope q")
+    assert_close(ke, ref_k, bound_k, "rope k")
+    hf_q, _ = _hf_rope(q, k, cos, sin)  # Hugging Face's own rounding: each product and the sum in q's dtype
+    assert_close(qe, hf_q, 3 * bound_q, "rope q vs Hugging Face's rounding")
+    # Contiguous [B, H, S, D]: viewed as [B·H, S, 1, D] with cos broadcast over the batch, else copied.
+    qc, kc = q.contiguous(), k.contiguous()
+    qe2, ke2 = qmm.rope(qc, kc, cos, sin)
+    assert torch.equal(qe2, qe) and torch.equal(ke2, ke) and (qe2.is_contiguous() or cos_batch > 1)
+    # In place: q and k themselves, rotated.
+    qi, ki = q.clone(), k.clone()  # clone keeps Hugging Face's strides
+    out = qmm.rope(qi, ki, cos, sin, inplace=True)
+    assert out[0] is qi and out[1] is ki and torch.equal(qi, qe) and torch.equal(ki, ke)
+    # Only q; cos and sin as [S, D] where broadcast.
+    alone, none = qmm.rope(q, None, cos[0] if cos_batch == 1 else cos, sin[0] if cos_batch == 1 else sin)
+    assert none is None and torch.equal(alone, qe)
+    # The inverse undoes the forward: two roundings, and bf16 cos, sin rotate by slightly more or less than 1.
+    back_q, back_k = qmm.rope(qe, ke, cos, sin, inverse=True)
+    tol = 2.0 ** -5 if dtype == torch.bfloat16 else 1e-6
+    assert_close(back_q, q, tol * q.abs().max().item(), "inverse(forward(q))")
+    assert_close(back_k, k, tol * k.abs().max().item(), "inverse(forward(k))")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_autograd_matches_fp64_autograd(device, dtype):
+    """qmm.rope_autograd's gradients of q and k (the inverse rotation of the outputs' gradients) against PyTorch's
+    autograd of Hugging Face's formula in fp64; an output left unused gives its input no gradient."""
+    q, k, cos, sin = _rope_inputs(device, dtype, 2, 33, 4, 2, 64, 1, 7)
+    gq, gk = randn(q.shape, 8, device, dtype), randn(k.shape, 9, device, dtype)
+    qr, kr = q.detach().requires_grad_(), k.detach().requires_grad_()
+    qe, ke = qmm.rope_autograd(qr, kr, cos, sin)
+    ((qe * gq).sum() + (ke * gk).sum()).backward()
+    qd, kd = q.double().cpu().requires_grad_(), k.double().cpu().requires_grad_()
+    rq, rk = _hf_rope(qd, kd, cos.double().cpu(), sin.double().cpu())
+    ((rq * gq.double().cpu()).sum() + (rk * gk.double().cpu()).sum()).backward()
+    rtol = ROPE_RTOL[dtype]
+    assert_close(qr.grad, qd.grad, 2 * rtol * gq.abs().max().item(), "rope dq")  # |dx| <= |g1| + |g2|
+    assert_close(kr.grad, kd.grad, 2 * rtol * gk.abs().max().item(), "rope dk")
+    qr.grad = None
+    kr2 = k.detach().requires_grad_()
+    qe, _ = qmm.rope_autograd(qr, kr2, cos, sin)
+    (qe * gq).sum().backward()
+    assert kr2.grad is None
+    assert_close(qr.grad, qd.grad, 2 * rtol * gq.abs().max().item(), "rope dq alone")
+    with torch.no_grad():
+        assert not qmm.rope_autograd(qr, kr, cos, sin)[0].requires_grad
+
+
+def test_rope_bad_input_raises():
+    q, k, cos, sin = _rope_inputs("cpu", torch.float32, 2, 5, 4, 2, 8, 1, 1)
+    _expect_error("ShapeMismatch", "it must be [B, H, S, D]", lambda: qmm.rope(q[0], k, cos, sin))
+    _expect_error("ShapeMismatch", "head dimension", lambda: qmm.rope(q[..., :7], None, cos[..., :7], sin[..., :7]))
+    _expect_error("ShapeMismatch", "cos is [1,4,8]", lambda: qmm.rope(q, k, cos[:, :4], sin[:, :4]))
+    _expect_error("ShapeMismatch", "cos is [2,5,8] but must be [1 or 3", lambda: qmm.rope(
+        torch.cat((q, q[:1])), None, torch.cat((cos, cos)), torch.cat((sin, sin))))
+    _expect_error("ShapeMismatch", "sin is", lambda: qmm.rope(q, k, cos, sin[:, :, :4]))
+    _expect_error("DTypeMismatch", "k is bf16", lambda: qmm.rope(q, k.bfloat16(), cos, sin))
+    _expect_error("DTypeMismatch", "cos is bf16", lambda: qmm.rope(q, k, cos.bfloat16(), sin.bfloat16()))
+    _expect_error("ShapeMismatch", "with q's B, S, D", lambda: qmm.rope(q, k[:1], cos, sin))
+    # q and k in different layouts (Hugging Face's, contiguous): the same checks, made in Hugging Face's shapes.
+    kc = k.contiguous()
+    _expect_error("ShapeMismatch", "with q's B, S, D", lambda: qmm.rope(q, kc[:1], cos, sin))
+    _expect_error("ShapeMismatch", "with q's B, S, D", lambda: qmm.rope(q, kc[..., :4], cos, sin))
+    _expect_error("DTypeMismatch", "k is bf16 but q is f32", lambda: qmm.rope(q, kc.bfloat16(), cos, sin))
+    buffer = torch.randn(2, 5, 4 * 8)
+    hf_view, contiguous_view = buffer.view(2, 5, 4, 8).transpose(1, 2), buffer.view(2, 4, 5, 8)  # the same memory
+    _expect_error("InvalidArgument", "q and k overlap",
+                  lambda: qmm.rope(hf_view, contiguous_view, cos, sin, inplace=True))
+    _expect_error("InvalidArgument", "q and k overlap", lambda: qmm.rope(hf_view, hf_view, cos, sin, inplace=True))
+    kept, qi = buffer.clone(), q.clone()
+    _expect_error("InvalidArgument", "k and sin overlap", lambda: qmm.rope(
+        qi, contiguous_view[:, :2], cos, buffer.view(-1)[:40].view(1, 5, 8), inplace=True))
+    assert torch.equal(buffer, kept) and torch.equal(qi, q)  # q, whose call would come first, untouched too
+    strided = q.transpose(2, 3).contiguous().transpose(2, 3)  # neither layout qmm takes as it is
+    _expect_error("InvalidArgument", "cannot be rotated in place",
+                  lambda: qmm.rope(strided, None, cos, sin, inplace=True))
+    before = q.clone()
+    _expect_error("ShapeMismatch", "cos is", lambda: qmm.rope(q, k, cos[:, :4], sin[:, :4], inplace=True))
+    assert torch.equal(q, before)
+
+
+@pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_compiles_fullgraph_and_equals_eager(device):
+    """rope_autograd under torch.compile(fullgraph=True) runs as the custom op qmm::rope (its backward another call
+    of it): the same kernels as eager, so the same outputs and gradients; the op's fake and autograd registrations
+    pass PyTorch's opcheck."""
+    q, k, cos, sin = _rope_inputs(device, torch.bfloat16, 2, 9, 4, 2, 64, 1, 3)
+    g = randn((2, 4, 9, 64), 4, device, torch.bfloat16)
+
+    def run(fn):
+        qr, kr = q.detach().requires_grad_(), k.detach().requires_grad_()
+        loss = fn(qr, kr)
+        loss.backward()
+        return [loss.detach(), qr.grad, kr.grad]
+
+    def loss_of(qr, kr):
+        qe, ke = qmm.rope_autograd(qr, kr, cos, sin)
+        return (qe.float() * g).sum() + ke.float().pow(2).sum()
+
+    eager = run(loss_of)
+    compiled = run(torch.compile(loss_of, backend="aot_eager", fullgraph=True))
+    assert all(torch.equal(c, e) for c, e in zip(compiled, eager))
+    torch.library.opcheck(qmm.compile_ops.rope_op, (q.detach().requires_grad_(), k, cos, sin, False))
+    torch.library.opcheck(qmm.compile_ops.rope_op, (q.contiguous(), None, cos, sin, True))
