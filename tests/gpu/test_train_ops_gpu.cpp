@@ -445,8 +445,10 @@ TEST(TrainOpsGpu, HostTensorsAreRejected) {
   EXPECT_TRUE(test::bytes_equal(dev.view, host));
 }
 
-// rms_norm forward and backward on the GPU against the CPU oracle: rstd to fp32 sums' rounding (1e-5), y and dx to
-// one rounding of their dtype beside the sums' order, dw (fp32 sums over rows in groups) to 1e-4 relative.
+// rms_norm forward and backward on the GPU against the CPU oracle: rstd to fp32 sums' rounding (1e-5), dx to one
+// rounding of its dtype beside the sums' order, y to two (rstd's last fp32 bit can move the rounding of x·rstd by
+// one ulp, and the product with w by another: seen at 22 of 8M bf16 elements), dw (fp32 sums over rows in groups)
+// to 1e-4 relative.
 TEST(TrainOpsGpu, RmsNormMatchesCpu) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();
@@ -468,7 +470,7 @@ TEST(TrainOpsGpu, RmsNormMatchesCpu) {
       gpu.synchronize();
       const double one = dt == DType::BF16 ? 1.0 / 128 : 1e-5;
       EXPECT_TRUE(test::all_close(test::host_copy(rstd_d), rstd, {0, 1e-5, 1e-6})) << "rstd";
-      EXPECT_TRUE(test::all_close(test::host_copy(y_d), y, {1e-6, one, one})) << "y";
+      EXPECT_TRUE(test::all_close(test::host_copy(y_d), y, {1e-6, 2 * one, one})) << "y";
       EXPECT_TRUE(test::all_close(test::host_copy(dx_d), dx, {1e-4, one, one})) << "dx";
       EXPECT_TRUE(test::all_close(test::host_copy(dw_d), dw, {1e-4, 1e-4, 1e-5})) << "dw";
     }
@@ -529,7 +531,8 @@ TEST(TrainOpsGpu, RopeMatchesCpu) {
 // token counts over several chunks, ignored tokens (all of them in one case), both dtypes, labels checked on the
 // host and not (the count n then comes from the device). The loss comes from fp32 logits on both sides: 1e-5
 // relative. The gradient rows are rounded to the activations' dtype before their GEMMs (bf16: 2^-9 each, summed
-// over V terms and T tokens): dh and dw within 1% (bf16) or 1e-4 (f32) Frobenius-relative of the oracle's. Unchecked,
+// over V terms and T tokens): dh and dw within 1% (bf16) or 1e-4 (f32) Frobenius-relative of the oracle's, each
+// element within 8x that relative to itself or 1x that of the largest (elements near 0 cancel). Unchecked,
 // a label out of range gives the CPU backend's result: a NaN loss and NaN in its token's dh row, the others finite.
 TEST(TrainOpsGpu, LinearCrossEntropyMatchesCpu) {
   QMM_REQUIRE_GPU();
@@ -562,8 +565,13 @@ TEST(TrainOpsGpu, LinearCrossEntropyMatchesCpu) {
         EXPECT_NEAR(test::host_copy(loss_d).data_as<float>()[0], loss.data_as<float>()[0],
                     1e-5 * std::abs(loss.data_as<float>()[0]));
         const double rel = dt == DType::BF16 ? 1e-2 : 1e-4;
-        EXPECT_TRUE(test::all_close(test::host_copy(dh_d), dh, {1e-6, 8 * rel, rel})) << "dh";
-        EXPECT_TRUE(test::all_close(test::host_copy(dw_d), dw, {1e-6, 8 * rel, rel})) << "dw";
+        const auto largest = [](const Tensor& t) {
+          double m = 0;
+          for (std::int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::abs(test::get_value(t, i)));
+          return m;
+        };
+        EXPECT_TRUE(test::all_close(test::host_copy(dh_d), dh, {1e-6 + rel * largest(dh), 8 * rel, rel})) << "dh";
+        EXPECT_TRUE(test::all_close(test::host_copy(dw_d), dw, {1e-6 + rel * largest(dw), 8 * rel, rel})) << "dw";
         if (checked || t < 7) continue;
         labels.data_as<std::int32_t>()[2] = static_cast<std::int32_t>(vocab);  // out of range, unchecked
         const Tensor bad_loss = to_device(test::filled(DType::F32, {1}, 0.0f), dev);
