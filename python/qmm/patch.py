@@ -16,6 +16,7 @@ offset, is kept on bitsandbytes' QuantState as a CPU tensor, made when the weigh
 eager call after bitsandbytes replaced it)."""
 import collections
 import functools
+import sys
 import types
 import warnings
 import weakref
@@ -25,7 +26,7 @@ import torch
 from . import _qmm
 from .compile_ops import compiling
 from .functional import (Lora, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_swiglu, nf4_gate_up_linear,
-                         rms_norm_autograd, swiglu_autograd)
+                         rms_norm_autograd, rope_autograd, swiglu_autograd)
 from .layers import _has_bnb_weight, _is_lora_wrapper, _model
 from .nf4 import Nf4Weight
 
@@ -301,6 +302,63 @@ def _rms_norm_forward(norm, x, *args, **kwargs):
     return rms_norm_autograd(x, norm.weight, norm.variance_epsilon)
 
 
+_ROPE_ATTENTIONS = ("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention")
+_ROPE_OWNERS = "_qmm_rope_modules"  # on a model patched with fused_rope: the modeling modules it holds patched
+_rope_originals = {}  # modeling module -> [its own apply_rotary_pos_emb, the count of models holding the patch]
+
+
+def _rope_module_of(module):
+    """The transformers modeling module whose apply_rotary_pos_emb a Llama/Qwen2/Qwen3/Mistral attention calls."""
+    if type(module).__name__ not in _ROPE_ATTENTIONS:
+        return None
+    owner = sys.modules.get(type(module).__module__)
+    return owner if callable(getattr(owner, "apply_rotary_pos_emb", None)) else None
+
+
+def _rope_takes(q, k, cos, sin, args, kwargs):
+    """Whether qmm's rope takes an apply_rotary_pos_emb call: Hugging Face's [B, H, S, D] q and k (float32 or
+    bfloat16), cos and sin [B or 1, S, D] in q's dtype or float32, unsqueezed at dimension 1 (the default)."""
+    rest = list(args) + [v for key, v in kwargs.items() if key == "unsqueeze_dim"]
+    if len(rest) != len(args) + len(kwargs) or len(rest) > 1 or rest and not (type(rest[0]) is int and rest[0] == 1):
+        return False
+    return k is not None and q.dim() == 4 and k.dim() == 4 and q.dtype in _QMM_DTYPES and k.dtype == q.dtype and \
+        cos.dim() == 3 and cos.shape == sin.shape and cos.dtype in (q.dtype, torch.float32) and \
+        sin.dtype == cos.dtype and cos.shape[1:] == q.shape[2:] and k.shape[2:] == q.shape[2:] and \
+        k.shape[0] == q.shape[0] and cos.shape[0] in (1, q.shape[0])
+
+
+def _qmm_rotary(original):
+    """apply_rotary_pos_emb by qmm's rope where it takes the call, otherwise the original."""
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if _rope_takes(q, k, cos, sin, args, kwargs):
+            return rope_autograd(q, k, cos, sin)
+        return original(q, k, cos, sin, *args, **kwargs)
+    return functools.wraps(original)(apply_rotary_pos_emb)
+
+
+def _patch_rope(model):
+    """Points the modeling modules of the model's attention layers at qmm's rope, once per model."""
+    held = model.__dict__.setdefault(_ROPE_OWNERS, [])
+    for module in model.modules():
+        owner = _rope_module_of(module)
+        if owner is None or owner in held:
+            continue
+        entry = _rope_originals.setdefault(owner, [owner.apply_rotary_pos_emb, 0])
+        if entry[1] == 0:
+            owner.apply_rotary_pos_emb = _qmm_rotary(entry[0])
+        entry[1] += 1
+        held.append(owner)
+
+
+def _unpatch_rope(model):
+    for owner in model.__dict__.pop(_ROPE_OWNERS, []):
+        entry = _rope_originals[owner]
+        entry[1] -= 1
+        if entry[1] == 0:
+            owner.apply_rotary_pos_emb = entry[0]
+            del _rope_originals[owner]
+
+
 _Patch = collections.namedtuple("_Patch", ("fn", "path", "attr", "previous"))
 _Patch.__doc__ = """What patch_bnb sets on a module (as _qmm_patch): its forward fn(module, x, ...) and NF4 path,
 and where an instance attribute was patched (attr "forward" or accelerate's "_old_forward", and its previous value),
@@ -342,7 +400,7 @@ def _patch(module, forward, path):
         cls.forward = _dispatching_forward(cls, original)
 
 
-def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=False):
+def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=False, fused_rope=False):
     """Runs a bitsandbytes 4-bit model's NF4 layers with qmm, in place, and changes nothing else: modules,
     parameters, state-dict names and PEFT's LoRA adapters stay (PEFT trains, saves and merges them as before). Every
     bitsandbytes NF4 linear layer then computes with qmm (bf16 products, fp32 sums, whatever its compute_dtype); a
@@ -359,6 +417,10 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
     the hidden states through linear_cross_entropy_loss, never holding the [tokens, vocab] logits, and no logits
     (eval mode, generation and calls without labels run the model's own forward). With `fused_norm`, the RMSNorm
     modules of Llama, Qwen2/3 and Mistral run qmm's rms_norm forward and backward kernels (bitsandbytes or not).
+    With `fused_rope`, their attention's rotary embedding runs qmm's rope (q and k in one launch, forward and
+    backward): as Liger-Kernel does, this points the model family's `apply_rotary_pos_emb` (in transformers' modeling
+    module) at qmm's while any model patched so remains, so other models of that family in the process use it too;
+    unpatch_bnb of the last such model restores it.
     `path` forces qmm's NF4
     implementation (see nf4_gemm). Returns the patched modules' names; unpatch_bnb undoes it."""
     _model("patch_bnb", model)
@@ -384,6 +446,8 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
         else:
             continue
         patched.append(name)
+    if fused_rope and _ROPE_OWNERS not in model.__dict__:
+        _patch_rope(model)
     return patched
 
 
@@ -400,4 +464,5 @@ def unpatch_bnb(model):
                 setattr(module, patch.attr, patch.previous)
             _nf4_cache.pop(module, None)
             restored.append(name)
+    _unpatch_rope(model)
     return restored

@@ -348,7 +348,8 @@ def test_patched_peft_llama_under_transformers_trainer_with_torch_compile(tmp_pa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compiled,task_type", [(False, None), (True, None), (False, "CAUSAL_LM")])
 def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
-    """patch_bnb(fused_loss=True, fused_norm=True): a PEFT QLoRA Llama (its RMSNorms by qmm too) trained with labels returns transformers' causal-LM loss (shift
+    """patch_bnb(fused_loss=True, fused_norm=True, fused_rope=True): a PEFT QLoRA Llama (its RMSNorms and rotary
+    embeddings by qmm too; the rotary function restored by unpatch_bnb) trained with labels returns transformers' causal-LM loss (shift
     by one, -100 ignored; the sum over num_items_in_batch too) computed from the hidden states by
     linear_cross_entropy_loss, and no logits; its LoRA gradients are the unpatched model's; eval mode, calls without
     labels and generate are unchanged. Compiled (aot_eager, fullgraph) it gives the same loss with no graph break.
@@ -364,8 +365,11 @@ def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
     labels[0, :3] = -100
     ref_loss, ref_grads = loss_and_grads_with(model, ids, labels)
     ref_sum = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(40, device=device)).loss.item()
-    patched = qmm.patch_bnb(model, fused_loss=True, fused_norm=True)
+    from transformers.models.llama import modeling_llama
+    own_rotary = modeling_llama.apply_rotary_pos_emb
+    patched = qmm.patch_bnb(model, fused_loss=True, fused_norm=True, fused_rope=True)
     assert sum(n.endswith("norm") for n in patched) == 5, patched  # 2 layers x 2, and the final one
+    assert modeling_llama.apply_rotary_pos_emb is not own_rotary
     torch._dynamo.reset()
     counters.clear()
     step = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
@@ -379,6 +383,8 @@ def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
         assert (g - ref_grads[n]).abs().max().item() <= 2.0 ** -5 * ref_grads[n].abs().max().item(), n
     if compiled:
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+        qmm.unpatch_bnb(model)
+        assert modeling_llama.apply_rotary_pos_emb is own_rotary
         return
     summed = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(40, device=device)).loss.item()
     assert abs(summed - ref_sum) <= tol * abs(ref_sum)
@@ -388,6 +394,8 @@ def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
         tokens = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
                                 pad_token_id=0)
     assert tokens.shape == (2, 11)
+    qmm.unpatch_bnb(model)
+    assert modeling_llama.apply_rotary_pos_emb is own_rotary
 
 
 def loss_and_grads_with(model, ids, labels):
