@@ -1576,3 +1576,49 @@ def test_rope_compiles_fullgraph_and_equals_eager(device):
     assert all(torch.equal(c, e) for c, e in zip(compiled, eager))
     torch.library.opcheck(qmm.compile_ops.rope_op, (q.detach().requires_grad_(), k, cos, sin, False))
     torch.library.opcheck(qmm.compile_ops.rope_op, (q.contiguous(), None, cos, sin, True))
+
+
+def test_patch_bnb_fused_rope_points_the_family_at_qmm_and_back(monkeypatch):
+    """patch_bnb(fused_rope=True) on a model with a Llama attention (a stand-in: the class name, and a modeling
+    module whose apply_rotary_pos_emb its forward calls, as transformers' do): the module's function then runs
+    qmm's rope (within ROPE_RTOL of Hugging Face's formula, gradients the inverse rotation), falls back to the
+    original for calls qmm does not take (another unsqueeze_dim, float16), is held while a second patched model
+    remains, and is restored by unpatch_bnb of the last one."""
+    import sys
+    import types
+    modeling = types.ModuleType("qmm_test_modeling_llama")
+    modeling.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: _hf_rope(q, k, cos, sin) \
+        if unsqueeze_dim == 1 else ("original", unsqueeze_dim)
+    own = modeling.apply_rotary_pos_emb
+    monkeypatch.setitem(sys.modules, modeling.__name__, modeling)
+
+    class LlamaAttention(torch.nn.Module):
+        def forward(self, q, k, cos, sin):
+            return sys.modules[type(self).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+
+    LlamaAttention.__module__ = modeling.__name__
+    first, second = torch.nn.Sequential(LlamaAttention()), torch.nn.Sequential(LlamaAttention())
+    assert qmm.patch_bnb(first, fused_rope=True) == [] and modeling.apply_rotary_pos_emb is not own
+    qmm.patch_bnb(second, fused_rope=True)
+    calls = []
+    monkeypatch.setattr(qmm.functional._Rope, "apply", lambda *a, f=qmm.functional._Rope.apply: calls.append(1) or f(*a))
+    q, k, cos, sin = _rope_inputs("cpu", torch.float32, 2, 7, 4, 2, 64, 1, 3)
+    qr, kr = q.clone().requires_grad_(), k.clone().requires_grad_()
+    got_q, got_k = first[0](qr, kr, cos, sin)
+    ref_q, ref_k = _hf_rope(q.double(), k.double(), cos.double(), sin.double())
+    assert calls == [1]
+    assert_close(got_q, ref_q, _rope_bound(q, cos, sin, ROPE_RTOL[torch.float32]), "patched rope q")
+    assert_close(got_k, ref_k, _rope_bound(k, cos, sin, ROPE_RTOL[torch.float32]), "patched rope k")
+    (got_q.sum() + 2 * got_k.sum()).backward()
+    qd, kd = q.double().requires_grad_(), k.double().requires_grad_()
+    ref_q, ref_k = _hf_rope(qd, kd, cos.double(), sin.double())
+    (ref_q.sum() + 2 * ref_k.sum()).backward()
+    assert_close(qr.grad, qd.grad, 1e-5 * qd.grad.abs().max(), "patched rope dq")
+    assert_close(kr.grad, kd.grad, 1e-5 * kd.grad.abs().max(), "patched rope dk")
+    assert modeling.apply_rotary_pos_emb(q, k, cos, sin, 2) == ("original", 2)
+    half = modeling.apply_rotary_pos_emb(q.half(), k.half(), cos.half(), sin.half())
+    assert calls == [1] and half[0].dtype == torch.float16
+    qmm.unpatch_bnb(first)
+    assert modeling.apply_rotary_pos_emb is not own  # the second model still holds it
+    qmm.unpatch_bnb(second)
+    assert modeling.apply_rotary_pos_emb is own
