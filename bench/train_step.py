@@ -5,8 +5,8 @@
   bnb          bitsandbytes NF4 (double quant, bf16 compute) + PEFT LoRA (what QLoRA users run)
   qmm          the same model after qmm.patch_bnb
   qmm-compile  the same, then torch.compile(model, fullgraph=True); its first step's time is reported apart
-  qmm-all      qmm.patch_bnb with every fusion: also the loss from the hidden states (fused_loss: no logits) and
-               the RMSNorms (fused_norm)
+  qmm-all      qmm.patch_bnb with every fusion: also the loss from the hidden states (fused_loss: no logits), the
+               RMSNorms (fused_norm) and the rotary embeddings (fused_rope)
   qmm-all-compile  the same, compiled
   liger        Liger-Kernel's patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) on bnb + PEFT
   unsloth      Unsloth's FastLanguageModel in 4-bit with its LoRA
@@ -181,7 +181,7 @@ def load(variant, folder, args):
     if variant.startswith("qmm"):
         import qmm
         everything = variant.startswith("qmm-all")
-        qmm.patch_bnb(model, fused_loss=everything, fused_norm=everything)
+        qmm.patch_bnb(model, fused_loss=everything, fused_norm=everything, fused_rope=everything)
     return model
 
 
