@@ -129,12 +129,14 @@ def lora_backward_dy(dy, b, t, grad_b, *, scale=1.0, out=None, math="fp32"):
 # ---- loss -------------------------------------------------------------------------------------------------------
 
 
-def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, chunk_tokens=0):
+def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, chunk_tokens=0, check_labels=True):
     """The mean cross-entropy of the logits h @ w^T against labels, for h [T, H] (float32 or bfloat16), w [V, H] of
     h's dtype and labels [T] (int32, or int64 converted), each in [0, V) or ignore_index; the [T, V] logits are never
     held whole. Returns (loss, dh): loss a float32 scalar tensor (0 when every token is ignored), dh the loss's
-    gradient in h (where dh=True, else None); `dw` (float32 [V, H]) accumulates the gradient in w where given. (Its
-    GPU path, chunked logits GEMMs and a row kernel, has not yet run on a GPU.)"""
+    gradient in h (where dh=True, else None); `dw` (float32 [V, H]) accumulates the gradient in w where given.
+    check_labels=True reads the labels first (on a GPU the call waits for it) and raises qmm.Error naming the first
+    out of range; check_labels=False waits for nothing (a CUDA graph can capture it), and a label out of range then
+    makes the loss NaN and its token's dh row NaN."""
     h, w = _in(h), _in(w)
     labels = _in(labels)
     if labels.dtype == torch.int64:
@@ -142,7 +144,7 @@ def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, 
     loss = torch.empty((), dtype=torch.float32, device=h.device).reshape(1)
     dh_out = torch.empty_like(h) if dh else None
     _call(_qmm.linear_cross_entropy, h, h, w, labels, loss, None if dh_out is None else dh_out,
-          None if dw is None else dw.detach(), ignore_index=ignore_index, chunk_tokens=chunk_tokens)
+          None if dw is None else dw.detach(), ignore_index=ignore_index, chunk_tokens=chunk_tokens, check_labels=check_labels)
     return loss.reshape(()), dh_out
 
 
@@ -152,7 +154,7 @@ def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, 
 def rms_norm(x, w, eps, *, rstd=False):
     """RMSNorm over the last dimension as Hugging Face's Llama/Qwen2 modules compute it: y = w * (x * rstd rounded
     to x's dtype), rstd = 1 / sqrt(mean(x^2) + eps) in fp32. x [..., H] float32 or bfloat16, w [H] of x's dtype.
-    Returns (y, rstd [rows] float32 where rstd=True, else None). (Its GPU kernel has not yet run on a GPU.)"""
+    Returns (y, rstd [rows] float32 where rstd=True, else None)."""
     x2 = _in(x).reshape(-1, _dim(x, -1)) if x.dim() >= 1 else _in(x)
     y = torch.empty_like(x2)
     r = torch.empty((x2.shape[0],), dtype=torch.float32, device=x.device) if rstd else None

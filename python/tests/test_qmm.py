@@ -1327,6 +1327,9 @@ def test_linear_cross_entropy_bad_input_and_all_ignored():
     assert loss.item() == 0.0 and (dh == 0).all()  # every token ignored: 0, with a defined (zero) gradient
     _expect_error("InvalidArgument", "labels[2] is 10",
                   lambda: qmm.linear_cross_entropy(h, w, torch.tensor([1, 2, 10, 3])))
+    # Unchecked (nothing waits for the device): a NaN loss, NaN in that token's dh row only.
+    loss, dh = qmm.linear_cross_entropy(h, w, torch.tensor([1, 2, 10, 3]), dh=True, check_labels=False)
+    assert torch.isnan(loss) and torch.isnan(dh[2]).all() and torch.isfinite(dh[[0, 1, 3]]).all()
     _expect_error("ShapeMismatch", "labels is [3]", lambda: qmm.linear_cross_entropy(h, w, torch.tensor([1, 2, 3])))
     _expect_error("DTypeMismatch", "labels", lambda: qmm.linear_cross_entropy(h, w, torch.ones(4)))
     _expect_error("ShapeMismatch", "w must be [V, H]", lambda: qmm.linear_cross_entropy(h, w[:, :7], torch.zeros(4)))

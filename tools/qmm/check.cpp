@@ -490,7 +490,7 @@ struct Result {
   bool finite = true;
 };
 
-// linear_cross_entropy: loss and dh against the definition (CPU only: the op has no GPU implementation yet).
+// linear_cross_entropy: loss and dh against the definition.
 void add_loss_cases(std::vector<Case>& cases, std::int64_t t, std::int64_t hidden, std::int64_t vocab) {
   auto H = std::make_shared<Tensor>(random(DType::F32, {t, hidden}, 91));
   auto W = std::make_shared<Tensor>(random(DType::F32, {vocab, hidden}, 92));
