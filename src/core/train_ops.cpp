@@ -401,8 +401,18 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
   const std::int64_t chunk = opts.chunk_tokens > 0 ? std::min(opts.chunk_tokens, t)
                                                    : std::min(t, std::max<std::int64_t>(64, (t + 31) / 32));
   const bool grads = !dh.empty() || !dw.empty();
-  Tensor logits(DType::F32, {chunk, vocab}, dev), row_loss(DType::U8, {8 * t}, dev), stats(DType::U8, {16}, dev);
-  Tensor g = grads ? Tensor(h.dtype(), {chunk, vocab}, dev) : Tensor();
+  // Temporaries from the stream-ordered pool: nothing waits for the device, and a graph capture can hold the call.
+  // Each piece starts on a 256-byte boundary (the pool's blocks do): GEMM operands and fp64 sums stay aligned.
+  const auto padded = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const std::size_t logits_bytes = padded(static_cast<std::size_t>(chunk * vocab) * 4);
+  const std::size_t g_bytes = grads ? padded(static_cast<std::size_t>(chunk * vocab) * dtype_size(h.dtype())) : 0;
+  const std::size_t loss_bytes = padded(static_cast<std::size_t>(t) * 8);
+  cuda::StreamScratch scratch(ctx, logits_bytes + g_bytes + loss_bytes + 16);
+  auto* base = static_cast<std::uint8_t*>(scratch.data());
+  const TensorView logits(base, DType::F32, {chunk, vocab}, dev);
+  const TensorView g = grads ? TensorView(base + logits_bytes, h.dtype(), {chunk, vocab}, dev) : TensorView();
+  const TensorView row_loss(base + logits_bytes + g_bytes, DType::U8, {8 * t}, dev);
+  const TensorView stats(base + logits_bytes + g_bytes + loss_bytes, DType::U8, {16}, dev);
   cuda::cross_entropy_label_stats(ctx, labels, vocab, opts.ignore_index, stats);
   const std::size_t h_row = static_cast<std::size_t>(hidden) * dtype_size(h.dtype());
   auto rows = [](const TensorView& base, std::int64_t first, std::size_t row_bytes, Shape shape) {

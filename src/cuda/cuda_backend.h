@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,21 @@ std::vector<double> time_calls(const Context& ctx, const std::function<void(int)
 std::vector<double> time_graph(const Context& ctx, const std::function<void(int)>& fn, int calls, int replays);
 // Creates a non-blocking stream for impl (destroyed with its state) and returns it.
 void* create_owned_stream(Context::Impl& impl);
+
+// Device memory for the core's temporaries, from ctx's stream-ordered pool: allocated and freed in the order of
+// ctx's stream, so a call that uses it neither waits for the device (cudaFree would) nor breaks a CUDA-graph capture.
+class ScratchBuffer;
+class StreamScratch {
+ public:
+  StreamScratch(const Context& ctx, std::size_t bytes);
+  ~StreamScratch();
+  StreamScratch(const StreamScratch&) = delete;
+  StreamScratch& operator=(const StreamScratch&) = delete;
+  void* data() const;
+
+ private:
+  std::unique_ptr<ScratchBuffer> buffer_;
+};
 
 void gemm(const Context& ctx, const GemmProblem& p);                       // gemm/
 // lora_backward_dy's one-pass kernel where it applies (see ops.h); false, having done nothing, where it does not.

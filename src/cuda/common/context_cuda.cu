@@ -100,6 +100,15 @@ ScratchBuffer::~ScratchBuffer() {
   if (ptr_) cudaFreeAsync(ptr_, stream_);  // a destructor cannot throw; a failure here resurfaces at the next check
 }
 
+StreamScratch::StreamScratch(const Context& ctx, std::size_t bytes) {
+  set_device(ctx);
+  buffer_ = std::make_unique<ScratchBuffer>(state(ctx), bytes);
+}
+
+StreamScratch::~StreamScratch() = default;
+
+void* StreamScratch::data() const { return buffer_->data(); }
+
 void set_device(const Context& ctx) {
   // Always set, never skip when cudaGetDevice already answers this device: in a new host thread no context is
   // current until cudaSetDevice makes the primary one current, and cuBLASLt's driver calls need it.
