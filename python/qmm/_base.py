@@ -12,6 +12,12 @@ def _error(code, message):
     return e
 
 
+# PyTorch's own fast lookups of the current CUDA stream and device (what torch.compile's generated code uses): a
+# fraction of a microsecond where torch.cuda.current_stream() builds a Stream object per call.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
 def _call(fn, like, *args, **kwargs):
     """Runs a `_qmm` op for tensors on like's device: on a GPU in PyTorch's current stream there, with that GPU
     current for the call only (qmm makes its context's GPU current; PyTorch's choice is restored after). Tensors
@@ -20,8 +26,12 @@ def _call(fn, like, *args, **kwargs):
     args = [_to_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args]
     if not like.is_cuda:
         return fn(*args, **kwargs, stream=0)
-    stream = torch.cuda.current_stream(like.device).cuda_stream
-    if like.device.index == torch.cuda.current_device():
+    index = like.device.index
+    if _raw_stream is not None and _current_device is not None:
+        stream, current = _raw_stream(index), _current_device()
+    else:
+        stream, current = torch.cuda.current_stream(like.device).cuda_stream, torch.cuda.current_device()
+    if index == current:
         return fn(*args, **kwargs, stream=stream)
     with torch.cuda.device(like.device):
         return fn(*args, **kwargs, stream=stream)

@@ -9,6 +9,8 @@ sum added in the second GEMM's epilogue (beta = 1), after the NF4 base product a
 bases. The backward reads dy once for dt = scale * dy @ b_w and grad_b (lora_backward_dy)."""
 import torch
 
+from . import _qmm
+from ._base import _call, _in, _rows
 from .ops import (gemm, gemm_backward_b, gemm_bt, linear_cross_entropy, lora_backward_dy, nf4_gate_up, nf4_gemm,
                   nf4_gemm_backward_a, swiglu)
 from .ops import swiglu_backward as _swiglu_backward
@@ -59,27 +61,51 @@ def _adapter_input_grad(dt, a_w, dx, dropped, want_dxd, xd_shape):
 
 
 def linear_forward(x, w, bias, lora, path):
-    """y = x @ dequant(W)^T (+ bias) (+ the adapter). The bias is written first and the NF4 product accumulates
-    onto it (beta = 1): one rounding of base + bias, as a linear layer's bias epilogue. Returns y and the adapter's
-    saved tensors (None without one)."""
-    n = w.shape[0]
+    """y = x @ dequant(W)^T (+ bias) (+ the adapter), the NF4 product and the adapter's casts and products in one
+    binding call. The bias is written first and the NF4 product accumulates onto it (beta = 1): one rounding of
+    base + bias, as a linear layer's bias epilogue. Returns y and the adapter's saved tensors (None without one)."""
+    n, k = w.shape
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if bias is not None:
         y.copy_(bias.to(x.dtype).expand_as(y))
-    nf4_gemm(x, w, out=y, beta=0.0 if bias is None else 1.0, path=path)
-    return y, None if lora is None else _adapter_into(y, lora)
+    op = "lora_nf4_linear"
+    x2, y2, beta = _rows(op, "x", x, k), y.view(-1, n), 0.0 if bias is None else 1.0
+    if lora is None:
+        _call(_qmm.lora_nf4_linear_forward, x2, x2, w._native, y2, beta, path, None, None, None, None, None, None,
+              1.0)
+        return y, None
+    xd, a, b, scale = lora
+    xd2 = None if xd is x else _rows(op, "xd", xd, k)
+    a, b = _in(a), _in(b)
+    a_w, b_w = ((None, None) if a.dtype == x.dtype else
+                (torch.empty(a.shape, dtype=x.dtype, device=x.device), torch.empty(b.shape, dtype=x.dtype,
+                                                                                    device=x.device)))
+    t = torch.empty((x2.shape[0], a.shape[0]), dtype=x.dtype, device=x.device)
+    _call(_qmm.lora_nf4_linear_forward, x2, x2, w._native, y2, beta, path, xd2, a, b, a_w, b_w, t, float(scale))
+    return y, (x2 if xd2 is None else xd2, t, a if a_w is None else a_w, b if b_w is None else b_w)
 
 
 def linear_backward(dy, w, path, saved, scale, dropped, xd_shape, want):
-    """Gradients (dx, dxd, da, db) of linear_forward for want = (dx, dxd, da, db) flags; None where not wanted."""
+    """Gradients (dx, dxd, da, db) of linear_forward for want = (dx, dxd, da, db) flags, None where not wanted; the
+    NF4 input gradient and the adapter's products in one binding call."""
     want_dx, want_dxd, want_a, want_b = want
+    n, k = w.shape
     dy2 = _flat(dy) if dy.is_contiguous() else _flat(dy.contiguous())
-    dt = grad_a = grad_b = None
-    if saved is not None:
-        dt, grad_a, grad_b = _adapter_grads(dy2, saved, scale, want_a, want_b)
-    dx = nf4_gemm_backward_a(dy2, w, path=path).view(*dy.shape[:-1], w.shape[1]) if want_dx else None
-    dxd = None if saved is None else _adapter_input_grad(dt, saved[2], dx, dropped, want_dxd, xd_shape)
-    return dx, dxd, grad_a, grad_b
+    dx = torch.empty((*dy.shape[:-1], k), dtype=dy.dtype, device=dy.device) if want_dx else None
+    dx2 = None if dx is None else dx.view(-1, k)
+    if saved is None:
+        if dx is not None:
+            _call(_qmm.lora_nf4_linear_backward, dy2, dy2, w._native, path, dx2, None, None, None, None, 1.0, None,
+                  None, None, False, None)
+        return dx, None, None, None
+    xs, t, a_w, b_w = saved
+    dt = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    grad_b = torch.empty(b_w.shape, dtype=torch.float32, device=dy.device)  # zeroed, then accumulated, by the op
+    grad_a = torch.empty(a_w.shape, dtype=torch.float32, device=dy.device) if want_a else None
+    dxd = torch.empty(xd_shape, dtype=dy.dtype, device=dy.device) if dropped and want_dxd else None
+    _call(_qmm.lora_nf4_linear_backward, dy2, dy2, w._native, path, dx2, xs, t, a_w, b_w, float(scale), dt, grad_a,
+          grad_b, dropped, None if dxd is None else dxd.view(-1, k))
+    return dx, dxd, grad_a, grad_b if want_b else None
 
 
 def swiglu_forward(x, w_gate, w_up, loras, path, keep):

@@ -194,6 +194,52 @@ void run(F&& f) {
   f();
 }
 
+// ---- one call per fused LoRA projection (qmm/_impl.py) ------------------------------------------------------------
+// The public ops of one projection's forward or backward in a single binding call: per projection that saves the
+// Python wrappers and binding calls of the four or five separate ops. The operands' shapes, dtypes and devices are
+// all checked first, so that a bad call writes nothing; _impl passes freshly made outputs.
+
+// `t` must be [rows, cols] of `dtype` on `device`.
+void require_matrix(const char* op, const char* name, const qmm::TensorView& t, std::int64_t rows, std::int64_t cols,
+                    qmm::DType dtype, qmm::Device device) {
+  if (t.rank() != 2 || t.dim(0) != rows || t.dim(1) != cols)
+    fail(qmm::ErrorCode::ShapeMismatch, op,
+         std::string(name) + " is " + t.shape().str() + " but must be [" + std::to_string(rows) + ", " +
+             std::to_string(cols) + "]");
+  if (t.dtype() != dtype)
+    fail(qmm::ErrorCode::DTypeMismatch, op,
+         std::string(name) + " is " + qmm::dtype_name(t.dtype()) + " but must be " + qmm::dtype_name(dtype));
+  if (t.device() != device)
+    fail(qmm::ErrorCode::DeviceMismatch, op,
+         std::string(name) + " is on " + t.device().str() + " but the input is on " + device.str());
+}
+
+// An adapter's operands: xd (its input, x itself where empty), a [r, K] and b [N, r] (f32 or x's dtype), their
+// working copies in x's dtype (a_w, b_w: empty where a and b are in x's dtype already), t [M, r] in x's dtype.
+struct AdapterViews {
+  qmm::TensorView xd, a, b, a_w, b_w, t;
+  float scale = 1.0f;
+  std::int64_t rank() const { return a.rank() == 2 ? a.dim(0) : 0; }
+  const qmm::TensorView& a_used() const { return a_w.empty() ? a : a_w; }
+  const qmm::TensorView& b_used() const { return b_w.empty() ? b : b_w; }
+};
+
+void check_adapter(const char* op, const AdapterViews& ad, const qmm::TensorView& x, std::int64_t n) {
+  const std::int64_t m = x.dim(0), k = x.dim(1), r = ad.rank();
+  if (r < 1) fail(qmm::ErrorCode::ShapeMismatch, op, "a is " + ad.a.shape().str() + " but must be [r, K], r >= 1");
+  const qmm::DType p = ad.a.dtype();
+  if (p != qmm::DType::F32 && p != x.dtype())
+    fail(qmm::ErrorCode::DTypeMismatch, op, std::string("a is ") + qmm::dtype_name(p) + ": float32 or x's dtype");
+  require_matrix(op, "a", ad.a, r, k, p, x.device());
+  require_matrix(op, "b", ad.b, n, r, p, x.device());
+  if (!ad.xd.empty()) require_matrix(op, "xd", ad.xd, m, k, x.dtype(), x.device());
+  if (p != x.dtype() && (ad.a_w.empty() || ad.b_w.empty()))
+    fail(qmm::ErrorCode::InvalidArgument, op, "a_w and b_w are needed where a and b are not in x's dtype");
+  if (!ad.a_w.empty()) require_matrix(op, "a_w", ad.a_w, r, k, x.dtype(), x.device());
+  if (!ad.b_w.empty()) require_matrix(op, "b_w", ad.b_w, n, r, x.dtype(), x.device());
+  require_matrix(op, "t", ad.t, m, r, x.dtype(), x.device());
+}
+
 using GemmFn = void (*)(const qmm::Context&, const qmm::TensorView&, const qmm::TensorView&,
                         const qmm::TensorView&, const qmm::GemmOptions&);
 
@@ -418,6 +464,90 @@ NB_MODULE(_qmm, m) {
         run([&] { qmm::nf4_dequantize(ctx, wv, ov); });
       },
       nb::arg("w"), nb::arg("out"), nb::arg("stream") = 0);
+
+  m.def(
+      "lora_nf4_linear_forward",
+      [](const In& x, const Nf4Handle& w, const Out& y, float beta, const std::string& path, const nb::object& xd,
+         const nb::object& a, const nb::object& b, const nb::object& a_w, const nb::object& b_w, const nb::object& t,
+         float scale, std::uintptr_t stream) {
+        const char* op = "lora_nf4_linear_forward";
+        const qmm::TensorView xv = view_of(x, op, "x"), yv = view_of(y, op, "y");
+        const AdapterViews ad{view_or_empty<In>(xd, op, "xd"), view_or_empty<In>(a, op, "a"),
+                              view_or_empty<In>(b, op, "b"),   view_or_empty<Out>(a_w, op, "a_w"),
+                              view_or_empty<Out>(b_w, op, "b_w"), view_or_empty<Out>(t, op, "t"), scale};
+        const qmm::Nf4Weight wv = w.view;
+        const qmm::Nf4GemmOptions opts = nf4_options(1.0f, beta, path, op);
+        if (xv.rank() != 2 || yv.rank() != 2 || yv.dim(0) != xv.dim(0))
+          fail(qmm::ErrorCode::ShapeMismatch, op,
+               "x is " + xv.shape().str() + " and y " + yv.shape().str() + ": both [M, *]");
+        const bool adapter = !ad.a.empty();
+        if (adapter) check_adapter(op, ad, xv, yv.dim(1));
+        const qmm::Context ctx = context_for(xv, stream);
+        run([&] {
+          qmm::nf4_gemm(ctx, xv, wv, yv, opts);  // checks w against x and y before anything is written
+          if (!adapter) return;
+          if (!ad.a_w.empty()) qmm::cast(ctx, ad.a, ad.a_w);
+          if (!ad.b_w.empty()) qmm::cast(ctx, ad.b, ad.b_w);
+          qmm::gemm_bt(ctx, ad.xd.empty() ? xv : ad.xd, ad.a_used(), ad.t);
+          qmm::gemm_bt(ctx, ad.t, ad.b_used(), yv, {ad.scale, 1.0f});
+        });
+      },
+      nb::arg("x"), nb::arg("w"), nb::arg("y"), nb::arg("beta"), nb::arg("path"), nb::arg("xd").none(),
+      nb::arg("a").none(), nb::arg("b").none(), nb::arg("a_w").none(), nb::arg("b_w").none(), nb::arg("t").none(),
+      nb::arg("scale"), nb::arg("stream") = 0,
+      "y = x @ dequant(W)^T + beta * y, then y += scale * (xd @ a^T) @ b^T in x's dtype where a is given");
+  m.def(
+      "lora_nf4_linear_backward",
+      [](const In& dy, const Nf4Handle& w, const std::string& path, const nb::object& dx, const nb::object& xs,
+         const nb::object& t, const nb::object& a_w, const nb::object& b_w, float scale, const nb::object& dt,
+         const nb::object& grad_a, const nb::object& grad_b, bool dropped, const nb::object& dxd,
+         std::uintptr_t stream) {
+        const char* op = "lora_nf4_linear_backward";
+        const qmm::TensorView dyv = view_of(dy, op, "dy"), dxv = view_or_empty<Out>(dx, op, "dx");
+        const qmm::TensorView xsv = view_or_empty<In>(xs, op, "xs"), tv = view_or_empty<In>(t, op, "t");
+        const qmm::TensorView awv = view_or_empty<In>(a_w, op, "a_w"), bwv = view_or_empty<In>(b_w, op, "b_w");
+        const qmm::TensorView dtv = view_or_empty<Out>(dt, op, "dt"), gav = view_or_empty<Out>(grad_a, op, "grad_a");
+        const qmm::TensorView gbv = view_or_empty<Out>(grad_b, op, "grad_b"), dxdv = view_or_empty<Out>(dxd, op, "dxd");
+        const qmm::Nf4Weight wv = w.view;
+        const qmm::Nf4GemmOptions opts = nf4_options(1.0f, 0.0f, path, op);
+        if (dyv.rank() != 2) fail(qmm::ErrorCode::ShapeMismatch, op, "dy is " + dyv.shape().str() + ": [M, N]");
+        const std::int64_t m_rows = dyv.dim(0), n = dyv.dim(1), k = wv.cols;
+        const bool adapter = !tv.empty();
+        if (!dxv.empty()) require_matrix(op, "dx", dxv, m_rows, k, dyv.dtype(), dyv.device());
+        if (adapter) {
+          const std::int64_t r = tv.rank() == 2 ? tv.dim(1) : 0;
+          if (r < 1) fail(qmm::ErrorCode::ShapeMismatch, op, "t is " + tv.shape().str() + " but must be [M, r]");
+          require_matrix(op, "t", tv, m_rows, r, dyv.dtype(), dyv.device());
+          require_matrix(op, "xs", xsv, m_rows, k, dyv.dtype(), dyv.device());
+          require_matrix(op, "a_w", awv, r, k, dyv.dtype(), dyv.device());
+          require_matrix(op, "b_w", bwv, n, r, dyv.dtype(), dyv.device());
+          require_matrix(op, "dt", dtv, m_rows, r, dyv.dtype(), dyv.device());
+          require_matrix(op, "grad_b", gbv, n, r, qmm::DType::F32, dyv.device());
+          if (!gav.empty()) require_matrix(op, "grad_a", gav, r, k, qmm::DType::F32, dyv.device());
+          if (!dxdv.empty()) require_matrix(op, "dxd", dxdv, m_rows, k, dyv.dtype(), dyv.device());
+          if (!gbv.empty() && gbv.data() == nullptr) fail(qmm::ErrorCode::InvalidArgument, op, "grad_b has no data");
+        }
+        const qmm::Context ctx = context_for(dyv, stream);
+        if (wv.rows != n)
+          fail(qmm::ErrorCode::ShapeMismatch, op,
+               "dy is " + dyv.shape().str() + " but w has " + std::to_string(wv.rows) + " rows");
+        run([&] {
+          // The NF4 product first: it checks w in full before writing dx.
+          if (!dxv.empty()) qmm::nf4_gemm_backward_a(ctx, dyv, wv, dxv, opts);
+          if (!adapter) return;
+          qmm::zero(ctx, gbv);  // dt = scale * dy @ b_w and grad_b from one read of dy, then grad_a = dt^T @ xs
+          qmm::lora_backward_dy(ctx, dyv, bwv, tv, dtv, gbv, scale);
+          if (!gav.empty()) qmm::gemm_backward_b(ctx, dtv, xsv, gav);
+          if (dropped && !dxdv.empty()) qmm::gemm(ctx, dtv, awv, dxdv);  // its input was dropout(x): apart
+          if (!dropped && !dxv.empty()) qmm::gemm(ctx, dtv, awv, dxv, {1.0f, 1.0f});
+        });
+      },
+      nb::arg("dy"), nb::arg("w"), nb::arg("path"), nb::arg("dx").none(), nb::arg("xs").none(), nb::arg("t").none(),
+      nb::arg("a_w").none(), nb::arg("b_w").none(), nb::arg("scale"), nb::arg("dt").none(),
+      nb::arg("grad_a").none(), nb::arg("grad_b").none(), nb::arg("dropped"), nb::arg("dxd").none(),
+      nb::arg("stream") = 0,
+      "dx = dy @ dequant(W) (+ dt @ a_w, or dxd = dt @ a_w where the adapter's input was dropped out), "
+      "dt = scale * dy @ b_w, grad_b = scale * dy^T @ t, grad_a = dt^T @ xs");
 
   def_nf4_gemm<qmm::nf4_gemm>(m, "nf4_gemm", "a", "c", "c = alpha * a @ dequant(W)^T + beta * c");
   def_nf4_gemm<qmm::nf4_gemm_backward_a>(m, "nf4_gemm_backward_a", "dc", "da",

@@ -1625,3 +1625,34 @@ def test_patch_bnb_fused_rope_points_the_family_at_qmm_and_back(monkeypatch):
     assert modeling.apply_rotary_pos_emb is not own  # the second model still holds it
     qmm.unpatch_bnb(second)
     assert modeling.apply_rotary_pos_emb is own
+
+
+def test_fused_projection_calls_check_every_operand_before_writing():
+    """The one-call forward and backward of a fused projection (_qmm.lora_nf4_linear_forward/backward, what
+    qmm.lora_nf4_linear runs) refuse an operand of the wrong shape or dtype with a qmm.Error naming it, and leave
+    every output as it was."""
+    from qmm import _qmm
+    from qmm._base import _call
+    w = qmm.Nf4Weight.quantize(randn((32, 64), 1, "cpu"))
+    x, a, b = randn((5, 64), 2, "cpu"), randn((4, 64), 3, "cpu"), randn((32, 4), 4, "cpu")
+    y, t = torch.full((5, 32), 7.0), torch.full((5, 4), 7.0)
+    bad_t = torch.full((5, 3), 7.0)
+    _expect_error("ShapeMismatch", "lora_nf4_linear_forward: t is [5,3]", lambda: _call(
+        _qmm.lora_nf4_linear_forward, x, x, w._native, y, 0.0, "auto", None, a, b, None, None, bad_t, 1.0))
+    _expect_error("ShapeMismatch", "lora_nf4_linear_forward: b is [32,3]", lambda: _call(
+        _qmm.lora_nf4_linear_forward, x, x, w._native, y, 0.0, "auto", None, a, b[:, :3].contiguous(), None, None,
+        t, 1.0))
+    _expect_error("InvalidArgument", "a_w and b_w", lambda: _call(
+        _qmm.lora_nf4_linear_forward, x.bfloat16(), x.bfloat16(), w._native, y.bfloat16(), 0.0, "auto", None, a, b,
+        None, None, t.bfloat16(), 1.0))
+    assert (y == 7).all() and (t == 7).all() and (bad_t == 7).all()
+    dy, dx, dt = randn((5, 32), 5, "cpu"), torch.full((5, 64), 7.0), torch.full((5, 4), 7.0)
+    grad_a, grad_b = torch.full((4, 64), 7.0), torch.full((32, 4), 7, dtype=torch.bfloat16)
+    _expect_error("DTypeMismatch", "lora_nf4_linear_backward: grad_b is bf16", lambda: _call(
+        _qmm.lora_nf4_linear_backward, dy, dy, w._native, "auto", dx, x, t, a, b, 1.0, dt, grad_a, grad_b, False,
+        None))
+    dy16 = dy[:, :16].contiguous()
+    _expect_error("ShapeMismatch", "but w has 32 rows", lambda: _call(
+        _qmm.lora_nf4_linear_backward, dy16, dy16, w._native, "auto", dx, None, None, None, None, 1.0, None, None,
+        None, False, None))
+    assert (dx == 7).all() and (dt == 7).all() and (grad_a == 7).all() and (grad_b == 7).all()
