@@ -529,7 +529,107 @@ void add_loss_cases(std::vector<Case>& cases, std::int64_t t, std::int64_t hidde
                      }
                      return Reference{{total / static_cast<double>(n)}, dh};
                    },
-                   1e-6, 1e-6});
+                   1e-6, 1e-5});
+}
+
+double rounded_to(DType dtype, double x) { return dtype == DType::BF16 ? round_to_bf16(x) : static_cast<float>(x); }
+
+// rms_norm forward and backward (y, rstd, dx, dw) and rope forward and inverse, both storage dtypes, against the
+// definitions written out here: one rounding of each result to its dtype (x·rstd rounded, then ·w, for y).
+// Limits: f32 1e-6; bf16 4e-3 (a rounding of 2^-9 relative on every element, summed in Frobenius norm).
+void add_norm_rope_cases(std::vector<Case>& cases, std::int64_t rows, std::int64_t hidden, std::int64_t batch,
+                         std::int64_t seq, std::int64_t heads_q, std::int64_t heads_k, std::int64_t head_dim) {
+  const float eps = 1e-6f;
+  for (DType dt : {DType::F32, DType::BF16}) {
+    const double tol = dt == DType::BF16 ? 4e-3 : 1e-6;
+    auto X = std::make_shared<Tensor>(random(dt, {rows, hidden}, 71, 2.0f));
+    auto W = std::make_shared<Tensor>(random(dt, {hidden}, 72, 0.3f));
+    auto DY = std::make_shared<Tensor>(random(dt, {rows, hidden}, 73));
+    cases.push_back({std::string("rms_norm+backward ") + dtype_name(dt), dims(rows, hidden, 1),
+                     [=](const Context& ctx) {
+                       Tensor y = poisoned(ctx, dt, {rows, hidden}), rstd = poisoned(ctx, DType::F32, {rows});
+                       Tensor dx = poisoned(ctx, dt, {rows, hidden}), dw = on(ctx, Tensor(DType::F32, {hidden}));
+                       zero(ctx, dw);
+                       const Tensor x = on(ctx, *X), w = on(ctx, *W);
+                       rms_norm(ctx, x, w, y, rstd, eps);
+                       rms_norm_backward(ctx, x, w, rstd, on(ctx, *DY), dx, dw);
+                       return Outputs{y, rstd, dx, dw};
+                     },
+                     [=] {
+                       Reference r(4);
+                       r[3].assign(static_cast<std::size_t>(hidden), 0.0);
+                       for (std::int64_t i = 0; i < rows; ++i) {
+                         double ss = 0, dot = 0;
+                         for (std::int64_t k = 0; k < hidden; ++k) ss += std::pow(value_at(*X, i * hidden + k), 2);
+                         const double rs = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(hidden) + eps));
+                         r[1].push_back(rs);
+                         for (std::int64_t k = 0; k < hidden; ++k) {
+                           const double x = value_at(*X, i * hidden + k), w = value_at(*W, k);
+                           const double dy = value_at(*DY, i * hidden + k);
+                           r[0].push_back(rounded_to(dt, w * rounded_to(dt, x * rs)));
+                           dot += dy * w * x * rs;
+                           r[3][static_cast<std::size_t>(k)] += dy * x * rs;
+                         }
+                         for (std::int64_t k = 0; k < hidden; ++k) {
+                           const double x = value_at(*X, i * hidden + k), w = value_at(*W, k);
+                           const double g = value_at(*DY, i * hidden + k) * w;
+                           r[2].push_back(rounded_to(dt, rs * (g - x * rs * dot / static_cast<double>(hidden))));
+                         }
+                       }
+                       return r;
+                     },
+                     tol, tol});
+    const std::int64_t half = head_dim / 2;
+    auto Q = std::make_shared<Tensor>(random(dt, {batch, seq, heads_q, head_dim}, 74));
+    auto K = std::make_shared<Tensor>(random(dt, {batch, seq, heads_k, head_dim}, 75));
+    auto C = std::make_shared<Tensor>(dt, Shape{1, seq, head_dim});
+    auto S = std::make_shared<Tensor>(dt, Shape{1, seq, head_dim});
+    for (std::int64_t p = 0; p < seq; ++p)
+      for (std::int64_t j = 0; j < head_dim; ++j) {  // Hugging Face's angles: one per column pair, repeated
+        const double angle = static_cast<double>(p) * std::pow(10000.0, -2.0 * static_cast<double>(j % half) /
+                                                                             static_cast<double>(head_dim));
+        const float c = static_cast<float>(std::cos(angle)), sn = static_cast<float>(std::sin(angle));
+        if (dt == DType::F32) {
+          C->data_as<float>()[p * head_dim + j] = c;
+          S->data_as<float>()[p * head_dim + j] = sn;
+        } else {
+          C->data_as<std::uint16_t>()[p * head_dim + j] = float_to_bf16(c);
+          S->data_as<std::uint16_t>()[p * head_dim + j] = float_to_bf16(sn);
+        }
+      }
+    for (bool inverse : {false, true}) {
+      cases.push_back({std::string(inverse ? "rope inverse " : "rope ") + dtype_name(dt),
+                       dims(batch * seq, heads_q + heads_k, head_dim),
+                       [=](const Context& ctx) {
+                         Tensor qo = poisoned(ctx, dt, Q->shape()), ko = poisoned(ctx, dt, K->shape());
+                         rope(ctx, on(ctx, *Q), on(ctx, *K), on(ctx, *C), on(ctx, *S), qo, ko, inverse);
+                         return Outputs{qo, ko};
+                       },
+                       [=] {
+                         Reference r(2);
+                         for (int which = 0; which < 2; ++which) {
+                           const Tensor& x = which == 0 ? *Q : *K;
+                           const std::int64_t heads = which == 0 ? heads_q : heads_k;
+                           for (std::int64_t row = 0; row < batch * seq * heads; ++row) {
+                             const std::int64_t p = row / heads % seq;
+                             for (std::int64_t j = 0; j < head_dim; ++j) {
+                               const std::int64_t j1 = j % half, base = row * head_dim;
+                               const double x1 = value_at(x, base + j1), x2 = value_at(x, base + j1 + half);
+                               const double c = value_at(*C, p * head_dim + j);
+                               // sin of the other half: the transpose pairs each column with its partner's
+                               const double sn = value_at(*S, p * head_dim + (inverse ? (j < half ? j + half : j1)
+                                                                                        : j));
+                               const double y = j < half ? x1 * c + (inverse ? x2 : -x2) * sn
+                                                         : x2 * c + (inverse ? -x1 : x1) * sn;
+                               r[static_cast<std::size_t>(which)].push_back(rounded_to(dt, y));
+                             }
+                           }
+                         }
+                         return r;
+                       },
+                       tol, tol});
+    }
+  }
 }
 
 Result compare(const Outputs& got, const Reference& ref) {
@@ -574,6 +674,7 @@ int run_check(const CheckOptions& opts) {
   add_nf4_cases(cpu_cases, 17 * s, 512 * s, 192 * s);
   add_train_cases(cpu_cases, 100003 * s, 256 * s, 1000 * s);
   add_loss_cases(cpu_cases, 33 * s, 64, 130 * s);
+  add_norm_rope_cases(cpu_cases, 33 * s, 256, 2, 7 * s, 4, 2, 64);
   if (gpus > 0) {
     add_dense_cases(gpu_cases, 256 * s, 1536, 1000 * s);
     add_batched_case(gpu_cases, 2, 4, 255 * s, 128);
@@ -581,6 +682,8 @@ int run_check(const CheckOptions& opts) {
     add_nf4_cases(gpu_cases, 65 * s, 1536, 2048 * s);
     add_nf4_cases(gpu_cases, 1, 4096, 1536);
     add_train_cases(gpu_cases, (1 << 22) + 3, 1536, 8960);
+    add_loss_cases(gpu_cases, 300, 128, 32003);
+    add_norm_rope_cases(gpu_cases, 2048, 4096, 2, 1024, 32, 8, 128);
   }
 
   int failures = 0, rows = 0;
