@@ -158,14 +158,11 @@ void LoraLinear::check_forward(const char* op, const TensorView& x, const Tensor
   check_mode(op, mode, saved_rows_, x.dim(0));
 }
 
-// Dense bases: the adapter's product goes first and the base GEMM accumulates onto it (cuBLASLt's beta = 1
-// costs the compute-bound GEMM 2-5 µs), where adding the adapter afterwards was a separate read and write of y:
-// 90 µs for a 4096 x 14336 bf16 output on the H200 against ~40 µs for writing it once (ncu, session 18).
+// Dense bases: the adapter's product goes first and the base GEMM accumulates onto it (beta = 1 costs the
+// compute-bound GEMM little), where adding the adapter afterwards would be another read and write of y.
 // NF4 bases keep the base first: from 33 to 512 rows their base GEMM is the fused kernel, whose accumulating
-// epilogue reads the old output back (Llama-3-8B gate, nf4_gemm at M = 512: 106 µs with beta = 1 against 102),
-// and adapter-first measured slower there (H200, session 19: the layer's forward 122 vs 119 µs at M = 512, the
-// Llama-3-8B MLP forward + backward 833 vs 809 at 512 and 470 vs 459 at 256); at 2048 rows (dequantize + cuBLASLt)
-// it was faster on Llama-3-8B sizes (2766 vs 2821) and within the noise on Qwen2.5-1.5B ones (854-858 vs 842-868).
+// epilogue reads the old output back, and adapter-first measured slower there for the layer and the MLP block
+// (docs/BENCHMARKS.md, LoRA MLP block).
 bool LoraLinear::adapter_first() const { return !base_.is_nf4(); }
 
 void LoraLinear::forward(const TensorView& x, const TensorView& y, ForwardMode mode) {

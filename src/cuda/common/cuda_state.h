@@ -61,8 +61,8 @@ void set_device(const Context& ctx);
 void allow_dynamic_shared(const void* kernel, int bytes);
 
 // Whether the current device runs `kernel` from code compiled for sm_90 or later (cudaFuncGetAttributes'
-// ptxVersion, cached per kernel and device): only there does pdl_wait wait. A build for sm_80 alone, which an
-// H200 runs through the driver's JIT, has no wait in its kernels and must not be launched overlapping.
+// ptxVersion, cached per kernel and device): only there does pdl_wait wait. A build for sm_80 alone, which a
+// Hopper GPU runs through the driver's JIT, has no wait in its kernels and must not be launched overlapping.
 bool kernel_has_pdl_wait(const void* kernel);
 
 // Launches `kernel` with programmatic dependent launch: on sm_90 it may start while the stream's previous kernel

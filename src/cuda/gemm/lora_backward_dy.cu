@@ -24,9 +24,8 @@
 namespace qmm::cuda {
 namespace {
 
-// 8 warps, one CTA per SM (shared memory). ncu finds the kernel latency-bound (2 warps per scheduler, one issue
-// per 6 cycles each, DRAM 38% busy at Qwen2.5-1.5B gate/up, M = 2048), yet 16 warps (128 registers) measured
-// slower: 24.0 vs 19.7 µs there (H200, session 19).
+// 8 warps, one CTA per SM (shared memory). ncu finds the kernel latency-bound, yet 16 warps (128 registers)
+// measured slower (docs/BENCHMARKS.md, LoRA MLP block).
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kTileRows = 32;
@@ -212,8 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // dt[i] = bf16(scale·Σ_s dt_part[s][i]) for i < mr, then grad_b[j] += scale·Σ_z gb_part[z][j], sums in order.
-// One element per thread: a float4 version (a quarter of the threads) measured slower (H200, session 19: Llama-3-8B
-// gate/up at M = 2048, the op 33.3 vs 28.8 µs, in two device calls).
+// One element per thread: a float4 version (a quarter of the threads) measured slower.
 __global__ void __launch_bounds__(kThreads) lora_backward_dy_reduce_kernel(
     const float* __restrict__ dt_part, int strips, std::int64_t mr, __nv_bfloat16* __restrict__ dt,
     const float* __restrict__ gb_part, int splits, std::int64_t nr, float* __restrict__ grad_b, float scale) {

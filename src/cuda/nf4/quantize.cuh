@@ -331,7 +331,7 @@ __device__ __forceinline__ void dequantize_chunk(const std::uint8_t* __restrict_
 // code loads and their scales before the first store, and each store instruction writes 512 contiguous bytes
 // (bf16). Chunks past the last whole round go one per thread. The 16-entry codebook in shared memory makes every
 // lookup conflict-free (16 words in 16 banks). (Measured against one chunk per thread and step with four steps a
-// grid stride apart: docs/BENCHMARKS.md, session 24.)
+// grid stride apart: docs/BENCHMARKS.md, NF4 conversion.)
 template <class T>
 __global__ void __launch_bounds__(kThreads) nf4_dequantize_kernel(const std::uint8_t* __restrict__ codes, Scales s,
                                                                   int block_shift, std::int64_t n, bool vec,

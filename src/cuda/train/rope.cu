@@ -20,7 +20,7 @@ namespace {
 using common::Elem;
 constexpr int kMaxThreads = 256;
 // At least 4 full blocks per SM (half its threads) caps registers at 64: the 16-byte path needs ~72 otherwise, and
-// then fewer loads would be in flight than an H100's copy bandwidth needs (it does not spill at 64).
+// then fewer loads would be in flight than Hopper's copy bandwidth needs (it does not spill at 64).
 constexpr int kMinBlocks = 4;
 
 // V elements loaded or stored as one aligned access (the caller checks the alignment).
