@@ -11,7 +11,7 @@ import torch
 
 from . import _qmm
 from ._base import _call, _in, _rows
-from .ops import (gemm, gemm_backward_b, gemm_bt, linear_cross_entropy, lora_backward_dy, nf4_gate_up, nf4_gemm,
+from .ops import (gemm, gemm_backward_b, gemm_bt, linear_cross_entropy, lora_backward_dy, nf4_gate_up,
                   nf4_gemm_backward_a, swiglu)
 from .ops import swiglu_backward as _swiglu_backward
 

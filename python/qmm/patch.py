@@ -420,9 +420,8 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
     With `fused_rope`, their attention's rotary embedding runs qmm's rope (q and k in one launch, forward and
     backward): as Liger-Kernel does, this points the model family's `apply_rotary_pos_emb` (in transformers' modeling
     module) at qmm's while any model patched so remains, so other models of that family in the process use it too;
-    unpatch_bnb of the last such model restores it.
-    `path` forces qmm's NF4
-    implementation (see nf4_gemm). Returns the patched modules' names; unpatch_bnb undoes it."""
+    unpatch_bnb of the last such model restores it. `path` forces qmm's NF4 implementation (see nf4_gemm). Returns
+    the patched modules' names; unpatch_bnb undoes it."""
     _model("patch_bnb", model)
     _qmm.check_nf4_path(path, "patch_bnb")
     patched = []
