@@ -299,14 +299,18 @@ Nf4Plan plan_nf4(const Nf4Problem& p, const Nf4Device& d) {
 
 std::string nf4_plan_summary(const Nf4Plan& plan) {
   std::string s = nf4_kernel_name(plan.kernel);
-  if (plan.kernel == Nf4Kernel::SmallMPair || plan.kernel == Nf4Kernel::SmallMTable ||
-      plan.kernel == Nf4Kernel::SmallMBackward)
-    s += " x" + std::to_string(plan.n8_tiles) + (plan.kernel == Nf4Kernel::SmallMBackward ? " m8" : " n8");
-  if (plan.kernel == Nf4Kernel::SmallMPair) s += plan.packed_a ? " packed A" : " direct A";
-  if (plan.kernel == Nf4Kernel::FusedInLoop || plan.kernel == Nf4Kernel::FusedShared)
-    s += " " + std::to_string(plan.grid.tiles_n) + "x" + std::to_string(plan.grid.tiles_m) + " tiles, split-K " +
-         std::to_string(plan.grid.splits);
-  return s + ": " + plan.why;
+  const bool small_m = plan.kernel == Nf4Kernel::SmallMPair || plan.kernel == Nf4Kernel::SmallMTable ||
+                       plan.kernel == Nf4Kernel::SmallMBackward;
+  if (small_m) {
+    s.append(" x").append(std::to_string(plan.n8_tiles));
+    s.append(plan.kernel == Nf4Kernel::SmallMBackward ? " m8" : " n8");
+  }
+  if (plan.kernel == Nf4Kernel::SmallMPair) s.append(plan.packed_a ? ", packed A" : ", direct A");
+  if (plan.kernel == Nf4Kernel::FusedInLoop || plan.kernel == Nf4Kernel::FusedShared) {
+    s.append(", ").append(std::to_string(plan.grid.tiles_n)).append("x").append(std::to_string(plan.grid.tiles_m));
+    s.append(" tiles, split-K ").append(std::to_string(plan.grid.splits));
+  }
+  return s.append(": ").append(plan.why);
 }
 
 }  // namespace qmm::cuda

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "qmm/context.h"
 #include "qmm/nf4.h"
 #include "qmm/ops.h"
 #include "qmm/tensor.h"
@@ -80,6 +81,9 @@ struct Nf4Plan {
 
 // The plan for one call. Never throws; Unsupported carries the reason.
 Nf4Plan plan_nf4(const Nf4Problem& p, const Nf4Device& d);
+
+// The capabilities of ctx's GPU. Defined by the CUDA backend (nf4_gemm.cu): CUDA builds only (QMM_WITH_CUDA).
+Nf4Device nf4_device(const Context& ctx);
 
 // One line for people: the kernel, its tiles and split-K, and why.
 std::string nf4_plan_summary(const Nf4Plan& plan);
