@@ -314,17 +314,7 @@ class Bench {
   std::string plan_line(cuda::Nf4Op op, std::int64_t m, std::int64_t n, std::int64_t k, DType act,
                         Nf4Path path) const {
     if (!opts_.explain || !plan_device_) return {};  // without a GPU the header said so once
-    cuda::Nf4Problem p;
-    p.op = op;
-    p.m = m;
-    p.w.rows = n;
-    p.w.cols = k;
-    p.w.block_size = 64;
-    p.w.double_quant = true;
-    p.w_up = p.w;
-    p.act = act;
-    p.out = DType::BF16;
-    p.path = path;
+    const cuda::Nf4Problem p = cuda::nf4_problem_of_shape(op, m, n, k, act, true, path);
     return "  plan: " + cuda::nf4_plan_summary(cuda::plan_nf4(p, *plan_device_));
   }
   void print_plan(const std::string& line) const {

@@ -29,18 +29,8 @@ const std::vector<std::int64_t> kRows = {1, 2, 8, 9, 16, 17, 32, 33, 64, 256, 51
 
 Nf4Problem problem(Nf4Op op, std::int64_t m, const Shape& s, DType act, bool dq, float beta = 0.0f,
                    Nf4Path path = Nf4Path::Auto) {
-  Nf4Problem p;
-  p.op = op;
-  p.m = m;
-  p.w.rows = s.n;
-  p.w.cols = s.k;
-  p.w.block_size = 64;
-  p.w.double_quant = dq;
-  p.w_up = p.w;
-  p.act = act;
-  p.out = DType::BF16;
+  Nf4Problem p = nf4_problem_of_shape(op, m, s.n, s.k, act, dq, path);
   p.beta = beta;
-  p.path = path;
   return p;
 }
 

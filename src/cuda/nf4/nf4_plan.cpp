@@ -228,6 +228,20 @@ Nf4Problem nf4_problem(Nf4Op op, const TensorView& act, const Nf4Weight& w, cons
   return p;
 }
 
+Nf4Problem nf4_problem_of_shape(Nf4Op op, std::int64_t m, std::int64_t n, std::int64_t k, DType act,
+                                bool double_quant, Nf4Path path) {
+  Nf4Problem p;
+  p.op = op;
+  p.m = m;
+  p.w.rows = n;
+  p.w.cols = k;
+  p.w.double_quant = double_quant;
+  p.w_up = p.w;
+  p.act = act;
+  p.path = path;
+  return p;
+}
+
 Nf4Plan plan_nf4(const Nf4Problem& p, const Nf4Device& d) {
   const bool backward = p.op == Nf4Op::BackwardA;
   const bool gate_up = p.op == Nf4Op::GateUp;

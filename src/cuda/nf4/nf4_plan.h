@@ -52,6 +52,11 @@ struct Nf4Problem {
 Nf4Problem nf4_problem(Nf4Op op, const TensorView& act, const Nf4Weight& w, const Nf4Weight* w_up, DType out,
                        const Nf4GemmOptions& opts);
 
+// The problem of fresh (aligned) tensors: W [n, k] in blocks of 64, A [m, k] (dC [m, n]) of dtype `act`, bf16
+// outputs, beta 0; gate_up's two weights alike. For `qmm bench --explain` and tests.
+Nf4Problem nf4_problem_of_shape(Nf4Op op, std::int64_t m, std::int64_t n, std::int64_t k, DType act,
+                                bool double_quant, Nf4Path path = Nf4Path::Auto);
+
 enum class Nf4Kernel {
   Unsupported,     // a forced path that cannot serve the problem (or Reference): the call throws Unsupported
   DequantGemm,     // dequantize W to bf16, round an f32 A to bf16, cuBLASLt (its own heuristic picks the tiles)
