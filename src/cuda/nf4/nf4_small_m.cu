@@ -163,7 +163,7 @@ float* launch_gemv(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
 // it fits it beats the table kernel and the GEMV on every shape measured (H200, device µs, bf16, double-quantized,
 // session 22, same run), also on the wide down projections above one row, which it lost before session 21's
 // block-local sums (Llama-3-8B down M = 8 / 16: 23.9 / 31.6 vs 26.5 / 35.3; Qwen2.5-1.5B down 10.0 / 13.1 vs
-// 11.2 / 13.6), so launch_rows takes it whenever it fits.
+// 11.2 / 13.6), so the planner (nf4_plan.cpp) takes it whenever it fits.
 bool pair_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
   const std::uintptr_t scale_align = w.double_quant() ? 4 : 8;
   return a.dim(0) <= 16 && w.block_size == 64 && w.cols % 256 == 0 &&
