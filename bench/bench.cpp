@@ -16,10 +16,12 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "commands.h"
+#include "cuda/nf4/nf4_plan.h"
 #include "qmm/qmm.h"
 #include "shapes.h"
 
@@ -111,6 +113,7 @@ class Bench {
   Bench(const Context& ctx, const BenchOptions& opts) : ctx_(ctx), opts_(opts), pool_(std::in_place, pool_bytes(ctx)) {
     info_ = ctx.info();
     is_gpu_ = ctx.device().is_cuda();
+    find_plan_device();
   }
 
   // What a run on a GPU (gpu) or on the CPU would select from: the run_* functions are walked with every case
@@ -285,6 +288,39 @@ class Bench {
       if (r.ratio > 0) print_row(r);
   }
 
+  // --explain: the GPU whose plans are printed (this run's, or on the CPU backend the local one), or none.
+  void find_plan_device() {
+    if (!opts_.explain) return;
+#ifdef QMM_WITH_CUDA
+    if (is_gpu_) {
+      plan_device_ = cuda::nf4_device(ctx_);
+      plan_device_name_ = ctx_.device_name();
+    } else if (Context::cuda_device_count() > 0) {
+      const Context gpu = Context::cuda(0);
+      plan_device_ = cuda::nf4_device(gpu);
+      plan_device_name_ = gpu.device_name();
+    }
+#endif
+    if (plan_device_) std::printf("plans (--explain) for %s\n", plan_device_name_.c_str());
+#ifdef QMM_WITH_CUDA
+    else std::printf("plans (--explain): none, no CUDA GPU on this machine\n");
+#else
+    else std::printf("plans (--explain): none, this build has no CUDA backend\n");
+#endif
+  }
+
+  // The plan line printed under an NF4 row (--explain): the bench's weights are double-quantized with blocks of
+  // 64 and its tensors freshly allocated (aligned).
+  std::string plan_line(cuda::Nf4Op op, std::int64_t m, std::int64_t n, std::int64_t k, DType act,
+                        Nf4Path path) const {
+    if (!opts_.explain || !plan_device_) return {};  // without a GPU the header said so once
+    const cuda::Nf4Problem p = cuda::nf4_problem_of_shape(op, m, n, k, act, true, path);
+    return "  plan: " + cuda::nf4_plan_summary(cuda::plan_nf4(p, *plan_device_));
+  }
+  void print_plan(const std::string& line) const {
+    if (!line.empty()) std::printf("%s\n", line.c_str());
+  }
+
   void run_dense();
   void run_batched();
   void run_swiglu();
@@ -333,6 +369,8 @@ class Bench {
   const BenchOptions& opts_;
   std::optional<InputPool> pool_;  // empty in catalogue()'s dry walk
   DeviceInfo info_;
+  std::optional<cuda::Nf4Device> plan_device_;  // --explain
+  std::string plan_device_name_;
   bool is_gpu_ = false;
   Ceilings ceil_;
   std::vector<Result> results_;
@@ -721,16 +759,19 @@ void Bench::run_nf4() {
       if (M >= 32 && mma_ok) paths.push_back({"fused-mma", Nf4Path::FusedMma});
       // The paths of each op are timed in turns (time_interleaved), so that they can be compared.
       std::vector<Result> fwd_rows, bwd_rows;
+      std::vector<std::string> fwd_plans, bwd_plans;  // --explain
       std::vector<std::function<void(int)>> fwd_fns, bwd_fns;
       for (const auto& [pname, path] : paths) {
         const Nf4GemmOptions po{1.0f, 0.0f, path};
         // Forced small-M paths only where they apply: up to 32 rows forward, 16 for the input gradient.
         if (fwd && (path != Nf4Path::SmallM || M <= 32)) {
           fwd_rows.push_back({"nf4_gemm", "dq " + pname, p.label, 1, M, N, K, flops, io});
+          fwd_plans.push_back(plan_line(cuda::Nf4Op::Forward, M, N, K, DType::BF16, path));
           fwd_fns.push_back([&, po](int i) { nf4_gemm(ctx_, as[i % sets], ws[i % sets], cs[i % sets], po); });
         }
         if (bwd && (path != Nf4Path::SmallM || M <= 16)) {
           bwd_rows.push_back({"nf4_gemm_backward_a", "dq " + pname, p.label, 1, M, K, N, flops, io});
+          bwd_plans.push_back(plan_line(cuda::Nf4Op::BackwardA, M, N, K, DType::BF16, path));
           bwd_fns.push_back(
               [&, po](int i) { nf4_gemm_backward_a(ctx_, dcs[i % sets], ws[i % sets], das[i % sets], po); });
         }
@@ -738,13 +779,16 @@ void Bench::run_nf4() {
       if (f32_a) {
         const double io32 = wbytes + 4.0 * M * K + 2.0 * M * N;
         fwd_rows.push_back({"nf4_gemm", "dq auto a-f32", p.label, 1, M, N, K, flops, io32});
+        fwd_plans.push_back(plan_line(cuda::Nf4Op::Forward, M, N, K, DType::F32, Nf4Path::Auto));
         fwd_fns.push_back([&](int i) { nf4_gemm(ctx_, as32[i % sets], ws[i % sets], cs[i % sets]); });
       }
-      for (auto [rows, fns] : {std::pair{&fwd_rows, &fwd_fns}, std::pair{&bwd_rows, &bwd_fns}}) {
+      for (auto [rows, fns, plans] :
+           {std::tuple{&fwd_rows, &fwd_fns, &fwd_plans}, std::tuple{&bwd_rows, &bwd_fns, &bwd_plans}}) {
         const std::vector<Stats> st = time_interleaved(*fns, sets);
         for (std::size_t i = 0; i < rows->size(); ++i) {
           (*rows)[i].t = st[i];
           record((*rows)[i]);
+          print_plan((*plans)[i]);
         }
       }
       if (gu) {
@@ -752,6 +796,7 @@ void Bench::run_nf4() {
                 time([&](int i) {
                   nf4_gate_up(ctx_, as[i % sets], ws[i % sets], ws2[i % sets], {TensorView(), TensorView(), hs[i % sets]});
                 })});
+        print_plan(plan_line(cuda::Nf4Op::GateUp, M, N, K, DType::BF16, Nf4Path::Auto));
       }
     }
 }

@@ -168,7 +168,7 @@ TEST_P(SmallMSlice, MatchesScaleAfterReference) {
     for (float beta : {0.0f, 1.0f}) {
       Tensor c = to_device(c0, gpu.device());
       if (beta == 0.0f) test::poison(c);
-      cuda::launch_nf4_gemm_small_m(gpu, a_dev, p.w_dev, c, 0.75f, beta, cuda::SmallMKernel::Slice);
+      cuda::launch_nf4_gemm_small_m_slice(gpu, a_dev, p.w_dev, c, 0.75f, beta);
       gpu.synchronize();
       const Tensor want = test::scaled_output(sums, c0, 0.75f, beta);
       EXPECT_TRUE(test::all_close(test::host_copy(c), want, tolerance_for(cdt, k)))
@@ -231,7 +231,7 @@ TEST_P(SmallMSliceGateUp, MatchesScaleAfterReference) {
       test::poison(dh);
       const GateUpOutputs out{form == 2 ? TensorView() : TensorView(dg), form == 2 ? TensorView() : TensorView(du),
                               form == 1 ? TensorView() : TensorView(dh)};
-      cuda::launch_nf4_gate_up_small_m(gpu, a_dev, wg.w_dev, wu.w_dev, out, alpha, beta, cuda::SmallMKernel::Slice);
+      cuda::launch_nf4_gate_up_small_m_slice(gpu, a_dev, wg.w_dev, wu.w_dev, out, alpha, beta);
       gpu.synchronize();
       if (form != 2) {
         EXPECT_TRUE(
@@ -264,19 +264,19 @@ TEST(SmallMSliceArgs, UnsupportedProblemThrows) {
   const Tensor a = to_device(test::random_tensor(DType::BF16, {4, 320}, 6), gpu.device());
   Tensor c = to_device(test::random_tensor(DType::F32, {4, 16}, 7), gpu.device());
   const Tensor before = test::host_copy(c);
-  EXPECT_THROW(cuda::launch_nf4_gemm_small_m(gpu, a, p.w_dev, c, 1.0f, 0.0f, cuda::SmallMKernel::Slice), Error);
+  EXPECT_THROW(cuda::launch_nf4_gemm_small_m_slice(gpu, a, p.w_dev, c, 1.0f, 0.0f), Error);
   Problem p17 = make_weight(16, 256, true, 8);
   const Tensor a17 = to_device(test::random_tensor(DType::BF16, {17, 256}, 9), gpu.device());
   Tensor c17 = to_device(test::random_tensor(DType::F32, {17, 16}, 10), gpu.device());
-  EXPECT_THROW(cuda::launch_nf4_gemm_small_m(gpu, a17, p17.w_dev, c17, 1.0f, 0.0f, cuda::SmallMKernel::Slice),
+  EXPECT_THROW(cuda::launch_nf4_gemm_small_m_slice(gpu, a17, p17.w_dev, c17, 1.0f, 0.0f),
                Error);
   // gate_up: one kernel instance serves both weights, so their scale formats must agree.
   Problem plain = make_weight(16, 256, false, 11), dq = make_weight(16, 256, true, 12);
   const Tensor a4 = to_device(test::random_tensor(DType::BF16, {4, 256}, 13), gpu.device());
   Tensor g = to_device(test::random_tensor(DType::F32, {4, 16}, 14), gpu.device());
   const Tensor g_before = test::host_copy(g);
-  EXPECT_THROW(cuda::launch_nf4_gate_up_small_m(gpu, a4, plain.w_dev, dq.w_dev, {g, TensorView(), TensorView()}, 1.0f,
-                                                0.0f, cuda::SmallMKernel::Slice),
+  EXPECT_THROW(cuda::launch_nf4_gate_up_small_m_slice(gpu, a4, plain.w_dev, dq.w_dev, {g, TensorView(), TensorView()}, 1.0f,
+                                                0.0f),
                Error);
   gpu.synchronize();
   EXPECT_TRUE(test::bytes_equal(test::host_copy(c), before));

@@ -22,6 +22,7 @@ struct BenchOptions {
   int repeats = 50;
   int hold_ms = 0;   // > 0: each GPU case replayed back to back this long before it is timed (sustained clocks)
   bool cpu = false;  // force the CPU backend
+  bool explain = false;  // print each NF4 case's plan (kernel, tiles, why) under its row
 };
 int run_bench(const BenchOptions& opts);
 

@@ -99,6 +99,9 @@ int main(int argc, char** argv) {
                         "clocks of sustained load (the power limit) rather than those of a short burst")
       ->transform(integer_in(0, 60000));
   bench_cmd->add_flag("--cpu", bench.cpu, "Benchmark the CPU backend even where a GPU is present");
+  bench_cmd->add_flag("--explain", bench.explain,
+                      "Print each NF4 case's plan (kernel, tiles, split-K, why) under its row; on the CPU backend, "
+                      "the plan the local GPU would get, or that there is none");
 
   qmm::tool::FinetuneOptions ft;
   auto* ft_cmd = app.add_subcommand("finetune", "Train QLoRA adapters on a frozen NF4 base (an embedded model, or "

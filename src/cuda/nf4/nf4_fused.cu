@@ -957,76 +957,20 @@ CUtensorMap code_map(const Nf4Weight& w, bool backward) {
                                   fused::kBlockW, fused::kBlockK / 2, CU_TENSOR_MAP_SWIZZLE_32B);
 }
 
-// The fused kernel's grid for one problem: 128 x 256 output tiles, split over k_red only when the tiles fill less
-// than half the GPU, and only as far as one wave (each split adds an fp32 partial of the output written and read
-// back).
-struct FusedGrid {
-  std::int64_t tiles_n, tiles_m, splits, k_tiles_per_split;
-};
-
-FusedGrid fused_grid(std::int64_t sms, std::int64_t M, std::int64_t n_out, std::int64_t k_red) {
-  FusedGrid g;
-  g.tiles_n = (n_out + fused::kBlockW - 1) / fused::kBlockW;
-  g.tiles_m = (M + fused::kBlockA - 1) / fused::kBlockA;
-  const std::int64_t tiles = g.tiles_n * g.tiles_m;
-  const std::int64_t k_tiles = (k_red + fused::kBlockK - 1) / fused::kBlockK;
-  g.splits = 1;
-  if (2 * tiles <= sms)
-    g.splits = std::clamp<std::int64_t>(sms / std::max<std::int64_t>(tiles, 1), 1, std::max<std::int64_t>(1, k_tiles / 4));
-  g.k_tiles_per_split = (k_tiles + g.splits - 1) / g.splits;
-  g.splits = (k_tiles + g.k_tiles_per_split - 1) / g.k_tiles_per_split;
-  return g;
-}
-
 }  // namespace
 
-double nf4_fused_wave_fill(const Context& ctx, std::int64_t M, const Nf4Weight& w, bool backward) {
-  const std::int64_t sms = state(ctx).sm_count();
-  const FusedGrid g = fused_grid(sms, M, backward ? w.cols : w.rows, backward ? w.rows : w.cols);
-  const std::int64_t ctas = g.tiles_n * g.tiles_m * g.splits;
-  const std::int64_t waves = std::max<std::int64_t>((ctas + sms - 1) / sms, 1);
-  return static_cast<double>(ctas) / static_cast<double>(waves * sms);
-}
-
-const char* nf4_fused_shape_unmet(const TensorView& activations, const Nf4Weight& w, bool backward) {
-  if (w.cols % 64 != 0) return "K a multiple of 64";
-  if (backward && w.rows % 8 != 0) return "N a multiple of 8 (16-byte dC rows)";
-  if (w.block_size % 64 != 0) return "a block size that is a multiple of 64";
-  if ((activations.dtype() == DType::BF16 && !aligned16(activations.data())) || !aligned16(w.codes.data()))
-    return "16-byte aligned bf16 activations and codes";
-  return nullptr;
-}
-
-bool nf4_fused_supported(const Context& ctx, const TensorView& b, const Nf4Weight& w, bool backward,
-                         const char** why) {
-  auto no = [&](const char* reason) {
-    if (why) *why = reason;
-    return false;
-  };
-#if !defined(QMM_HAVE_SM90A)
-  (void)ctx;
-  (void)b;
-  (void)w;
-  (void)backward;
-  return no("a build with sm_90a (QMM_CUDA_ARCHS containing 90a)");
-#else
-  if (state(ctx).cc() != 90) return no("a compute capability 9.0 GPU (Hopper)");
-  static_assert(fused::kBlockK == 64, "nf4_fused_shape_unmet's stages");
-  if (const char* unmet = nf4_fused_shape_unmet(b, w, backward)) return no(unmet);
-  return true;
-#endif
-}
+// nf4_plan.cpp plans with these tiles (fused_grid) and conditions (fused_shape_unmet: stages of 64 along K).
+static_assert(fused::kBlockW == 128 && fused::kBlockA == 256 && fused::kBlockK == 64, "nf4_plan.cpp's fused_grid");
 
 namespace {
 
 template <bool kBackward>
-void launch_fused(const Context& ctx, const void* b16, std::int64_t M, const Nf4Weight& w, const TensorView& out,
-                  float alpha, float beta) {
+void launch_fused(const Context& ctx, const Nf4FusedGrid& g, const void* b16, std::int64_t M, const Nf4Weight& w,
+                  const TensorView& out, float alpha, float beta) {
   const std::int64_t n_out = kBackward ? w.cols : w.rows, k_red = kBackward ? w.rows : w.cols;
   const int a_box_rows = activation_box_rows(M);
   const CUtensorMap map = activation_map(b16, M, k_red, a_box_rows), codes = code_map(w, kBackward);
   const small_m::Scales scales = small_m::scales_of(w);
-  const FusedGrid g = fused_grid(state(ctx).sm_count(), M, n_out, k_red);
   const std::int64_t splits = g.splits, per_split = g.k_tiles_per_split;
   std::unique_ptr<ScratchBuffer> scratch;
   float* partial = nullptr;
@@ -1052,12 +996,11 @@ void launch_fused(const Context& ctx, const void* b16, std::int64_t M, const Nf4
 // flags (zeroed here, in stream order) and the split-K partials. Where the bf16 epilogue serves the output (no
 // split-K), the grid is persistent: one CTA per SM at most, each looping over tiles.
 template <bool kBackward>
-void launch_shared_dequant(const Context& ctx, const void* b16, std::int64_t M, const Nf4Weight& w,
-                           const TensorView& out, float alpha, float beta) {
+void launch_shared_dequant(const Context& ctx, const Nf4FusedGrid& g, const void* b16, std::int64_t M,
+                           const Nf4Weight& w, const TensorView& out, float alpha, float beta) {
   const std::int64_t n_out = kBackward ? w.cols : w.rows, k_red = kBackward ? w.rows : w.cols;
   const int a_box_rows = activation_box_rows(M);
   const std::int64_t sms = state(ctx).sm_count();
-  const FusedGrid g = fused_grid(sms, M, n_out, k_red);
   const std::int64_t k_tiles = (k_red + fused::kBlockK - 1) / fused::kBlockK;
   const std::size_t w16_bytes = static_cast<std::size_t>(w.numel()) * 2;
   const std::size_t sync_bytes = static_cast<std::size_t>(g.tiles_n * (g.splits + k_tiles)) * 4;
@@ -1098,18 +1041,19 @@ void launch_shared_dequant(const Context& ctx, const void* b16, std::int64_t M, 
 
 }  // namespace
 
-void launch_nf4_gemm_fused(const Context& ctx, const void* a16, std::int64_t M, const Nf4Weight& w,
-                           const TensorView& c, float alpha, float beta, FusedKernel kernel) {
-  if (kernel == FusedKernel::Mma) launch_nf4_fused_mma(ctx, a16, M, w, c, alpha, beta, false);
-  else if (kernel == FusedKernel::SharedDequant) launch_shared_dequant<false>(ctx, a16, M, w, c, alpha, beta);
-  else launch_fused<false>(ctx, a16, M, w, c, alpha, beta);
+void launch_nf4_gemm_fused(const Context& ctx, const Nf4Plan& plan, const void* a16, std::int64_t M,
+                           const Nf4Weight& w, const TensorView& c, float alpha, float beta) {
+  if (plan.kernel == Nf4Kernel::FusedMma) launch_nf4_fused_mma(ctx, a16, M, w, c, alpha, beta, false);
+  else if (plan.kernel == Nf4Kernel::FusedShared) launch_shared_dequant<false>(ctx, plan.grid, a16, M, w, c, alpha, beta);
+  else launch_fused<false>(ctx, plan.grid, a16, M, w, c, alpha, beta);
 }
 
-void launch_nf4_gemm_backward_fused(const Context& ctx, const void* dc16, std::int64_t M, const Nf4Weight& w,
-                                    const TensorView& da, float alpha, float beta, FusedKernel kernel) {
-  if (kernel == FusedKernel::Mma) launch_nf4_fused_mma(ctx, dc16, M, w, da, alpha, beta, true);
-  else if (kernel == FusedKernel::SharedDequant) launch_shared_dequant<true>(ctx, dc16, M, w, da, alpha, beta);
-  else launch_fused<true>(ctx, dc16, M, w, da, alpha, beta);
+void launch_nf4_gemm_backward_fused(const Context& ctx, const Nf4Plan& plan, const void* dc16, std::int64_t M,
+                                    const Nf4Weight& w, const TensorView& da, float alpha, float beta) {
+  if (plan.kernel == Nf4Kernel::FusedMma) launch_nf4_fused_mma(ctx, dc16, M, w, da, alpha, beta, true);
+  else if (plan.kernel == Nf4Kernel::FusedShared)
+    launch_shared_dequant<true>(ctx, plan.grid, dc16, M, w, da, alpha, beta);
+  else launch_fused<true>(ctx, plan.grid, dc16, M, w, da, alpha, beta);
 }
 
 }  // namespace qmm::cuda

@@ -36,7 +36,6 @@
 #include "cuda/common/cuda_state.h"
 #include "cuda/common/sm80_ptx.cuh"
 #include "cuda/nf4/nf4_small_m.cuh"  // Scales, load_scale, finish_scale, store_out
-#include "cuda/nf4/nf4_fused.h"      // nf4_fused_shape_unmet
 #include "cuda/nf4/nf4_small_m.h"    // launch_nf4_split_k_reduce
 
 namespace qmm::cuda {
@@ -252,20 +251,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 }  // namespace fused_mma
 
-bool nf4_fused_mma_supported(const Context& ctx, const TensorView& activations, const Nf4Weight& w, bool backward,
-                             const char** why) {
-  auto no = [&](const char* reason) {
-    if (why) *why = reason;
-    return false;
-  };
-  const CudaState& st = state(ctx);
-  if (st.cc() < 80) return no("a GPU of compute capability 8.0 or newer");
-  if (st.props.sharedMemPerBlockOptin < static_cast<std::size_t>(fused_mma::kSmemBytes))
-    return no("77 KB of shared memory per block");
-  static_assert(fused_mma::kTileK == 64, "nf4_fused_shape_unmet's stages");
-  if (const char* unmet = nf4_fused_shape_unmet(activations, w, backward)) return no(unmet);
-  return true;
-}
+// nf4_plan.cpp plans with this kernel's shared memory (kMmaSharedBytes) and stages of 64 (fused_shape_unmet).
+static_assert(fused_mma::kSmemBytes == 78848 && fused_mma::kTileK == 64, "nf4_plan.cpp's fused_mma_unmet");
 
 void launch_nf4_fused_mma(const Context& ctx, const void* x16, std::int64_t M, const Nf4Weight& w,
                           const TensorView& out, float alpha, float beta, bool backward) {

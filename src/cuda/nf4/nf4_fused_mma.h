@@ -10,12 +10,6 @@
 
 namespace qmm::cuda {
 
-// Whether the kernel can take this problem on ctx's device: compute capability 8.0 or newer with 77 KB of shared
-// memory per block, K a multiple of 64, a block size that is a multiple of 64, for the input gradient N a multiple
-// of 8, 16-byte aligned bf16 activations and codes. `why` (when not null) gets the first unmet condition.
-bool nf4_fused_mma_supported(const Context& ctx, const TensorView& activations, const Nf4Weight& w, bool backward,
-                             const char** why = nullptr);
-
 // Forward: out[M,N] = alpha * X16[M,K] * dequant(W)^T + beta * out; backward (input gradient): out[M,K] =
 // alpha * X16[M,N] * dequant(W) + beta * out. X16 bf16 (row-major, 16-byte aligned), out f32 or bf16.
 void launch_nf4_fused_mma(const Context& ctx, const void* x16, std::int64_t M, const Nf4Weight& w,

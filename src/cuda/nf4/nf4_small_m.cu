@@ -15,6 +15,13 @@
 
 namespace qmm::cuda {
 
+// nf4_plan.cpp plans with these kernels' requirements: they must stay in step.
+static_assert(small_m::kPairSharedBytes == 224256 && small_m::kGemvSharedBytes == 110592,
+              "nf4_plan.cpp's kPairSharedBytes / kGemvSharedBytes");
+static_assert(small_m::kGemvChunk == 64 && small_m::kGemvGroupK == 2048 && small_m::kGemvSums == 256,
+              "nf4_plan.cpp's gemv_fits");
+static_assert(kNf4SmallMMaxRows == 32 && kNf4SmallMBackwardMaxRows == 16, "nf4_plan.cpp's kSmallM*MaxRows");
+
 namespace {
 
 // Reductions of split-K partials: a warp per output once there are enough splits to keep 32 loads busy, but
@@ -128,16 +135,6 @@ float* launch_table(const Context& ctx, const TensorView& a, const Nf4Weight& w0
   return partial;
 }
 
-// The M = 1 kernel's preconditions beyond the small-M ones: 64-element chunks inside one block, the (row, k group)
-// sums of at least one row per block in shared memory, code2 (read as float4) 16-byte aligned, and a GPU that
-// gives a block the kernel's 108 KB of shared memory (not every sm_86/89 part does; those take the table kernel).
-bool gemv_fits(const Context& ctx, std::int64_t K, const Nf4Weight& w) {
-  using namespace small_m;
-  return K % kGemvChunk == 0 && w.block_size >= kGemvChunk && (K + kGemvGroupK - 1) / kGemvGroupK <= kGemvSums &&
-         (!w.double_quant() || aligned16(w.code2.data())) &&
-         state(ctx).props.sharedMemPerBlockOptin >= static_cast<std::size_t>(kGemvSharedBytes);
-}
-
 // One wave of blocks (two per SM, which __launch_bounds__ guarantees by registers), each taking an even share of
 // the rows of all weights.
 template <bool kAF32>
@@ -166,7 +163,7 @@ float* launch_gemv(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
 // it fits it beats the table kernel and the GEMV on every shape measured (H200, device µs, bf16, double-quantized,
 // session 22, same run), also on the wide down projections above one row, which it lost before session 21's
 // block-local sums (Llama-3-8B down M = 8 / 16: 23.9 / 31.6 vs 26.5 / 35.3; Qwen2.5-1.5B down 10.0 / 13.1 vs
-// 11.2 / 13.6), so launch_rows takes it whenever it fits.
+// 11.2 / 13.6), so the planner (nf4_plan.cpp) takes it whenever it fits.
 bool pair_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
   const std::uintptr_t scale_align = w.double_quant() ? 4 : 8;
   return a.dim(0) <= 16 && w.block_size == 64 && w.cols % 256 == 0 &&
@@ -200,22 +197,14 @@ small_m::PairGrid pair_grid(const Context& ctx, std::int64_t N, std::int64_t K, 
 }
 
 // bf16 A is read as it is, or packed in fragment order first by a small kernel (f32 A always is: the pair kernel
-// reads bf16). Packing adds a dependent launch (~2 µs in a chain of calls) and carries 8 rows per n8 tile whatever
-// M is; it pays back with two n8 tiles (the direct loads touch 8 rows' lines each) and a long enough reduction.
-// H200, session 23, device µs, packed vs direct: M = 16 Llama-3-8B (K 4096 / 14336) gate/up 22.7 vs 24.5, down
-// 25.9 vs 29.4, gate+up with h 39.5 vs 45.3; Qwen2.5-1.5B (K 1536 / 8960) gate/up 11.1 vs 10.2, down 12.3 vs 12.4;
-// M = 5 Llama gate/up 18.4, down 21.6 (direct at M = 4: 16.2 / 17.3); M = 8 Llama down 21.8 vs 23.9, gate/up
-// 18.6 vs 18.7, Qwen gate/up 9.1 vs 7.4.
-constexpr std::int64_t kPairPackMinRows = 9, kPairPackMinK = 4096;
-
+// reads bf16); the plan says which (nf4_plan.cpp).
 template <int NT8, bool kDq>
-void launch_pair(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
-                 const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch) {
+void launch_pair(const Context& ctx, bool packed, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
+                 int weights, const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch) {
   using namespace small_m;
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w0.rows;
   const PairGrid grid = pair_grid(ctx, N, K, weights);
   const PairOut out{o.c.empty() ? nullptr : o.c.data(), o.c.dtype() == DType::BF16, o.gate_up, o.alpha, o.beta};
-  const bool packed = a.dtype() == DType::F32 || (M >= kPairPackMinRows && K >= kPairPackMinK);
   const void* a_arg = a.data();
   if (packed) {  // a kernel of its own, overlapping like the pair kernel
     const std::int64_t pieces = pair_packed_pieces(K, NT8);
@@ -235,10 +224,11 @@ void launch_pair(const Context& ctx, const TensorView& a, const Nf4Weight& w0, c
 }
 
 template <int NT8>
-void launch_pair_scales(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
-                        int weights, const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch) {
-  if (w0.double_quant()) launch_pair<NT8, true>(ctx, a, w0, w1, weights, o, scratch);
-  else launch_pair<NT8, false>(ctx, a, w0, w1, weights, o, scratch);
+void launch_pair_scales(const Context& ctx, bool packed, const TensorView& a, const Nf4Weight& w0,
+                        const Nf4Weight& w1, int weights, const ForwardOut& o,
+                        std::unique_ptr<ScratchBuffer>& scratch) {
+  if (w0.double_quant()) launch_pair<NT8, true>(ctx, packed, a, w0, w1, weights, o, scratch);
+  else launch_pair<NT8, false>(ctx, packed, a, w0, w1, weights, o, scratch);
 }
 
 // The slice kernel's preconditions: the pair kernel's (its ring steps and table) and shared memory for the fixed
@@ -329,28 +319,17 @@ void launch_slice_for(const Context& ctx, const TensorView& a, const Nf4Weight& 
   else launch(std::integral_constant<int, 2>{});
 }
 
+// The small-M forward kernels' problem conditions (nf4_plan.cpp's small_m_fits, for the forced slice kernel).
+bool nf4_small_m_supported(const TensorView& a, const Nf4Weight& w) {
+  const std::int64_t M = a.dim(0), K = a.dim(1);
+  return M >= 1 && M <= kNf4SmallMMaxRows && K % 64 == 0 && w.block_size >= 64 && aligned16(a.data()) &&
+         aligned16(w.codes.data()) && (a.dtype() == DType::F32 || a.dtype() == DType::BF16);
+}
+
 // Whether the slice kernel can take a launch over these weights (one, or gate and up with one scale format).
 bool slice_fits_all(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1) {
   return nf4_small_m_supported(a, w0) && nf4_small_m_supported(a, w1) && slice_fits(ctx, a, w0) &&
          slice_fits(ctx, a, w1) && w0.double_quant() == w1.double_quant();
-}
-
-// Whether Auto takes the slice kernel, and where: up to 8 rows (one n8 tile), and with K split over blocks
-// (K > 4096) only at 8 rows, where the branch of session 30 measured it ahead of the pair kernel for nf4_gemm
-// (H200, device µs, bf16, double-quantized, slice vs pair: Llama-3-8B gate/up M = 1 / 4 / 8 13.9 / 14.3 / 15.8 vs
-// 15.2 / 16.2 / 18.8, down 16.4 / 17.0 / 18.8 vs 15.7 / 17.4 / 24.0; Qwen2.5-1.5B gate/up 6.3 / 6.5 / 7.2 vs
-// 6.3 / 6.7 / 7.4, down 8.3 / 8.5 / 9.0 vs 6.7 / 7.5 / 9.3); gate_up's two-weight form and the two-tile instance
-// (9-16 rows) were never timed. Off until this version (rewritten after that branch was lost) has passed
-// scripts/device-check and been timed.
-constexpr bool kAutoTakesSlice = false;
-constexpr bool kAutoTakesSliceGateUp = false;
-constexpr std::int64_t kAutoSliceMaxRows = 8;
-bool auto_takes_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
-                      int weights) {
-  if (!(weights == 1 ? kAutoTakesSlice : kAutoTakesSliceGateUp) || a.dim(0) > kAutoSliceMaxRows ||
-      !slice_fits_all(ctx, a, w0, w1))
-    return false;
-  return w0.cols <= small_m::kSliceWarps * small_m::kSliceK || a.dim(0) >= 8;
 }
 
 // A forced slice kernel where it does not fit: Unsupported, before anything is launched.
@@ -362,32 +341,37 @@ void check_slice_fits(const char* op, const Context& ctx, const TensorView& a, c
                                         "sm_90's shared memory)");
 }
 
+// The planned kernel (nf4_plan.cpp: pair where it fits, GEMV at one row, the table kernel otherwise).
 template <bool kAF32>
-float* launch_rows(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
-                   const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
-  const std::int64_t M = a.dim(0);
-  if (pair_fits(ctx, a, w0) && pair_fits(ctx, a, w1) && w0.double_quant() == w1.double_quant()) {
-    if (M <= 8) launch_pair_scales<1>(ctx, a, w0, w1, weights, o, scratch);
-    else launch_pair_scales<2>(ctx, a, w0, w1, weights, o, scratch);
-    return nullptr;
-  }
+float* launch_planned(const Context& ctx, const Nf4Plan& plan, const TensorView& a, const Nf4Weight& w0,
+                      const Nf4Weight& w1, int weights, const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch,
+                      int* splits) {
   const TensorView& c = o.c;
   const float alpha = o.alpha, beta = o.beta;
-  if (M == 1 && gemv_fits(ctx, a.dim(1), w0) && gemv_fits(ctx, a.dim(1), w1)) {
-    *splits = 1;
-    return launch_gemv<kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch);
+  switch (plan.kernel) {
+    case Nf4Kernel::SmallMPair:
+      if (plan.n8_tiles == 1) launch_pair_scales<1>(ctx, plan.packed_a, a, w0, w1, weights, o, scratch);
+      else launch_pair_scales<2>(ctx, plan.packed_a, a, w0, w1, weights, o, scratch);
+      return nullptr;
+    case Nf4Kernel::SmallMGemv:
+      *splits = 1;
+      return launch_gemv<kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch);
+    case Nf4Kernel::SmallMTable:
+      if (plan.n8_tiles == 1) return launch_table<1, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
+      if (plan.n8_tiles == 2) return launch_table<2, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
+      return launch_table<4, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
+    default:
+      throw Error(ErrorCode::Internal, std::string("small-M forward launched with plan ") + nf4_kernel_name(plan.kernel));
   }
-  if (M <= 8) return launch_table<1, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
-  if (M <= 16) return launch_table<2, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
-  return launch_table<4, kAF32>(ctx, a, w0, w1, weights, c, alpha, beta, scratch, splits);
 }
 
 // Returns the partials (in `scratch`) when the caller must reduce them into `o`, else nullptr.
-float* launch_forward(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1,
-                      int weights, const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch, int* splits) {
+float* launch_forward(const Context& ctx, const Nf4Plan& plan, const TensorView& a, const Nf4Weight& w0,
+                      const Nf4Weight& w1, int weights, const ForwardOut& o, std::unique_ptr<ScratchBuffer>& scratch,
+                      int* splits) {
   set_device(ctx);
-  return a.dtype() == DType::F32 ? launch_rows<true>(ctx, a, w0, w1, weights, o, scratch, splits)
-                                 : launch_rows<false>(ctx, a, w0, w1, weights, o, scratch, splits);
+  return a.dtype() == DType::F32 ? launch_planned<true>(ctx, plan, a, w0, w1, weights, o, scratch, splits)
+                                 : launch_planned<false>(ctx, plan, a, w0, w1, weights, o, scratch, splits);
 }
 
 template <int MT8, bool kDcF32>
@@ -418,57 +402,57 @@ void launch_backward_tiles(const Context& ctx, const TensorView& dc, const Nf4We
 
 }  // namespace
 
-bool nf4_small_m_supported(const TensorView& a, const Nf4Weight& w) {
-  const std::int64_t M = a.dim(0), K = a.dim(1);
-  return M >= 1 && M <= kNf4SmallMMaxRows && K % 64 == 0 && w.block_size >= 64 && aligned16(a.data()) &&
-         aligned16(w.codes.data()) && (a.dtype() == DType::F32 || a.dtype() == DType::BF16);
-}
-
-bool nf4_small_m_backward_supported(const TensorView& dc, const Nf4Weight& w) {
-  const std::int64_t M = dc.dim(0);
-  return M >= 1 && M <= kNf4SmallMBackwardMaxRows && w.cols % 32 == 0 && w.block_size >= 32 &&
-         aligned16(w.codes.data()) && (dc.dtype() == DType::F32 || dc.dtype() == DType::BF16);
-}
-
-void launch_nf4_gemm_backward_small_m(const Context& ctx, const TensorView& dc, const Nf4Weight& w,
-                                      const TensorView& da, float alpha, float beta) {
+void launch_nf4_gemm_backward_small_m(const Context& ctx, const Nf4Plan& plan, const TensorView& dc,
+                                      const Nf4Weight& w, const TensorView& da, float alpha, float beta) {
   set_device(ctx);
   const bool f32 = dc.dtype() == DType::F32;
-  if (dc.dim(0) <= 8) f32 ? launch_backward_tiles<1, true>(ctx, dc, w, da, alpha, beta)
+  if (plan.n8_tiles == 1) f32 ? launch_backward_tiles<1, true>(ctx, dc, w, da, alpha, beta)
                           : launch_backward_tiles<1, false>(ctx, dc, w, da, alpha, beta);
   else f32 ? launch_backward_tiles<2, true>(ctx, dc, w, da, alpha, beta)
            : launch_backward_tiles<2, false>(ctx, dc, w, da, alpha, beta);
+}
+
+void launch_nf4_gemm_small_m(const Context& ctx, const Nf4Plan& plan, const TensorView& a, const Nf4Weight& w,
+                             const TensorView& c, float alpha, float beta) {
+  int splits = 1;
+  std::unique_ptr<ScratchBuffer> scratch;
+  const float* partial = launch_forward(ctx, plan, a, w, w, 1, {c, {}, alpha, beta}, scratch, &splits);
+  if (partial) launch_nf4_split_k_reduce(ctx, partial, splits, a.dim(0) * w.rows, c, alpha, beta);
+}
+
+namespace {
+// gate_up's outputs as the kernels take them.
+small_m::GateUpOut gate_up_out(const GateUpOutputs& out) {
+  auto ptr = [](const TensorView& v) { return v.empty() ? nullptr : v.data(); };
+  return {ptr(out.gate), ptr(out.up), ptr(out.h), out.gate.dtype() == DType::BF16, out.up.dtype() == DType::BF16,
+          out.h.dtype() == DType::BF16};
+}
+}  // namespace
+
+void launch_nf4_gate_up_small_m(const Context& ctx, const Nf4Plan& plan, const TensorView& a,
+                                const Nf4Weight& w_gate, const Nf4Weight& w_up, const GateUpOutputs& out, float alpha,
+                                float beta) {
+  const small_m::GateUpOut o = gate_up_out(out);
+  int splits = 1;
+  std::unique_ptr<ScratchBuffer> scratch;
+  const float* partial = launch_forward(ctx, plan, a, w_gate, w_up, 2, {TensorView(), o, alpha, beta}, scratch, &splits);
+  if (partial) launch_gate_up_reduce(ctx, partial, splits, a.dim(0) * w_gate.rows, o, alpha, beta);
 }
 
 bool nf4_small_m_slice_supported(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
   return slice_fits_all(ctx, a, w, w);
 }
 
-void launch_nf4_gemm_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
-                             float alpha, float beta, SmallMKernel kernel) {
-  if (kernel == SmallMKernel::Slice) check_slice_fits("nf4_gemm", ctx, a, w, w);
-  if (kernel == SmallMKernel::Slice || auto_takes_slice(ctx, a, w, w, 1))
-    return launch_slice_for(ctx, a, w, w, 1, {c, {}, alpha, beta});
-  int splits = 1;
-  std::unique_ptr<ScratchBuffer> scratch;
-  const float* partial = launch_forward(ctx, a, w, w, 1, {c, {}, alpha, beta}, scratch, &splits);
-  if (partial) launch_nf4_split_k_reduce(ctx, partial, splits, a.dim(0) * w.rows, c, alpha, beta);
+void launch_nf4_gemm_small_m_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
+                                   float alpha, float beta) {
+  check_slice_fits("nf4_gemm", ctx, a, w, w);
+  launch_slice_for(ctx, a, w, w, 1, {c, {}, alpha, beta});
 }
 
-void launch_nf4_gate_up_small_m(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,
-                                const Nf4Weight& w_up, const GateUpOutputs& out, float alpha, float beta,
-                                SmallMKernel kernel) {
-  if (kernel == SmallMKernel::Slice) check_slice_fits("nf4_gate_up", ctx, a, w_gate, w_up);
-  auto ptr = [](const TensorView& v) { return v.empty() ? nullptr : v.data(); };
-  const small_m::GateUpOut o{ptr(out.gate), ptr(out.up), ptr(out.h), out.gate.dtype() == DType::BF16,
-                             out.up.dtype() == DType::BF16, out.h.dtype() == DType::BF16};
-  const ForwardOut fo{TensorView(), o, alpha, beta};
-  if (kernel == SmallMKernel::Slice || auto_takes_slice(ctx, a, w_gate, w_up, 2))
-    return launch_slice_for(ctx, a, w_gate, w_up, 2, fo);
-  int splits = 1;
-  std::unique_ptr<ScratchBuffer> scratch;
-  const float* partial = launch_forward(ctx, a, w_gate, w_up, 2, fo, scratch, &splits);
-  if (partial) launch_gate_up_reduce(ctx, partial, splits, a.dim(0) * w_gate.rows, o, alpha, beta);
+void launch_nf4_gate_up_small_m_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,
+                                      const Nf4Weight& w_up, const GateUpOutputs& out, float alpha, float beta) {
+  check_slice_fits("nf4_gate_up", ctx, a, w_gate, w_up);
+  launch_slice_for(ctx, a, w_gate, w_up, 2, {TensorView(), gate_up_out(out), alpha, beta});
 }
 
 }  // namespace qmm::cuda
