@@ -19,8 +19,8 @@
 // its elements up in the producer's tables and keeps them in registers as the wgmma's A fragments (RS form); the
 // input gradient builds one table per thread from the scales and writes W's rows as they are into a
 // 128-byte-swizzled tile that the wgmma reads M-major (T = W^T without a transpose), both operands from shared
-// memory. (The RS forward measured 6-7% faster than shared-memory T on the H200, and the input gradient's own
-// tables 10-20% faster than the producer's.)
+// memory. (The RS forward measured faster than shared-memory T, and the input gradient's own tables faster than
+// the producer's: docs/history/benchmarks-notebook-2026-12.md.)
 // (A producer warpgroup that dequantized all 128 rows was the limiter: one warp per scheduler, bound by its own
 // instruction latencies, while the consumer warps waited; ncu: tensor pipe 60% busy.)
 // kStages stages, each with a "full" (TMA -> consumers) and an "empty" (consumers -> producer) mbarrier.
@@ -84,7 +84,7 @@ static_assert(kBlockA * kCPitch * 4 <= kCode2Offset, "the output tile is staged 
 static_assert(kWTileBytes % 1024 == 0 && kATileBytes % 1024 == 0 && kStageBytes % 1024 == 0,
               "tiles stay 1024-byte aligned (the swizzle patterns)");
 constexpr int kSmemBytes = kBarriersOffset + 2 * kStages * 8 + 1024;  // + slack to align the base to 1024
-static_assert(kSmemBytes <= 227 * 1024, "an H100/H200 block has at most 227 KB of shared memory");
+static_assert(kSmemBytes <= 227 * 1024, "an sm_90 block has at most 227 KB of shared memory");
 // setmaxnreg moves registers between warpgroups within the CTA's launch allocation (kThreads x kLaunchRegs, the
 // cap __launch_bounds__ gives ptxas): the producer gives nearly all up, the consumers take them. An increase that
 // the pool cannot cover never returns (a hang).
@@ -686,7 +686,7 @@ constexpr int kShSlotOffset = kShCode2Offset + small_m::kCode2Bytes;  // the til
 constexpr int kShBarriersOffset = kShSlotOffset + 16;
 constexpr int kShSmemBytes = kShBarriersOffset + 2 * kShStages * 8 + 1024;
 static_assert(kBlockA * kCPitch * 4 <= kShCodebookOffset, "the output tile is staged in the pipeline's shared memory");
-static_assert(kShSmemBytes <= 227 * 1024, "an H100/H200 block has at most 227 KB of shared memory");
+static_assert(kShSmemBytes <= 227 * 1024, "an sm_90 block has at most 227 KB of shared memory");
 [[maybe_unused]] constexpr int kDequantThreads = kProducerThreads - 32;  // producer warps 1-3
 [[maybe_unused]] constexpr int kTileRuns = kBlockW * kBlockK / 32;       // 32-element runs per dequantized tile
 [[maybe_unused]] constexpr int kRunsPerThread = (kTileRuns + kDequantThreads - 1) / kDequantThreads;

@@ -61,7 +61,7 @@ constexpr int kStageBytes = kXTileBytes + kCodeTileBytes;
 constexpr int kWTileOffset = kStages * kStageBytes;
 constexpr int kWTileBytes = kTileN * kTileK * 2;     // 16 KB, the dequantized weight of one stage
 constexpr int kCode2Offset = kWTileOffset + kWTileBytes;
-constexpr int kSmemBytes = kCode2Offset + small_m::kCode2Bytes;  // 77 KB: two CTAs fit an A100's SM
+constexpr int kSmemBytes = kCode2Offset + small_m::kCode2Bytes;  // 77 KB: two CTAs fit an sm_80 SM
 static_assert(kThreads * 16 == kCodeTileBytes, "each thread copies and dequantizes 16 code bytes per stage");
 static_assert(kThreads == small_m::kCode2Bytes / 4, "one code2 value per thread");
 

@@ -28,7 +28,7 @@ namespace {
 // only over few outputs (the small-M shapes: at most M x N = 64 K). A warp per output reads one 4-byte value per
 // split from lines that neighbouring outputs' warps also fetch; over many outputs (the fused kernel's split-K at
 // M = 256 on the Qwen shapes: 393 K outputs, 11 splits) a thread per output reads whole lines instead (measured
-// on the H200: that call went from 47 to 22-25 µs when it stopped taking the warp-per-output form).
+// about twice as fast there: docs/history/benchmarks-notebook-2026-12.md).
 constexpr int kWarpReduceSplits = 8;
 constexpr std::int64_t kWarpReduceMaxOutputs = 64 * 1024;
 
@@ -160,10 +160,9 @@ float* launch_gemv(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
 // packed), blocks of 64, K a multiple of 256,
 // absmax read in aligned pairs (plain: 8 bytes) or q in aligned words (double-quantized: 4 bytes), and a GPU that
 // gives a block the kernel's shared memory (sm_90 does; elsewhere, and for other shapes, the table kernel). Where
-// it fits it beats the table kernel and the GEMV on every shape measured (H200, device µs, bf16, double-quantized,
-// session 22, same run), also on the wide down projections above one row, which it lost before session 21's
-// block-local sums (Llama-3-8B down M = 8 / 16: 23.9 / 31.6 vs 26.5 / 35.3; Qwen2.5-1.5B down 10.0 / 13.1 vs
-// 11.2 / 13.6), so the planner (nf4_plan.cpp) takes it whenever it fits.
+// it fits it beats the table kernel and the GEMV on every shape measured (docs/BENCHMARKS.md, NF4 GEMMs by M),
+// the wide down projections above one row included since its sums became block-local, so the planner
+// (nf4_plan.cpp) takes it whenever it fits.
 bool pair_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
   const std::uintptr_t scale_align = w.double_quant() ? 4 : 8;
   return a.dim(0) <= 16 && w.block_size == 64 && w.cols % 256 == 0 &&

@@ -599,8 +599,8 @@ __global__ void __launch_bounds__(kPairThreads, 1) nf4_small_m_pair_kernel(
   // so that it holds them (and the ring) instead of rebuilding the addresses every step (block c's word at
   // lane_code + ((32 c) ^ piece_swap): pair_piece puts piece 2c + (t >> 1) of row g at 16 (2 (c ^ (g & 3)) +
   // (t >> 1)); row g + 8 is 8 rows on), and code2 is read by its shared address: 301 instead of 328 instructions
-  // per step, H200 session 22 Llama-3-8B M = 16 down 29.3 vs 30.6 µs, gate/up 24.4 vs 24.8. With one tile the same
-  // was 1-4% slower at M = 1 (its registers go elsewhere), so that instance keeps the plain expressions.
+  // per step, and faster at M = 16. With one tile the same was slower at M = 1 (its registers go elsewhere), so
+  // that instance keeps the plain expressions.
   std::uint32_t lane_code = ring + kPairRowBytes * g + 16 * (t >> 1) + 8 * (t & 1), piece_swap = 32 * (g & 3);
   if constexpr (NT8 == 2) asm volatile("" : "+r"(lane_code), "+r"(piece_swap));
 
