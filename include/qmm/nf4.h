@@ -18,6 +18,10 @@ constexpr int kNf4DefaultBlockSize = 64;
 constexpr int kNf4NestedBlockSize = 256;  // blocks per absmax2 group when double-quantized
 constexpr int kNf4Code2Size = 256;        // values in the double-quantization map code2
 constexpr std::uint8_t kNf4ZeroCode = 7;  // code of 0.0, fills the unused low nibble of an odd tail
+// Double quantization's offset is the mean of the fp32 absmax values summed in double in chunks of this many, in
+// index order, then the chunk sums in order: the producer's (bitsandbytes') mean, reproduced bit for bit by every
+// backend.
+constexpr std::int64_t kNf4MeanChunk = 1024;
 
 // The 16 NF4 values, ascending.
 QMM_HOST_DEVICE inline float nf4_code_value(int code) {

@@ -6,11 +6,10 @@
 
 namespace qmm::cpu {
 
-// The double-quantization offset: the fp32 absmax values summed in double, in chunks of kNf4MeanChunk summed in
-// index order and then the chunk sums in order (a fixed order the GPU reproduces exactly, with one thread per
-// chunk), the sum rounded to fp32, times the fp32 reciprocal of the count, rounded to fp32. This is the
+// The double-quantization offset: the fp32 absmax values summed in double, in chunks of kNf4MeanChunk (qmm/nf4.h)
+// summed in index order and then the chunk sums in order (a fixed order the GPU reproduces exactly, with one
+// thread per chunk), the sum rounded to fp32, times the fp32 reciprocal of the count, rounded to fp32. This is the
 // producer's mean (torch's sum * (1/n)); it reproduces the golden `offset` of every file bit for bit.
-constexpr std::int64_t kNf4MeanChunk = 1024;
 float nf4_absmax_mean(const float* absmax, std::int64_t nblocks);
 
 // Index of the code2 value nearest to x: code2 midpoints (a+b)/2 in fp32; a value exactly on a midpoint goes to

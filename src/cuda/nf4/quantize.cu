@@ -6,7 +6,6 @@
 #include <memory>
 #include <vector>
 
-#include "cpu/nf4_internal.h"
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
 #include "cuda/cuda_backend.h"
@@ -114,7 +113,7 @@ void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out) {
 
   // The offset, summed on the device in the CPU's order (identical bits), then the scales quantized with it.
   // Nf4Weight::offset is a host float, so the call ends by copying it back.
-  const std::int64_t chunks = (nblocks + cpu::kNf4MeanChunk - 1) / cpu::kNf4MeanChunk;
+  const std::int64_t chunks = (nblocks + kNf4MeanChunk - 1) / kNf4MeanChunk;
   ScratchBuffer sums(state(ctx), static_cast<std::size_t>(chunks) * sizeof(double) + 16);
   double* chunk_sums = sums.at<double>(0);
   float* offset_dev = reinterpret_cast<float*>(chunk_sums + chunks);

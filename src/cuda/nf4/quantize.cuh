@@ -9,7 +9,6 @@
 #include <cstdint>
 
 #include "core/nf4_lut.h"  // scaled_word
-#include "cpu/nf4_internal.h"
 #include "qmm/nf4.h"
 
 namespace qmm::cuda::nf4_detail {
@@ -197,8 +196,8 @@ constexpr int kSumWarps = 4;  // chunks per block of the chunk-sum kernel
 template <class T>
 __device__ __forceinline__ double ordered_sum(const T* __restrict__ src, std::int64_t n, T* stage, int lane) {
   double s = 0.0;
-  for (std::int64_t done = 0; done < n; done += cpu::kNf4MeanChunk) {
-    const int len = static_cast<int>(min(static_cast<std::int64_t>(cpu::kNf4MeanChunk), n - done));
+  for (std::int64_t done = 0; done < n; done += kNf4MeanChunk) {
+    const int len = static_cast<int>(min(static_cast<std::int64_t>(kNf4MeanChunk), n - done));
     for (int j = lane; j < len; j += 32) stage[j] = src[done + j];
     __syncwarp();
     if (lane == 0)
@@ -211,12 +210,12 @@ __device__ __forceinline__ double ordered_sum(const T* __restrict__ src, std::in
 __global__ void __launch_bounds__(kSumWarps * 32) nf4_absmax_chunk_sum_kernel(const float* __restrict__ absmax,
                                                                               std::int64_t nblocks,
                                                                               double* __restrict__ chunk_sums) {
-  __shared__ float stage[kSumWarps][cpu::kNf4MeanChunk];
+  __shared__ float stage[kSumWarps][kNf4MeanChunk];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * kSumWarps + warp;
-  const std::int64_t begin = c * cpu::kNf4MeanChunk;
+  const std::int64_t begin = c * kNf4MeanChunk;
   if (begin >= nblocks) return;  // the whole warp: begin is uniform
-  const double s = ordered_sum(absmax + begin, min(static_cast<std::int64_t>(cpu::kNf4MeanChunk), nblocks - begin), stage[warp],
+  const double s = ordered_sum(absmax + begin, min(static_cast<std::int64_t>(kNf4MeanChunk), nblocks - begin), stage[warp],
                                lane);
   if (lane == 0) chunk_sums[c] = s;
 }
@@ -224,7 +223,7 @@ __global__ void __launch_bounds__(kSumWarps * 32) nf4_absmax_chunk_sum_kernel(co
 // One warp: the chunk sums in order, then the mean as the CPU computes it.
 __global__ void nf4_absmax_mean_kernel(const double* __restrict__ chunk_sums, std::int64_t chunks,
                                        std::int64_t nblocks, float* __restrict__ offset) {
-  __shared__ double stage[cpu::kNf4MeanChunk];
+  __shared__ double stage[kNf4MeanChunk];
   const double s = ordered_sum(chunk_sums, chunks, stage, static_cast<int>(threadIdx.x));
   if (threadIdx.x == 0) *offset = __fmul_rn(__double2float_rn(s), __fdiv_rn(1.0f, static_cast<float>(nblocks)));
 }
