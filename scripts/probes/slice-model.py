@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CPU model of the small-M slice kernel (nf4_small_m_slice_kernel in src/cuda/nf4/nf4_small_m.cuh, host side
+"""CPU model of the small-M slice kernel (nf4_small_m_slice_kernel in src/cuda/nf4/nf4_slice_kernel.cuh, host side
 slice_launch in nf4_small_m.cu): runs the kernel's schedule and per-lane arithmetic over a byte model of its ring
 stages (the copies PairIssue makes, pair_piece's swizzle, the lanes' code and scale reads), the pair table's
 lookups, mma.m16n8k16 from the PTX ISA's fragment layouts, the scale after each block, the sums in shared memory
@@ -18,7 +18,7 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
                 0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                 0.7229568362236023, 1.0], dtype=np.float32)
 
-# The kernel's constants (nf4_small_m.cuh) and an H200's limits.
+# The kernel's constants (nf4_pair_kernel.cuh, nf4_slice_kernel.cuh) and an H200's limits.
 WARPS, SLICE_K, DEPTH, MAX_ROWS = 16, 256, 3, 16
 ROW_BYTES, CODE_BYTES = 128, 16 * 128
 STEP_BYTES = CODE_BYTES + 16 * 16

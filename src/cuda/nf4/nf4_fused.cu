@@ -44,7 +44,7 @@
 #include "cuda/nf4/nf4_small_m.h"    // launch_nf4_split_k_reduce
 #include "cuda/nf4/nf4_fused_mma.h"
 #include "core/nf4_lut.h"            // block tables and their byte-permute lookups (shared with a CPU test)
-#include "cuda/nf4/nf4_small_m.cuh"  // Scales, load_scale, finish_scale, store_out
+#include "cuda/nf4/nf4_device.cuh"  // Scales, load_scale, finish_scale, store_out
 #include "qmm/error.h"
 
 namespace qmm::cuda {

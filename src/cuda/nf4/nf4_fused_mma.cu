@@ -35,7 +35,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
 #include "cuda/common/sm80_ptx.cuh"
-#include "cuda/nf4/nf4_small_m.cuh"  // Scales, load_scale, finish_scale, store_out
+#include "cuda/nf4/nf4_device.cuh"  // Scales, load_scale, finish_scale, store_out
 #include "cuda/nf4/nf4_small_m.h"    // launch_nf4_split_k_reduce
 
 namespace qmm::cuda {

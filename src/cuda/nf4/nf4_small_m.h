@@ -4,7 +4,7 @@
 // applied after the product: the scale-after contract in ops.h; f32 A rounded to bf16 by a packing kernel);
 // otherwise per-lane tables of the block's 16 scaled values, on the tensor cores, or at M = 1 a GEMV kernel (same
 // tables, FMAs). The slice kernel (M <= 16, the pair kernel's table and contract, A held in registers) runs only
-// where a test launches it, for now. See nf4_small_m.cuh.
+// where a test launches it, for now. Device code: nf4_small_m.cuh (one header per kernel).
 #pragma once
 
 #include "cuda/nf4/nf4_plan.h"
@@ -33,7 +33,7 @@ void launch_nf4_gate_up_small_m(const Context& ctx, const Nf4Plan& plan, const T
 void launch_nf4_gemm_backward_small_m(const Context& ctx, const Nf4Plan& plan, const TensorView& dc,
                                       const Nf4Weight& w, const TensorView& da, float alpha, float beta);
 
-// The slice kernel (nf4_small_m.cuh; M <= 16, blocks of 64, K a multiple of 256, a GPU that gives a block its
+// The slice kernel (nf4_slice_kernel.cuh; M <= 16, blocks of 64, K a multiple of 256, a GPU that gives a block its
 // shared memory: sm_90), which no plan takes until it has run and been timed on the GPU: the GPU tests launch it
 // here. Where it does not fit, the launches throw Unsupported.
 bool nf4_small_m_slice_supported(const Context& ctx, const TensorView& a, const Nf4Weight& w);
