@@ -169,9 +169,10 @@ def loss_cases(m, device, dtype, lk, head_grad):
 
 
 def _fwd_bwd(fn, a, b, grad, b_grad=True):
-    """fn(a, b)'s outputs and the gradients of a (and b) under `grad` (a loss's own gradient where None)."""
-    a = a.detach().clone().requires_grad_()
-    b = b.detach().clone().requires_grad_(b_grad)
+    """fn(a, b)'s outputs and the gradients of a (and b) under `grad` (a loss's own gradient where None), on fresh
+    leaves over a's and b's memory (no copy: the timed step runs this too)."""
+    a = a.detach().requires_grad_()
+    b = b.detach().requires_grad_(b_grad)
     out = fn(a, b)
     outs = out if isinstance(out, tuple) else (out,)
     if grad is None:
@@ -185,15 +186,7 @@ def run_case(name, fn, inputs, ref, device, repeats, b_grad=True):
     a, b, grad = inputs
 
     def step():
-        ai = a.detach().requires_grad_()
-        bi = b.detach().requires_grad_(b_grad)
-        out = fn(ai, bi)
-        outs = out if isinstance(out, tuple) else (out,)
-        if grad is None:
-            outs[0].backward()
-        else:
-            torch.autograd.backward(outs, grad if isinstance(grad, tuple) else (grad,))
-        return [o.detach() for o in outs] + [ai.grad] + ([bi.grad] if b_grad else [])
+        return _fwd_bwd(fn, a, b, grad, b_grad)
 
     got = step()
     diffs = [((x.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30)).item()

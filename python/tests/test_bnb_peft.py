@@ -101,8 +101,8 @@ def qlora_llama(device, task_type=None):
     return peft.get_peft_model(model, config)
 
 
-def loss_and_grads(model, ids):
-    loss = model(input_ids=ids, labels=ids).loss
+def loss_and_grads(model, ids, labels=None):
+    loss = model(input_ids=ids, labels=ids if labels is None else labels).loss
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
@@ -363,7 +363,7 @@ def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
     tol = 1e-5 if device == "cpu" else 1e-4
     labels = ids.clone()
     labels[0, :3] = -100
-    ref_loss, ref_grads = loss_and_grads_with(model, ids, labels)
+    ref_loss, ref_grads = loss_and_grads(model, ids, labels)
     ref_sum = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(40, device=device)).loss.item()
     from transformers.models.llama import modeling_llama
     own_rotary = modeling_llama.apply_rotary_pos_emb
@@ -396,14 +396,6 @@ def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
     assert tokens.shape == (2, 11)
     qmm.unpatch_bnb(model)
     assert modeling_llama.apply_rotary_pos_emb is own_rotary
-
-
-def loss_and_grads_with(model, ids, labels):
-    loss = model(input_ids=ids, labels=labels).loss
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    model.zero_grad(set_to_none=True)
-    return loss.item(), grads
 
 
 @pytest.mark.parametrize("device", DEVICES)
