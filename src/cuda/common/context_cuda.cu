@@ -46,7 +46,36 @@ std::string unavailable_reason() {
   return n == 0 ? "no CUDA device found" : "";
 }
 
+namespace {
+// Makes the calling thread's stream-capture mode relaxed while it lives. A context may be made while a stream of
+// this thread is being captured into a CUDA graph (PyTorch captures on a stream of its own, which qmm first sees
+// then): its setup allocates and uploads, which is not stream work and, in the default (global) mode, would
+// invalidate the capture.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
+// Uploads `bytes` from the host through a private stream: a synchronous cudaMemcpy runs on the legacy default
+// stream, which waits for (and so would join) a blocking stream being captured.
+void upload_private(void* dst, const void* src, std::size_t bytes) {
+  cudaStream_t s = nullptr;
+  QMM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(s);
+  cudaStreamDestroy(s);
+  QMM_CUDA_CHECK(err);
+}
+}  // namespace
+
 void init_context(Context::Impl& impl, int device, void* stream) {
+  const RelaxedCapture relaxed;
   const int n = device_count();
   if (n == 0) throw Error(ErrorCode::NoDevice, "Context::cuda: " + unavailable_reason());
   if (device < 0 || device >= n)
@@ -69,7 +98,7 @@ void init_context(Context::Impl& impl, int device, void* stream) {
   std::uint64_t keep = UINT64_MAX;  // never trim between ops: scratch sizes repeat from call to call
   QMM_CUDA_CHECK(cudaMemPoolSetAttribute(s.pool, cudaMemPoolAttrReleaseThreshold, &keep));
   QMM_CUDA_CHECK(cudaMalloc(&s.code2, kNf4Code2Size * sizeof(float)));
-  QMM_CUDA_CHECK(cudaMemcpy(s.code2, nf4_code2_table(), kNf4Code2Size * sizeof(float), cudaMemcpyHostToDevice));
+  upload_private(s.code2, nf4_code2_table(), kNf4Code2Size * sizeof(float));
   impl.name = s.props.name;
 }
 

@@ -1,0 +1,157 @@
+// Capturing qmm's training-step ops into a CUDA graph the way PyTorch does (torch.cuda.graph and
+// torch.compile(mode="reduce-overhead")): global capture mode, on a stream qmm first sees while it is being
+// captured, so that the Context for it is made inside the capture (the Python package makes one per stream on
+// first use). Nothing may synchronize or allocate outside the graph, and each replay must compute what the same
+// ops compute eagerly.
+#include <optional>
+#include <vector>
+
+#include "common/test_util.h"
+
+#ifdef QMM_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace qmm {
+namespace {
+
+#ifdef QMM_WITH_CUDA
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+// The device tensors of one decoder layer's worth of ops: the QLoRA projections (NF4 base, bf16 adapter), gate+up
+// with SwiGLU, RMSNorm, RoPE and the head's cross-entropy, forward and backward.
+struct StepBuffers {
+  static constexpr std::int64_t kTokens = 130, kHidden = 256, kFfn = 512, kRank = 16, kVocab = 1000;
+  static constexpr std::int64_t kHeads = 4, kHeadDim = 64, kBatch = 2, kSeq = kTokens / kBatch;
+  Device dev;
+  Nf4Tensor w_up, w_gate, w_down;
+  Tensor x, a, b, norm_w, cos, sin, head_w, labels, dy;            // inputs
+  Tensor y, t, h, gate, up, xn, rstd, dx, dt, grad_a, grad_b;  // outputs
+  Tensor dgate, dup, dxn, dnorm_w, q_rot, loss, dh_head, dw_head, y_small;
+
+  explicit StepBuffers(const Context& ctx) : dev(ctx.device()) {
+    std::uint64_t seed = 4100;
+    const auto in = [&](DType dt, Shape s, float lo = -1.0f, float hi = 1.0f) {
+      return to_device(test::random_tensor(dt, s, ++seed, lo, hi), dev);
+    };
+    const auto out = [&](DType dt, Shape s) { return Tensor(dt, s, dev); };
+    const auto nf4 = [&](std::int64_t n, std::int64_t k) {
+      return nf4_quantize(ctx, in(DType::BF16, {n, k}), /*double_quant=*/true);
+    };
+    w_up = nf4(kFfn, kHidden);
+    w_gate = nf4(kFfn, kHidden);
+    w_down = nf4(kHidden, kFfn);
+    x = in(DType::BF16, {kTokens, kHidden});
+    a = in(DType::BF16, {kRank, kHidden}, -0.1f, 0.1f);
+    b = in(DType::BF16, {kFfn, kRank}, -0.1f, 0.1f);
+    norm_w = in(DType::BF16, {kHidden}, 0.5f, 1.5f);
+    cos = in(DType::BF16, {1, kSeq, kHeadDim});
+    sin = in(DType::BF16, {1, kSeq, kHeadDim});
+    head_w = in(DType::BF16, {kVocab, kHidden}, -0.1f, 0.1f);
+    Tensor lab(DType::I32, {kTokens});
+    for (std::int64_t i = 0; i < kTokens; ++i)
+      lab.data_as<std::int32_t>()[i] = i % 5 == 4 ? -100 : static_cast<std::int32_t>((i * 7919 + 3) % kVocab);
+    labels = to_device(lab, dev);
+    dy = in(DType::BF16, {kTokens, kFfn});
+    y = out(DType::BF16, {kTokens, kFfn});
+    t = out(DType::BF16, {kTokens, kRank});
+    gate = out(DType::BF16, {kTokens, kFfn});
+    up = out(DType::BF16, {kTokens, kFfn});
+    h = out(DType::BF16, {kTokens, kFfn});
+    xn = out(DType::BF16, {kTokens, kHidden});
+    rstd = out(DType::F32, {kTokens});
+    q_rot = out(DType::BF16, {kBatch, kSeq, kHeads, kHeadDim});
+    dx = out(DType::BF16, {kTokens, kHidden});
+    dt = out(DType::BF16, {kTokens, kRank});
+    grad_a = out(DType::F32, {kRank, kHidden});
+    grad_b = out(DType::F32, {kFfn, kRank});
+    dgate = out(DType::BF16, {kTokens, kFfn});
+    dup = out(DType::BF16, {kTokens, kFfn});
+    dxn = out(DType::BF16, {kTokens, kHidden});
+    dnorm_w = out(DType::F32, {kHidden});
+    loss = out(DType::F32, {1});
+    dh_head = out(DType::BF16, {kTokens, kHidden});
+    dw_head = out(DType::F32, {kVocab, kHidden});
+    y_small = out(DType::BF16, {7, kFfn});
+  }
+
+  // Every output, in a fixed order, for comparing runs.
+  std::vector<const Tensor*> outputs() const {
+    return {&y, &t, &gate, &up, &h, &xn, &rstd, &q_rot, &dx, &dt, &grad_a, &grad_b, &dgate, &dup, &dxn, &dnorm_w,
+            &loss, &dh_head, &dw_head, &y_small};
+  }
+
+  void poison_outputs() const {
+    for (const Tensor* o : outputs()) test::poison(*o);
+  }
+
+  // The ops, in the order a step runs them. Accumulated gradients are zeroed inside the step, as a training step
+  // that is replayed must.
+  void run(const Context& ctx) const {
+    nf4_gemm(ctx, x, w_up, y);  // a QLoRA projection: base, then y += 2 · (x Aᵀ) Bᵀ
+    gemm_bt(ctx, x, a, t);
+    gemm_bt(ctx, t, b, y, {2.0f, 1.0f});
+    nf4_gemm(ctx, TensorView(x.data(), DType::BF16, {7, kHidden}, dev), w_up, y_small);  // few tokens: small-M kernels
+    nf4_gate_up(ctx, x, w_gate, w_up, {gate, up, h});
+    rms_norm(ctx, x, norm_w, xn, rstd, 1e-6f);
+    rope(ctx, TensorView(xn.data(), DType::BF16, {kBatch, kSeq, kHeads, kHeadDim}, dev), {}, cos, sin, q_rot, {});
+    CrossEntropyOptions ce;
+    ce.check_labels = false;  // a checked label count waits for the device: not capturable
+    ce.chunk_tokens = 64;
+    zero(ctx, dw_head);
+    linear_cross_entropy(ctx, xn, head_w, labels, loss, dh_head, dw_head, ce);
+    // backward
+    zero(ctx, grad_b);
+    lora_backward_dy(ctx, dy, b, t, dt, grad_b, 2.0f);
+    gemm_backward_b(ctx, dt, x, grad_a);
+    nf4_gemm_backward_a(ctx, dy, w_up, dx);
+    gemm(ctx, dt, a, dx, {1.0f, 1.0f});
+    swiglu_backward(ctx, gate, up, dy, dgate, dup);
+    zero(ctx, dnorm_w);
+    rms_norm_backward(ctx, x, norm_w, rstd, dh_head, dxn, dnorm_w);
+  }
+};
+
+TEST(GraphCapture, TrainStepOpsReplayOnAContextMadeWhileCapturing) {
+  QMM_REQUIRE_GPU();
+  const Context eager_ctx = Context::cuda_with_new_stream(0);
+  const StepBuffers eager(eager_ctx), graphed(eager_ctx);
+  eager.run(eager_ctx);
+  eager_ctx.synchronize();
+
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  cudaGraph_t graph = nullptr;
+  // Made inside the capture, as the Python package does, and kept past it (it synchronizes its stream when it dies).
+  std::optional<Context> ctx;
+  try {
+    ctx = Context::cuda(0, stream);
+    graphed.run(*ctx);
+  } catch (const Error& e) {
+    cudaStreamEndCapture(stream, &graph);
+    FAIL() << "an op could not be captured: " << e.what();
+  }
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    graphed.poison_outputs();  // written by the replay, not left over from the one before
+    eager_ctx.synchronize();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const auto want = eager.outputs(), got = graphed.outputs();
+    // The same kernels and plans on the same inputs: the same bits.
+    for (std::size_t i = 0; i < want.size(); ++i)
+      EXPECT_TRUE(test::bytes_equal(test::host_copy(*got[i]), test::host_copy(*want[i])))
+          << "output " << i << " replay " << replay;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  ctx.reset();
+  cudaStreamDestroy(stream);
+}
+#endif
+
+}  // namespace
+}  // namespace qmm
