@@ -8,6 +8,8 @@
   qmm-all      qmm.patch_bnb with every fusion: also the loss from the hidden states (fused_loss: no logits), the
                RMSNorms (fused_norm) and the rotary embeddings (fused_rope)
   qmm-all-compile  the same, compiled
+  qmm-all-graph    qmm-all with the whole step (forward, backward, AdamW) replayed as one CUDA graph
+                   (qmm.graph_step; AdamW capturable)
   liger        Liger-Kernel's patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) on bnb + PEFT
   unsloth      Unsloth's FastLanguageModel in 4-bit with its LoRA
 
@@ -47,7 +49,7 @@ MODELS = {  # name: (config class, config, batch, sequence length)
                                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256), 2, 64,
              "tiny Llama (a check of the script)"),
 }
-VARIANTS = ["bf16", "bnb", "qmm", "qmm-compile", "qmm-all", "qmm-all-compile", "liger", "unsloth"]
+VARIANTS = ["bf16", "bnb", "qmm", "qmm-compile", "qmm-all", "qmm-all-compile", "qmm-all-graph", "liger", "unsloth"]
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 16, 32
 
@@ -211,11 +213,24 @@ def worker(args):
     model = load(args.worker, args.model_dir, args).train()
     params = lora_params(model)
     init_adapters(params)
-    opt = torch.optim.AdamW(list(params.values()), lr=1e-4)
+    graphed = args.worker.endswith("-graph")
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-4, capturable=graphed and device == "cuda")
     ids = torch.randint(3, config["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
     step_fn = model
     if args.worker.endswith("-compile"):
         step_fn = torch.compile(model, fullgraph=True)
+
+    def train_step(ids):
+        loss = step_fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    run = train_step
+    if graphed:
+        import qmm
+        run = qmm.graph_step(train_step, warmup=1)  # step 0 below is eager too: the optimizer has its state
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -223,12 +238,14 @@ def worker(args):
     for i in range(args.warmup + args.steps):
         sync()
         start = time.perf_counter()
-        loss = step_fn(input_ids=ids, labels=ids).loss
-        loss.backward()
-        if i == 0:
+        if i == 0:  # eager in every variant, to compare the LoRA gradients before the optimizer clears them
+            loss = step_fn(input_ids=ids, labels=ids).loss
+            loss.backward()
             grads = {n: p.grad.detach().float().cpu() for n, p in params.items()}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            loss = run(ids)
         sync()
         elapsed = time.perf_counter() - start
         if i == 0:
@@ -247,9 +264,7 @@ def worker(args):
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(2):
-                step_fn(input_ids=ids, labels=ids).loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                run(ids)
             sync()
         kernels = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
         busy_us = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0) for e in kernels)

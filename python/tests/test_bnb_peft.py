@@ -427,3 +427,37 @@ def test_fused_loss_norm_and_rope_on_a_bf16_lora_model_without_bitsandbytes(devi
     qmm.unpatch_bnb(model)
     assert modeling_llama.apply_rotary_pos_emb is own_rotary
     assert loss_and_grads(model, ids)[0] == ref_loss
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU")
+@pytest.mark.parametrize("fused", [False, True])
+def test_patched_peft_llama_step_replays_as_a_cuda_graph(fused):
+    """qmm.graph_step on a patched PEFT QLoRA Llama's whole step (forward, backward, capturable AdamW), with and
+    without the fused loss, norms and rotary embeddings: ten steps on changing batches give the eager patched
+    step's losses and trained LoRA weights bit for bit (the same kernels on the same inputs), with one capture."""
+    def trainer():
+        model = qlora_llama("cuda").train()
+        qmm.patch_bnb(model, fused_loss=fused, fused_norm=fused, fused_rope=fused)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2, capturable=True)
+
+        def step(ids, labels):
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        return model, params, step
+
+    batches = [torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(s)).cuda() for s in range(10)]
+    eager_model, eager_params, eager_step = trainer()
+    eager = [eager_step(ids, ids).item() for ids in batches]
+    qmm.unpatch_bnb(eager_model)
+    model, params, step = trainer()
+    graphed = qmm.graph_step(step, warmup=2)
+    replayed = [graphed(ids, ids).item() for ids in batches]
+    qmm.unpatch_bnb(model)
+    assert graphed.captured == 1
+    assert replayed == eager
+    assert all(torch.equal(p, q) for p, q in zip(params, eager_params))

@@ -1,0 +1,118 @@
+"""A whole training step (forward, backward, optimizer step) replayed as one CUDA graph.
+
+A patched QLoRA step of a small model spends most of its wall time on the host (Python, autograd, one launch per
+kernel) while the GPU waits. Captured once, the step replays with one launch:
+
+    opt = torch.optim.AdamW(params, lr=1e-4, capturable=True)   # or fused=True: the optimizer must be capturable
+
+    def step(input_ids, labels):
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return loss
+
+    step = qmm.graph_step(step)
+    for batch in loader:
+        loss = step(batch["input_ids"].cuda(), batch["labels"].cuda())   # a tensor the next call overwrites
+
+Limits: the step's inputs are tensors and every other value the step reads is fixed at capture (Python numbers,
+the learning rate unless the optimizer keeps it in a tensor, which layers run). Each new input signature (shapes,
+dtypes, strides, device) runs `warmup` eager steps and then captures a graph of its own, with memory of its own
+(pad batches to a few fixed shapes). The step may not synchronize with the host (`.item()`, printing a tensor,
+data-dependent shapes, a checked label count: qmm's fused loss skips that check while capturing) and its outputs
+are overwritten by the next replay (clone what you keep). On the CPU the step runs eagerly."""
+import torch
+
+from ._base import _error
+
+
+class GraphStep:
+    """See the module's documentation; made by qmm.graph_step."""
+
+    def __init__(self, step, warmup):
+        self._step = step
+        self._warmup = warmup
+        self._entries = {}  # input signature -> _Capture
+
+    def __call__(self, *inputs):
+        for i, t in enumerate(inputs):
+            if not isinstance(t, torch.Tensor):
+                raise _error("InvalidArgument", f"graph_step: input {i} is a {type(t).__name__}; the step's inputs "
+                                                "must be tensors (other values are fixed when the step is captured)")
+        if not inputs or not inputs[0].is_cuda:
+            if any(t.is_cuda for t in inputs):
+                raise _error("InvalidArgument", "graph_step: the inputs are on different devices: "
+                                                + ", ".join(str(t.device) for t in inputs))
+            return self._step(*inputs)
+        device = inputs[0].device
+        if any(t.device != device for t in inputs):
+            raise _error("InvalidArgument", "graph_step: the inputs are on different devices: "
+                                            + ", ".join(str(t.device) for t in inputs))
+        key = tuple((tuple(t.shape), t.dtype, t.stride()) for t in inputs) + (device,)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Capture(device)
+        if entry.eager_calls < self._warmup:
+            entry.eager_calls += 1
+            return entry.run_eagerly(self._step, inputs)
+        if entry.graph is None:
+            entry.capture(self._step, inputs)
+        return entry.replay(inputs)
+
+    @property
+    def captured(self):
+        """How many graphs this step holds (one per input signature that finished its warm-up)."""
+        return sum(e.graph is not None for e in self._entries.values())
+
+
+class _Capture:
+    def __init__(self, device):
+        self.device = device
+        self.eager_calls = 0
+        self.graph = None
+        self.inputs = None
+        self.outputs = None
+
+    def run_eagerly(self, step, inputs):
+        # On a side stream, as the capture will run: lazy set-up (the optimizer's state, cuBLAS workspaces, qmm's
+        # context for that stream) happens here, outside the graph.
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            out = step(*inputs)
+        current.wait_stream(side)
+        return out
+
+    def capture(self, step, inputs):
+        self.inputs = [t.clone() for t in inputs]
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(self.device)
+        try:
+            with torch.cuda.graph(graph):
+                self.outputs = step(*self.inputs)
+        except Exception as e:  # what the step did that a graph cannot hold; the message says which call
+            raise _error("Unsupported", f"graph_step: the step could not be captured into a CUDA graph: {e}. A "
+                                        "captured step may not synchronize with the host (.item(), printing a "
+                                        "tensor, data-dependent shapes) and needs a capturable optimizer "
+                                        "(capturable=True or fused=True)") from e
+        self.graph = graph
+
+    def replay(self, inputs):
+        for static, t in zip(self.inputs, inputs):
+            if static.data_ptr() != t.data_ptr():
+                static.copy_(t)
+        self.graph.replay()
+        return self.outputs
+
+
+def graph_step(step, warmup=2):
+    """Wraps a training step `step(*tensors)` so that it replays as one CUDA graph after `warmup` eager calls per
+    input signature (see qmm.graphs for the limits). Returns a callable with step's signature."""
+    if not callable(step):
+        raise _error("InvalidArgument", f"graph_step: step must be callable, got a {type(step).__name__}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise _error("InvalidArgument", f"graph_step: warmup must be an int >= 1 (the optimizer's state and lazy "
+                                        f"set-up happen outside the graph), got {warmup!r}")
+    return GraphStep(step, warmup)

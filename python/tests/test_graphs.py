@@ -1,0 +1,137 @@
+"""qmm.graph_step: a whole training step replayed as one CUDA graph. On the CPU it must be the step itself; on a GPU
+its replays must train exactly as the eager step does (the same kernels on the same inputs: the same bits)."""
+import pytest
+import torch
+
+import qmm
+
+HAS_GPU = torch.cuda.is_available() and qmm.cuda_device_count() > 0
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+
+
+def randn(shape, seed, device):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def qlora_mlp(device, hidden=64, inter=96):
+    """A QLoRA SwiGLU block on NF4 weights with nonzero adapters (B = 0 would leave A's gradient zero), the same
+    on every call."""
+    torch.manual_seed(0)  # the adapters' A
+    weights = [qmm.Nf4Weight.quantize(randn(shape, s, device) * 0.2)
+               for s, shape in ((1, (inter, hidden)), (2, (inter, hidden)), (3, (hidden, inter)))]
+    mlp = qmm.QLoraSwiGluMlp(*weights, rank=4, alpha=8.0)
+    with torch.no_grad():
+        for i, ad in enumerate((mlp.gate_lora, mlp.up_lora, mlp.down.lora)):
+            ad.lora_b.copy_(randn(ad.lora_b.shape, 10 + i, device) * 0.1)
+    return mlp
+
+
+def trainer(device):
+    """A fresh block, its optimizer and its training step (forward, backward, AdamW, gradients cleared)."""
+    mlp = qlora_mlp(device)
+    opt = torch.optim.AdamW(mlp.parameters(), lr=1e-2, capturable=device == "cuda")
+
+    def step(x, target):
+        loss = torch.nn.functional.mse_loss(mlp(x), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return mlp, step
+
+
+def batches(device, n, tokens=33):
+    return [(randn((tokens, 64), 100 + i, device), randn((tokens, 64), 200 + i, device)) for i in range(n)]
+
+
+def test_graph_step_on_the_cpu_is_the_step_itself():
+    mlp_a, step_a = trainer("cpu")
+    mlp_b, step_b = trainer("cpu")
+    graphed = qmm.graph_step(step_b, warmup=1)
+    for x, target in batches("cpu", 4):
+        assert torch.equal(graphed(x, target), step_a(x, target))
+    assert graphed.captured == 0
+    assert all(torch.equal(a, b) for a, b in zip(mlp_a.parameters(), mlp_b.parameters()))
+
+
+@pytest.mark.parametrize("bad,fragment", [(None, "callable"), ("step", "callable")])
+def test_graph_step_refuses_what_is_not_a_step(bad, fragment):
+    with pytest.raises(qmm.Error) as e:
+        qmm.graph_step(bad)
+    assert e.value.code == "InvalidArgument" and fragment in str(e.value)
+
+
+@pytest.mark.parametrize("warmup", [0, -1, 1.5, True, "2"])
+def test_graph_step_refuses_a_bad_warmup(warmup):
+    with pytest.raises(qmm.Error) as e:
+        qmm.graph_step(lambda x: x, warmup=warmup)
+    assert e.value.code == "InvalidArgument" and "warmup" in str(e.value)
+
+
+def test_graph_step_inputs_must_be_tensors():
+    calls = []
+    graphed = qmm.graph_step(lambda *a: calls.append(a))
+    with pytest.raises(qmm.Error) as e:
+        graphed(torch.zeros(2), 3.0)
+    assert e.value.code == "InvalidArgument" and "input 1 is a float" in str(e.value)
+    assert calls == []  # refused before the step ran
+
+
+@needs_gpu
+def test_graph_step_trains_as_the_eager_step_bit_for_bit():
+    """Ten steps on changing batches: the replayed step's losses and trained weights equal the eager step's. Two
+    warm-up calls run eagerly, the third captures (and replays) the graph."""
+    mlp_e, step_e = trainer("cuda")
+    mlp_g, step_g = trainer("cuda")
+    graphed = qmm.graph_step(step_g, warmup=2)
+    for i, (x, target) in enumerate(batches("cuda", 10)):
+        want = step_e(x, target).item()
+        got = graphed(x, target)
+        assert got.item() == want, f"step {i}"
+    assert graphed.captured == 1
+    for e, g in zip(mlp_e.parameters(), mlp_g.parameters()):
+        assert torch.equal(e, g)
+
+
+@needs_gpu
+def test_graph_step_captures_once_per_input_shape():
+    _, step = trainer("cuda")
+    graphed = qmm.graph_step(step, warmup=1)
+    for tokens in (33, 33, 7, 33, 7, 7):
+        loss = graphed(*batches("cuda", 1, tokens)[0])
+        assert torch.isfinite(loss)
+    assert graphed.captured == 2
+
+
+@needs_gpu
+def test_graph_step_that_synchronizes_is_refused_by_name():
+    _, step = trainer("cuda")
+
+    def step_with_item(x, target):
+        loss = step(x, target)
+        print(loss.item())  # a host sync: not capturable
+        return loss
+
+    graphed = qmm.graph_step(step_with_item, warmup=1)
+    x, target = batches("cuda", 1)[0]
+    graphed(x, target)
+    with pytest.raises(qmm.Error) as e:
+        graphed(x, target)
+    assert e.value.code == "Unsupported" and "could not be captured" in str(e.value)
+
+
+@needs_gpu
+def test_qmm_op_first_seen_inside_a_capture():
+    """The first qmm call on a stream makes qmm's context for it; inside torch.cuda.graph (global capture mode) that
+    must not break the capture, and the replay computes what the eager call does."""
+    w4 = qmm.Nf4Weight.quantize(randn((256, 512), 1, "cuda"))
+    a = randn((65, 512), 2, "cuda").to(torch.bfloat16)
+    want = qmm.nf4_gemm(a, w4)
+    out = torch.full_like(want, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):  # a stream qmm has never seen
+        qmm.nf4_gemm(a, w4, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
