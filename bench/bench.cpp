@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "core/timing.h"
 #include "cuda/nf4/nf4_plan.h"
 #include "qmm/qmm.h"
 #include "shapes.h"
@@ -151,7 +152,7 @@ class Bench {
   // Eager time (median of repeats after a warm-up) and, on a GPU, the host time per call.
   Stats time_eager(const std::function<void(int)>& fn) const {
     const int warmup = is_gpu_ ? 5 : 1;
-    Stats st = stats_of(ctx_.time_calls(fn, warmup, opts_.repeats));
+    Stats st = stats_of(time_calls(ctx_, fn, warmup, opts_.repeats));
     st.eager_us = st.median_us;
     if (!is_gpu_) return st;
     const auto t0 = std::chrono::steady_clock::now();
@@ -181,7 +182,7 @@ class Bench {
     if (opts_.hold_ms <= 0) return;
     const int calls = graph_calls(sets);
     const double replay_us = std::max(eager_us, 1.0) * calls;
-    ctx_.time_graph(fn, calls, static_cast<int>(std::ceil(opts_.hold_ms * 1000.0 / replay_us)));
+    time_graph(ctx_, fn, calls, static_cast<int>(std::ceil(opts_.hold_ms * 1000.0 / replay_us)));
   }
 
   Stats time(const std::function<void(int)>& fn, int sets = 1) const {
@@ -189,7 +190,7 @@ class Bench {
     if (!is_gpu_) return st;
     try {
       hold(fn, sets, st.median_us);
-      take_graph_times(st, ctx_.time_graph(fn, graph_calls(sets), 7));  // 7 replays: the median and the spread
+      take_graph_times(st, time_graph(ctx_, fn, graph_calls(sets), 7));  // 7 replays: the median and the spread
     } catch (const Error& e) {
       if (e.code() != ErrorCode::Unsupported) throw;  // not capturable (it synchronizes): eager time stands
     }
@@ -212,7 +213,7 @@ class Bench {
         if (!capturable[i]) continue;
         try {
           hold(fns[i], sets, st[i].median_us);
-          const std::vector<double> ms = ctx_.time_graph(fns[i], graph_calls(sets), 3);
+          const std::vector<double> ms = time_graph(ctx_, fns[i], graph_calls(sets), 3);
           samples[i].insert(samples[i].end(), ms.begin(), ms.end());
         } catch (const Error& e) {
           if (e.code() != ErrorCode::Unsupported) throw;

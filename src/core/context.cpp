@@ -1,7 +1,5 @@
 #include "qmm/context.h"
 
-#include <chrono>
-
 #include "core/context_impl.h"
 #include "qmm/error.h"
 #ifdef QMM_WITH_CUDA
@@ -72,32 +70,6 @@ DeviceInfo Context::info() const {
   DeviceInfo d;
   d.name = "cpu";
   return d;
-}
-
-std::vector<double> Context::time_calls(const std::function<void(int)>& fn, int warmup, int repeats) const {
-  if (warmup < 0 || repeats < 1)
-    throw Error(ErrorCode::InvalidArgument, "Context::time_calls: warmup must be >= 0 and repeats >= 1");
-#ifdef QMM_WITH_CUDA
-  if (impl_->device.is_cuda()) return cuda::time_calls(*this, fn, warmup, repeats);
-#endif
-  std::vector<double> ms;
-  for (int i = 0; i < warmup + repeats; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn(i);
-    const auto t1 = std::chrono::steady_clock::now();
-    if (i >= warmup) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-  }
-  return ms;
-}
-
-std::vector<double> Context::time_graph(const std::function<void(int)>& fn, int calls, int replays) const {
-  if (calls < 1 || replays < 1)
-    throw Error(ErrorCode::InvalidArgument, "Context::time_graph: calls and replays must be >= 1");
-#ifdef QMM_WITH_CUDA
-  if (impl_->device.is_cuda()) return cuda::time_graph(*this, fn, calls, replays);
-#endif
-  (void)fn;
-  throw Error(ErrorCode::Unsupported, "Context::time_graph: CUDA graphs need a CUDA context");
 }
 
 void Context::synchronize() const {

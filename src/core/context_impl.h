@@ -47,4 +47,11 @@ struct Context::Impl {
   std::unique_ptr<cuda::CudaState, void (*)(cuda::CudaState*)> cuda{nullptr, cuda::destroy_state};
 };
 
+// The library's way into a Context's state (the public header keeps Impl opaque to programs).
+struct ContextAccess {
+  static Context::Impl& impl(const Context& ctx) { return *ctx.impl_; }
+};
+
+inline Context::Impl& impl_of(const Context& ctx) { return ContextAccess::impl(ctx); }
+
 }  // namespace qmm

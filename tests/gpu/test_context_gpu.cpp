@@ -1,5 +1,6 @@
 // The CUDA context: creation, device memory, copies both ways, graph timing.
 #include "common/test_util.h"
+#include "core/timing.h"
 
 namespace qmm {
 namespace {
@@ -29,7 +30,7 @@ TEST(GpuContext, TimeGraphRunsTheCapturedCalls) {
   const Tensor u = to_device(test::random_tensor(DType::F32, {4099}, 6), ctx.device());
   const Tensor h(DType::F32, {4099}, ctx.device());
   int captured = 0;
-  const std::vector<double> ms = ctx.time_graph([&](int) {
+  const std::vector<double> ms = time_graph(ctx, [&](int) {
     ++captured;
     swiglu(ctx, g, u, h);
   }, 3, 4);
@@ -47,7 +48,8 @@ TEST(GpuContext, TimeGraphRunsTheCapturedCalls) {
   const Tensor bad(DType::F32, {7}, ctx.device());
   EXPECT_TRUE(test::throws_error(
       [&] {
-        ctx.time_graph(
+        time_graph(
+            ctx,
             [&](int) {
               swiglu(ctx, g, u, h);
               swiglu(ctx, g, u, bad);
@@ -64,7 +66,7 @@ TEST(GpuContext, TimeGraphRunsTheCapturedCalls) {
 TEST(GpuContext, TimeGraphRefusesTheLegacyStream) {
   QMM_REQUIRE_GPU();
   const Context ctx = Context::cuda(0);  // the legacy default stream cannot be captured
-  EXPECT_TRUE(test::throws_error([&] { ctx.time_graph([](int) {}, 1, 1); }, ErrorCode::Unsupported,
+  EXPECT_TRUE(test::throws_error([&] { time_graph(ctx, [](int) {}, 1, 1); }, ErrorCode::Unsupported,
                                  {"legacy default stream"}));
 }
 

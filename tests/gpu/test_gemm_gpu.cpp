@@ -401,11 +401,11 @@ TEST(GpuGemm, SecondCallHitsThePlanCache) {
       const GemmOptions opts{1.0f + call, call == 0 ? 0.0f : 0.25f * call, mode.math};
       Tensor ref = test::host_copy(c0);
       gemm(cpu, a, b, ref, opts);
-      const std::size_t before = gpu.impl().plans.size();
+      const std::size_t before = impl_of(gpu).plans.size();
       Tensor c = to_device(c0, gpu.device());
       gemm(gpu, to_device(a, gpu.device()), to_device(b, gpu.device()), c, opts);
       gpu.synchronize();
-      const std::size_t after = gpu.impl().plans.size();
+      const std::size_t after = impl_of(gpu).plans.size();
       if (call == 0) {
         EXPECT_GT(after, before) << mode_text(mode) << ": the first call of a new shape adds a plan";
         after_first = after;

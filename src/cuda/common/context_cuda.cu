@@ -196,7 +196,7 @@ std::vector<double> time_graph(const Context& ctx, const std::function<void(int)
   set_device(ctx);
   cudaStream_t s = stream_of(ctx);
   if (s == nullptr)
-    throw Error(ErrorCode::Unsupported, "Context::time_graph: the legacy default stream cannot be captured "
+    throw Error(ErrorCode::Unsupported, "time_graph: the legacy default stream cannot be captured "
                                         "(use Context::cuda_with_new_stream or pass a stream)");
   // Relaxed mode: the ops' own non-stream calls (cudaFuncSetAttribute, cudaGetDevice) stay legal while capturing.
   QMM_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
@@ -211,7 +211,7 @@ std::vector<double> time_graph(const Context& ctx, const std::function<void(int)
     for (int i = 0; i < calls; ++i) fn(i);
   } catch (const Error& e) {
     abandon_capture();
-    throw Error(ErrorCode::Unsupported, std::string("Context::time_graph: the calls cannot be captured: ") + e.what());
+    throw Error(ErrorCode::Unsupported, std::string("time_graph: the calls cannot be captured: ") + e.what());
   } catch (...) {
     abandon_capture();
     throw;
@@ -220,7 +220,7 @@ std::vector<double> time_graph(const Context& ctx, const std::function<void(int)
   if (end != cudaSuccess || graph == nullptr) {
     if (graph) cudaGraphDestroy(graph);
     cudaGetLastError();
-    throw Error(ErrorCode::Unsupported, std::string("Context::time_graph: capture failed: ") + cudaGetErrorName(end));
+    throw Error(ErrorCode::Unsupported, std::string("time_graph: capture failed: ") + cudaGetErrorName(end));
   }
   cudaGraphExec_t exec = nullptr;
   cudaEvent_t start = nullptr, stop = nullptr;

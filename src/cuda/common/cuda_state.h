@@ -51,8 +51,8 @@ class ScratchBuffer {
   cudaStream_t stream_;
 };
 
-inline CudaState& state(const Context& ctx) { return *ctx.impl().cuda; }
-inline cudaStream_t stream_of(const Context& ctx) { return ctx.impl().cuda->stream; }
+inline CudaState& state(const Context& ctx) { return *impl_of(ctx).cuda; }
+inline cudaStream_t stream_of(const Context& ctx) { return impl_of(ctx).cuda->stream; }
 
 // Makes ctx's device current for the calling thread (cheap when it already is).
 void set_device(const Context& ctx);

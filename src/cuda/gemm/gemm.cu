@@ -282,7 +282,7 @@ void gemm(const Context& ctx, const GemmProblem& p) {
   const std::string key = "cublaslt|" + p.key() + "|align" + std::to_string(al.a) + "," + std::to_string(al.b) +
                           "," + std::to_string(al.c);
   const std::shared_ptr<LtPlan> plan =
-      ctx.impl().plans.get_or_create<LtPlan>(key, [&] { return make_plan(st, p, r, al); });
+      impl_of(ctx).plans.get_or_create<LtPlan>(key, [&] { return make_plan(st, p, r, al); });
 
   const float alpha = p.alpha, beta = p.beta;  // host scalars (cuBLASLt's default pointer mode)
   const void* a = p.a;
