@@ -64,24 +64,19 @@ class BaseWeight {
   bool is_nf4_ = false;
 };
 
-// A device buffer that grows to the largest view asked of it; it allocates (which may synchronize the device)
-// only when it grows. A view stays valid until the next view() call that grows the buffer.
-class GrowableBuffer {
- public:
-  TensorView view(Device device, DType dtype, std::int64_t rows, std::int64_t cols);
-  std::size_t bytes() const { return storage_.defined() ? storage_.nbytes() : 0; }
-
- private:
-  Tensor storage_;
-};
-
-// Transient buffers of a layer call (a dropped-out input, intermediate gradients, recomputed activations):
-// nothing in them lives from a forward to its backward. Layers that run one after another on one stream may
-// share one Scratch (set_scratch), so a model holds one set of transient buffers instead of one per layer.
-// Each kind of buffer has its own slot, so a layer calling another (the MLP calling its projections) never
-// hands out the same memory twice. Not for concurrent use from several threads.
+// Transient buffers of layer calls (a dropped-out input, intermediate gradients, recomputed activations): nothing in
+// them lives from a forward to its backward. Layers that run one after another on one stream may share one Scratch
+// (set_scratch), so a model holds one set of transient buffers instead of one per layer; the layers size it as they
+// need. Not for concurrent use from several threads.
 class Scratch {
  public:
+  std::size_t bytes() const;  // device memory held
+
+ private:
+  friend class LoraLinear;
+  friend class SwiGluMlp;
+  // One slot per kind of buffer, so that a layer calling another (the MLP calling its projections) never hands out
+  // the same memory twice.
   enum Slot : int {
     kLoraInput,      // LoraLinear: dropout(x), then the dropped-out part of dx
     kLoraGrad,       // LoraLinear: dt = s·dy·B
@@ -91,13 +86,8 @@ class Scratch {
     kMlpHiddenGrad,  // SwiGluMlp: dh
     kNumSlots
   };
-  TensorView get(Slot slot, Device device, DType dtype, std::int64_t rows, std::int64_t cols) {
-    return slots_[static_cast<std::size_t>(slot)].view(device, dtype, rows, cols);
-  }
-  std::size_t bytes() const;
-
- private:
-  std::array<GrowableBuffer, kNumSlots> slots_;
+  TensorView get(Slot slot, Device device, DType dtype, std::int64_t rows, std::int64_t cols);
+  std::array<Tensor, kNumSlots> slots_;  // each grown to the largest view asked of it
 };
 
 struct LoraConfig {
@@ -189,7 +179,7 @@ class LoraLinear {
   Tensor a_, b_, grad_a_, grad_b_, m_a_, v_a_, m_b_, v_b_;  // f32
   Tensor a_work_, b_work_;                                    // bf16, only with bf16 activations
   std::shared_ptr<Scratch> scratch_;
-  GrowableBuffer saved_t_;
+  Tensor saved_t_;  // grown to the largest forward (see reserve)
   std::int64_t saved_rows_ = -1;  // rows of the last forward; -1 before the first
   std::uint64_t saved_seed_ = 0;
   bool saved_dropout_ = false;
@@ -248,7 +238,7 @@ class SwiGluMlp {
 
   LoraLinear gate_, up_, down_;
   MlpOptions options_;
-  GrowableBuffer saved_gate_, saved_up_;
+  Tensor saved_gate_, saved_up_;  // likewise
   std::int64_t last_rows_ = -1;  // rows of the last completed forward (what Recompute repeats); -1 before
   bool saved_ = false;           // whether that forward's activations are still there for backward
 };

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "core/validate.h"
+#include "nn/buffers.h"
 #include "nn/check.h"
 #include "qmm/nn.h"
 
@@ -86,20 +87,26 @@ std::size_t BaseWeight::nbytes() const {
   return bytes(nf4_.codes) + bytes(nf4_.absmax) + bytes(nf4_.absmax2) + bytes(nf4_.code2);
 }
 
-TensorView GrowableBuffer::view(Device device, DType dtype, std::int64_t rows, std::int64_t cols) {
+TensorView grown_view(Tensor& storage, Device device, DType dtype, std::int64_t rows, std::int64_t cols) {
   const auto need = static_cast<std::int64_t>(static_cast<std::size_t>(rows * cols) * dtype_size(dtype));
-  if (!storage_.defined() || storage_.numel() < need || !(storage_.device() == device)) {
+  if (!storage.defined() || storage.numel() < need || !(storage.device() == device)) {
     // Grow by at least half again, so a slowly rising row count reallocates only a few times.
-    const std::int64_t grown = storage_.defined() && storage_.device() == device ? storage_.numel() * 3 / 2 : 0;
-    storage_ = Tensor();  // free first: the peak is the new buffer alone
-    storage_ = Tensor(DType::U8, {std::max({need, grown, std::int64_t{1}})}, device);
+    const std::int64_t grown = storage.defined() && storage.device() == device ? storage.numel() * 3 / 2 : 0;
+    storage = Tensor();  // free first: the peak is the new buffer alone
+    storage = Tensor(DType::U8, {std::max({need, grown, std::int64_t{1}})}, device);
   }
-  return TensorView(storage_.data(), dtype, {rows, cols}, device);
+  return TensorView(storage.data(), dtype, {rows, cols}, device);
+}
+
+std::size_t held_bytes(const Tensor& storage) { return storage.defined() ? storage.nbytes() : 0; }
+
+TensorView Scratch::get(Slot slot, Device device, DType dtype, std::int64_t rows, std::int64_t cols) {
+  return grown_view(slots_[static_cast<std::size_t>(slot)], device, dtype, rows, cols);
 }
 
 std::size_t Scratch::bytes() const {
   std::size_t sum = 0;
-  for (const GrowableBuffer& b : slots_) sum += b.bytes();
+  for (const Tensor& b : slots_) sum += held_bytes(b);
   return sum;
 }
 
@@ -208,7 +215,7 @@ void LoraLinear::adapter_forward(const TensorView& x, const TensorView& y, Forwa
     xa = scratch_->get(Scratch::kLoraInput, dev, act, m, in_features());
     dropout(ctx_, x, xa, config_.dropout, seed);
   }
-  const TensorView t = saved_t_.view(dev, act, m, config_.rank);
+  const TensorView t = grown_view(saved_t_, dev, act, m, config_.rank);
   gemm_bt(ctx_, xa, working_a(), t, gemm_opts(1.0f, 0.0f));   // t = dropout(x)·Aᵀ  [M,r]
   gemm_bt(ctx_, t, working_b(), y, gemm_opts(scale_, y_beta));  // y = s·t·Bᵀ + y_beta·y  [M,N]
 
@@ -234,7 +241,7 @@ void LoraLinear::backward(const TensorView& x, const TensorView& dy, const Tenso
   const std::int64_t m = saved_rows_;
   const DType act = config_.activations;
   const Device dev = ctx_.device();
-  const TensorView t = saved_t_.view(dev, act, m, config_.rank);  // same rows as forward: the saved memory
+  const TensorView t = grown_view(saved_t_, dev, act, m, config_.rank);  // same rows as forward: the saved memory
   const TensorView dt = scratch_->get(Scratch::kLoraGrad, dev, act, m, config_.rank);
   lora_backward_dy(ctx_, dy, working_b(), t, dt, grad_b_, scale_, config_.math);  // dt = s·dy·B, dB += s·dyᵀ·t
   TensorView xa = x;
@@ -307,7 +314,7 @@ void LoraLinear::reserve(std::int64_t max_rows) {
   const DType act = config_.activations;
   const Device dev = ctx_.device();
   saved_rows_ = -1;  // a grown buffer has lost what it held
-  saved_t_.view(dev, act, max_rows, config_.rank);
+  grown_view(saved_t_, dev, act, max_rows, config_.rank);
   scratch_->get(Scratch::kLoraGrad, dev, act, max_rows, config_.rank);
   if (config_.dropout > 0.0f) scratch_->get(Scratch::kLoraInput, dev, act, max_rows, in_features());
 }
@@ -328,6 +335,6 @@ std::size_t LoraLinear::frozen_bf16_bytes() const {
   return static_cast<std::size_t>(n * in_features() + (bias_.empty() ? 0 : n)) * dtype_size(DType::BF16);
 }
 
-std::size_t LoraLinear::saved_bytes() const { return saved_t_.bytes(); }
+std::size_t LoraLinear::saved_bytes() const { return held_bytes(saved_t_); }
 
 }  // namespace qmm

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "core/validate.h"
+#include "nn/buffers.h"
 #include "nn/check.h"
 #include "qmm/nn.h"
 
@@ -93,9 +94,9 @@ void SwiGluMlp::forward(const TensorView& x, const TensorView& y, ForwardMode mo
   const Device dev = ctx.device();
   Scratch& scratch = *gate_.scratch();
   const TensorView g = options_.recompute ? scratch.get(Scratch::kMlpGate, dev, act, m, i)
-                                          : saved_gate_.view(dev, act, m, i);
+                                          : grown_view(saved_gate_, dev, act, m, i);
   const TensorView u = options_.recompute ? scratch.get(Scratch::kMlpUp, dev, act, m, i)
-                                          : saved_up_.view(dev, act, m, i);
+                                          : grown_view(saved_up_, dev, act, m, i);
   gate_up_forward(x, g, u, mode);
   const TensorView hidden = scratch.get(Scratch::kMlpHidden, dev, act, m, i);
   swiglu(ctx, g, u, hidden);
@@ -131,8 +132,8 @@ void SwiGluMlp::backward(const TensorView& x, const TensorView& dy, const Tensor
     u = scratch.get(Scratch::kMlpUp, dev, act, m, i);
     gate_up_forward(x, g, u, ForwardMode::Recompute);  // the same masks as the forward
   } else {
-    g = saved_gate_.view(dev, act, m, i);
-    u = saved_up_.view(dev, act, m, i);
+    g = grown_view(saved_gate_, dev, act, m, i);
+    u = grown_view(saved_up_, dev, act, m, i);
   }
   // h is cheaper to rebuild than to keep: one element-wise pass.
   const TensorView hidden = scratch.get(Scratch::kMlpHidden, dev, act, m, i);
@@ -174,8 +175,8 @@ void SwiGluMlp::reserve(std::int64_t max_rows) {
     scratch.get(Scratch::kMlpGate, dev, act, max_rows, i);
     scratch.get(Scratch::kMlpUp, dev, act, max_rows, i);
   } else {
-    saved_gate_.view(dev, act, max_rows, i);
-    saved_up_.view(dev, act, max_rows, i);
+    grown_view(saved_gate_, dev, act, max_rows, i);
+    grown_view(saved_up_, dev, act, max_rows, i);
   }
   scratch.get(Scratch::kMlpHidden, dev, act, max_rows, i);
   scratch.get(Scratch::kMlpHiddenGrad, dev, act, max_rows, i);
@@ -199,7 +200,7 @@ std::size_t SwiGluMlp::frozen_bf16_bytes() const {
 }
 
 std::size_t SwiGluMlp::saved_bytes() const {
-  return saved_gate_.bytes() + saved_up_.bytes() + gate_.saved_bytes() + up_.saved_bytes() + down_.saved_bytes();
+  return held_bytes(saved_gate_) + held_bytes(saved_up_) + gate_.saved_bytes() + up_.saved_bytes() + down_.saved_bytes();
 }
 
 }  // namespace qmm
