@@ -25,8 +25,8 @@ struct StepBuffers {
   static constexpr std::int64_t kHeads = 4, kHeadDim = 64, kBatch = 2, kSeq = kTokens / kBatch;
   Device dev;
   Nf4Tensor w_up, w_gate, w_down;
-  Tensor x, a, b, norm_w, cos, sin, head_w, labels, dy;            // inputs
-  Tensor y, t, h, gate, up, xn, rstd, dx, dt, grad_a, grad_b;  // outputs
+  Tensor x, a_master, b_master, norm_w, cos, sin, head_w, labels, dy;  // inputs
+  Tensor a, b, y, t, h, h2, gate, up, xn, rstd, dx, dt, grad_a, grad_b;  // outputs
   Tensor dgate, dup, dxn, dnorm_w, q_rot, loss, dh_head, dw_head, y_small;
 
   explicit StepBuffers(const Context& ctx) : dev(ctx.device()) {
@@ -42,8 +42,10 @@ struct StepBuffers {
     w_gate = nf4(kFfn, kHidden);
     w_down = nf4(kHidden, kFfn);
     x = in(DType::BF16, {kTokens, kHidden});
-    a = in(DType::BF16, {kRank, kHidden}, -0.1f, 0.1f);
-    b = in(DType::BF16, {kFfn, kRank}, -0.1f, 0.1f);
+    a_master = in(DType::F32, {kRank, kHidden}, -0.1f, 0.1f);  // PEFT's fp32 adapters, cast each step
+    b_master = in(DType::F32, {kFfn, kRank}, -0.1f, 0.1f);
+    a = out(DType::BF16, {kRank, kHidden});
+    b = out(DType::BF16, {kFfn, kRank});
     norm_w = in(DType::BF16, {kHidden}, 0.5f, 1.5f);
     cos = in(DType::BF16, {1, kSeq, kHeadDim});
     sin = in(DType::BF16, {1, kSeq, kHeadDim});
@@ -58,6 +60,7 @@ struct StepBuffers {
     gate = out(DType::BF16, {kTokens, kFfn});
     up = out(DType::BF16, {kTokens, kFfn});
     h = out(DType::BF16, {kTokens, kFfn});
+    h2 = out(DType::BF16, {kTokens, kFfn});
     xn = out(DType::BF16, {kTokens, kHidden});
     rstd = out(DType::F32, {kTokens});
     q_rot = out(DType::BF16, {kBatch, kSeq, kHeads, kHeadDim});
@@ -77,7 +80,7 @@ struct StepBuffers {
 
   // Every output, in a fixed order, for comparing runs.
   std::vector<const Tensor*> outputs() const {
-    return {&y, &t, &gate, &up, &h, &xn, &rstd, &q_rot, &dx, &dt, &grad_a, &grad_b, &dgate, &dup, &dxn, &dnorm_w,
+    return {&a, &b, &h2, &y, &t, &gate, &up, &h, &xn, &rstd, &q_rot, &dx, &dt, &grad_a, &grad_b, &dgate, &dup, &dxn, &dnorm_w,
             &loss, &dh_head, &dw_head, &y_small};
   }
 
@@ -88,11 +91,14 @@ struct StepBuffers {
   // The ops, in the order a step runs them. Accumulated gradients are zeroed inside the step, as a training step
   // that is replayed must.
   void run(const Context& ctx) const {
+    cast(ctx, a_master, a);
+    cast(ctx, b_master, b);
     nf4_gemm(ctx, x, w_up, y);  // a QLoRA projection: base, then y += 2 · (x Aᵀ) Bᵀ
     gemm_bt(ctx, x, a, t);
     gemm_bt(ctx, t, b, y, {2.0f, 1.0f});
     nf4_gemm(ctx, TensorView(x.data(), DType::BF16, {7, kHidden}, dev), w_up, y_small);  // few tokens: small-M kernels
     nf4_gate_up(ctx, x, w_gate, w_up, {gate, up, h});
+    swiglu(ctx, gate, up, h2);
     rms_norm(ctx, x, norm_w, xn, rstd, 1e-6f);
     rope(ctx, TensorView(xn.data(), DType::BF16, {kBatch, kSeq, kHeads, kHeadDim}, dev), {}, cos, sin, q_rot, {});
     CrossEntropyOptions ce;
