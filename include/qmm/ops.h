@@ -70,18 +70,15 @@ Nf4Tensor nf4_quantize(const Context& ctx, const TensorView& w, bool double_quan
 // out [N,K] (f32 or bf16) = codebook[code] * scale, computed in fp32, rounded to nearest even for bf16.
 void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& out);
 
-// Which NF4 GEMM implementation to run; Auto lets the dispatcher choose by shape and device. DequantGemm:
-// dequantize into scratch + cuBLASLt (any shape). SmallM: fused kernels for few rows (forward and gate+up:
-// M <= 32, K a multiple of 64, blocks of at least 64; input gradient: M <= 16, K a multiple of 32). Fused: the
-// tensor-core kernel that dequantizes inside its main loop (nf4_gemm, nf4_gemm_backward_a, and nf4_gate_up once
-// per projection; sm_90a builds on Hopper, K and block size multiples of 64, N a multiple of 8 for the input
-// gradient). FusedShared: the same tensor-core GEMM with each weight tile dequantized once per call instead of once
-// per activation tile (the CTAs that share a tile claim its dequantization, write it as bf16 to a scratch
-// workspace of W's size and load it from there; same preconditions; Auto does not take it yet). FusedMma: a fused
-// kernel on mma.sync for any GPU from compute capability 8.0 on (Ampere, Ada, also Hopper), with the dequantization
-// in its main loop (K and block size multiples of 64, N a multiple of 8 for the input gradient; Auto does not take
-// it yet). Reference: CPU only.
-// A forced path that cannot serve the problem throws Unsupported, naming what it needs.
+// Which NF4 GEMM implementation runs. Programs pick by intent: Auto (the planner chooses by problem and device),
+// DequantGemm (dequantize the weight into scratch, then cuBLASLt: any shape, a bf16 copy of W in scratch), Fused
+// (the tensor-core GEMM that dequantizes inside its main loop, no copy of W: sm_90a builds on Hopper, K and block
+// size multiples of 64, N a multiple of 8 for the input gradient). The rest force one kernel, for the tests and the
+// benchmark: SmallM (the few-row kernels: forward and gate+up M <= 32, K a multiple of 64, blocks of at least 64;
+// input gradient M <= 16, K a multiple of 32), FusedShared (Fused with each weight tile dequantized once per call
+// into a scratch copy of W; not taken by Auto), FusedMma (a fused mma.sync kernel for compute capability 8.0 on;
+// not taken by Auto), Reference (CPU only). All follow the one numerical contract below. A forced path that cannot
+// serve the problem throws Unsupported, naming what it needs.
 enum class Nf4Path { Auto, Reference, DequantGemm, SmallM, Fused, FusedShared, FusedMma };
 const char* nf4_path_name(Nf4Path path);
 
@@ -91,14 +88,13 @@ struct Nf4GemmOptions {
   Nf4Path path = Nf4Path::Auto;
 };
 
-// NF4 GEMMs multiply bf16 operands with fp32 accumulation: A (or dC) rounded to bf16 (nearest even) and the
-// weight dequantized to bf16. A and C are f32 or bf16, independently.
-// One exception, the small-M forward's pair kernel (SmallM, and Auto at small M; nf4_gemm and nf4_gate_up): with
-// M <= 16 (A bf16 or f32), blocks of 64, K a multiple of 256, on GPUs that give a block 219 KB of shared memory
-// (sm_90), it applies each NF4 block's scale to the block's fp32 product, i.e. a weight enters as
-// bf16(code) * scale (fp32) rather than bf16(code * scale), which saves the per-element multiply and rounding. Both
-// are within 2^-9 relative of code * scale, so results agree with the dequantized weight's to bf16 precision of the
-// weight, not to fp32 accumulation order (tests check each contract against its own reference).
+// One numerical contract for every NF4 GEMM and path: C = sum_k bf16(A[m,k]) * w[n,k], summed in fp32 (the order
+// depends on the kernel), where w is the weight's value code * scale held to within 2^-9 relative (half a bf16
+// ulp): bf16(code * scale) where the weight is dequantized before the product, bf16(code) * scale where a kernel
+// applies each block's scale to its fp32 partial sum (the small-M forward does at M <= 16 on sm_90). A and C are
+// f32 or bf16, independently. So every path is within 2^-8 * sum_k |bf16(A)| |w| of the fp64 product of bf16(A) and
+// the dequantized weight, plus the output's own rounding for bf16 C: the bound the package's tests hold every path
+// to (the C++ GPU tests hold each kernel to its own rounding, tighter).
 // C[M,N] = A[M,K] * dequant(W)^T, W [N,K]
 void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
               const Nf4GemmOptions& opts = {});
