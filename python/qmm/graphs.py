@@ -21,7 +21,9 @@ the learning rate unless the optimizer keeps it in a tensor, which layers run). 
 dtypes, strides, device) runs `warmup` eager steps and then captures a graph of its own, with memory of its own
 (pad batches to a few fixed shapes). The step may not synchronize with the host (`.item()`, printing a tensor,
 data-dependent shapes, a checked label count: qmm's fused loss skips that check while capturing) and its outputs
-are overwritten by the next replay (clone what you keep). On the CPU the step runs eagerly."""
+are overwritten by the next replay (clone what you keep). Hugging Face models check an attention mask's values to
+skip it when nothing is padded, which they cannot do while capturing: pass no attention_mask for unpadded batches,
+or the graph holds the explicit-mask attention. On the CPU the step runs eagerly."""
 import torch
 
 from ._base import _error
