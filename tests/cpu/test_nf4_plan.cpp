@@ -257,7 +257,11 @@ TEST(Nf4Plan, ForcedPaths) {
   };
   EXPECT_EQ(plan(Nf4Op::Forward, 4096, llama_up, Nf4Path::Fused, h100()).kernel, Nf4Kernel::FusedInLoop);
   EXPECT_EQ(plan(Nf4Op::Forward, 4096, llama_up, Nf4Path::FusedShared, h100()).kernel, Nf4Kernel::FusedShared);
-  EXPECT_EQ(plan(Nf4Op::BackwardA, 8, llama_up, Nf4Path::FusedMma, a100()).kernel, Nf4Kernel::FusedMma);
+  Nf4Device a100_dev = a100();  // a build with the development kernels (src/cuda/dev/)
+  a100_dev.dev_kernels = true;
+  EXPECT_EQ(plan(Nf4Op::BackwardA, 8, llama_up, Nf4Path::FusedMma, a100_dev).kernel, Nf4Kernel::FusedMma);
+  EXPECT_STREQ(plan(Nf4Op::BackwardA, 8, llama_up, Nf4Path::FusedMma, a100()).why,
+               "a build with the development kernels (-DQMM_DEV_KERNELS=ON)");
   EXPECT_EQ(plan(Nf4Op::Forward, 8, llama_up, Nf4Path::DequantGemm, h100()).kernel, Nf4Kernel::DequantGemm);
   EXPECT_EQ(plan(Nf4Op::BackwardA, 16, kShapes[0], Nf4Path::SmallM, h100()).kernel, Nf4Kernel::SmallMBackward);
   EXPECT_STREQ(plan(Nf4Op::Forward, 4096, llama_up, Nf4Path::Fused, a100()).why,
@@ -268,7 +272,7 @@ TEST(Nf4Plan, ForcedPaths) {
   EXPECT_STREQ(plan(Nf4Op::BackwardA, 17, llama_up, Nf4Path::SmallM, h100()).why,
                "M <= 16, K a multiple of 32, 16-byte aligned codes");
   EXPECT_EQ(plan(Nf4Op::Forward, 8, llama_up, Nf4Path::Reference, h100()).kernel, Nf4Kernel::Unsupported);
-  Nf4Device old = a100();
+  Nf4Device old = a100_dev;
   old.cc = 75;
   EXPECT_STREQ(plan(Nf4Op::Forward, 256, llama_up, Nf4Path::FusedMma, old).why,
                "a GPU of compute capability 8.0 or newer");

@@ -392,7 +392,8 @@ TEST(SmallMGateUp, AllOutputCombinationsMatchCpu) {
 }
 
 // Whether a forced path runs on this build and GPU: one that cannot raises Unsupported (tested below). The fused
-// kernels (Fused, FusedShared) need an sm_90a build on Hopper, the mma.sync one (FusedMma) compute capability 8.0.
+// kernels (Fused, FusedShared) need an sm_90a build on Hopper, the mma.sync one (FusedMma) a build with the
+// development kernels (QMM_DEV_KERNELS) and compute capability 8.0.
 bool path_available(Nf4Path path) {
   Context& gpu = *test::gpu_context();
   Problem p = make_weight(64, 64, false, 1);
@@ -529,7 +530,8 @@ class FusedMmaCase : public ::testing::TestWithParam<FusedShape> {
  protected:
   void SetUp() override {
     QMM_REQUIRE_GPU();
-    if (!fused_mma_available()) GTEST_SKIP() << "the mma.sync fused kernel needs compute capability 8.0 or newer";
+    if (!fused_mma_available())
+      GTEST_SKIP() << "the mma.sync fused kernel needs a QMM_DEV_KERNELS build and compute capability 8.0 or newer";
   }
 };
 
@@ -568,7 +570,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, FusedMmaBackward,
 // gate_up on the mma.sync kernel: once per projection, every output combination, overwriting and accumulating.
 TEST(FusedMmaGateUp, AllOutputCombinationsMatchCpu) {
   QMM_REQUIRE_GPU();
-  if (!fused_mma_available()) GTEST_SKIP() << "the mma.sync fused kernel needs compute capability 8.0 or newer";
+  if (!fused_mma_available())
+    GTEST_SKIP() << "the mma.sync fused kernel needs a QMM_DEV_KERNELS build and compute capability 8.0 or newer";
   expect_gate_up_matches(Nf4Path::FusedMma, 65, 130, 1024, DType::BF16);
   expect_gate_up_matches(Nf4Path::FusedMma, 300, 257, 576, DType::F32);
   expect_gate_up_matches(Nf4Path::FusedMma, 65, 130, 576, DType::BF16, 1.0f);
@@ -591,11 +594,17 @@ TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
                                  ErrorCode::Unsupported, {"nf4_gemm_backward_a", "Fused", why_n}));
   // The same preconditions for the mma.sync kernel, named by its own messages.
   const bool mma = fused_mma_available();
+#ifdef QMM_DEV_KERNELS
+  const std::string mma_missing = "8.0";
+#else
+  const std::string mma_missing = "QMM_DEV_KERNELS";
+#endif
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, p.w_dev, c, {1, 0, Nf4Path::FusedMma}); },
-                                 ErrorCode::Unsupported, {"nf4_gemm", "FusedMma", mma ? "K a multiple of 64" : "8.0"}));
+                                 ErrorCode::Unsupported,
+                                 {"nf4_gemm", "FusedMma", mma ? "K a multiple of 64" : mma_missing}));
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, dc, q.w_dev, da, {1, 0, Nf4Path::FusedMma}); },
                                  ErrorCode::Unsupported,
-                                 {"nf4_gemm_backward_a", "FusedMma", mma ? "N a multiple of 8" : "8.0"}));
+                                 {"nf4_gemm_backward_a", "FusedMma", mma ? "N a multiple of 8" : mma_missing}));
 }
 
 // Where the pair kernel splits K (or runs gate and up in one launch), a block adds its row groups' partial sums

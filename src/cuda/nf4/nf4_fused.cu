@@ -42,7 +42,9 @@
 #include "cuda/common/cuda_state.h"
 #include "cuda/common/sm80_ptx.cuh"  // ldmatrix, cp.async
 #include "cuda/nf4/nf4_small_m.h"    // launch_nf4_split_k_reduce
-#include "cuda/nf4/nf4_fused_mma.h"
+#ifdef QMM_DEV_KERNELS
+#include "cuda/dev/nf4_fused_mma.h"
+#endif
 #include "core/nf4_lut.h"            // block tables and their byte-permute lookups (shared with a CPU test)
 #include "cuda/nf4/nf4_device.cuh"  // Scales, load_scale, finish_scale, store_out
 #include "qmm/error.h"
@@ -1043,15 +1045,19 @@ void launch_shared_dequant(const Context& ctx, const Nf4FusedGrid& g, const void
 
 void launch_nf4_gemm_fused(const Context& ctx, const Nf4Plan& plan, const void* a16, std::int64_t M,
                            const Nf4Weight& w, const TensorView& c, float alpha, float beta) {
-  if (plan.kernel == Nf4Kernel::FusedMma) launch_nf4_fused_mma(ctx, a16, M, w, c, alpha, beta, false);
-  else if (plan.kernel == Nf4Kernel::FusedShared) launch_shared_dequant<false>(ctx, plan.grid, a16, M, w, c, alpha, beta);
+#ifdef QMM_DEV_KERNELS  // the planner takes FusedMma only where the build has it (Nf4Device::dev_kernels)
+  if (plan.kernel == Nf4Kernel::FusedMma) return launch_nf4_fused_mma(ctx, a16, M, w, c, alpha, beta, false);
+#endif
+  if (plan.kernel == Nf4Kernel::FusedShared) launch_shared_dequant<false>(ctx, plan.grid, a16, M, w, c, alpha, beta);
   else launch_fused<false>(ctx, plan.grid, a16, M, w, c, alpha, beta);
 }
 
 void launch_nf4_gemm_backward_fused(const Context& ctx, const Nf4Plan& plan, const void* dc16, std::int64_t M,
                                     const Nf4Weight& w, const TensorView& da, float alpha, float beta) {
-  if (plan.kernel == Nf4Kernel::FusedMma) launch_nf4_fused_mma(ctx, dc16, M, w, da, alpha, beta, true);
-  else if (plan.kernel == Nf4Kernel::FusedShared)
+#ifdef QMM_DEV_KERNELS
+  if (plan.kernel == Nf4Kernel::FusedMma) return launch_nf4_fused_mma(ctx, dc16, M, w, da, alpha, beta, true);
+#endif
+  if (plan.kernel == Nf4Kernel::FusedShared)
     launch_shared_dequant<true>(ctx, plan.grid, dc16, M, w, da, alpha, beta);
   else launch_fused<true>(ctx, plan.grid, dc16, M, w, da, alpha, beta);
 }

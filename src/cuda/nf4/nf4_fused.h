@@ -13,7 +13,7 @@ namespace qmm::cuda {
 // The fused kernel the plan names (nf4_plan.h: FusedInLoop or FusedShared on plan.grid, FusedMma), which must be
 // able to run the problem (plan_nf4 checked). InLoop dequantizes each CTA's weight tiles inside its main loop;
 // SharedDequant dequantizes each tile once per launch, by whichever CTA sharing it claims it, into a bf16
-// workspace of W's size that the others load with TMA; Mma is nf4_fused_mma.h's kernel.
+// workspace of W's size that the others load with TMA; Mma is dev/nf4_fused_mma.h's kernel (QMM_DEV_KERNELS builds).
 // C[M,N] = alpha * A16[M,K] * dequant(W)^T + beta * C, A16 bf16 (row-major, 16-byte aligned), C f32 or bf16.
 void launch_nf4_gemm_fused(const Context& ctx, const Nf4Plan& plan, const void* a16, std::int64_t M,
                            const Nf4Weight& w, const TensorView& c, float alpha, float beta);

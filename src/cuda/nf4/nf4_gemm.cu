@@ -1,7 +1,7 @@
 // NF4 GEMMs on the GPU: validate (core), plan (nf4_plan.h: which kernel, why), launch the planned kernel.
 //  DequantGemm: dequantize W to bf16 into scratch, round an f32 A to bf16 (nearest even) into the same scratch
 //  allocation, then the dense bf16 GEMM (cuBLASLt, fp32 accumulation).
-//  Small-M kernels: nf4_small_m.cu. Fused kernels: nf4_fused.cu (sm_90a wgmma), nf4_fused_mma.cu (mma.sync).
+//  Small-M kernels: nf4_small_m.cu. Fused kernels: nf4_fused.cu (sm_90a wgmma), dev/nf4_fused_mma.cu (mma.sync; QMM_DEV_KERNELS builds).
 // The plan is made again on every call rather than kept in the context's PlanCache: it is a handful of
 // comparisons, cheaper than a PlanCache lookup (a string key, a lock, a hash); the cache serves cuBLASLt's
 // heuristic query, which takes microseconds.
@@ -16,7 +16,6 @@
 #include "cuda/common/cuda_state.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/nf4/nf4_fused.h"
-#include "cuda/nf4/nf4_fused_mma.h"
 #include "cuda/nf4/nf4_plan.h"
 #include "cuda/nf4/nf4_small_m.h"
 #include "cuda/swiglu/swiglu.cuh"
@@ -178,6 +177,9 @@ Nf4Device nf4_device(const Context& ctx) {
   d.smem_per_sm = static_cast<std::int64_t>(props.sharedMemPerMultiprocessor);
 #if defined(QMM_HAVE_SM90A)
   d.sm90a_code = true;
+#endif
+#if defined(QMM_DEV_KERNELS)
+  d.dev_kernels = true;
 #endif
   return d;
 }

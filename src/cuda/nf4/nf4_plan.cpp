@@ -104,8 +104,10 @@ const char* fused_unmet(const Nf4Problem& p, const Nf4WeightFacts& w, bool backw
   return fused_shape_unmet(p, w, backward);
 }
 
-// nf4_fused_mma.cu: compute capability 8.0 or newer with 77 KB of shared memory per block.
+// dev/nf4_fused_mma.cu: a build with the development kernels, compute capability 8.0 or newer with 77 KB of shared
+// memory per block.
 const char* fused_mma_unmet(const Nf4Problem& p, const Nf4WeightFacts& w, bool backward, const Nf4Device& d) {
+  if (!d.dev_kernels) return "a build with the development kernels (-DQMM_DEV_KERNELS=ON)";
   if (d.cc < 80) return "a GPU of compute capability 8.0 or newer";
   if (d.smem_per_block_optin < kMmaSharedBytes) return "77 KB of shared memory per block";
   return fused_shape_unmet(p, w, backward);

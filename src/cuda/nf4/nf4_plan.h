@@ -23,6 +23,7 @@ struct Nf4Device {
   std::int64_t smem_per_block_optin = 0;  // shared memory a block can opt into
   std::int64_t smem_per_sm = 0;
   bool sm90a_code = false;              // the library holds sm_90a machine code (QMM_CUDA_ARCHS has 90a)
+  bool dev_kernels = false;             // the library holds the development kernels (src/cuda/dev/, QMM_DEV_KERNELS)
 };
 
 enum class Nf4Op { Forward, BackwardA, GateUp };
@@ -66,7 +67,7 @@ enum class Nf4Kernel {
   SmallMBackward,  // nf4_small_m.cu: input gradient, M <= 16
   FusedInLoop,     // nf4_fused.cu: wgmma, dequantization in the main loop (sm_90a)
   FusedShared,     // nf4_fused.cu: wgmma, each weight tile dequantized once per call (forced only)
-  FusedMma,        // nf4_fused_mma.cu: mma.sync, any GPU from sm_80 (forced only)
+  FusedMma,        // dev/nf4_fused_mma.cu: mma.sync, any GPU from sm_80 (forced only, QMM_DEV_KERNELS builds)
 };
 const char* nf4_kernel_name(Nf4Kernel k);
 

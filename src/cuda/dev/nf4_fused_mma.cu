@@ -23,7 +23,7 @@
 // Edges: X rows past M and columns past k_red load as zeros; weight rows or columns outside W dequantize to zero
 // (zero codes, zero scale); outputs past M or n_out are not stored. With split-K the CTA writes raw fp32 sums to
 // partial[split][M][n_out] and launch_nf4_split_k_reduce finishes.
-#include "cuda/nf4/nf4_fused_mma.h"
+#include "cuda/dev/nf4_fused_mma.h"
 
 #include <cuda_bf16.h>
 
