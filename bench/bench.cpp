@@ -699,8 +699,8 @@ void Bench::run_nf4() {
       }
     }
   }
-  // Whether this build and GPU run a forced fused path (Fused: sm_90a on Hopper; FusedMma: sm_80 on): one that
-  // cannot raises Unsupported.
+  // Whether this build and GPU run a forced fused path (Fused: sm_90a on Hopper; the development kernels FusedShared
+  // and FusedMma: a QMM_DEV_KERNELS build, on Hopper and from sm_80): one that cannot raises Unsupported.
   auto runs = [&](Nf4Path path) {
     if (!is_gpu_ || catalogue_) return false;
     try {
@@ -713,7 +713,7 @@ void Bench::run_nf4() {
     }
     return true;
   };
-  const bool fused_ok = runs(Nf4Path::Fused), mma_ok = runs(Nf4Path::FusedMma);
+  const bool fused_ok = runs(Nf4Path::Fused), shared_ok = runs(Nf4Path::FusedShared), mma_ok = runs(Nf4Path::FusedMma);
   // The usual token counts plus 8 and 32, where the dispatcher's small-M thresholds are decided, 256, inside the
   // range where Auto takes the fused forward on large weights, and 1024, between it and the shared-dequantization
   // kernel's range.
@@ -756,7 +756,7 @@ void Bench::run_nf4() {
       if (M <= 64 && is_gpu_) paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"small-m", Nf4Path::SmallM}});
       if (M >= 256 && (fused_ok || mma_ok)) paths.push_back({"dequant", Nf4Path::DequantGemm});
       if (M >= 32 && fused_ok) paths.push_back({"fused", Nf4Path::Fused});
-      if (M >= 256 && fused_ok) paths.push_back({"fused-shared", Nf4Path::FusedShared});
+      if (M >= 256 && shared_ok) paths.push_back({"fused-shared", Nf4Path::FusedShared});
       if (M >= 32 && mma_ok) paths.push_back({"fused-mma", Nf4Path::FusedMma});
       // The paths of each op are timed in turns (time_interleaved), so that they can be compared.
       std::vector<Result> fwd_rows, bwd_rows;

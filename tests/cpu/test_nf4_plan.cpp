@@ -256,8 +256,12 @@ TEST(Nf4Plan, ForcedPaths) {
     return plan_nf4(problem(op, m, s, DType::BF16, false, 0.0f, path), d);
   };
   EXPECT_EQ(plan(Nf4Op::Forward, 4096, llama_up, Nf4Path::Fused, h100()).kernel, Nf4Kernel::FusedInLoop);
-  EXPECT_EQ(plan(Nf4Op::Forward, 4096, llama_up, Nf4Path::FusedShared, h100()).kernel, Nf4Kernel::FusedShared);
-  Nf4Device a100_dev = a100();  // a build with the development kernels (src/cuda/dev/)
+  Nf4Device h100_dev = h100();  // builds with the development kernels (src/cuda/dev/)
+  h100_dev.dev_kernels = true;
+  EXPECT_EQ(plan(Nf4Op::Forward, 4096, llama_up, Nf4Path::FusedShared, h100_dev).kernel, Nf4Kernel::FusedShared);
+  EXPECT_STREQ(plan(Nf4Op::Forward, 4096, llama_up, Nf4Path::FusedShared, h100()).why,
+               "a build with the development kernels (-DQMM_DEV_KERNELS=ON)");
+  Nf4Device a100_dev = a100();
   a100_dev.dev_kernels = true;
   EXPECT_EQ(plan(Nf4Op::BackwardA, 8, llama_up, Nf4Path::FusedMma, a100_dev).kernel, Nf4Kernel::FusedMma);
   EXPECT_STREQ(plan(Nf4Op::BackwardA, 8, llama_up, Nf4Path::FusedMma, a100()).why,

@@ -392,8 +392,8 @@ TEST(SmallMGateUp, AllOutputCombinationsMatchCpu) {
 }
 
 // Whether a forced path runs on this build and GPU: one that cannot raises Unsupported (tested below). The fused
-// kernels (Fused, FusedShared) need an sm_90a build on Hopper, the mma.sync one (FusedMma) a build with the
-// development kernels (QMM_DEV_KERNELS) and compute capability 8.0.
+// kernel (Fused) needs an sm_90a build on Hopper; the development kernels need a QMM_DEV_KERNELS build too, with
+// sm_90a on Hopper for the shared-dequantization one (FusedShared), compute capability 8.0 for mma.sync (FusedMma).
 bool path_available(Nf4Path path) {
   Context& gpu = *test::gpu_context();
   Problem p = make_weight(64, 64, false, 1);
@@ -408,6 +408,14 @@ bool path_available(Nf4Path path) {
 }
 bool fused_available() { return path_available(Nf4Path::Fused); }
 bool fused_mma_available() { return path_available(Nf4Path::FusedMma); }
+bool fused_shared_available() { return path_available(Nf4Path::FusedShared); }  // also a QMM_DEV_KERNELS build
+
+// The fused wgmma paths this build runs: Fused, and FusedShared where the development kernels are built.
+std::vector<Nf4Path> fused_paths() {
+  std::vector<Nf4Path> paths{Nf4Path::Fused};
+  if (fused_shared_available()) paths.push_back(Nf4Path::FusedShared);
+  return paths;
+}
 
 using FusedShape = std::tuple<std::int64_t, std::int64_t, std::int64_t, int>;  // M, N, K, block size
 
@@ -426,7 +434,7 @@ class FusedForward : public FusedCase {};
 // (FusedShared).
 TEST_P(FusedForward, MatchesCpuOracle) {
   const auto [m, n, k, block] = GetParam();
-  for (Nf4Path path : {Nf4Path::Fused, Nf4Path::FusedShared}) expect_forward_matches(path, m, n, k, block);
+  for (Nf4Path path : fused_paths()) expect_forward_matches(path, m, n, k, block);
 }
 
 // Ragged M and N around the 256 x 128 tile, one and many k steps, block sizes 64 and 256.
@@ -440,7 +448,7 @@ class FusedBackward : public FusedCase {};
 
 TEST_P(FusedBackward, MatchesCpuOracle) {
   const auto [m, n, k, block] = GetParam();
-  for (Nf4Path path : {Nf4Path::Fused, Nf4Path::FusedShared}) expect_backward_matches(path, m, n, k, block);
+  for (Nf4Path path : fused_paths()) expect_backward_matches(path, m, n, k, block);
 }
 
 // N (the reduction) ragged against the 64-row stage, K not a multiple of the 128-column tile, ragged M.
@@ -455,7 +463,7 @@ TEST(FusedGateUp, AllOutputCombinationsMatchCpu) {
   if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
   expect_gate_up_matches(Nf4Path::Fused, 65, 130, 1024, DType::BF16);
   expect_gate_up_matches(Nf4Path::Fused, 300, 257, 576, DType::F32);
-  expect_gate_up_matches(Nf4Path::FusedShared, 300, 257, 576, DType::BF16);
+  if (fused_shared_available()) expect_gate_up_matches(Nf4Path::FusedShared, 300, 257, 576, DType::BF16);
 }
 
 // Accumulating gate and up (beta != 0, no h) on every path that can take the problem.
@@ -473,7 +481,8 @@ TEST(GateUpBeta, AccumulatesOnEveryPathLikeTheCpu) {
 // not all resident at once, so some claim and dequantize tiles that other CTAs then wait for.
 TEST(FusedPath, LargeSharedDequantMatchesDequantGemm) {
   QMM_REQUIRE_GPU();
-  if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
+  if (!fused_shared_available())
+    GTEST_SKIP() << "the shared-dequantization kernel needs a QMM_DEV_KERNELS build with sm_90a on a Hopper GPU";
   Context& gpu = *test::gpu_context();
   const std::int64_t m = 2048, n = 4096, k = 8192;
   const Nf4Tensor w = nf4_quantize(gpu, to_device(test::random_tensor(DType::BF16, {n, k}, 91, -0.05f, 0.05f),
@@ -494,7 +503,8 @@ TEST(FusedPath, LargeSharedDequantMatchesDequantGemm) {
 // gradient, whose K must be a multiple of 64), bf16 out, beta 0 and 1, against dequantize + cuBLASLt.
 TEST(FusedPath, SharedDequantPersistentGridMatchesDequantGemm) {
   QMM_REQUIRE_GPU();
-  if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
+  if (!fused_shared_available())
+    GTEST_SKIP() << "the shared-dequantization kernel needs a QMM_DEV_KERNELS build with sm_90a on a Hopper GPU";
   Context& gpu = *test::gpu_context();
   const std::int64_t m = 600, narrow = 256;  // 3 x 50 tiles of 256 x 128
   for (bool backward : {false, true}) {

@@ -104,10 +104,13 @@ const char* fused_unmet(const Nf4Problem& p, const Nf4WeightFacts& w, bool backw
   return fused_shape_unmet(p, w, backward);
 }
 
+// FusedShared and FusedMma are development kernels (src/cuda/dev/), in builds configured with them only.
+constexpr const char* kDevKernelsNeeded = "a build with the development kernels (-DQMM_DEV_KERNELS=ON)";
+
 // dev/nf4_fused_mma.cu: a build with the development kernels, compute capability 8.0 or newer with 77 KB of shared
 // memory per block.
 const char* fused_mma_unmet(const Nf4Problem& p, const Nf4WeightFacts& w, bool backward, const Nf4Device& d) {
-  if (!d.dev_kernels) return "a build with the development kernels (-DQMM_DEV_KERNELS=ON)";
+  if (!d.dev_kernels) return kDevKernelsNeeded;
   if (d.cc < 80) return "a GPU of compute capability 8.0 or newer";
   if (d.smem_per_block_optin < kMmaSharedBytes) return "77 KB of shared memory per block";
   return fused_shape_unmet(p, w, backward);
@@ -287,8 +290,10 @@ Nf4Plan plan_nf4(const Nf4Problem& p, const Nf4Device& d) {
     }
   }
   if (fused != Nf4Kernel::Unsupported) {
-    auto unmet = [&](const Nf4WeightFacts& w) {
-      return fused == Nf4Kernel::FusedMma ? fused_mma_unmet(p, w, backward, d) : fused_unmet(p, w, backward, d);
+    auto unmet = [&](const Nf4WeightFacts& w) -> const char* {
+      if (fused == Nf4Kernel::FusedMma) return fused_mma_unmet(p, w, backward, d);
+      if (fused == Nf4Kernel::FusedShared && !d.dev_kernels) return kDevKernelsNeeded;
+      return fused_unmet(p, w, backward, d);
     };
     const char* missing = unmet(p.w);
     if (!missing && gate_up) missing = unmet(w_up);
