@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Greedy decoding through Hugging Face `generate` with the LoRA adapters unmerged, for every variant in one run:
+
+  bf16         bf16 weights + PEFT LoRA
+  bnb          bitsandbytes NF4 (double quant, bf16 compute) + PEFT LoRA
+  qmm          the same model after qmm.patch_bnb
+  qmm-static   the same with a static KV cache and the decoder compiled with mode="reduce-overhead" (CUDA graphs
+               replay each decode step)
+  unsloth      Unsloth's FastLanguageModel in 4-bit with its LoRA, in its inference mode
+
+The models, adapters and processes are bench/train_step.py's (random weights from real configs, LoRA r 16 on all
+seven projections, the same nonzero adapters everywhere). Per variant: tokens/s over `--new-tokens` greedy tokens
+after the prompt (median of `--repeats` timed calls after one warm-up), and the generated ids, which must equal
+bnb's for the qmm variants (the same NF4 weights and adapters; bf16 and Unsloth differ by their own roundings).
+
+    PYTHONPATH=build/python python3 bench/decode.py [--models qwen,llama] [--variants ...] [--json out/decode.json]
+--tiny runs a small Llama config on any device (the CPU too): a check of the script, not a benchmark.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import train_step  # the models, their saving and loading, the adapters' initialisation
+
+VARIANTS = ["bf16", "bnb", "qmm", "qmm-static", "unsloth"]
+
+
+def worker(args):
+    import torch
+    variant = "qmm" if args.worker == "qmm-static" else args.worker
+    model = train_step.load(variant, args.model_dir, args).eval()
+    train_step.init_adapters(train_step.lora_params(model))
+    if args.worker == "unsloth":
+        from unsloth import FastLanguageModel
+        FastLanguageModel.for_inference(model)
+    _, config, _, _, _ = train_step.MODELS[args.model]
+    ids = torch.randint(3, config["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(2))
+    ids = ids.to(args.device)
+    kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                  attention_mask=torch.ones_like(ids), pad_token_id=2)
+    if args.worker == "qmm-static":
+        kwargs["cache_implementation"] = "static"
+        base = model.get_base_model()
+        mode = dict(mode="reduce-overhead") if args.device == "cuda" else dict(backend="aot_eager")
+        base.forward = torch.compile(base.forward, **mode)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    times, out = [], None
+    with torch.no_grad():
+        for i in range(1 + args.repeats):
+            sync()
+            start = time.perf_counter()
+            out = model.generate(input_ids=ids, **kwargs)
+            sync()
+            if i > 0:
+                times.append(time.perf_counter() - start)
+    new = out[0, ids.shape[1]:].tolist()
+    result = {"variant": args.worker, "tokens_per_s": len(new) / statistics.median(times),
+              "median_s": statistics.median(times), "new_tokens": len(new), "ids": new}
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+def run_variant(variant, args, folder, out_json):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
+               PYTHONUNBUFFERED="1")
+    if variant == "unsloth" and args.unsloth_path:  # Unsloth patches transformers on import: its own site first
+        env["PYTHONPATH"] = args.unsloth_path + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--model-dir", folder, "--out", out_json,
+           "--model", args.model_now, "--device", args.device, "--prompt", str(args.prompt),
+           "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0 or not os.path.exists(out_json):
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        return {"variant": variant, "skipped": lines[-1] if lines else f"exit {done.returncode}"}
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def table(label, results):
+    by = {r["variant"]: r for r in results}
+    ref = by.get("bnb", {}).get("ids")
+    lines = [f"### {label}", "", "| variant | tokens/s | vs bnb | s per call | ids equal bnb's |", "| --- " * 5 + "|"]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"| {r['variant']} | skipped: {r['skipped'][:150]} | | | |")
+            continue
+        base = by.get("bnb", {}).get("tokens_per_s")
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        same = "-" if ref is None else "yes" if r["ids"] == ref else f"no (from token {first_difference(r['ids'], ref)})"
+        lines.append(f"| {r['variant']} | {r['tokens_per_s']:.1f} | {ratio} | {r['median_s']:.3f} | {same} |")
+    return "\n".join(lines)
+
+
+def parent(args):
+    import torch
+    report = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "models": {}}
+    print(f"decode: {report['device']}, torch {report['torch']}, prompt {args.prompt}, {args.new_tokens} new tokens, "
+          f"median of {args.repeats}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            folder = os.path.join(tmp, model)
+            train_step.save_model(model, folder)
+            args.model_now = model
+            results = [run_variant(v, args, folder, os.path.join(tmp, f"{model}-{v}.json"))
+                       for v in args.variants.split(",")]
+            report["models"][model] = results
+            print(table(train_step.MODELS[model][4], results), flush=True)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="qwen,llama")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="the tiny config only (any device): checks the script")
+    ap.add_argument("--json")
+    ap.add_argument("--unsloth-path", help="a folder with Unsloth's packages, put first on its worker's path")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.checkpointing = False  # train_step.load's option
+    if args.worker:
+        return worker(args)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    if args.tiny:
+        args.models = "tiny"
+    elif set(args.models.split(",")) - {"qwen", "llama"}:
+        ap.error("--models takes qwen and llama (or --tiny)")
+    if args.prompt < 1 or args.new_tokens < 1 or args.repeats < 1:
+        ap.error("--prompt, --new-tokens and --repeats must be at least 1")
+    parent(args)
+
+
+if __name__ == "__main__":
+    main()
