@@ -36,25 +36,25 @@ class GraphStep:
         self._step = step
         self._warmup = warmup
         self._entries = {}  # input signature -> _Capture
+        self._side_streams = {}  # device -> the stream the warm-up calls run on
 
     def __call__(self, *inputs):
         for i, t in enumerate(inputs):
             if not isinstance(t, torch.Tensor):
                 raise _error("InvalidArgument", f"graph_step: input {i} is a {type(t).__name__}; the step's inputs "
                                                 "must be tensors (other values are fixed when the step is captured)")
-        if not inputs or not inputs[0].is_cuda:
-            if any(t.is_cuda for t in inputs):
-                raise _error("InvalidArgument", "graph_step: the inputs are on different devices: "
-                                                + ", ".join(str(t.device) for t in inputs))
-            return self._step(*inputs)
-        device = inputs[0].device
-        if any(t.device != device for t in inputs):
+        if len({t.device for t in inputs}) > 1:
             raise _error("InvalidArgument", "graph_step: the inputs are on different devices: "
                                             + ", ".join(str(t.device) for t in inputs))
+        if not inputs or not inputs[0].is_cuda:
+            return self._step(*inputs)
+        device = inputs[0].device
         key = tuple((tuple(t.shape), t.dtype, t.stride()) for t in inputs) + (device,)
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Capture(device)
+            if device not in self._side_streams:  # one per device: qmm keeps a context per stream it sees
+                self._side_streams[device] = torch.cuda.Stream(device)
+            entry = self._entries[key] = _Capture(device, self._side_streams[device])
         if entry.eager_calls < self._warmup:
             entry.eager_calls += 1
             return entry.run_eagerly(self._step, inputs)
@@ -69,8 +69,9 @@ class GraphStep:
 
 
 class _Capture:
-    def __init__(self, device):
+    def __init__(self, device, side_stream):
         self.device = device
+        self.side = side_stream
         self.eager_calls = 0
         self.graph = None
         self.inputs = None
@@ -80,11 +81,10 @@ class _Capture:
         # On a side stream, as the capture will run: lazy set-up (the optimizer's state, cuBLAS workspaces, qmm's
         # context for that stream) happens here, outside the graph.
         current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
+        self.side.wait_stream(current)
+        with torch.cuda.stream(self.side):
             out = step(*inputs)
-        current.wait_stream(side)
+        current.wait_stream(self.side)
         return out
 
     def capture(self, step, inputs):

@@ -76,6 +76,10 @@ def test_graph_step_inputs_must_be_tensors():
         graphed(torch.zeros(2), 3.0)
     assert e.value.code == "InvalidArgument" and "input 1 is a float" in str(e.value)
     assert calls == []  # refused before the step ran
+    with pytest.raises(qmm.Error) as e:
+        graphed(torch.zeros(2), torch.zeros(2, device="meta"))
+    assert e.value.code == "InvalidArgument" and "different devices" in str(e.value)
+    assert calls == []
 
 
 @needs_gpu
