@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""CPU model of the mma.sync fused NF4 kernel (src/cuda/nf4/nf4_fused_mma.cu): runs the kernel's per-thread
+"""CPU model of the mma.sync fused NF4 kernel (src/cuda/dev/nf4_fused_mma.cu): runs the kernel's per-thread
 address arithmetic (copies, swizzles, dequantization stores, ldmatrix addresses, epilogue) over a byte model of its
 shared memory, with ldmatrix and mma.m16n8k16 implemented from the PTX ISA's fragment layouts, and compares the
 outputs with X * T^T in float64. It checks the index mapping, the edges and the stage ring without a GPU; the
 PTX itself and the timing are the GPU tests' and the bench's business.
-  scripts/probes/fused-mma-model.py            (a fixed list of ragged shapes, both directions)
+  src/cuda/dev/fused-mma-model.py              (a fixed list of ragged shapes, both directions)
 Needs numpy."""
 import sys
 
