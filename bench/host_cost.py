@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""What qmm's Python calls cost the host, per call, at a size where the device work is negligible (one token,
+64 x 64 weight, LoRA r 4): the raw binding of a patched projection's forward with its outputs preallocated (DLPack
+conversion, validation, context lookup, the launches), the same through the package with its allocations, and the
+differentiable op's forward + backward under autograd. On a GPU the calls are enqueued back to back and the device
+is synchronized once at the end, so the figure is the host's enqueue cost while the GPU keeps up; on the CPU it
+includes the CPU backend's own work.
+
+    PYTHONPATH=build/python python3 bench/host_cost.py [--device cuda] [--calls 2000] [--json out/host_cost.json]
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import qmm
+from qmm import _impl, _qmm
+from qmm._base import _call
+
+
+def per_call_us(fn, calls, sync, rounds=5):
+    """The median over `rounds` of the mean host time per call of `calls` back-to-back calls (µs)."""
+    for _ in range(50):
+        fn()
+    sync()
+    means = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        means.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(means)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if args.calls < 1:
+        ap.error("--calls must be at least 1")
+    dev = args.device
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    w = qmm.Nf4Weight.quantize(torch.randn((64, 64), generator=gen).to(dev))
+    x = torch.randn((1, 64), generator=gen).to(dev, torch.bfloat16)
+    a = (torch.randn((4, 64), generator=gen) * 0.1).to(dev).requires_grad_()
+    b = (torch.randn((64, 4), generator=gen) * 0.1).to(dev).requires_grad_()
+    y, t = torch.empty((1, 64), dtype=torch.bfloat16, device=dev), torch.empty((1, 4), dtype=torch.bfloat16, device=dev)
+    a_w, b_w = torch.empty(a.shape, dtype=torch.bfloat16, device=dev), torch.empty(b.shape, dtype=torch.bfloat16,
+                                                                                    device=dev)
+    ad, bd = a.detach(), b.detach()
+    lora = qmm.Lora(a, b, 2.0)
+    xg = x.clone().requires_grad_()
+
+    def raw():
+        _call(_qmm.lora_nf4_linear_forward, x, x, w._native, y, 0.0, "auto", None, ad, bd, a_w, b_w, t, 2.0)
+
+    def package():
+        _impl.linear_forward(x, w, None, (x, ad, bd, 2.0), "auto")
+
+    def autograd():
+        qmm.lora_nf4_linear(xg, w, lora).sum().backward()
+
+    rows = {"raw binding, outputs given": per_call_us(raw, args.calls, sync),
+            "package forward (allocates)": per_call_us(package, args.calls, sync),
+            "autograd forward + backward": per_call_us(autograd, max(1, args.calls // 4), sync)}
+    device = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    print(f"host cost per call, {device}, torch {torch.__version__}, 1 x 64 @ NF4 64 x 64, LoRA r 4")
+    for name, us in rows.items():
+        print(f"  {name:32s} {us:8.1f} µs")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "torch": torch.__version__, "us_per_call": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
