@@ -305,6 +305,8 @@ def main():
         ap.error("--models takes qwen and llama (or --tiny)")
     if args.steps < 1 or args.warmup < 1:
         ap.error("--steps and --warmup must be at least 1")
+    if "qmm-all-graph" in args.variants.split(",") and args.warmup < 3:
+        ap.error("--warmup must be at least 3 with qmm-all-graph (step 1 warms it up, step 2 captures its graph)")
     parent(args)
 
 
