@@ -20,8 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -66,19 +64,9 @@ def worker(args):
 
 
 def run_variant(variant, args, folder, out_json):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
-               PYTHONUNBUFFERED="1")
-    if variant == "unsloth" and args.unsloth_path:  # Unsloth patches transformers on import: its own site first
-        env["PYTHONPATH"] = args.unsloth_path + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--model-dir", folder, "--out", out_json,
-           "--model", args.model_now, "--device", args.device, "--prompt", str(args.prompt),
-           "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode != 0 or not os.path.exists(out_json):
-        lines = (done.stdout + done.stderr).strip().splitlines()
-        return {"variant": variant, "skipped": lines[-1] if lines else f"exit {done.returncode}"}
-    with open(out_json) as f:
-        return json.load(f)
+    return train_step.run_worker(__file__, variant, args, folder, out_json,
+                                 ["--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
+                                  "--repeats", str(args.repeats)])
 
 
 def first_difference(a, b):

@@ -76,21 +76,28 @@ def save_model(name, folder):
     tokenizer.save_pretrained(folder)
 
 
-def run_variant(variant, args, folder, out_json):
+def run_worker(script, variant, args, folder, out_json, worker_args):
+    """Runs `script --worker variant` (this script's worker, or another bench script's) in its own process for one
+    model and returns its JSON result, or a "skipped" entry with the process's last line where it failed."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTHONUNBUFFERED="1")
     if variant == "unsloth" and args.unsloth_path:  # Unsloth patches transformers on import: its own site first
         env["PYTHONPATH"] = args.unsloth_path + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--model-dir", folder, "--out", out_json,
-           "--model", args.model_now, "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
-    cmd += ["--checkpointing"] if args.checkpointing else []
-    cmd += ["--profile"] if args.profile else []
+    cmd = [sys.executable, os.path.abspath(script), "--worker", variant, "--model-dir", folder, "--out", out_json,
+           "--model", args.model_now, "--device", args.device, *worker_args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not os.path.exists(out_json):
         lines = (done.stdout + done.stderr).strip().splitlines()
         return {"variant": variant, "skipped": lines[-1] if lines else f"exit {done.returncode}"}
     with open(out_json) as f:
         return json.load(f)
+
+
+def run_variant(variant, args, folder, out_json):
+    worker_args = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    worker_args += ["--checkpointing"] if args.checkpointing else []
+    worker_args += ["--profile"] if args.profile else []
+    return run_worker(__file__, variant, args, folder, out_json, worker_args)
 
 
 def compare_grads(result, reference):
