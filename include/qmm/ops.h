@@ -40,14 +40,15 @@ void gemm_backward_a(const Context& ctx, const TensorView& dc, const TensorView&
 void gemm_backward_b(const Context& ctx, const TensorView& a, const TensorView& dc, const TensorView& db,
                      const GemmOptions& opts = {});
 // LoRA's two backward products that read the output gradient dy [M,N], for an adapter B [N,r] and the saved
-// t = x·Aᵀ [M,r]:  dt [M,r] = scale·dy·B (overwritten)  and  grad_b [N,r] = scale·dyᵀ·t + grad_b (accumulated).
+// t = x·Aᵀ [M,r]:  dt [M,r] = scale·dy·B (overwritten)  and  grad_b [N,r] = scale·dyᵀ·t + beta·grad_b (beta = 1
+// accumulates; beta = 0 overwrites without reading grad_b, which saves zeroing it first).
 // dy, b, t and dt share one dtype (f32 or bf16); grad_b is f32. The result is that of gemm(dy, b, dt, {scale, 0,
-// math}) followed by gemm_backward_b(dy, t, grad_b, {scale, 1, math}); on a CUDA context with bf16 operands,
+// math}) followed by gemm_backward_b(dy, t, grad_b, {scale, beta, math}); on a CUDA context with bf16 operands,
 // r in {8, 16, 32}, N a multiple of 8 and 16-byte aligned dy, b and t, one kernel computes both in one read of
 // dy (fp32 accumulation, deterministic), otherwise the two GEMMs run. dt and grad_b must not overlap the inputs.
 void lora_backward_dy(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
                       const TensorView& dt, const TensorView& grad_b, float scale,
-                      MathMode math = MathMode::FP32);
+                      MathMode math = MathMode::FP32, float beta = 1.0f);
 // Batched 4-D GEMM over [batch, heads]: C[b,h] = A[b,h] * op(B[b,h]).
 // A [b,h,m,k]; B [b,h,k,n], or [b,h,n,k] with transpose_b (attention's Q*K^T); C [b,h,m,n].
 void batched_gemm(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,

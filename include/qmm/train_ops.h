@@ -15,6 +15,10 @@ namespace qmm {
 // dst = src converted element by element (f32 <-> bf16 or same dtype; to bf16 rounds to nearest even).
 // Same element count; shapes may differ (a flat copy).
 void cast(const Context& ctx, const TensorView& src, const TensorView& dst);
+// dst[i] = src[i] converted for every i, each pair as above; on a GPU every f32 -> bf16 pair goes in one launch
+// (up to 64 per launch), so a LoRA layer's adapter copies cost one launch, not one per matrix. No dst may overlap
+// another pair's src or dst.
+void cast(const Context& ctx, std::span<const TensorView> src, std::span<const TensorView> dst);
 
 // out = a + alpha * b, all the same shape and dtype (f32 or bf16); out may be a or b (in place).
 void add(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& out, float alpha = 1.0f);

@@ -11,7 +11,7 @@ import torch
 
 from . import _qmm
 from ._base import _call, _in, _rows
-from .ops import (gemm, gemm_backward_b, gemm_bt, linear_cross_entropy, lora_backward_dy, nf4_gate_up,
+from .ops import (cast, gemm, gemm_backward_b, gemm_bt, linear_cross_entropy, lora_backward_dy, nf4_gate_up,
                   nf4_gemm_backward_a, swiglu)
 from .ops import swiglu_backward as _swiglu_backward
 
@@ -30,11 +30,17 @@ def bias_grad(dy, bias):
     return _flat(dy).sum(0, dtype=torch.float32).to(bias.dtype)
 
 
-def _adapter_into(y, lora):
-    """y += scale * (xd @ a^T) @ b^T in place (y [..., N] dense); returns what the backward needs: (xd as rows, t,
-    a_w, b_w)."""
-    xd, a, b, scale = lora
-    a_w, b_w = a.to(y.dtype), b.to(y.dtype)
+def working_copies(tensors, dtype):
+    """The adapter matrices in dtype, for its products: a tensor already in dtype as it is (None stays None), the
+    others cast in one launch."""
+    copies = iter(cast([t for t in tensors if t is not None and t.dtype != dtype], dtype))
+    return [t if t is None or t.dtype == dtype else next(copies) for t in tensors]
+
+
+def _adapter_into(y, lora, a_w, b_w):
+    """y += scale * (xd @ a_w^T) @ b_w^T in place (y [..., N] dense; a_w, b_w the working copies of the adapter's
+    a and b); returns what the backward needs: (xd as rows, t, a_w, b_w)."""
+    xd, _, _, scale = lora
     xd2 = _flat(xd)
     t = gemm_bt(xd2, a_w)
     gemm_bt(t, b_w, out=_flat(y), alpha=scale, beta=1.0)
@@ -44,8 +50,8 @@ def _adapter_into(y, lora):
 def _adapter_grads(dy2, saved, scale, want_a, want_b):
     """dt = scale * dy @ b_w, and the float32 gradients of a and b (None where not wanted)."""
     xd2, t, a_w, b_w = saved
-    grad_b = torch.zeros(b_w.shape, dtype=torch.float32, device=dy2.device)
-    dt = lora_backward_dy(dy2, b_w, t, grad_b, scale=scale)
+    grad_b = torch.empty(b_w.shape, dtype=torch.float32, device=dy2.device)
+    dt = lora_backward_dy(dy2, b_w, t, grad_b, scale=scale, beta=0.0)
     grad_a = gemm_backward_b(dt, xd2, out_dtype=torch.float32) if want_a else None
     return dt, grad_a, grad_b if want_b else None
 
@@ -100,7 +106,7 @@ def linear_backward(dy, w, path, saved, scale, dropped, xd_shape, want):
         return dx, None, None, None
     xs, t, a_w, b_w = saved
     dt = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    grad_b = torch.empty(b_w.shape, dtype=torch.float32, device=dy.device)  # zeroed, then accumulated, by the op
+    grad_b = torch.empty(b_w.shape, dtype=torch.float32, device=dy.device)  # written by the op
     grad_a = torch.empty(a_w.shape, dtype=torch.float32, device=dy.device) if want_a else None
     dxd = torch.empty(xd_shape, dtype=dy.dtype, device=dy.device) if dropped and want_dxd else None
     _call(_qmm.lora_nf4_linear_backward, dy2, dy2, w._native, path, dx2, xs, t, a_w, b_w, float(scale), dt, grad_a,
@@ -116,7 +122,9 @@ def swiglu_forward(x, w_gate, w_up, loras, path, keep):
         gate, up, h = nf4_gate_up(x, w_gate, w_up, gate=keep, up=keep, path=path)
         return h, gate, up, (None, None)
     gate, up, _ = nf4_gate_up(x, w_gate, w_up, h=False, path=path)
-    saved = tuple(None if lora is None else _adapter_into(y, lora) for y, lora in zip((gate, up), loras))
+    working = working_copies([m for lora in loras for m in (lora[1:3] if lora else (None, None))], x.dtype)
+    saved = tuple(None if lora is None else _adapter_into(y, lora, *working[2 * i:2 * i + 2])
+                  for i, (y, lora) in enumerate(zip((gate, up), loras)))
     return swiglu(gate, up), gate, up, saved
 
 

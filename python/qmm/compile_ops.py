@@ -77,7 +77,7 @@ def _lora(x, xd, a, b, scale):
 
 def _saved(xs, t, a, b, dtype):
     """The tensors _impl's backward takes for an adapter (its working copies cast again from a and b)."""
-    return None if a is None else (xs.reshape(-1, xs.shape[-1]), t, a.to(dtype), b.to(dtype))
+    return None if a is None else (xs.reshape(-1, xs.shape[-1]), t, *_impl.working_copies((a, b), dtype))
 
 
 def _rows_of(x):

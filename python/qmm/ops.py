@@ -1,6 +1,7 @@
 """qmm's ops on torch tensors, as they are (no autograd): dense GEMMs, SwiGLU, NF4 GEMMs and LoRA's backward
 products. Outputs are allocated here unless passed as `out=`."""
 import torch
+from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _qmm
 from ._base import _call, _dim, _error, _in, _out, _rows
@@ -10,6 +11,16 @@ from .nf4 import _nf4
 def cuda_device_count():
     """GPUs qmm can use (0 where qmm was built without CUDA or none is usable)."""
     return _qmm.cuda_device_count()
+
+
+def cast(tensors, dtype):
+    """Copies of `tensors` (float32 or bfloat16, on one device) in `dtype` (rounded to nearest even), float32 ->
+    bfloat16 ones in one launch on a GPU: a layer's LoRA matrices cast for a bf16 product cost one launch."""
+    srcs = [_in(t) for t in tensors]
+    outs = [torch.empty(t.shape, dtype=dtype, device=t.device) for t in srcs]
+    if srcs:
+        _call(_qmm.cast, srcs[0], [_to_dlpack(t) for t in srcs], [_to_dlpack(o) for o in outs])
+    return outs
 
 
 # ---- dense GEMMs ------------------------------------------------------------------------------------------------
@@ -117,13 +128,14 @@ def nf4_gate_up(a, w_gate, w_up, *, gate=True, up=True, h=True, path="auto", out
 # ---- LoRA -------------------------------------------------------------------------------------------------------
 
 
-def lora_backward_dy(dy, b, t, grad_b, *, scale=1.0, out=None, math="fp32"):
+def lora_backward_dy(dy, b, t, grad_b, *, scale=1.0, beta=1.0, out=None, math="fp32"):
     """LoRA's two products of the output gradient dy [M, N] for an adapter B [N, r] and the saved t = x @ A^T
-    [M, r]: returns dt = scale * dy @ B [M, r] (into `out` where given) and accumulates grad_b [N, r] (float32) +=
-    scale * dy^T @ t, in one read of dy where the GPU kernel applies (bf16, r 8/16/32, N a multiple of 8)."""
+    [M, r]: returns dt = scale * dy @ B [M, r] (into `out` where given) and sets grad_b [N, r] (float32) to
+    scale * dy^T @ t + beta * grad_b (beta = 1 accumulates; beta = 0 overwrites, grad_b not read), in one read of
+    dy where the GPU kernel applies (bf16, r 8/16/32, N a multiple of 8)."""
     dy, b, t = _in(dy), _in(b), _in(t)
     out = _out("lora_backward_dy", out, (_dim(dy, 0), _dim(b, 1)), None, dy, 0.0)
-    _call(_qmm.lora_backward_dy, dy, dy, b, t, out.detach(), grad_b.detach(), scale=scale, math=math)
+    _call(_qmm.lora_backward_dy, dy, dy, b, t, out.detach(), grad_b.detach(), scale=scale, beta=beta, math=math)
     return out
 
 

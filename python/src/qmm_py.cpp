@@ -338,18 +338,18 @@ NB_MODULE(_qmm, m) {
 
   m.def(
       "lora_backward_dy",
-      [](const In& dy, const In& b, const In& t, const Out& dt, const Out& grad_b, float scale,
+      [](const In& dy, const In& b, const In& t, const Out& dt, const Out& grad_b, float scale, float beta,
          const std::string& math, std::uintptr_t stream) {
         const char* op = "lora_backward_dy";
         const qmm::TensorView dyv = view_of(dy, op, "dy"), bv = view_of(b, op, "b"), tv = view_of(t, op, "t"),
                               dtv = view_of(dt, op, "dt"), gbv = view_of(grad_b, op, "grad_b");
         const qmm::MathMode mode = math_of(math, op);
         const qmm::Context ctx = context_for(dyv, stream);
-        run([&] { qmm::lora_backward_dy(ctx, dyv, bv, tv, dtv, gbv, scale, mode); });
+        run([&] { qmm::lora_backward_dy(ctx, dyv, bv, tv, dtv, gbv, scale, mode, beta); });
       },
       nb::arg("dy"), nb::arg("b"), nb::arg("t"), nb::arg("dt"), nb::arg("grad_b"), nb::arg("scale") = 1.0f,
-      nb::arg("math") = "fp32", nb::arg("stream") = 0,
-      "dt = scale * dy @ b (overwritten), grad_b += scale * dy^T @ t (LoRA's products of dy)");
+      nb::arg("beta") = 1.0f, nb::arg("math") = "fp32", nb::arg("stream") = 0,
+      "dt = scale * dy @ b (overwritten), grad_b = scale * dy^T @ t + beta * grad_b (LoRA's products of dy)");
 
   m.def(
       "batched_gemm",
@@ -442,6 +442,20 @@ NB_MODULE(_qmm, m) {
       nb::arg("gate"), nb::arg("up"), nb::arg("dh"), nb::arg("dgate"), nb::arg("dup"), nb::arg("stream") = 0);
 
   m.def(
+      "cast",
+      [](const std::vector<In>& src, const std::vector<Out>& dst, std::uintptr_t stream) {
+        const char* op = "cast";
+        std::vector<qmm::TensorView> sv, dv;
+        for (const In& s : src) sv.push_back(view_of(s, op, "src"));
+        for (const Out& d : dst) dv.push_back(view_of(d, op, "dst"));
+        if (sv.empty()) return;
+        const qmm::Context ctx = context_for(sv.front(), stream);
+        run([&] { qmm::cast(ctx, sv, dv); });
+      },
+      nb::arg("src"), nb::arg("dst"), nb::arg("stream") = 0,
+      "dst[i] = src[i] converted (f32 <-> bf16), the f32 -> bf16 pairs in one launch on a GPU");
+
+  m.def(
       "nf4_quantize",
       [](const In& w, nb::handle out, std::uintptr_t stream) {
         const char* op = "nf4_quantize";
@@ -486,8 +500,10 @@ NB_MODULE(_qmm, m) {
         run([&] {
           qmm::nf4_gemm(ctx, xv, wv, yv, opts);  // checks w against x and y before anything is written
           if (!adapter) return;
-          if (!ad.a_w.empty()) qmm::cast(ctx, ad.a, ad.a_w);
-          if (!ad.b_w.empty()) qmm::cast(ctx, ad.b, ad.b_w);
+          std::vector<qmm::TensorView> from, to;  // the working copies in one launch
+          if (!ad.a_w.empty()) from.push_back(ad.a), to.push_back(ad.a_w);
+          if (!ad.b_w.empty()) from.push_back(ad.b), to.push_back(ad.b_w);
+          qmm::cast(ctx, from, to);
           qmm::gemm_bt(ctx, ad.xd.empty() ? xv : ad.xd, ad.a_used(), ad.t);
           qmm::gemm_bt(ctx, ad.t, ad.b_used(), yv, {ad.scale, 1.0f});
         });
@@ -534,8 +550,8 @@ NB_MODULE(_qmm, m) {
           // The NF4 product first: it checks w in full before writing dx.
           if (!dxv.empty()) qmm::nf4_gemm_backward_a(ctx, dyv, wv, dxv, opts);
           if (!adapter) return;
-          qmm::zero(ctx, gbv);  // dt = scale * dy @ b_w and grad_b from one read of dy, then grad_a = dt^T @ xs
-          qmm::lora_backward_dy(ctx, dyv, bwv, tv, dtv, gbv, scale);
+          // dt = scale * dy @ b_w and grad_b (written: beta = 0) from one read of dy, then grad_a = dt^T @ xs
+          qmm::lora_backward_dy(ctx, dyv, bwv, tv, dtv, gbv, scale, qmm::MathMode::FP32, 0.0f);
           if (!gav.empty()) qmm::gemm_backward_b(ctx, dtv, xsv, gav);
           if (dropped && !dxdv.empty()) qmm::gemm(ctx, dtv, awv, dxdv);  // its input was dropout(x): apart
           if (!dropped && !dxv.empty()) qmm::gemm(ctx, dtv, awv, dxv, {1.0f, 1.0f});

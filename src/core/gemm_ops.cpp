@@ -168,7 +168,7 @@ void gemm_backward_b(const Context& ctx, const TensorView& a, const TensorView& 
 }
 
 void lora_backward_dy(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
-                      const TensorView& dt, const TensorView& grad_b, float scale, MathMode math) {
+                      const TensorView& dt, const TensorView& grad_b, float scale, MathMode math, float beta) {
   const char* op = "lora_backward_dy";
   const Arg DY{"dy", dy}, B{"b", b}, T{"t", t}, DT{"dt", dt}, GB{"grad_b", grad_b};
   for (const Arg* x : {&DY, &B, &T, &DT, &GB}) detail::require_tensor(ctx, op, x->name, x->t);
@@ -184,16 +184,17 @@ void lora_backward_dy(const Context& ctx, const TensorView& dy, const TensorView
   check_output_shape(op, GB, {n, r});
   require(std::isfinite(scale), ErrorCode::InvalidArgument, op,
           "scale is " + std::to_string(scale) + " but must be finite");
+  require(std::isfinite(beta), ErrorCode::InvalidArgument, op, "beta is " + std::to_string(beta) + " but must be finite");
   require(math == MathMode::FP32 || math == MathMode::TF32 || math == MathMode::BF16, ErrorCode::InvalidArgument,
           op, "math mode " + std::to_string(static_cast<int>(math)) + " is unknown");
   for (const Arg* out : {&DT, &GB})
     for (const Arg* in : {&DY, &B, &T}) detail::require_no_overlap(op, out->name, out->t, in->name, in->t);
   detail::require_no_overlap(op, "dt", dt, "grad_b", grad_b);
 #ifdef QMM_WITH_CUDA
-  if (ctx.device().is_cuda() && cuda::lora_backward_dy_fused(ctx, dy, b, t, dt, grad_b, scale)) return;
+  if (ctx.device().is_cuda() && cuda::lora_backward_dy_fused(ctx, dy, b, t, dt, grad_b, scale, beta)) return;
 #endif
   gemm(ctx, dy, b, dt, {scale, 0.0f, math});
-  gemm_backward_b(ctx, dy, t, grad_b, {scale, 1.0f, math});
+  gemm_backward_b(ctx, dy, t, grad_b, {scale, beta, math});
 }
 
 void batched_gemm(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,

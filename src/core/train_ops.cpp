@@ -172,6 +172,33 @@ void cast(const Context& ctx, const TensorView& src, const TensorView& dst) {
   QMM_TRAIN_ROUTE(ctx, op, cast, src, dst);
 }
 
+void cast(const Context& ctx, std::span<const TensorView> src, std::span<const TensorView> dst) {
+  const char* op = "cast";
+  require(src.size() == dst.size(), ErrorCode::InvalidArgument, op,
+          "src has " + std::to_string(src.size()) + " tensors but dst has " + std::to_string(dst.size()));
+  std::vector<TensorView> todo_src, todo_dst;
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    const std::string s = "src[" + std::to_string(i) + "]", d = "dst[" + std::to_string(i) + "]";
+    require_float_tensor(ctx, op, s.c_str(), src[i]);
+    require_float_tensor(ctx, op, d.c_str(), dst[i]);
+    require(src[i].numel() == dst[i].numel(), ErrorCode::ShapeMismatch, op,
+            d + " is " + dst[i].shape().str() + " (" + std::to_string(dst[i].numel()) + " elements) but " + s +
+                " is " + src[i].shape().str() + " (" + std::to_string(src[i].numel()) + " elements)");
+    require_exact_alias_or_disjoint(op, d.c_str(), dst[i], s.c_str(), src[i]);
+    for (std::size_t j = 0; j < src.size(); ++j) {
+      if (j == i) continue;
+      const std::string js = std::to_string(j);
+      detail::require_no_overlap(op, d.c_str(), dst[i], ("src[" + js + "]").c_str(), src[j]);
+      if (j < i) detail::require_no_overlap(op, d.c_str(), dst[i], ("dst[" + js + "]").c_str(), dst[j]);
+    }
+    if (dst[i].numel() == 0 || (dst[i].data() == src[i].data() && dst[i].dtype() == src[i].dtype())) continue;
+    todo_src.push_back(src[i]);
+    todo_dst.push_back(dst[i]);
+  }
+  if (todo_src.empty()) return;
+  QMM_TRAIN_ROUTE(ctx, op, cast, std::span<const TensorView>(todo_src), std::span<const TensorView>(todo_dst));
+}
+
 void add(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& out, float alpha) {
   const char* op = "add";
   require_float_tensor(ctx, op, "a", a);

@@ -21,6 +21,7 @@ void nf4_gemm_backward_a(const TensorView& dc, const Nf4Weight& w, const TensorV
 // Train ops (train.cpp). Reductions (mse_loss, grad_norm, the clipping norm) sum in fp64 over fixed chunks in a
 // fixed order, so results do not depend on the thread count.
 void cast(const TensorView& src, const TensorView& dst);
+void cast(std::span<const TensorView> src, std::span<const TensorView> dst);
 void add(const TensorView& a, const TensorView& b, const TensorView& out, float alpha);
 void add_bias(const TensorView& y, const TensorView& bias);
 void dropout(const TensorView& x, const TensorView& out, float p, std::uint64_t seed);

@@ -84,6 +84,10 @@ void cast(const TensorView& src, const TensorView& dst) {
   }
 }
 
+void cast(std::span<const TensorView> src, std::span<const TensorView> dst) {
+  for (std::size_t i = 0; i < src.size(); ++i) cast(src[i], dst[i]);
+}
+
 void add(const TensorView& a, const TensorView& b, const TensorView& out, float alpha) {
   with_storage(out.dtype(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;

@@ -49,7 +49,7 @@ class StreamScratch {
 void gemm(const Context& ctx, const GemmProblem& p);                       // gemm/
 // lora_backward_dy's one-pass kernel where it applies (see ops.h); false, having done nothing, where it does not.
 bool lora_backward_dy_fused(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
-                            const TensorView& dt, const TensorView& grad_b, float scale);
+                            const TensorView& dt, const TensorView& grad_b, float scale, float beta);
 void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h);  // swiglu/
 void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
                      const TensorView& dgate, const TensorView& dup);
@@ -65,6 +65,7 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
 // Train ops (train/). Reductions write per-block fp64 partials into stream-ordered scratch and sum them in one
 // block in a fixed order; adamw_step reads its clip coefficient from device memory (no host round trip).
 void cast(const Context& ctx, const TensorView& src, const TensorView& dst);
+void cast(const Context& ctx, std::span<const TensorView> src, std::span<const TensorView> dst);
 void add(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& out, float alpha);
 void add_bias(const Context& ctx, const TensorView& y, const TensorView& bias);
 void dropout(const Context& ctx, const TensorView& x, const TensorView& out, float p, std::uint64_t seed);

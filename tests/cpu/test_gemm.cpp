@@ -550,20 +550,23 @@ TEST(LoraBackwardDy, EqualsItsTwoGemmsInEveryDtypeAndMode) {
   };
   for (Case c : {Case{DType::BF16, MathMode::FP32}, Case{DType::F32, MathMode::FP32}, Case{DType::F32, MathMode::TF32},
                  Case{DType::F32, MathMode::BF16}})
-    for (auto [m, n, r] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1, 8, 8}, {7, 65, 16}, {130, 63, 12}}) {
-      const Tensor dy = test::random_tensor(c.dt, {m, n}, ++seed), b = test::random_tensor(c.dt, {n, r}, ++seed);
-      const Tensor t = test::random_tensor(c.dt, {m, r}, ++seed), gb0 = test::random_tensor(DType::F32, {n, r}, ++seed);
-      Tensor dt(c.dt, {m, r}), dt_ref(c.dt, {m, r});
-      test::poison(dt);
-      Tensor gb = test::host_copy(gb0), gb_ref = test::host_copy(gb0);
-      lora_backward_dy(ctx, dy, b, t, dt, gb, 0.625f, c.math);
-      gemm(ctx, dy, b, dt_ref, {0.625f, 0.0f, c.math});
-      gemm_backward_b(ctx, dy, t, gb_ref, {0.625f, 1.0f, c.math});
-      const std::string what = std::string(dtype_name(c.dt)) + " " + math_mode_name(c.math) + " m" +
-                               std::to_string(m) + " n" + std::to_string(n) + " r" + std::to_string(r);
-      EXPECT_TRUE(test::bytes_equal(dt, dt_ref)) << what;
-      EXPECT_TRUE(test::bytes_equal(gb, gb_ref)) << what;
-    }
+    for (auto [m, n, r] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1, 8, 8}, {7, 65, 16}, {130, 63, 12}})
+      for (float beta : {1.0f, 0.0f}) {
+        const Tensor dy = test::random_tensor(c.dt, {m, n}, ++seed), b = test::random_tensor(c.dt, {n, r}, ++seed);
+        const Tensor t = test::random_tensor(c.dt, {m, r}, ++seed), gb0 = test::random_tensor(DType::F32, {n, r}, ++seed);
+        Tensor dt(c.dt, {m, r}), dt_ref(c.dt, {m, r});
+        test::poison(dt);
+        Tensor gb = test::host_copy(gb0), gb_ref = test::host_copy(gb0);
+        if (beta == 0.0f) test::poison(gb);  // beta = 0 must not read grad_b
+        lora_backward_dy(ctx, dy, b, t, dt, gb, 0.625f, c.math, beta);
+        gemm(ctx, dy, b, dt_ref, {0.625f, 0.0f, c.math});
+        gemm_backward_b(ctx, dy, t, gb_ref, {0.625f, beta, c.math});
+        const std::string what = std::string(dtype_name(c.dt)) + " " + math_mode_name(c.math) + " m" +
+                                 std::to_string(m) + " n" + std::to_string(n) + " r" + std::to_string(r) +
+                                 " beta " + std::to_string(beta);
+        EXPECT_TRUE(test::bytes_equal(dt, dt_ref)) << what;
+        EXPECT_TRUE(test::bytes_equal(gb, gb_ref)) << what;
+      }
 }
 
 TEST(LoraBackwardDy, EveryValidationPathThrowsAndWritesNothing) {
@@ -595,6 +598,8 @@ TEST(LoraBackwardDy, EveryValidationPathThrowsAndWritesNothing) {
            {op, "scale"});
   rejected("math", [&] { lora_backward_dy(ctx, dy, b, t, dt, gb, 1.0f, static_cast<MathMode>(9)); }, invalid,
            {op, "math mode"});
+  rejected("beta", [&] { lora_backward_dy(ctx, dy, b, t, dt, gb, 1.0f, MathMode::FP32, std::nanf("")); }, invalid,
+           {op, "beta"});
   rejected("null dt", [&] { lora_backward_dy(ctx, dy, b, t, TensorView(nullptr, DType::BF16, {m, r}), gb, 1.0f); },
            invalid, {op, "dt", "null"});
   const TensorView dt_on_t(t.data(), DType::BF16, {m, r});  // dt over t's memory

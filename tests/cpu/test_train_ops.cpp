@@ -186,6 +186,46 @@ TEST(TrainCast, Validation) {
   EXPECT_TRUE(rejects([&] { cast(ctx, part(buf, 0, {32}), shifted); }, kInvalid, {"cast", "overlap"}, {buf}));
 }
 
+// The batched cast is the single one per pair: every dtype pair, empty tensors, an exact same-dtype alias.
+TEST(TrainCast, ManyIsEachPairCastAlone) {
+  const Context ctx = Context::cpu();
+  std::vector<Tensor> src, dst, want;
+  std::uint64_t seed = 40;
+  for (std::int64_t n : {0L, 1L, 7L, 63L, 65L, 1000L})
+    for (auto [from, to] : {std::pair{DType::F32, DType::BF16}, {DType::BF16, DType::F32}, {DType::F32, DType::F32}}) {
+      src.push_back(test::random_tensor(from, {n}, ++seed, -3.0f, 3.0f));
+      dst.emplace_back(to, Shape{n});
+      test::poison(dst.back());
+      want.emplace_back(to, Shape{n});
+      cast(ctx, src.back(), want.back());
+    }
+  Tensor alias = test::random_tensor(DType::BF16, {9}, ++seed);
+  const Tensor alias_before = test::host_copy(alias);
+  std::vector<TensorView> s(src.begin(), src.end()), d(dst.begin(), dst.end());
+  s.push_back(alias);
+  d.push_back(alias);
+  cast(ctx, s, d);
+  for (std::size_t i = 0; i < dst.size(); ++i) EXPECT_TRUE(test::bytes_equal(dst[i], want[i])) << "pair " << i;
+  EXPECT_TRUE(test::bytes_equal(alias, alias_before));
+  cast(ctx, std::span<const TensorView>(), std::span<const TensorView>());  // nothing to do
+}
+
+TEST(TrainCast, ManyValidatesEveryPairBeforeWritingAny) {
+  const Context ctx = Context::cpu();
+  const Tensor a = test::random_tensor(DType::F32, {64}, 1), b = test::random_tensor(DType::F32, {32}, 2);
+  const Tensor da = test::random_tensor(DType::BF16, {64}, 3), db = test::random_tensor(DType::BF16, {32}, 4);
+  const Tensor db_short = test::random_tensor(DType::BF16, {31}, 5);
+  auto many = [&](std::vector<TensorView> s, std::vector<TensorView> d) { return [&ctx, s, d] { cast(ctx, s, d); }; };
+  EXPECT_TRUE(rejects(many({a, b}, {da}), kInvalid, {"cast", "src has 2 tensors but dst has 1"}, {da}));
+  // The second pair is bad: the first is not written either.
+  EXPECT_TRUE(rejects(many({a, b}, {da, db_short}), kShape, {"cast: dst[1]", "[31]", "src[1]"}, {da, db_short}));
+  EXPECT_TRUE(rejects(many({a, b}, {da, on_gpu(db)}), kDevice, {"cast: dst[1]", "cuda:0"}, {da, db}));
+  // A destination over another pair's source or destination.
+  const TensorView a_as_bf16(a.data(), DType::BF16, {32});
+  EXPECT_TRUE(rejects(many({a, b}, {da, a_as_bf16}), kInvalid, {"cast", "dst[1]", "src[0]", "overlap"}, {da, a}));
+  EXPECT_TRUE(rejects(many({a, b}, {da, part(da, 8, {32})}), kInvalid, {"cast", "dst[1]", "dst[0]", "overlap"}, {da}));
+}
+
 // ---- add ----------------------------------------------------------------------------------------------------------
 
 TEST(TrainAdd, MatchesNaive) {

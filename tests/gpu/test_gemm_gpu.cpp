@@ -341,22 +341,25 @@ TEST(GpuGemm, UnalignedViews) {
 // against the CPU, which runs the two GEMMs. dt (bf16) is one rounding of an fp32 sum over N, grad_b (f32) an fp32
 // sum over M added to its old value: the GEMM family's tolerances for those outputs and reduction lengths.
 void expect_lora_backward_dy_matches(DType dtype, MathMode math, std::int64_t m, std::int64_t n, std::int64_t r,
-                                     std::uint64_t seed, bool unaligned = false) {
+                                     std::uint64_t seed, bool unaligned = false, float beta = 1.0f) {
   Context& gpu = *test::gpu_context();
   const Context cpu = Context::cpu();
   const Tensor dy = test::random_tensor(dtype, {m, n}, seed), b = test::random_tensor(dtype, {n, r}, seed + 1);
   const Tensor t = test::random_tensor(dtype, {m, r}, seed + 2), gb0 = test::random_tensor(DType::F32, {n, r}, seed + 3);
   Tensor dt_ref(dtype, {m, r});
   Tensor gb_ref = test::host_copy(gb0);
-  lora_backward_dy(cpu, dy, b, t, dt_ref, gb_ref, 0.375f, math);
+  lora_backward_dy(cpu, dy, b, t, dt_ref, gb_ref, 0.375f, math, beta);
 
   Tensor dt(dtype, {m, r}, gpu.device()), gb = to_device(gb0, gpu.device());
   test::poison(dt);
+  if (beta == 0.0f) test::poison(gb);  // beta = 0 must not read grad_b
   OffsetView dy_d = offset_copy(dy, unaligned ? 1 : 0);
-  lora_backward_dy(gpu, dy_d.view, to_device(b, gpu.device()), to_device(t, gpu.device()), dt, gb, 0.375f, math);
+  lora_backward_dy(gpu, dy_d.view, to_device(b, gpu.device()), to_device(t, gpu.device()), dt, gb, 0.375f, math,
+                   beta);
   gpu.synchronize();
   const std::string what = std::string(dtype_name(dtype)) + " " + math_mode_name(math) + " m" + std::to_string(m) +
-                           " n" + std::to_string(n) + " r" + std::to_string(r) + (unaligned ? " unaligned dy" : "");
+                           " n" + std::to_string(n) + " r" + std::to_string(r) + (unaligned ? " unaligned dy" : "") +
+                           " beta " + std::to_string(beta);
   const test::Tolerance dt_tol = dtype == DType::BF16 ? test::bf16_output_tolerance(n)
                                  : math == MathMode::TF32 ? test::tf32_tolerance(n)
                                                           : test::fp32_accum_tolerance(n);
@@ -373,6 +376,8 @@ TEST(GpuLoraBackwardDy, OnePassKernelMatchesCpuOnRaggedShapes) {
                          {63, 520, 32}, {65, 1000, 16}, {130, 4104, 8}, {1000, 1536, 16}, {1000, 8960, 32},
                          {4097, 64, 16}})
     expect_lora_backward_dy_matches(DType::BF16, MathMode::FP32, m, n, r, seed += 10);
+  expect_lora_backward_dy_matches(DType::BF16, MathMode::FP32, 1000, 1536, 16, seed += 10, false, 0.0f);  // written
+  expect_lora_backward_dy_matches(DType::BF16, MathMode::FP32, 7, 136, 8, seed += 10, false, 0.0f);
 }
 
 TEST(GpuLoraBackwardDy, FallbackCasesMatchCpu) {
@@ -384,6 +389,7 @@ TEST(GpuLoraBackwardDy, FallbackCasesMatchCpu) {
   expect_lora_backward_dy_matches(DType::BF16, MathMode::FP32, 65, 520, 16, seed += 10, true);   // unaligned dy
   for (MathMode math : {MathMode::FP32, MathMode::TF32, MathMode::BF16})
     expect_lora_backward_dy_matches(DType::F32, math, 130, 520, 16, seed += 10);
+  expect_lora_backward_dy_matches(DType::BF16, MathMode::FP32, 65, 1001, 16, seed += 10, false, 0.0f);
 }
 
 // ---- the plan cache -----------------------------------------------------------------------------------------------

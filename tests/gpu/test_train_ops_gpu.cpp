@@ -117,6 +117,31 @@ TEST(TrainOpsGpu, CastMatchesCpuBitForBit) {
     }
 }
 
+// More pairs than one launch takes (64), f32 -> bf16 ones batched and the others cast one by one, aligned and not.
+TEST(TrainOpsGpu, CastManyMatchesCpuBitForBit) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  std::vector<Dev> src, dst;
+  std::vector<Tensor> want;
+  const std::int64_t lengths[] = {0, 1, 7, 63, 65, 1000, 4099, 16 * 4096};
+  for (int i = 0; i < 70; ++i) {
+    const std::int64_t n = lengths[i % std::size(lengths)];
+    const bool to_f32 = i % 9 == 4, misaligned = i % 3 == 1;
+    const Tensor s = test::random_tensor(to_f32 ? DType::BF16 : DType::F32, {n}, 500 + i, -3.0f, 3.0f);
+    want.emplace_back(to_f32 ? DType::F32 : DType::BF16, Shape{n});
+    cast(cpu, s, want.back());
+    src.push_back(on_device(s, misaligned));
+    dst.push_back(device_tensor(want.back().dtype(), {n}, i % 5 == 2));
+  }
+  std::vector<TensorView> s, d;
+  for (std::size_t i = 0; i < src.size(); ++i) s.push_back(src[i].view), d.push_back(dst[i].view);
+  cast(gpu, s, d);
+  gpu.synchronize();
+  for (std::size_t i = 0; i < want.size(); ++i)
+    EXPECT_TRUE(test::bytes_equal(dst[i].view, want[i])) << "pair " << i << " n=" << want[i].numel();
+}
+
 TEST(TrainOpsGpu, AddMatchesCpu) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();

@@ -210,11 +210,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 }
 
-// dt[i] = bf16(scale·Σ_s dt_part[s][i]) for i < mr, then grad_b[j] += scale·Σ_z gb_part[z][j], sums in order.
+// dt[i] = bf16(scale·Σ_s dt_part[s][i]) for i < mr, then grad_b[j] = scale·Σ_z gb_part[z][j] + beta·grad_b[j],
+// sums in order; beta = 0 does not read grad_b (a GEMM's beta = 0).
 // One element per thread: a float4 version (a quarter of the threads) measured slower.
 __global__ void __launch_bounds__(kThreads) lora_backward_dy_reduce_kernel(
     const float* __restrict__ dt_part, int strips, std::int64_t mr, __nv_bfloat16* __restrict__ dt,
-    const float* __restrict__ gb_part, int splits, std::int64_t nr, float* __restrict__ grad_b, float scale) {
+    const float* __restrict__ gb_part, int splits, std::int64_t nr, float* __restrict__ grad_b, float scale,
+    float beta) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < mr + nr;
        i += stride) {
@@ -225,7 +227,7 @@ __global__ void __launch_bounds__(kThreads) lora_backward_dy_reduce_kernel(
     } else {
       const std::int64_t j = i - mr;
       for (int z = 0; z < splits; ++z) sum += gb_part[z * nr + j];
-      grad_b[j] += scale * sum;
+      grad_b[j] = beta == 0.0f ? scale * sum : scale * sum + beta * grad_b[j];
     }
   }
 }
@@ -233,7 +235,7 @@ __global__ void __launch_bounds__(kThreads) lora_backward_dy_reduce_kernel(
 // False, launching nothing, where the GPU has less shared memory per block than the kernel needs (163-192 KB).
 template <int kR>
 bool launch(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
-            const TensorView& dt, const TensorView& grad_b, float scale) {
+            const TensorView& dt, const TensorView& grad_b, float scale, float beta) {
   if (static_cast<std::size_t>(Layout<kR>::kBytes) > state(ctx).props.sharedMemPerBlockOptin) return false;
   set_device(ctx);
   const std::int64_t M = dy.dim(0), N = dy.dim(1);
@@ -254,7 +256,7 @@ bool launch(const Context& ctx, const TensorView& dy, const TensorView& b, const
   QMM_CUDA_CHECK_LAUNCH("lora_backward_dy_kernel");
   const unsigned grid = grid_for(ctx, lora_backward_dy_reduce_kernel, kThreads, mr + nr);
   lora_backward_dy_reduce_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
-      dt_part, strips, mr, dt.data_as<__nv_bfloat16>(), gb_part, splits, nr, grad_b.data_as<float>(), scale);
+      dt_part, strips, mr, dt.data_as<__nv_bfloat16>(), gb_part, splits, nr, grad_b.data_as<float>(), scale, beta);
   QMM_CUDA_CHECK_LAUNCH("lora_backward_dy_reduce_kernel");
   return true;
 }
@@ -262,14 +264,14 @@ bool launch(const Context& ctx, const TensorView& dy, const TensorView& b, const
 }  // namespace
 
 bool lora_backward_dy_fused(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
-                            const TensorView& dt, const TensorView& grad_b, float scale) {
+                            const TensorView& dt, const TensorView& grad_b, float scale, float beta) {
   const std::int64_t M = dy.dim(0), N = dy.dim(1), r = b.dim(1);
   if (dy.dtype() != DType::BF16 || M == 0 || N == 0 || N % 8 != 0) return false;
   if (!aligned16(dy.data()) || !aligned16(b.data()) || !aligned16(t.data())) return false;
   switch (r) {
-    case 8: return launch<8>(ctx, dy, b, t, dt, grad_b, scale);
-    case 16: return launch<16>(ctx, dy, b, t, dt, grad_b, scale);
-    case 32: return launch<32>(ctx, dy, b, t, dt, grad_b, scale);
+    case 8: return launch<8>(ctx, dy, b, t, dt, grad_b, scale, beta);
+    case 16: return launch<16>(ctx, dy, b, t, dt, grad_b, scale, beta);
+    case 32: return launch<32>(ctx, dy, b, t, dt, grad_b, scale, beta);
     default: return false;
   }
 }

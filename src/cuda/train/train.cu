@@ -145,6 +145,29 @@ void cast(const Context& ctx, const TensorView& src, const TensorView& dst) {
   }
 }
 
+void cast(const Context& ctx, std::span<const TensorView> src, std::span<const TensorView> dst) {
+  set_device(ctx);
+  std::vector<CastSlot> slots;
+  std::vector<std::int64_t> sizes;
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    const std::int64_t n = dst[i].numel();
+    if (n == 0) continue;
+    if (src[i].dtype() != DType::F32 || dst[i].dtype() != DType::BF16) {
+      cast(ctx, src[i], dst[i]);
+      continue;
+    }
+    const bool vec = aligned16(src[i].data()) && aligned16(dst[i].data());
+    slots.push_back({src[i].data_as<const float>(), dst[i].data_as<std::uint16_t>(), n, vec ? n / 8 : 0});
+    sizes.push_back(n);
+  }
+  if (slots.empty()) return;
+  const std::vector<int> blocks = share_blocks(wave_blocks(ctx, cast_batch_f32_to_bf16_kernel, kThreads), sizes);
+  for_each_batch(slots, blocks, [&](const Batch<CastSlot>& b, int nblocks, int) {
+    cast_batch_f32_to_bf16_kernel<<<static_cast<unsigned>(nblocks), kThreads, 0, stream_of(ctx)>>>(b);
+    QMM_CUDA_CHECK_LAUNCH("cast_batch_f32_to_bf16_kernel");
+  });
+}
+
 void add(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& out, float alpha) {
   if (out.numel() == 0) return;
   set_device(ctx);

@@ -132,11 +132,11 @@ __device__ __forceinline__ std::uint32_t bf16_bits(float x) {
   return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 
-// 8 elements per step: two float4 on the f32 side, one uint4 on the bf16 side.
-__global__ void __launch_bounds__(kThreads)
-    cast_f32_to_bf16_kernel(const float* src, std::uint16_t* dst, std::int64_t n, std::int64_t nvec8) {
-  const std::int64_t stride = grid_threads();
-  for (std::int64_t v = global_thread(); v < nvec8; v += stride) {
+// Elements start, start + stride, ... of src converted into dst; 8 per step (two float4 on the f32 side, one uint4
+// on the bf16 side) over the first nvec8 groups of 8.
+__device__ __forceinline__ void cast_f32_to_bf16_strided(const float* src, std::uint16_t* dst, std::int64_t n,
+                                                         std::int64_t nvec8, std::int64_t start, std::int64_t stride) {
+  for (std::int64_t v = start; v < nvec8; v += stride) {
     const float4 a = reinterpret_cast<const float4*>(src)[2 * v];
     const float4 b = reinterpret_cast<const float4*>(src)[2 * v + 1];
     // The lower index goes into the low half of each 32-bit word.
@@ -144,8 +144,12 @@ __global__ void __launch_bounds__(kThreads)
         make_uint4(bf16_bits(a.x) | bf16_bits(a.y) << 16, bf16_bits(a.z) | bf16_bits(a.w) << 16,
                    bf16_bits(b.x) | bf16_bits(b.y) << 16, bf16_bits(b.z) | bf16_bits(b.w) << 16);
   }
-  for (std::int64_t i = nvec8 * 8 + global_thread(); i < n; i += stride)
-    dst[i] = static_cast<std::uint16_t>(bf16_bits(src[i]));
+  for (std::int64_t i = nvec8 * 8 + start; i < n; i += stride) dst[i] = static_cast<std::uint16_t>(bf16_bits(src[i]));
+}
+
+__global__ void __launch_bounds__(kThreads)
+    cast_f32_to_bf16_kernel(const float* src, std::uint16_t* dst, std::int64_t n, std::int64_t nvec8) {
+  cast_f32_to_bf16_strided(src, dst, n, nvec8, global_thread(), grid_threads());
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -289,6 +293,23 @@ __global__ void __launch_bounds__(kThreads) mse_loss_kernel(const T* y, const T*
   }
   const double total = block_sum(acc);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+// ---- AdamW ------------------------------------------------------------------------------------------------------
+
+// ---- batched cast ------------------------------------------------------------------------------------------------
+
+struct CastSlot {
+  const float* src;
+  std::uint16_t* dst;  // bf16 bits
+  std::int64_t n;
+  std::int64_t nvec8;  // groups of 8 taken as vectors (0 unless both are 16-byte aligned)
+};
+
+__global__ void __launch_bounds__(kThreads) cast_batch_f32_to_bf16_kernel(const __grid_constant__ Batch<CastSlot> batch) {
+  const Share sh = share_of_block(batch);
+  const CastSlot& t = batch.t[sh.slot];
+  cast_f32_to_bf16_strided(t.src, t.dst, t.n, t.nvec8, sh.local * kThreads + threadIdx.x, sh.blocks * kThreads);
 }
 
 // ---- AdamW ------------------------------------------------------------------------------------------------------
