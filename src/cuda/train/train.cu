@@ -153,7 +153,7 @@ void cast(const Context& ctx, std::span<const TensorView> src, std::span<const T
     const std::int64_t n = dst[i].numel();
     if (n == 0) continue;
     if (src[i].dtype() != DType::F32 || dst[i].dtype() != DType::BF16) {
-      cast(ctx, src[i], dst[i]);
+      cuda::cast(ctx, src[i], dst[i]);  // qualified: ADL would find qmm::cast too
       continue;
     }
     const bool vec = aligned16(src[i].data()) && aligned16(dst[i].data());
