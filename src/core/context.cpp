@@ -1,18 +1,17 @@
 #include "qmm/context.h"
 
 #include "core/context_impl.h"
+#include "core/gpu_backend.h"
+#include "core/validate.h"
 #include "qmm/error.h"
-#ifdef QMM_WITH_CUDA
-#include "cuda/cuda_backend.h"
-#endif
 
 namespace qmm {
 
-#ifndef QMM_WITH_CUDA
-namespace cuda {
-void destroy_state(CudaState*) {}
-}  // namespace cuda
-#endif
+const GpuBackend& require_gpu_backend(const char* op) {
+  const GpuBackend* backend = gpu_backend();
+  if (!backend) detail::fail(ErrorCode::NoDevice, op, "qmm was built without CUDA (nvcc was not found at configure time)");
+  return *backend;
+}
 
 Context Context::cpu() {
   auto impl = std::make_shared<Impl>();
@@ -22,41 +21,28 @@ Context Context::cpu() {
 }
 
 Context Context::cuda(int device, void* stream) {
-#ifdef QMM_WITH_CUDA
+  const GpuBackend& gpu = require_gpu_backend("Context::cuda");
   auto impl = std::make_shared<Impl>();
   impl->device = Device::cuda(device);
   impl->stream = stream;
-  cuda::init_context(*impl, device, stream);
+  gpu.init_context(*impl, device, stream);
   return Context(std::move(impl));
-#else
-  (void)device;
-  (void)stream;
-  throw Error(ErrorCode::NoDevice, "Context::cuda: qmm was built without CUDA (nvcc was not found at configure time)");
-#endif
 }
 
 Context Context::cuda_with_new_stream(int device) {
   Context ctx = cuda(device);  // throws NoDevice where there is no CUDA
-#ifdef QMM_WITH_CUDA
-  ctx.impl_->stream = cuda::create_owned_stream(*ctx.impl_);
-#endif
+  ctx.impl_->stream = require_gpu_backend("Context::cuda_with_new_stream").create_owned_stream(*ctx.impl_);
   return ctx;
 }
 
 int Context::cuda_device_count() {
-#ifdef QMM_WITH_CUDA
-  return cuda::device_count();
-#else
-  return 0;
-#endif
+  const GpuBackend* gpu = gpu_backend();
+  return gpu ? gpu->device_count() : 0;
 }
 
 std::string Context::cuda_unavailable_reason() {
-#ifdef QMM_WITH_CUDA
-  return cuda::unavailable_reason();
-#else
-  return "qmm was built without CUDA";
-#endif
+  const GpuBackend* gpu = gpu_backend();
+  return gpu ? gpu->unavailable_reason() : "qmm was built without CUDA";
 }
 
 Device Context::device() const { return impl_->device; }
@@ -64,18 +50,14 @@ void* Context::stream() const { return impl_->stream; }
 std::string Context::device_name() const { return impl_->name; }
 
 DeviceInfo Context::info() const {
-#ifdef QMM_WITH_CUDA
-  if (impl_->device.is_cuda()) return cuda::device_info(*this);
-#endif
+  if (impl_->device.is_cuda()) return require_gpu_backend("Context::info").device_info(*this);
   DeviceInfo d;
   d.name = "cpu";
   return d;
 }
 
 void Context::synchronize() const {
-#ifdef QMM_WITH_CUDA
-  if (impl_->device.is_cuda()) cuda::synchronize(*this);
-#endif
+  if (impl_->device.is_cuda()) require_gpu_backend("Context::synchronize").synchronize(*this);
 }
 
 }  // namespace qmm

@@ -1,4 +1,5 @@
-// Context::Impl: per-device state. Backends reach their part through it; nothing here includes CUDA headers.
+// Context::Impl: per-device state. A backend keeps its part (stream, handles) in `backend`; nothing here knows a
+// backend's types.
 #pragma once
 
 #include <functional>
@@ -11,10 +12,10 @@
 
 namespace qmm {
 
-namespace cuda {
-struct CudaState;  // defined in src/cuda/common/cuda_state.h
-void destroy_state(CudaState* state);
-}  // namespace cuda
+// A backend's per-context state, released with the context (the CUDA backend's: src/cuda/common/cuda_state.h).
+struct BackendState {
+  virtual ~BackendState() = default;
+};
 
 // A thread-safe map from a plan key ("op|dtypes|shape|layout") to whatever the backend chose for it
 // (a cuBLASLt algorithm, a kernel variant). Values are created once, by the first caller, under the lock.
@@ -44,7 +45,7 @@ struct Context::Impl {
   void* stream = nullptr;
   std::string name;
   PlanCache plans;
-  std::unique_ptr<cuda::CudaState, void (*)(cuda::CudaState*)> cuda{nullptr, cuda::destroy_state};
+  std::unique_ptr<BackendState> backend;
 };
 
 // The library's way into a Context's state (the public header keeps Impl opaque to programs).

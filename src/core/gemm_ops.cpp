@@ -4,12 +4,10 @@
 #include <string>
 
 #include "core/gemm_problem.h"
+#include "core/gpu_backend.h"
 #include "core/validate.h"
 #include "cpu/cpu_backend.h"
 #include "qmm/ops.h"
-#ifdef QMM_WITH_CUDA
-#include "cuda/cuda_backend.h"
-#endif
 
 namespace qmm {
 
@@ -86,11 +84,7 @@ void run(const Context& ctx, [[maybe_unused]] const char* op, const GemmProblem&
     cpu::gemm(p);
     return;
   }
-#ifdef QMM_WITH_CUDA
-  cuda::gemm(ctx, p);
-#else
-  detail::fail(ErrorCode::NoDevice, op, "qmm was built without CUDA");
-#endif
+  require_gpu_backend(op).gemm(ctx, p);
 }
 
 }  // namespace
@@ -190,9 +184,8 @@ void lora_backward_dy(const Context& ctx, const TensorView& dy, const TensorView
   for (const Arg* out : {&DT, &GB})
     for (const Arg* in : {&DY, &B, &T}) detail::require_no_overlap(op, out->name, out->t, in->name, in->t);
   detail::require_no_overlap(op, "dt", dt, "grad_b", grad_b);
-#ifdef QMM_WITH_CUDA
-  if (ctx.device().is_cuda() && cuda::lora_backward_dy_fused(ctx, dy, b, t, dt, grad_b, scale, beta)) return;
-#endif
+  if (ctx.device().is_cuda() && require_gpu_backend(op).lora_backward_dy(ctx, dy, b, t, dt, grad_b, scale, beta))
+    return;
   gemm(ctx, dy, b, dt, {scale, 0.0f, math});
   gemm_backward_b(ctx, dy, t, grad_b, {scale, beta, math});
 }

@@ -6,12 +6,10 @@
 #include <string>
 #include <vector>
 
+#include "core/gpu_backend.h"
 #include "core/validate.h"
 #include "cpu/cpu_backend.h"
 #include "qmm/ops.h"
-#ifdef QMM_WITH_CUDA
-#include "cuda/cuda_backend.h"
-#endif
 
 namespace qmm {
 
@@ -94,10 +92,6 @@ void require_quantize_input(const Context& ctx, const char* op, const TensorView
   detail::require_dtype(op, "W", w, {DType::F32, DType::BF16, DType::F16});
   if (w.dim(0) < 1 || w.dim(1) < 1)
     fail(ErrorCode::InvalidArgument, op, "W is " + w.shape().str() + " but must have at least one row and one column");
-}
-
-[[maybe_unused]] [[noreturn]] void no_cuda(const char* op) {
-  detail::fail(ErrorCode::NoDevice, op, "qmm was built without CUDA");
 }
 
 // The index of the first NaN or infinity among n elements of a host buffer of dtype `dtype` (f32, bf16 or f16),
@@ -203,11 +197,7 @@ void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out) {
   }
   require_finite_weight(ctx, op, w);
   if (ctx.device().is_cpu()) return cpu::nf4_quantize(w, out);
-#ifdef QMM_WITH_CUDA
-  cuda::nf4_quantize(ctx, w, out);
-#else
-  no_cuda(op);
-#endif
+  require_gpu_backend(op).nf4_quantize(ctx, w, out);
 }
 
 Nf4Tensor nf4_quantize(const Context& ctx, const TensorView& w, bool double_quant, int block_size) {
@@ -231,11 +221,7 @@ void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& ou
   require_shape(op, "out", out, w.rows, w.cols, "W's shape");
   require_disjoint(op, {"out", out}, weight_parts("W", w));
   if (ctx.device().is_cpu()) return cpu::nf4_dequantize(w, out);
-#ifdef QMM_WITH_CUDA
-  cuda::nf4_dequantize(ctx, w, out);
-#else
-  no_cuda(op);
-#endif
+  require_gpu_backend(op).nf4_dequantize(ctx, w, out);
 }
 
 void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
@@ -258,11 +244,7 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
     if (a.dim(0) == 0) return;
     return cpu::nf4_gemm(a, w, c, opts.alpha, opts.beta);
   }
-#ifdef QMM_WITH_CUDA
-  cuda::nf4_gemm(ctx, a, w, c, opts);
-#else
-  no_cuda(op);
-#endif
+  require_gpu_backend(op).nf4_gemm(ctx, a, w, c, opts);
 }
 
 void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weight& w, const TensorView& da,
@@ -285,11 +267,7 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
     if (dc.dim(0) == 0) return;
     return cpu::nf4_gemm_backward_a(dc, w, da, opts.alpha, opts.beta);
   }
-#ifdef QMM_WITH_CUDA
-  cuda::nf4_gemm_backward_a(ctx, dc, w, da, opts);
-#else
-  no_cuda(op);
-#endif
+  require_gpu_backend(op).nf4_gemm_backward_a(ctx, dc, w, da, opts);
 }
 
 void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
@@ -331,11 +309,7 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
     if (a.dim(0) == 0) return;
     return cpu_gate_up(a, w_gate, w_up, out, opts.alpha, opts.beta);
   }
-#ifdef QMM_WITH_CUDA
-  cuda::nf4_gate_up(ctx, a, w_gate, w_up, out, opts);
-#else
-  no_cuda(op);
-#endif
+  require_gpu_backend(op).nf4_gate_up(ctx, a, w_gate, w_up, out, opts);
 }
 
 }  // namespace qmm

@@ -1,12 +1,10 @@
 // Public SwiGLU entry points: validate (shapes, dtypes, devices, which aliasing is allowed), then route.
 #include <string>
 
+#include "core/gpu_backend.h"
 #include "core/validate.h"
 #include "cpu/cpu_backend.h"
 #include "qmm/ops.h"
-#ifdef QMM_WITH_CUDA
-#include "cuda/cuda_backend.h"
-#endif
 
 namespace qmm {
 namespace {
@@ -48,11 +46,7 @@ void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, co
   check_alias_allowed(op, H, U);
   if (h.numel() == 0) return;
   if (ctx.device().is_cpu()) return cpu::swiglu(gate, up, h);
-#ifdef QMM_WITH_CUDA
-  cuda::swiglu(ctx, gate, up, h);
-#else
-  detail::fail(ErrorCode::NoDevice, op, "qmm was built without CUDA");
-#endif
+  require_gpu_backend(op).swiglu(ctx, gate, up, h);
 }
 
 void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
@@ -70,11 +64,7 @@ void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorVie
   detail::require_no_overlap(op, "dgate", dgate, "dup", dup);
   if (dgate.numel() == 0) return;
   if (ctx.device().is_cpu()) return cpu::swiglu_backward(gate, up, dh, dgate, dup);
-#ifdef QMM_WITH_CUDA
-  cuda::swiglu_backward(ctx, gate, up, dh, dgate, dup);
-#else
-  detail::fail(ErrorCode::NoDevice, op, "qmm was built without CUDA");
-#endif
+  require_gpu_backend(op).swiglu_backward(ctx, gate, up, dh, dgate, dup);
 }
 
 }  // namespace qmm

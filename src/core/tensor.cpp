@@ -7,12 +7,10 @@
 #include <cstring>
 #include <limits>
 
+#include "core/gpu_backend.h"
 #include "core/validate.h"
 #include "qmm/context.h"
 #include "qmm/error.h"
-#ifdef QMM_WITH_CUDA
-#include "cuda/cuda_backend.h"
-#endif
 
 namespace qmm {
 
@@ -108,13 +106,12 @@ Tensor::Tensor(DType dtype, Shape shape, Device device) {
     if (!p) throw Error(ErrorCode::InvalidArgument, "Tensor: cannot allocate " + std::to_string(bytes) + " bytes");
     storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
   } else {
-#ifdef QMM_WITH_CUDA
-    void* p = cuda::device_alloc(alloc, device.index);
+    const GpuBackend* gpu = gpu_backend();
+    if (!gpu)
+      throw Error(ErrorCode::NoDevice, "Tensor: qmm was built without CUDA; cannot allocate on " + device.str());
+    void* p = gpu->device_alloc(alloc, device.index);
     const int index = device.index;
-    storage_ = std::shared_ptr<void>(p, [index](void* q) { cuda::device_free(q, index); });
-#else
-    throw Error(ErrorCode::NoDevice, "Tensor: qmm was built without CUDA; cannot allocate on " + device.str());
-#endif
+    storage_ = std::shared_ptr<void>(p, [gpu, index](void* q) { gpu->device_free(q, index); });
   }
   view_ = TensorView(storage_.get(), dtype, shape, device);
 }
@@ -130,11 +127,7 @@ void copy(const TensorView& dst, const TensorView& src) {
     std::memmove(dst.data(), src.data(), src.nbytes());
     return;
   }
-#ifdef QMM_WITH_CUDA
-  cuda::copy_bytes(dst.data(), dst.device(), src.data(), src.device(), src.nbytes());
-#else
-  throw Error(ErrorCode::NoDevice, "copy: qmm was built without CUDA");
-#endif
+  require_gpu_backend("copy").copy_bytes(dst.data(), dst.device(), src.data(), src.device(), src.nbytes());
 }
 
 void copy(const Context& ctx, const TensorView& dst, const TensorView& src) {
@@ -148,11 +141,7 @@ void copy(const Context& ctx, const TensorView& dst, const TensorView& src) {
                   ErrorCode::DeviceMismatch, "copy", "device tensors must be on the context's " + ctx.device().str());
   if (dst.numel() == 0) return;
   detail::require(dst.data() && src.data(), ErrorCode::InvalidArgument, "copy", "null data pointer");
-#ifdef QMM_WITH_CUDA
-  cuda::copy_bytes_async(ctx, dst.data(), src.data(), src.nbytes());
-#else
-  throw Error(ErrorCode::NoDevice, "copy: qmm was built without CUDA");
-#endif
+  require_gpu_backend("copy").copy_bytes_async(ctx, dst.data(), src.data(), src.nbytes());
 }
 
 Tensor to_device(const TensorView& src, Device device) {

@@ -3,19 +3,15 @@
 
 #include <chrono>
 
+#include "core/gpu_backend.h"
 #include "qmm/error.h"
-#ifdef QMM_WITH_CUDA
-#include "cuda/cuda_backend.h"
-#endif
 
 namespace qmm {
 
 std::vector<double> time_calls(const Context& ctx, const std::function<void(int)>& fn, int warmup, int repeats) {
   if (warmup < 0 || repeats < 1)
     throw Error(ErrorCode::InvalidArgument, "time_calls: warmup must be >= 0 and repeats >= 1");
-#ifdef QMM_WITH_CUDA
-  if (ctx.device().is_cuda()) return cuda::time_calls(ctx, fn, warmup, repeats);
-#endif
+  if (ctx.device().is_cuda()) return require_gpu_backend("time_calls").time_calls(ctx, fn, warmup, repeats);
   std::vector<double> ms;
   for (int i = 0; i < warmup + repeats; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -29,9 +25,7 @@ std::vector<double> time_calls(const Context& ctx, const std::function<void(int)
 std::vector<double> time_graph(const Context& ctx, const std::function<void(int)>& fn, int calls, int replays) {
   if (calls < 1 || replays < 1)
     throw Error(ErrorCode::InvalidArgument, "time_graph: calls and replays must be >= 1");
-#ifdef QMM_WITH_CUDA
-  if (ctx.device().is_cuda()) return cuda::time_graph(ctx, fn, calls, replays);
-#endif
+  if (ctx.device().is_cuda()) return require_gpu_backend("time_graph").time_graph(ctx, fn, calls, replays);
   (void)fn;
   throw Error(ErrorCode::Unsupported, "time_graph: CUDA graphs need a CUDA context");
 }

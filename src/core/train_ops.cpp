@@ -9,26 +9,19 @@
 #include <string>
 #include <vector>
 
+#include "core/gpu_backend.h"
 #include "core/train_math.h"
 #include "core/validate.h"
 #include "cpu/cpu_backend.h"
 #include "qmm/ops.h"
-#ifdef QMM_WITH_CUDA
-#include "cuda/cuda_backend.h"
-#endif
 
 namespace qmm {
 namespace {
 
 using detail::require;
 
-#ifdef QMM_WITH_CUDA
 #define QMM_TRAIN_ROUTE(ctx, op, fn, ...) \
-  ((ctx).device().is_cpu() ? cpu::fn(__VA_ARGS__) : cuda::fn((ctx), __VA_ARGS__))
-#else
-#define QMM_TRAIN_ROUTE(ctx, op, fn, ...) ((ctx).device().is_cpu() ? cpu::fn(__VA_ARGS__) : no_cuda(op))
-[[noreturn]] void no_cuda(const char* op) { detail::fail(ErrorCode::NoDevice, op, "qmm was built without CUDA"); }
-#endif
+  ((ctx).device().is_cpu() ? cpu::fn(__VA_ARGS__) : require_gpu_backend(op).fn((ctx), __VA_ARGS__))
 
 std::string num(double v) {
   std::ostringstream s;
@@ -169,7 +162,7 @@ void cast(const Context& ctx, const TensorView& src, const TensorView& dst) {
               src.shape().str() + " (" + std::to_string(src.numel()) + " elements)");
   require_exact_alias_or_disjoint(op, "dst", dst, "src", src);
   if (dst.numel() == 0 || (dst.data() == src.data() && dst.dtype() == src.dtype())) return;
-  QMM_TRAIN_ROUTE(ctx, op, cast, src, dst);
+  QMM_TRAIN_ROUTE(ctx, op, cast, std::span<const TensorView>(&src, 1), std::span<const TensorView>(&dst, 1));
 }
 
 void cast(const Context& ctx, std::span<const TensorView> src, std::span<const TensorView> dst) {
@@ -415,51 +408,7 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
                   std::to_string(vocab) + ") or the ignore_index " + std::to_string(opts.ignore_index));
   }
   if (ctx.device().is_cpu()) return cpu::linear_cross_entropy(h, w, labels, loss, dh, dw, opts.ignore_index);
-#ifdef QMM_WITH_CUDA
-  // The tokens go through in chunks: a chunk's logits [c, V] (fp32) come from one GEMM, its rows' loss terms and
-  // gradient rows from cuda::cross_entropy_rows, then its gradients' GEMMs. Memory: the logits and gradient rows of
-  // one chunk, by default a 32nd of the tokens (at least 64): about 5% of the whole fp32 logits. The count of
-  // tokens n that the mean divides by stays on the device: nothing here waits for it.
-  if (t == 0) {
-    zero(ctx, loss);
-    return;
-  }
-  const Device dev = ctx.device();
-  const std::int64_t chunk = opts.chunk_tokens > 0 ? std::min(opts.chunk_tokens, t)
-                                                   : std::min(t, std::max<std::int64_t>(64, (t + 31) / 32));
-  const bool grads = !dh.empty() || !dw.empty();
-  // Temporaries from the stream-ordered pool: nothing waits for the device, and a graph capture can hold the call.
-  // Each piece starts on a 256-byte boundary (the pool's blocks do): GEMM operands and fp64 sums stay aligned.
-  const auto padded = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
-  const std::size_t logits_bytes = padded(static_cast<std::size_t>(chunk * vocab) * 4);
-  const std::size_t g_bytes = grads ? padded(static_cast<std::size_t>(chunk * vocab) * dtype_size(h.dtype())) : 0;
-  const std::size_t loss_bytes = padded(static_cast<std::size_t>(t) * 8);
-  cuda::StreamScratch scratch(ctx, logits_bytes + g_bytes + loss_bytes + 16);
-  auto* base = static_cast<std::uint8_t*>(scratch.data());
-  const TensorView logits(base, DType::F32, {chunk, vocab}, dev);
-  const TensorView g = grads ? TensorView(base + logits_bytes, h.dtype(), {chunk, vocab}, dev) : TensorView();
-  const TensorView row_loss(base + logits_bytes + g_bytes, DType::U8, {8 * t}, dev);
-  const TensorView stats(base + logits_bytes + g_bytes + loss_bytes, DType::U8, {16}, dev);
-  cuda::cross_entropy_label_stats(ctx, labels, vocab, opts.ignore_index, stats);
-  const std::size_t h_row = static_cast<std::size_t>(hidden) * dtype_size(h.dtype());
-  auto rows = [](const TensorView& base, std::int64_t first, std::size_t row_bytes, Shape shape) {
-    return TensorView(static_cast<std::uint8_t*>(base.data()) + static_cast<std::size_t>(first) * row_bytes,
-                      base.dtype(), shape, base.device());
-  };
-  for (std::int64_t first = 0; first < t; first += chunk) {
-    const std::int64_t c = std::min(chunk, t - first);
-    const TensorView hc = rows(h, first, h_row, {c, hidden}), zc = rows(logits, 0, 0, {c, vocab});
-    const TensorView gc = grads ? rows(g, 0, 0, {c, vocab}) : TensorView();
-    gemm_bt(ctx, hc, w, zc);
-    cuda::cross_entropy_rows(ctx, zc, rows(labels, first, 4, {c}), opts.ignore_index, stats, gc,
-                             rows(row_loss, first, 8, {8 * c}));
-    if (!dh.empty()) gemm(ctx, gc, w, rows(dh, first, h_row, {c, hidden}));
-    if (!dw.empty()) gemm_backward_b(ctx, gc, hc, dw, {1.0f, 1.0f});
-  }
-  cuda::cross_entropy_mean(ctx, row_loss, stats, loss);
-#else
-  no_cuda(op);
-#endif
+  require_gpu_backend(op).linear_cross_entropy(ctx, h, w, labels, loss, dh, dw, opts);
 }
 
 void grad_norm(const Context& ctx, std::span<const TensorView> grads, const TensorView& norm) {

@@ -1,5 +1,6 @@
-// The CUDA backend's entry points, callable from plain C++ (no CUDA headers). Arguments arrive validated and on
-// ctx's device. Everything is enqueued on ctx's stream.
+// The CUDA backend's entry points, callable from plain C++ (no CUDA headers); cuda_backend.cu hands them to the
+// core as its GpuBackend (core/gpu_backend.h). Arguments arrive validated and on ctx's device. Everything is
+// enqueued on ctx's stream.
 #pragma once
 
 #include <cstddef>
@@ -19,7 +20,7 @@ namespace qmm::cuda {
 // Device and memory (src/cuda/common/).
 int device_count();
 std::string unavailable_reason();
-void init_context(Context::Impl& impl, int device, void* stream);  // fills impl.cuda, name
+void init_context(Context::Impl& impl, int device, void* stream);  // fills impl.backend, name
 void* device_alloc(std::size_t bytes, int device);
 void device_free(void* ptr, int device) noexcept;
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, std::size_t bytes);
@@ -30,21 +31,6 @@ std::vector<double> time_calls(const Context& ctx, const std::function<void(int)
 std::vector<double> time_graph(const Context& ctx, const std::function<void(int)>& fn, int calls, int replays);
 // Creates a non-blocking stream for impl (destroyed with its state) and returns it.
 void* create_owned_stream(Context::Impl& impl);
-
-// Device memory for the core's temporaries, from ctx's stream-ordered pool: allocated and freed in the order of
-// ctx's stream, so a call that uses it neither waits for the device (cudaFree would) nor breaks a CUDA-graph capture.
-class ScratchBuffer;
-class StreamScratch {
- public:
-  StreamScratch(const Context& ctx, std::size_t bytes);
-  ~StreamScratch();
-  StreamScratch(const StreamScratch&) = delete;
-  StreamScratch& operator=(const StreamScratch&) = delete;
-  void* data() const;
-
- private:
-  std::unique_ptr<ScratchBuffer> buffer_;
-};
 
 void gemm(const Context& ctx, const GemmProblem& p);                       // gemm/
 // lora_backward_dy's one-pass kernel where it applies (see ops.h); false, having done nothing, where it does not.
@@ -82,19 +68,9 @@ void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView
 // k and k_out are absent views (rank 0) where there is no k.
 void rope(const Context& ctx, const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
           const TensorView& q_out, const TensorView& k_out, bool inverse);
-// linear_cross_entropy's steps. label_stats: stats (U8 [16], two int64) = {n, the count of labels out of range}, n the
-// count of labels in [0, vocab) that are not ignore_index. rows, over one chunk of fp32 logits [rows, V] (the core
-// runs the chunks' GEMMs): each row's loss term logsumexp(z) - z[label] into row_loss[row] (fp64; 0 for an ignored
-// row, NaN for a label out of range) and, where g is given (f32 or bf16 [rows, V]), the gradient rows
-// g = (softmax(z) - onehot(label)) / n (0 for an ignored row, NaN for a label out of range).
-void cross_entropy_label_stats(const Context& ctx, const TensorView& labels, std::int64_t vocab,
-                               std::int32_t ignore_index, const TensorView& stats);
-void cross_entropy_rows(const Context& ctx, const TensorView& logits, const TensorView& labels,
-                        std::int32_t ignore_index, const TensorView& stats, const TensorView& g,
-                        const TensorView& row_loss);
-// loss[0] = sum(row_loss) / n, summed in a fixed order (row_loss f64 viewed as its bytes: U8 [8 * rows]); 0 where
-// n = 0, NaN where a label was out of range.
-void cross_entropy_mean(const Context& ctx, const TensorView& row_loss, const TensorView& stats,
-                        const TensorView& loss);
+// The labels arrive checked where the caller asked (see train_ops.h); the chunks' GEMMs run through qmm::gemm.
+void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorView& w, const TensorView& labels,
+                          const TensorView& loss, const TensorView& dh, const TensorView& dw,
+                          const CrossEntropyOptions& opts);
 
 }  // namespace qmm::cuda

@@ -1,6 +1,7 @@
 // Context creation, memory and copies for the CUDA backend.
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -81,8 +82,9 @@ void init_context(Context::Impl& impl, int device, void* stream) {
   if (device < 0 || device >= n)
     throw Error(ErrorCode::NoDevice, "Context::cuda: device " + std::to_string(device) + " requested but " +
                                          std::to_string(n) + " CUDA device(s) present");
-  impl.cuda.reset(new CudaState());
-  CudaState& s = *impl.cuda;
+  auto owned = std::make_unique<CudaState>();
+  CudaState& s = *owned;
+  impl.backend = std::move(owned);
   s.device = device;
   s.stream = static_cast<cudaStream_t>(stream);
   QMM_CUDA_CHECK(cudaSetDevice(device));
@@ -103,22 +105,20 @@ void init_context(Context::Impl& impl, int device, void* stream) {
 }
 
 void* create_owned_stream(Context::Impl& impl) {
-  CudaState& s = *impl.cuda;
+  CudaState& s = static_cast<CudaState&>(*impl.backend);
   QMM_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
   s.owns_stream = true;
   return s.stream;
 }
 
-void destroy_state(CudaState* s) {
-  if (!s) return;
-  cudaSetDevice(s->device);
-  if (s->stream) cudaStreamSynchronize(s->stream); else cudaDeviceSynchronize();
-  if (s->lt) cublasLtDestroy(s->lt);
-  cudaFree(s->workspace);
-  cudaFree(s->code2);
-  if (s->pool) cudaMemPoolDestroy(s->pool);
-  if (s->owns_stream) cudaStreamDestroy(s->stream);
-  delete s;
+CudaState::~CudaState() {
+  cudaSetDevice(device);
+  if (stream) cudaStreamSynchronize(stream); else cudaDeviceSynchronize();
+  if (lt) cublasLtDestroy(lt);
+  cudaFree(workspace);
+  cudaFree(code2);
+  if (pool) cudaMemPoolDestroy(pool);
+  if (owns_stream) cudaStreamDestroy(stream);
 }
 
 ScratchBuffer::ScratchBuffer(const CudaState& st, std::size_t bytes) : stream_(st.stream) {
@@ -128,15 +128,6 @@ ScratchBuffer::ScratchBuffer(const CudaState& st, std::size_t bytes) : stream_(s
 ScratchBuffer::~ScratchBuffer() {
   if (ptr_) cudaFreeAsync(ptr_, stream_);  // a destructor cannot throw; a failure here resurfaces at the next check
 }
-
-StreamScratch::StreamScratch(const Context& ctx, std::size_t bytes) {
-  set_device(ctx);
-  buffer_ = std::make_unique<ScratchBuffer>(state(ctx), bytes);
-}
-
-StreamScratch::~StreamScratch() = default;
-
-void* StreamScratch::data() const { return buffer_->data(); }
 
 void set_device(const Context& ctx) {
   // Always set, never skip when cudaGetDevice already answers this device: in a new host thread no context is

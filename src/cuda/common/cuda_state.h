@@ -14,7 +14,12 @@
 
 namespace qmm::cuda {
 
-struct CudaState {
+struct CudaState final : BackendState {
+  CudaState() = default;
+  CudaState(const CudaState&) = delete;
+  CudaState& operator=(const CudaState&) = delete;
+  ~CudaState() override;  // waits for the stream, then releases everything below
+
   int device = 0;
   cudaStream_t stream = nullptr;
   bool owns_stream = false;  // created by Context::cuda_with_new_stream, destroyed with this state
@@ -51,8 +56,9 @@ class ScratchBuffer {
   cudaStream_t stream_;
 };
 
-inline CudaState& state(const Context& ctx) { return *impl_of(ctx).cuda; }
-inline cudaStream_t stream_of(const Context& ctx) { return impl_of(ctx).cuda->stream; }
+// A CUDA context's state (only the CUDA backend makes CUDA contexts, so its state is a CudaState).
+inline CudaState& state(const Context& ctx) { return static_cast<CudaState&>(*impl_of(ctx).backend); }
+inline cudaStream_t stream_of(const Context& ctx) { return state(ctx).stream; }
 
 // Makes ctx's device current for the calling thread (cheap when it already is).
 void set_device(const Context& ctx);

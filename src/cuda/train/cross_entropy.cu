@@ -3,9 +3,10 @@
 // logits: a first pass keeps each thread's running maximum and sum of exponentials (rescaled when the maximum grows),
 // the block combines them into the row's log-sum-exp, thread 0 writes the row's loss term, and a second pass writes
 // the gradient row (softmax - onehot) / n in g's dtype; a label out of range gives a NaN loss term and gradient row.
-// The core (src/core/train_ops.cpp) runs the chunk's GEMMs around it.
+// linear_cross_entropy (at the end) runs the chunks' GEMMs around them.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -130,19 +131,21 @@ __global__ void __launch_bounds__(kThreads) mean_kernel(const double* values, st
   *out = bad > 0 ? NAN : n == 0 ? 0.0f : static_cast<float>(total / static_cast<double>(n));
 }
 
-}  // namespace
-
-void cross_entropy_label_stats(const Context& ctx, const TensorView& labels, std::int64_t vocab,
-                               std::int32_t ignore_index, const TensorView& stats) {
+// stats (U8 [16], two int64) = {n, the count of labels out of range}, n the count of labels in [0, vocab) that are
+// not ignore_index.
+void label_stats(const Context& ctx, const TensorView& labels, std::int64_t vocab, std::int32_t ignore_index,
+                 const TensorView& stats) {
   set_device(ctx);
   label_stats_kernel<<<1, kThreads, 0, stream_of(ctx)>>>(labels.data_as<const std::int32_t>(), labels.numel(), vocab,
                                                          ignore_index, static_cast<long long*>(stats.data()));
   QMM_CUDA_CHECK_LAUNCH("label_stats_kernel");
 }
 
-void cross_entropy_rows(const Context& ctx, const TensorView& logits, const TensorView& labels,
-                        std::int32_t ignore_index, const TensorView& stats, const TensorView& g,
-                        const TensorView& row_loss) {
+// Over one chunk of fp32 logits [rows, V]: each row's loss term logsumexp(z) - z[label] into row_loss[row] (fp64; 0
+// for an ignored row, NaN for a label out of range) and, where g is given (f32 or bf16 [rows, V]), the gradient rows
+// g = (softmax(z) - onehot(label)) / n (0 for an ignored row, NaN for a label out of range).
+void rows_step(const Context& ctx, const TensorView& logits, const TensorView& labels, std::int32_t ignore_index,
+               const TensorView& stats, const TensorView& g, const TensorView& row_loss) {
   const std::int64_t rows = logits.dim(0), vocab = logits.dim(1);
   if (rows == 0) return;
   set_device(ctx);
@@ -161,12 +164,62 @@ void cross_entropy_rows(const Context& ctx, const TensorView& logits, const Tens
   QMM_CUDA_CHECK_LAUNCH("cross_entropy_rows_kernel");
 }
 
-void cross_entropy_mean(const Context& ctx, const TensorView& row_loss, const TensorView& stats,
-                        const TensorView& loss) {
+// loss[0] = sum(row_loss) / n, summed in a fixed order (row_loss f64 viewed as its bytes: U8 [8 * rows]); 0 where
+// n = 0, NaN where a label was out of range.
+void mean_step(const Context& ctx, const TensorView& row_loss, const TensorView& stats, const TensorView& loss) {
   set_device(ctx);
   mean_kernel<<<1, kThreads, 0, stream_of(ctx)>>>(static_cast<const double*>(row_loss.data()), row_loss.numel() / 8,
                                                   static_cast<const long long*>(stats.data()), loss.data_as<float>());
   QMM_CUDA_CHECK_LAUNCH("mean_kernel");
+}
+
+}  // namespace
+
+void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorView& w, const TensorView& labels,
+                          const TensorView& loss, const TensorView& dh, const TensorView& dw,
+                          const CrossEntropyOptions& opts) {
+  const std::int64_t t = h.dim(0), hidden = h.dim(1), vocab = w.dim(0);
+  // The tokens go through in chunks: a chunk's logits [c, V] (fp32) come from one GEMM, its rows' loss terms and
+  // gradient rows from rows_step, then its gradients' GEMMs. Memory: the logits and gradient rows of one chunk, by
+  // default a 32nd of the tokens (at least 64): about 5% of the whole fp32 logits. The count of tokens n that the
+  // mean divides by stays on the device: nothing here waits for it.
+  if (t == 0) {
+    qmm::zero(ctx, loss);
+    return;
+  }
+  const Device dev = ctx.device();
+  const std::int64_t chunk = opts.chunk_tokens > 0 ? std::min(opts.chunk_tokens, t)
+                                                   : std::min(t, std::max<std::int64_t>(64, (t + 31) / 32));
+  const bool grads = !dh.empty() || !dw.empty();
+  // Temporaries from the stream-ordered pool: nothing waits for the device, and a graph capture can hold the call.
+  // Each piece starts on a 256-byte boundary (the pool's blocks do): GEMM operands and fp64 sums stay aligned.
+  const auto padded = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const std::size_t logits_bytes = padded(static_cast<std::size_t>(chunk * vocab) * 4);
+  const std::size_t g_bytes = grads ? padded(static_cast<std::size_t>(chunk * vocab) * dtype_size(h.dtype())) : 0;
+  const std::size_t loss_bytes = padded(static_cast<std::size_t>(t) * 8);
+  set_device(ctx);
+  ScratchBuffer scratch(state(ctx), logits_bytes + g_bytes + loss_bytes + 16);
+  auto* base = static_cast<std::uint8_t*>(scratch.data());
+  const TensorView logits(base, DType::F32, {chunk, vocab}, dev);
+  const TensorView g = grads ? TensorView(base + logits_bytes, h.dtype(), {chunk, vocab}, dev) : TensorView();
+  const TensorView row_loss(base + logits_bytes + g_bytes, DType::U8, {8 * t}, dev);
+  const TensorView stats(base + logits_bytes + g_bytes + loss_bytes, DType::U8, {16}, dev);
+  label_stats(ctx, labels, vocab, opts.ignore_index, stats);
+  const std::size_t h_row = static_cast<std::size_t>(hidden) * dtype_size(h.dtype());
+  auto rows = [](const TensorView& base, std::int64_t first, std::size_t row_bytes, Shape shape) {
+    return TensorView(static_cast<std::uint8_t*>(base.data()) + static_cast<std::size_t>(first) * row_bytes,
+                      base.dtype(), shape, base.device());
+  };
+  for (std::int64_t first = 0; first < t; first += chunk) {
+    const std::int64_t c = std::min(chunk, t - first);
+    const TensorView hc = rows(h, first, h_row, {c, hidden}), zc = rows(logits, 0, 0, {c, vocab});
+    const TensorView gc = grads ? rows(g, 0, 0, {c, vocab}) : TensorView();
+    qmm::gemm_bt(ctx, hc, w, zc);
+    rows_step(ctx, zc, rows(labels, first, 4, {c}), opts.ignore_index, stats, gc, rows(row_loss, first, 8, {8 * c}));
+    if (!dh.empty()) qmm::gemm(ctx, gc, w, rows(dh, first, h_row, {c, hidden}));
+    if (!dw.empty()) qmm::gemm_backward_b(ctx, gc, hc, dw, {1.0f, 1.0f});
+  }
+  mean_step(ctx, row_loss, stats, loss);
 }
 
 }  // namespace qmm::cuda
