@@ -713,7 +713,8 @@ void Bench::run_nf4() {
     }
     return true;
   };
-  const bool fused_ok = runs(Nf4Path::Fused), shared_ok = runs(Nf4Path::FusedShared), mma_ok = runs(Nf4Path::FusedMma);
+  const bool fused_ok = runs(Nf4Path::Fused), shared_ok = runs(nf4_forced::kFusedShared),
+             mma_ok = runs(nf4_forced::kFusedMma);
   // The usual token counts plus 8 and 32, where the dispatcher's small-M thresholds are decided, 256, inside the
   // range where Auto takes the fused forward on large weights, and 1024, between it and the shared-dequantization
   // kernel's range.
@@ -753,11 +754,12 @@ void Bench::run_nf4() {
       // Auto, plus each path forced where several could serve (so the dispatcher's thresholds can be checked).
       std::vector<std::pair<std::string, Nf4Path>> paths = {{"auto", Nf4Path::Auto}};
       // (The CPU backend runs Auto only.)
-      if (M <= 64 && is_gpu_) paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"small-m", Nf4Path::SmallM}});
+      if (M <= 64 && is_gpu_)
+        paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"small-m", nf4_forced::kSmallM}});
       if (M >= 256 && (fused_ok || mma_ok)) paths.push_back({"dequant", Nf4Path::DequantGemm});
       if (M >= 32 && fused_ok) paths.push_back({"fused", Nf4Path::Fused});
-      if (M >= 256 && shared_ok) paths.push_back({"fused-shared", Nf4Path::FusedShared});
-      if (M >= 32 && mma_ok) paths.push_back({"fused-mma", Nf4Path::FusedMma});
+      if (M >= 256 && shared_ok) paths.push_back({"fused-shared", nf4_forced::kFusedShared});
+      if (M >= 32 && mma_ok) paths.push_back({"fused-mma", nf4_forced::kFusedMma});
       // The paths of each op are timed in turns (time_interleaved), so that they can be compared.
       std::vector<Result> fwd_rows, bwd_rows;
       std::vector<std::string> fwd_plans, bwd_plans;  // --explain
@@ -765,12 +767,12 @@ void Bench::run_nf4() {
       for (const auto& [pname, path] : paths) {
         const Nf4GemmOptions po{1.0f, 0.0f, path};
         // Forced small-M paths only where they apply: up to 32 rows forward, 16 for the input gradient.
-        if (fwd && (path != Nf4Path::SmallM || M <= 32)) {
+        if (fwd && (path != nf4_forced::kSmallM || M <= 32)) {
           fwd_rows.push_back({"nf4_gemm", "dq " + pname, p.label, 1, M, N, K, flops, io});
           fwd_plans.push_back(plan_line(cuda::Nf4Op::Forward, M, N, K, DType::BF16, path));
           fwd_fns.push_back([&, po](int i) { nf4_gemm(ctx_, as[i % sets], ws[i % sets], cs[i % sets], po); });
         }
-        if (bwd && (path != Nf4Path::SmallM || M <= 16)) {
+        if (bwd && (path != nf4_forced::kSmallM || M <= 16)) {
           bwd_rows.push_back({"nf4_gemm_backward_a", "dq " + pname, p.label, 1, M, K, N, flops, io});
           bwd_plans.push_back(plan_line(cuda::Nf4Op::BackwardA, M, N, K, DType::BF16, path));
           bwd_fns.push_back(

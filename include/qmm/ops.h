@@ -71,16 +71,13 @@ Nf4Tensor nf4_quantize(const Context& ctx, const TensorView& w, bool double_quan
 // out [N,K] (f32 or bf16) = codebook[code] * scale, computed in fp32, rounded to nearest even for bf16.
 void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& out);
 
-// Which NF4 GEMM implementation runs. Programs pick by intent: Auto (the planner chooses by problem and device),
-// DequantGemm (dequantize the weight into scratch, then cuBLASLt: any shape, a bf16 copy of W in scratch), Fused
-// (the tensor-core GEMM that dequantizes inside its main loop, no copy of W: sm_90a builds on Hopper, K and block
-// size multiples of 64, N a multiple of 8 for the input gradient). The rest force one kernel, for the tests and the
-// benchmark: SmallM (the few-row kernels: forward and gate+up M <= 32, K a multiple of 64, blocks of at least 64;
-// input gradient M <= 16, K a multiple of 32), FusedShared (Fused with each weight tile dequantized once per call
-// into a scratch copy of W; not taken by Auto), FusedMma (a fused mma.sync kernel for compute capability 8.0 on;
-// not taken by Auto), Reference (CPU only). All follow the one numerical contract below. A forced path that cannot
-// serve the problem throws Unsupported, naming what it needs.
-enum class Nf4Path { Auto, Reference, DequantGemm, SmallM, Fused, FusedShared, FusedMma };
+// How an NF4 GEMM runs, by intent: Auto (the planner chooses by problem and device), DequantGemm (dequantize the
+// weight into scratch, then cuBLASLt: any shape, a bf16 copy of W in scratch), Fused (the tensor-core GEMM that
+// dequantizes inside its main loop, no copy of W: sm_90a builds on Hopper, K and block size multiples of 64, N a
+// multiple of 8 for the input gradient). A CPU context runs its reference loops for Auto and refuses the others.
+// Every path follows the one numerical contract below. A path that cannot serve the problem throws Unsupported,
+// naming what it needs.
+enum class Nf4Path { Auto, DequantGemm, Fused };
 const char* nf4_path_name(Nf4Path path);
 
 struct Nf4GemmOptions {

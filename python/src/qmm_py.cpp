@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/nf4_forced.h"
 #include "qmm/checkpoint.h"
 #include "qmm/qmm.h"
 
@@ -123,8 +124,9 @@ qmm::MathMode math_of(const std::string& name, const char* op) {
 
 qmm::Nf4Path path_of(const std::string& name, const char* op) {
   using P = qmm::Nf4Path;
-  static constexpr P kPaths[] = {P::Auto,  P::Reference, P::DequantGemm, P::SmallM,
-                                 P::Fused, P::FusedShared, P::FusedMma};
+  namespace forced = qmm::nf4_forced;  // kernels forced by tests and benchmarks
+  static constexpr P kPaths[] = {P::Auto,          P::DequantGemm,       P::Fused,           forced::kReference,
+                                 forced::kSmallM, forced::kFusedShared, forced::kFusedMma};
   return enum_of(name, kPaths, qmm::nf4_path_name, op, "path");
 }
 

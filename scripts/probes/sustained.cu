@@ -2,7 +2,7 @@
 // dequantized weight, dequantize + cuBLASLt, FusedShared), device times of calls run back to back for about a
 // second, early and late, with the SM clock and the board power read through NVML (dlopen'd: no NVML header or
 // library at build time) while they run. Build after scripts/device-check (libqmm in build-gpu-90a):
-//   nvcc -std=c++20 -O2 -Iinclude scripts/probes/sustained.cu build-gpu-90a/libqmm.a -lcublasLt -lcuda -lgomp -ldl \
+//   nvcc -std=c++20 -O2 -Iinclude -Isrc scripts/probes/sustained.cu build-gpu-90a/libqmm.a -lcublasLt -lcuda -lgomp -ldl \
 //     -o /tmp/sustained
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/nf4_forced.h"
 #include "probe_common.h"
 #include "qmm/qmm.h"
 
@@ -146,7 +147,7 @@ int main() {
            s.backward ? nf4_gemm_backward_a(ctx, x, q, y, o) : nf4_gemm(ctx, x, q, y, o);
          }},
         {"fused-shared", [&] {
-           const Nf4GemmOptions o{1.0f, 0.0f, Nf4Path::FusedShared};
+           const Nf4GemmOptions o{1.0f, 0.0f, nf4_forced::kFusedShared};
            s.backward ? nf4_gemm_backward_a(ctx, x, q, y, o) : nf4_gemm(ctx, x, q, y, o);
          }}};
     for (const auto& [name, fn] : paths) {

@@ -4,9 +4,11 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/gpu_backend.h"
+#include "core/nf4_forced.h"
 #include "core/validate.h"
 #include "cpu/cpu_backend.h"
 #include "qmm/ops.h"
@@ -14,15 +16,13 @@
 namespace qmm {
 
 const char* nf4_path_name(Nf4Path path) {
-  switch (path) {
-    case Nf4Path::Auto: return "auto";
-    case Nf4Path::Reference: return "reference";
-    case Nf4Path::DequantGemm: return "dequant_gemm";
-    case Nf4Path::SmallM: return "small_m";
-    case Nf4Path::Fused: return "fused";
-    case Nf4Path::FusedShared: return "fused_shared";
-    case Nf4Path::FusedMma: return "fused_mma";
-  }
+  using namespace nf4_forced;
+  static constexpr std::pair<Nf4Path, const char*> kNames[] = {
+      {Nf4Path::Auto, "auto"},   {Nf4Path::DequantGemm, "dequant_gemm"}, {Nf4Path::Fused, "fused"},
+      {kReference, "reference"}, {kSmallM, "small_m"},                   {kFusedShared, "fused_shared"},
+      {kFusedMma, "fused_mma"}};
+  for (const auto& [p, name] : kNames)
+    if (p == path) return name;
   return "?";
 }
 
@@ -72,14 +72,13 @@ void require_options(const char* op, const Nf4GemmOptions& opts) {
     fail(ErrorCode::InvalidArgument, op, "alpha is " + std::to_string(opts.alpha) + " but must be finite");
   if (!std::isfinite(opts.beta))
     fail(ErrorCode::InvalidArgument, op, "beta is " + std::to_string(opts.beta) + " but must be finite");
-  const int p = static_cast<int>(opts.path);
-  if (p < static_cast<int>(Nf4Path::Auto) || p > static_cast<int>(Nf4Path::FusedMma))
-    fail(ErrorCode::InvalidArgument, op, "path " + std::to_string(p) + " is unknown");
+  if (std::string(nf4_path_name(opts.path)) == "?")
+    fail(ErrorCode::InvalidArgument, op, "path " + std::to_string(static_cast<int>(opts.path)) + " is unknown");
 }
 
-// The CPU backend is the reference: it serves Auto and Reference, nothing else.
+// The CPU backend is the reference: it serves Auto and the forced reference, nothing else.
 void require_cpu_path(const char* op, Nf4Path path) {
-  if (path != Nf4Path::Auto && path != Nf4Path::Reference)
+  if (path != Nf4Path::Auto && path != nf4_forced::kReference)
     fail(ErrorCode::Unsupported, op,
          std::string("path ") + nf4_path_name(path) +
              " is not available on the CPU backend (it runs only the auto and reference paths)");

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/test_util.h"
+#include "core/nf4_forced.h"
 #include "cpu/nf4_internal.h"
 
 namespace qmm {
@@ -346,7 +347,7 @@ TEST(Nf4Gemm, MatchesNaiveLoopOverDequantizedWeight) {
             nf4_gemm(cpu_ctx(), a, w, c, {alpha, beta, Nf4Path::Auto});
             EXPECT_TRUE(test::all_close(c, ref, same_operands(cdt)));
             Tensor c_ref = test::host_copy(c0);
-            nf4_gemm(cpu_ctx(), a, w, c_ref, {alpha, beta, Nf4Path::Reference});
+            nf4_gemm(cpu_ctx(), a, w, c_ref, {alpha, beta, nf4_forced::kReference});
             EXPECT_TRUE(test::bytes_equal(c_ref, c)) << "Reference and Auto are one path on the CPU";
           }
     }
@@ -792,7 +793,8 @@ TEST(Nf4Validation, GemmArguments) {
   EXPECT_TRUE(rejected(gemm(o.a, c, {1, inf, Nf4Path::Auto}), ErrorCode::InvalidArgument, {"nf4_gemm:", "beta"}, {c}));
   EXPECT_TRUE(rejected(gemm(o.a, c, {1, 0, static_cast<Nf4Path>(9)}), ErrorCode::InvalidArgument,
                        {"nf4_gemm:", "path 9 is unknown"}, {c}));
-  for (Nf4Path p : {Nf4Path::DequantGemm, Nf4Path::SmallM, Nf4Path::Fused, Nf4Path::FusedShared, Nf4Path::FusedMma})
+  for (Nf4Path p : {Nf4Path::DequantGemm, Nf4Path::Fused, nf4_forced::kSmallM, nf4_forced::kFusedShared,
+                    nf4_forced::kFusedMma})
     EXPECT_TRUE(rejected(gemm(o.a, c, {1, 0, p}), ErrorCode::Unsupported,
                          {"nf4_gemm:", std::string("path ") + nf4_path_name(p), "CPU"}, {c}));
 
@@ -819,7 +821,7 @@ TEST(Nf4Validation, BackwardArguments) {
   Tensor da_bad(DType::BF16, {3, 127});
   EXPECT_TRUE(rejected(bwd(dc, da_bad), ErrorCode::ShapeMismatch, {"nf4_gemm_backward_a:", "dA is [3,127]", "[3,128]"},
                        {da_bad}));
-  EXPECT_TRUE(rejected(bwd(dc, da, {1, 0, Nf4Path::SmallM}), ErrorCode::Unsupported,
+  EXPECT_TRUE(rejected(bwd(dc, da, {1, 0, nf4_forced::kSmallM}), ErrorCode::Unsupported,
                        {"nf4_gemm_backward_a:", "small_m"}, {da}));
   Tensor buf(DType::F32, {3 * 128 + 24});
   const TensorView da_in(buf.data(), DType::F32, {3, 128}),
@@ -921,12 +923,12 @@ TEST(Nf4Validation, QuantizeAndDequantizeArguments) {
 
 TEST(Nf4Paths, Names) {
   EXPECT_STREQ(nf4_path_name(Nf4Path::Auto), "auto");
-  EXPECT_STREQ(nf4_path_name(Nf4Path::Reference), "reference");
+  EXPECT_STREQ(nf4_path_name(nf4_forced::kReference), "reference");
   EXPECT_STREQ(nf4_path_name(Nf4Path::DequantGemm), "dequant_gemm");
-  EXPECT_STREQ(nf4_path_name(Nf4Path::SmallM), "small_m");
+  EXPECT_STREQ(nf4_path_name(nf4_forced::kSmallM), "small_m");
   EXPECT_STREQ(nf4_path_name(Nf4Path::Fused), "fused");
-  EXPECT_STREQ(nf4_path_name(Nf4Path::FusedShared), "fused_shared");
-  EXPECT_STREQ(nf4_path_name(Nf4Path::FusedMma), "fused_mma");
+  EXPECT_STREQ(nf4_path_name(nf4_forced::kFusedShared), "fused_shared");
+  EXPECT_STREQ(nf4_path_name(nf4_forced::kFusedMma), "fused_mma");
 }
 
 TEST(Nf4Tensor, AllocateSizesEveryField) {

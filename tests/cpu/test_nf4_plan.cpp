@@ -258,27 +258,27 @@ TEST(Nf4Plan, ForcedPaths) {
   EXPECT_EQ(plan(Nf4Op::Forward, 4096, llama_up, Nf4Path::Fused, h100()).kernel, Nf4Kernel::FusedInLoop);
   Nf4Device h100_dev = h100();  // builds with the development kernels (src/cuda/dev/)
   h100_dev.dev_kernels = true;
-  EXPECT_EQ(plan(Nf4Op::Forward, 4096, llama_up, Nf4Path::FusedShared, h100_dev).kernel, Nf4Kernel::FusedShared);
-  EXPECT_STREQ(plan(Nf4Op::Forward, 4096, llama_up, Nf4Path::FusedShared, h100()).why,
+  EXPECT_EQ(plan(Nf4Op::Forward, 4096, llama_up, nf4_forced::kFusedShared, h100_dev).kernel, Nf4Kernel::FusedShared);
+  EXPECT_STREQ(plan(Nf4Op::Forward, 4096, llama_up, nf4_forced::kFusedShared, h100()).why,
                "a build with the development kernels (-DQMM_DEV_KERNELS=ON)");
   Nf4Device a100_dev = a100();
   a100_dev.dev_kernels = true;
-  EXPECT_EQ(plan(Nf4Op::BackwardA, 8, llama_up, Nf4Path::FusedMma, a100_dev).kernel, Nf4Kernel::FusedMma);
-  EXPECT_STREQ(plan(Nf4Op::BackwardA, 8, llama_up, Nf4Path::FusedMma, a100()).why,
+  EXPECT_EQ(plan(Nf4Op::BackwardA, 8, llama_up, nf4_forced::kFusedMma, a100_dev).kernel, Nf4Kernel::FusedMma);
+  EXPECT_STREQ(plan(Nf4Op::BackwardA, 8, llama_up, nf4_forced::kFusedMma, a100()).why,
                "a build with the development kernels (-DQMM_DEV_KERNELS=ON)");
   EXPECT_EQ(plan(Nf4Op::Forward, 8, llama_up, Nf4Path::DequantGemm, h100()).kernel, Nf4Kernel::DequantGemm);
-  EXPECT_EQ(plan(Nf4Op::BackwardA, 16, kShapes[0], Nf4Path::SmallM, h100()).kernel, Nf4Kernel::SmallMBackward);
+  EXPECT_EQ(plan(Nf4Op::BackwardA, 16, kShapes[0], nf4_forced::kSmallM, h100()).kernel, Nf4Kernel::SmallMBackward);
   EXPECT_STREQ(plan(Nf4Op::Forward, 4096, llama_up, Nf4Path::Fused, a100()).why,
                "a compute capability 9.0 GPU (Hopper)");
   EXPECT_STREQ(plan(Nf4Op::Forward, 64, odd, Nf4Path::Fused, h100()).why, "K a multiple of 64");
-  EXPECT_STREQ(plan(Nf4Op::Forward, 33, llama_up, Nf4Path::SmallM, h100()).why,
+  EXPECT_STREQ(plan(Nf4Op::Forward, 33, llama_up, nf4_forced::kSmallM, h100()).why,
                "M <= 32, K a multiple of 64, NF4 blocks of at least 64, 16-byte aligned A and codes");
-  EXPECT_STREQ(plan(Nf4Op::BackwardA, 17, llama_up, Nf4Path::SmallM, h100()).why,
+  EXPECT_STREQ(plan(Nf4Op::BackwardA, 17, llama_up, nf4_forced::kSmallM, h100()).why,
                "M <= 16, K a multiple of 32, 16-byte aligned codes");
-  EXPECT_EQ(plan(Nf4Op::Forward, 8, llama_up, Nf4Path::Reference, h100()).kernel, Nf4Kernel::Unsupported);
+  EXPECT_EQ(plan(Nf4Op::Forward, 8, llama_up, nf4_forced::kReference, h100()).kernel, Nf4Kernel::Unsupported);
   Nf4Device old = a100_dev;
   old.cc = 75;
-  EXPECT_STREQ(plan(Nf4Op::Forward, 256, llama_up, Nf4Path::FusedMma, old).why,
+  EXPECT_STREQ(plan(Nf4Op::Forward, 256, llama_up, nf4_forced::kFusedMma, old).why,
                "a GPU of compute capability 8.0 or newer");
 }
 

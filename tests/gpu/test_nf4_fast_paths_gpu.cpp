@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/test_util.h"
+#include "core/nf4_forced.h"
 #ifdef QMM_WITH_CUDA
 #include "cuda/nf4/nf4_small_m.h"
 #endif
@@ -54,7 +55,7 @@ test::Tolerance tolerance_for(DType out, std::int64_t k) {
 // (sm_90: on the H200 it must); elsewhere the table kernel or the GEMV keep the dequantized weight's contract.
 // Each is checked against its own fp64 reference to fp32 accumulation precision.
 bool scale_after_expected(Nf4Path path, const TensorView& a, const Nf4Weight& w) {
-  return (path == Nf4Path::SmallM || path == Nf4Path::Auto) && a.dim(0) <= 16 && w.block_size == 64 &&
+  return (path == nf4_forced::kSmallM || path == Nf4Path::Auto) && a.dim(0) <= 16 && w.block_size == 64 &&
          w.cols % 256 == 0;
 }
 ::testing::AssertionResult forward_close(Nf4Path path, const TensorView& a, const Nf4Weight& w_host,
@@ -99,7 +100,7 @@ class SmallMForward : public ::testing::TestWithParam<Shape3> {};
 TEST_P(SmallMForward, MatchesCpuOracle) {
   QMM_REQUIRE_GPU();
   const auto [m, n, k] = GetParam();
-  expect_forward_matches(Nf4Path::SmallM, m, n, k, kNf4DefaultBlockSize);
+  expect_forward_matches(nf4_forced::kSmallM, m, n, k, kNf4DefaultBlockSize);
 }
 
 // M = 2-16 with K a multiple of 256 take the pair kernel (N ragged around its 16-row units, one and two n8
@@ -313,7 +314,7 @@ class SmallMBackward : public ::testing::TestWithParam<Shape3> {};
 TEST_P(SmallMBackward, MatchesCpuOracle) {
   QMM_REQUIRE_GPU();
   const auto [m, n, k] = GetParam();
-  expect_backward_matches(Nf4Path::SmallM, m, n, k, kNf4DefaultBlockSize);
+  expect_backward_matches(nf4_forced::kSmallM, m, n, k, kNf4DefaultBlockSize);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, SmallMBackward,
@@ -324,9 +325,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SmallMBackward,
 TEST(SmallMBlockSizes, ForwardAndInputGradientMatchCpuOracle) {
   QMM_REQUIRE_GPU();
   for (int block : {128, 256, 1024}) {
-    expect_forward_matches(Nf4Path::SmallM, 5, 130, 576, block);  // the table kernel
-    expect_forward_matches(Nf4Path::SmallM, 1, 130, 576, block);  // the GEMV kernel
-    expect_backward_matches(Nf4Path::SmallM, 3, 130, 544, block);
+    expect_forward_matches(nf4_forced::kSmallM, 5, 130, 576, block);  // the table kernel
+    expect_forward_matches(nf4_forced::kSmallM, 1, 130, 576, block);  // the GEMV kernel
+    expect_backward_matches(nf4_forced::kSmallM, 3, 130, 544, block);
   }
 }
 
@@ -382,13 +383,13 @@ void expect_gate_up_matches(Nf4Path path, std::int64_t m, std::int64_t n, std::i
 
 TEST(SmallMGateUp, AllOutputCombinationsMatchCpu) {
   QMM_REQUIRE_GPU();
-  expect_gate_up_matches(Nf4Path::SmallM, 7, 333, 1088, DType::BF16);
-  expect_gate_up_matches(Nf4Path::SmallM, 7, 333, 1024, DType::BF16);  // the pair kernel, both weights in a launch
-  expect_gate_up_matches(Nf4Path::SmallM, 2, 20000, 256, DType::BF16);  // the same in two rounds (132 SMs)
-  expect_gate_up_matches(Nf4Path::SmallM, 3, 200, 4352, DType::BF16);  // the pair kernel, 17 steps of 256 k
-  expect_gate_up_matches(Nf4Path::SmallM, 12, 333, 1024, DType::F32);  // two n8 tiles, f32 A packed first
-  expect_gate_up_matches(Nf4Path::SmallM, 20, 70, 576, DType::F32);  // four n8 tiles of A rows
-  expect_gate_up_matches(Nf4Path::SmallM, 1, 333, 1088, DType::F32);  // the GEMV kernel, both weights in a launch
+  expect_gate_up_matches(nf4_forced::kSmallM, 7, 333, 1088, DType::BF16);
+  expect_gate_up_matches(nf4_forced::kSmallM, 7, 333, 1024, DType::BF16);  // the pair kernel, both weights in a launch
+  expect_gate_up_matches(nf4_forced::kSmallM, 2, 20000, 256, DType::BF16);  // the same in two rounds (132 SMs)
+  expect_gate_up_matches(nf4_forced::kSmallM, 3, 200, 4352, DType::BF16);  // the pair kernel, 17 steps of 256 k
+  expect_gate_up_matches(nf4_forced::kSmallM, 12, 333, 1024, DType::F32);  // two n8 tiles, f32 A packed first
+  expect_gate_up_matches(nf4_forced::kSmallM, 20, 70, 576, DType::F32);  // four n8 tiles of A rows
+  expect_gate_up_matches(nf4_forced::kSmallM, 1, 333, 1088, DType::F32);  // the GEMV kernel, both weights in a launch
 }
 
 // Whether a forced path runs on this build and GPU: one that cannot raises Unsupported (tested below). The fused
@@ -407,13 +408,13 @@ bool path_available(Nf4Path path) {
   return true;
 }
 bool fused_available() { return path_available(Nf4Path::Fused); }
-bool fused_mma_available() { return path_available(Nf4Path::FusedMma); }
-bool fused_shared_available() { return path_available(Nf4Path::FusedShared); }  // also a QMM_DEV_KERNELS build
+bool fused_mma_available() { return path_available(nf4_forced::kFusedMma); }
+bool fused_shared_available() { return path_available(nf4_forced::kFusedShared); }  // also a QMM_DEV_KERNELS build
 
 // The fused wgmma paths this build runs: Fused, and FusedShared where the development kernels are built.
 std::vector<Nf4Path> fused_paths() {
   std::vector<Nf4Path> paths{Nf4Path::Fused};
-  if (fused_shared_available()) paths.push_back(Nf4Path::FusedShared);
+  if (fused_shared_available()) paths.push_back(nf4_forced::kFusedShared);
   return paths;
 }
 
@@ -463,15 +464,15 @@ TEST(FusedGateUp, AllOutputCombinationsMatchCpu) {
   if (!fused_available()) GTEST_SKIP() << "the fused kernel needs an sm_90a build on a Hopper GPU";
   expect_gate_up_matches(Nf4Path::Fused, 65, 130, 1024, DType::BF16);
   expect_gate_up_matches(Nf4Path::Fused, 300, 257, 576, DType::F32);
-  if (fused_shared_available()) expect_gate_up_matches(Nf4Path::FusedShared, 300, 257, 576, DType::BF16);
+  if (fused_shared_available()) expect_gate_up_matches(nf4_forced::kFusedShared, 300, 257, 576, DType::BF16);
 }
 
 // Accumulating gate and up (beta != 0, no h) on every path that can take the problem.
 TEST(GateUpBeta, AccumulatesOnEveryPathLikeTheCpu) {
   QMM_REQUIRE_GPU();
-  expect_gate_up_matches(Nf4Path::SmallM, 7, 333, 1088, DType::BF16, 1.0f);
-  expect_gate_up_matches(Nf4Path::SmallM, 12, 600, 512, DType::BF16, 1.0f);  // the pair kernel
-  expect_gate_up_matches(Nf4Path::SmallM, 1, 130, 576, DType::F32, -0.5f);  // the GEMV kernel
+  expect_gate_up_matches(nf4_forced::kSmallM, 7, 333, 1088, DType::BF16, 1.0f);
+  expect_gate_up_matches(nf4_forced::kSmallM, 12, 600, 512, DType::BF16, 1.0f);  // the pair kernel
+  expect_gate_up_matches(nf4_forced::kSmallM, 1, 130, 576, DType::F32, -0.5f);  // the GEMV kernel
   expect_gate_up_matches(Nf4Path::DequantGemm, 65, 130, 576, DType::BF16, 1.0f);
   if (fused_available()) expect_gate_up_matches(Nf4Path::Fused, 65, 130, 1024, DType::BF16, 1.0f);
 }
@@ -490,7 +491,7 @@ TEST(FusedPath, LargeSharedDequantMatchesDequantGemm) {
   const Tensor a = to_device(test::random_tensor(DType::BF16, {m, k}, 92), gpu.device());
   Tensor c_shared(DType::F32, {m, n}, gpu.device()), c_ref(DType::F32, {m, n}, gpu.device());
   test::poison(c_shared);
-  nf4_gemm(gpu, a, w, c_shared, {1.0f, 0.0f, Nf4Path::FusedShared});
+  nf4_gemm(gpu, a, w, c_shared, {1.0f, 0.0f, nf4_forced::kFusedShared});
   nf4_gemm(gpu, a, w, c_ref, {1.0f, 0.0f, Nf4Path::DequantGemm});
   gpu.synchronize();
   EXPECT_TRUE(test::all_close(test::host_copy(c_shared), test::host_copy(c_ref), test::fp32_accum_tolerance(k)));
@@ -520,7 +521,7 @@ TEST(FusedPath, SharedDequantPersistentGridMatchesDequantGemm) {
       copy(gpu, c_shared, c0);
       copy(gpu, c_ref, c0);
       if (beta == 0.0f) test::poison(c_shared);
-      const Nf4GemmOptions shared{1.0f, beta, Nf4Path::FusedShared}, ref{1.0f, beta, Nf4Path::DequantGemm};
+      const Nf4GemmOptions shared{1.0f, beta, nf4_forced::kFusedShared}, ref{1.0f, beta, Nf4Path::DequantGemm};
       if (backward) {
         nf4_gemm_backward_a(gpu, a, w, c_shared, shared);
         nf4_gemm_backward_a(gpu, a, w, c_ref, ref);
@@ -549,7 +550,7 @@ class FusedMmaForward : public FusedMmaCase {};
 
 TEST_P(FusedMmaForward, MatchesCpuOracle) {
   const auto [m, n, k, block] = GetParam();
-  expect_forward_matches(Nf4Path::FusedMma, m, n, k, block);
+  expect_forward_matches(nf4_forced::kFusedMma, m, n, k, block);
 }
 
 // Ragged M and N around the 128 x 128 tile, one stage (K = 64) and many, block sizes 64 to 1024; split-K where the
@@ -566,7 +567,7 @@ class FusedMmaBackward : public FusedMmaCase {};
 
 TEST_P(FusedMmaBackward, MatchesCpuOracle) {
   const auto [m, n, k, block] = GetParam();
-  expect_backward_matches(Nf4Path::FusedMma, m, n, k, block);
+  expect_backward_matches(nf4_forced::kFusedMma, m, n, k, block);
 }
 
 // N (the reduction) ragged against the 64-row stage, K not a multiple of the 128-column tile (192, 320: half a
@@ -582,9 +583,9 @@ TEST(FusedMmaGateUp, AllOutputCombinationsMatchCpu) {
   QMM_REQUIRE_GPU();
   if (!fused_mma_available())
     GTEST_SKIP() << "the mma.sync fused kernel needs a QMM_DEV_KERNELS build and compute capability 8.0 or newer";
-  expect_gate_up_matches(Nf4Path::FusedMma, 65, 130, 1024, DType::BF16);
-  expect_gate_up_matches(Nf4Path::FusedMma, 300, 257, 576, DType::F32);
-  expect_gate_up_matches(Nf4Path::FusedMma, 65, 130, 576, DType::BF16, 1.0f);
+  expect_gate_up_matches(nf4_forced::kFusedMma, 65, 130, 1024, DType::BF16);
+  expect_gate_up_matches(nf4_forced::kFusedMma, 300, 257, 576, DType::F32);
+  expect_gate_up_matches(nf4_forced::kFusedMma, 65, 130, 576, DType::BF16, 1.0f);
 }
 
 TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
@@ -609,10 +610,10 @@ TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
 #else
   const std::string mma_missing = "QMM_DEV_KERNELS";
 #endif
-  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, p.w_dev, c, {1, 0, Nf4Path::FusedMma}); },
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, p.w_dev, c, {1, 0, nf4_forced::kFusedMma}); },
                                  ErrorCode::Unsupported,
                                  {"nf4_gemm", "FusedMma", mma ? "K a multiple of 64" : mma_missing}));
-  EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, dc, q.w_dev, da, {1, 0, Nf4Path::FusedMma}); },
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, dc, q.w_dev, da, {1, 0, nf4_forced::kFusedMma}); },
                                  ErrorCode::Unsupported,
                                  {"nf4_gemm_backward_a", "FusedMma", mma ? "N a multiple of 8" : mma_missing}));
 }
@@ -634,9 +635,9 @@ TEST(SmallMPath, PairKernelSumsAreTheSameOnEveryCall) {
     Tensor c(DType::F32, {1, 2050}, gpu.device()), h(DType::BF16, {5, 333}, gpu.device());
     test::poison(c);
     test::poison(h);
-    nf4_gemm(gpu, a, p.w_dev, c, {1.0f, 0.0f, Nf4Path::SmallM});
-    nf4_gate_up(gpu, a2, q.w_dev, q.w_dev, {TensorView(), TensorView(), h}, {1.0f, 0.0f, Nf4Path::SmallM});
-    nf4_gemm(gpu, a_other, other.w_dev, c_other, {1.0f, 0.0f, Nf4Path::SmallM});
+    nf4_gemm(gpu, a, p.w_dev, c, {1.0f, 0.0f, nf4_forced::kSmallM});
+    nf4_gate_up(gpu, a2, q.w_dev, q.w_dev, {TensorView(), TensorView(), h}, {1.0f, 0.0f, nf4_forced::kSmallM});
+    nf4_gemm(gpu, a_other, other.w_dev, c_other, {1.0f, 0.0f, nf4_forced::kSmallM});
     gpu.synchronize();
     cs.push_back(test::host_copy(c));
     hs.push_back(test::host_copy(h));
@@ -647,7 +648,7 @@ TEST(SmallMPath, PairKernelSumsAreTheSameOnEveryCall) {
   }
   Tensor ref(DType::F32, {1, 2050});
   nf4_gemm(Context::cpu(), test::host_copy(a), p.w_host, ref);
-  EXPECT_TRUE(forward_close(Nf4Path::SmallM, test::host_copy(a), p.w_host, cs[0], ref, ref, 1.0f, 0.0f,
+  EXPECT_TRUE(forward_close(nf4_forced::kSmallM, test::host_copy(a), p.w_host, cs[0], ref, ref, 1.0f, 0.0f,
                             test::fp32_accum_tolerance(4096)));
 }
 
@@ -674,12 +675,12 @@ TEST(SmallMPath, BackToBackCallsSeeTheirInputs) {
         gpu.synchronize();
         const Tensor* in = &x0;
         for (int i = 0; i < 4; ++i) {
-          nf4_gemm(gpu, *in, (i % 2 == 0 ? w1 : w2).w_dev, xs[i], {1.0f, 0.0f, Nf4Path::SmallM});
+          nf4_gemm(gpu, *in, (i % 2 == 0 ? w1 : w2).w_dev, xs[i], {1.0f, 0.0f, nf4_forced::kSmallM});
           if (sync_each) gpu.synchronize();
           in = &xs[i];
         }
         nf4_gate_up(gpu, xs[3], w1.w_dev, w1.w_dev, {TensorView(), TensorView(), xs[4]},
-                    {1.0f, 0.0f, Nf4Path::SmallM});
+                    {1.0f, 0.0f, nf4_forced::kSmallM});
         gpu.synchronize();
         std::vector<Tensor> got;
         for (const Tensor& x : xs) got.push_back(test::host_copy(x));
@@ -701,11 +702,11 @@ TEST(SmallMPath, ForcedOnUnsupportedShapeRaisesUnsupported) {
   Context& gpu = *test::gpu_context();
   Problem p = make_weight(64, 100, false, 5);  // K = 100 is not a multiple of 64
   Tensor a(DType::BF16, {4, 100}, gpu.device()), c(DType::F32, {4, 64}, gpu.device());
-  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, p.w_dev, c, {1, 0, Nf4Path::SmallM}); },
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, p.w_dev, c, {1, 0, nf4_forced::kSmallM}); },
                                  ErrorCode::Unsupported, {"nf4_gemm", "SmallM", "K a multiple of 64"}));
   Problem q = make_weight(64, 128, false, 7);  // 33 rows: one more than the kernels take
   Tensor a33(DType::BF16, {33, 128}, gpu.device()), c33(DType::F32, {33, 64}, gpu.device());
-  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a33, q.w_dev, c33, {1, 0, Nf4Path::SmallM}); },
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a33, q.w_dev, c33, {1, 0, nf4_forced::kSmallM}); },
                                  ErrorCode::Unsupported, {"nf4_gemm", "SmallM", "M <= 32"}));
   // Auto takes a correct path for the same shape.
   Tensor ah = test::random_tensor(DType::BF16, {4, 100}, 6), ref(DType::F32, {4, 64});

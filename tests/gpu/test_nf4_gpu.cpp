@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/test_util.h"
+#include "core/nf4_forced.h"
 #ifdef QMM_WITH_CUDA
 #include "cuda/nf4/quantize.h"
 #endif
@@ -573,7 +574,7 @@ TEST(Nf4GemmGpu, UnavailablePathsRaiseUnsupported) {
   EXPECT_TRUE(test::throws_error(
       [&] { nf4_gate_up(gpu, a, w.dev, w.dev, {c, TensorView(), TensorView()}, {1, 0, Nf4Path::Fused}); },
       ErrorCode::Unsupported, {"nf4_gate_up", "Fused"}));
-  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, w.dev, c, {1, 0, Nf4Path::Reference}); },
+  EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, w.dev, c, {1, 0, nf4_forced::kReference}); },
                                  ErrorCode::Unsupported, {"nf4_gemm", "Reference"}));
 }
 

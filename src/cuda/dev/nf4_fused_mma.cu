@@ -1,4 +1,4 @@
-// The fused NF4 GEMM for any GPU from Ampere on (sm_80+; Nf4Path::FusedMma), W [N,K] NF4:
+// The fused NF4 GEMM for any GPU from Ampere on (sm_80+; forced path fused_mma), W [N,K] NF4:
 //   forward         C[M,N]  = alpha * A[M,K] * dequant(W)^T + beta * C
 //   input gradient  dA[M,K] = alpha * dC[M,N] * dequant(W) + beta * dA
 // with the dequantization inside the GEMM's main loop, on mma.sync (the tensor-core instruction Ampere and Ada

@@ -1,4 +1,4 @@
-// The fused NF4 GEMM on mma.sync for GPUs from Ampere on (Nf4Path::FusedMma): the weight dequantized inside the
+// The fused NF4 GEMM on mma.sync for GPUs from Ampere on (forced path fused_mma): the weight dequantized inside the
 // GEMM's main loop, no bf16 copy of W in memory. See nf4_fused_mma.cu.
 #pragma once
 

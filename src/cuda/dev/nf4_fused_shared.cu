@@ -1,4 +1,4 @@
-// The shared-dequantization variant of the fused NF4 GEMM on Hopper (Nf4Path::FusedShared; a development kernel:
+// The shared-dequantization variant of the fused NF4 GEMM on Hopper (forced path fused_shared; a development kernel:
 // Auto does not take it, measured slower than dequantize + cuBLASLt under sustained load), W [N,K] NF4, forward and
 // input gradient as nf4_fused.cu's kernel, whose tiling, pipeline and epilogue it shares (nf4_fused_common.cuh).
 #include "cuda/dev/nf4_fused_shared.h"
@@ -9,7 +9,7 @@ namespace qmm::cuda {
 
 namespace fused {
 
-// ---- Shared dequantization (Nf4Path::FusedShared): each weight tile dequantized once per launch ----
+// ---- Shared dequantization (forced path fused_shared): each weight tile dequantized once per launch ----
 //
 // The kernel above dequantizes its 128-row weight strip in every CTA that uses it: at M = 4096 that is 16 times
 // the weight, and the dequantization's ALU work is what keeps it from the tensor cores' rate. Here the CTAs that

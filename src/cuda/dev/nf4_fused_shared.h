@@ -1,5 +1,5 @@
-// The shared-dequantization fused NF4 GEMM on Hopper (Nf4Path::FusedShared): each weight tile dequantized once per
-// call into a bf16 workspace that the CTAs sharing it load with TMA. A development kernel (QMM_DEV_KERNELS builds).
+// The shared-dequantization fused NF4 GEMM on Hopper (forced path fused_shared): each weight tile dequantized once
+// per call into a bf16 workspace that the CTAs sharing it load with TMA. A development kernel (QMM_DEV_KERNELS builds).
 // See nf4_fused_shared.cu.
 #pragma once
 

@@ -4,8 +4,8 @@
 //
 // nf4_fused_gemm_kernel dequantizes each CTA's weight tiles inside its main loop (Nf4Path::Fused). A variant that
 // dequantizes each tile once per call into a bf16 workspace which the CTAs sharing it load with TMA
-// (Nf4Path::FusedShared, not taken by Auto) is in dev/nf4_fused_shared.cu; both share the tiling, the pipeline and
-// the epilogue (nf4_fused_common.cuh).
+// (forced path fused_shared, not taken by Auto) is in dev/nf4_fused_shared.cu; both share the tiling, the pipeline
+// and the epilogue (nf4_fused_common.cuh).
 //
 // The product is computed transposed, out^T = T * B^T with T the dequantized weight tile (W, or W^T for the input
 // gradient) as the wgmma's 64-row A operand and the wider activation tile (A, or dC) its 256-column B operand:

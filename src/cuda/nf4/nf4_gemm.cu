@@ -30,27 +30,14 @@ constexpr std::size_t kScratchAlign = 256;  // every scratch region starts 256-b
 
 std::size_t align_up(std::size_t v) { return (v + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }
 
-const char* path_label(Nf4Path p) {
-  switch (p) {
-    case Nf4Path::Auto: return "Auto";
-    case Nf4Path::Reference: return "Reference";
-    case Nf4Path::DequantGemm: return "DequantGemm";
-    case Nf4Path::SmallM: return "SmallM";
-    case Nf4Path::Fused: return "Fused";
-    case Nf4Path::FusedShared: return "FusedShared";
-    case Nf4Path::FusedMma: return "FusedMma";
-  }
-  return "?";
-}
-
 // The plan for a call; a forced path that cannot serve it throws Unsupported here, before anything runs.
 Nf4Plan plan_or_throw(const Context& ctx, const Nf4Problem& p) {
   const Nf4Plan plan = plan_nf4(p, nf4_device(ctx));
   if (plan.kernel != Nf4Kernel::Unsupported) return plan;
-  const std::string tail = p.path == Nf4Path::Reference
+  const std::string tail = p.path == nf4_forced::kReference
                                ? std::string(plan.why)
                                : std::string("does not support this problem (it needs ") + plan.why + ")";
-  throw Error(ErrorCode::Unsupported, std::string(nf4_op_name(p.op)) + ": path " + path_label(p.path) + " " + tail);
+  throw Error(ErrorCode::Unsupported, std::string(nf4_op_name(p.op)) + ": path " + nf4_path_name(p.path) + " " + tail);
 }
 
 bool is_fused(Nf4Kernel k) {

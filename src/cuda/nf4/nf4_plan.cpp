@@ -252,15 +252,15 @@ Nf4Plan plan_nf4(const Nf4Problem& p, const Nf4Device& d) {
   const bool gate_up = p.op == Nf4Op::GateUp;
   const Nf4WeightFacts& w_up = gate_up ? p.w_up : p.w;
   const bool large = p.w.rows * p.w.cols >= kLargeWeightElements;
-  if (p.path == Nf4Path::Reference) return unsupported("runs on the CPU backend only (use a CPU context)");
+  if (p.path == nf4_forced::kReference) return unsupported("runs on the CPU backend only (use a CPU context)");
 
   // 1. Small M.
   const std::int64_t auto_rows = !backward ? kAutoSmallMRows : large ? kAutoSmallMBackwardRowsLarge : 0;
-  const bool wants_small_m = p.path == Nf4Path::SmallM || (p.path == Nf4Path::Auto && p.m <= auto_rows);
+  const bool wants_small_m = p.path == nf4_forced::kSmallM || (p.path == Nf4Path::Auto && p.m <= auto_rows);
   const bool small_m_ok = backward ? small_m_backward_fits(p)
                                    : small_m_fits(p, p.w) && small_m_fits(p, w_up) && p.w.rows == w_up.rows;
   if (wants_small_m && small_m_ok) {
-    const char* why = p.path == Nf4Path::SmallM ? "forced (path small_m)"
+    const char* why = p.path == nf4_forced::kSmallM ? "forced (path small_m)"
                       : backward ? "M <= 8 on a large weight: the small-M input gradient beats dequantize + GEMM"
                                  : "M <= 32: the small-M kernels beat dequantize + GEMM";
     if (!backward) return small_m_forward(p, p.w, w_up, d, why);
@@ -270,14 +270,14 @@ Nf4Plan plan_nf4(const Nf4Problem& p, const Nf4Device& d) {
     plan.why = why;
     return plan;
   }
-  if (p.path == Nf4Path::SmallM) return unsupported(backward ? kSmallMBackwardNeeds : kSmallMNeeds);
+  if (p.path == nf4_forced::kSmallM) return unsupported(backward ? kSmallMBackwardNeeds : kSmallMNeeds);
 
   // 2. Fused: forced, or Auto's row ranges.
   Nf4Kernel fused = Nf4Kernel::Unsupported;
   const char* why = "";
   if (p.path == Nf4Path::Fused) fused = Nf4Kernel::FusedInLoop, why = "forced (path fused)";
-  else if (p.path == Nf4Path::FusedShared) fused = Nf4Kernel::FusedShared, why = "forced (path fused_shared)";
-  else if (p.path == Nf4Path::FusedMma) fused = Nf4Kernel::FusedMma, why = "forced (path fused_mma)";
+  else if (p.path == nf4_forced::kFusedShared) fused = Nf4Kernel::FusedShared, why = "forced (path fused_shared)";
+  else if (p.path == nf4_forced::kFusedMma) fused = Nf4Kernel::FusedMma, why = "forced (path fused_mma)";
   else if (p.path == Nf4Path::Auto) {
     // Large weights: from where the small-M kernels stop (the forward's 32 rows; the input gradient's small-M range
     // was taken above where it applied).

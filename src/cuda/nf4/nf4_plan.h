@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/nf4_forced.h"
 #include "qmm/context.h"
 #include "qmm/nf4.h"
 #include "qmm/ops.h"
