@@ -383,6 +383,30 @@ def _expect_error(code, fragment, fn):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_batched_cast_and_an_overwritten_lora_grad_b(device):
+    """qmm.ops.cast (the adapters' working copies, one launch on a GPU) rounds each tensor as torch's .to() does,
+    empty ones and an empty list included; lora_backward_dy with beta=0 writes grad_b without reading it (a NaN
+    there stays out) and gives what beta=1 gives on zeros."""
+    from qmm.ops import cast
+    shapes = [(16, 4096), (7,), (0, 3), (65, 63), (1000,)]
+    ts = [randn(shape, 40 + i, device) for i, shape in enumerate(shapes)] + [randn((9, 5), 50, device, torch.bfloat16)]
+    outs = cast(ts, torch.bfloat16)
+    for t, o in zip(ts, outs):
+        assert o.dtype == torch.bfloat16 and o.shape == t.shape and torch.equal(o, t.to(torch.bfloat16))
+    assert torch.equal(cast([outs[0]], torch.float32)[0], outs[0].float())
+    assert cast([], torch.bfloat16) == []
+    if device == "cuda":
+        _expect_error("DeviceMismatch", "cast", lambda: cast([ts[0], ts[1].cpu()], torch.bfloat16))
+    bf16 = torch.bfloat16
+    dy, b, t = randn((65, 136), 60, device, bf16), randn((136, 16), 61, device, bf16), randn((65, 16), 62, device, bf16)
+    written = torch.full((136, 16), float("nan"), device=device)
+    accumulated = torch.zeros((136, 16), device=device)
+    dt_w = qmm.lora_backward_dy(dy, b, t, written, scale=0.5, beta=0.0)
+    dt_a = qmm.lora_backward_dy(dy, b, t, accumulated, scale=0.5)
+    assert torch.isfinite(written).all() and torch.equal(written, accumulated) and torch.equal(dt_w, dt_a)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gemms_with_an_empty_dimension_and_wrong_ranks(device):
     """A zero dimension is valid: M or N = 0 gives an empty output, K = 0 gives C = beta * C (zeros for beta = 0),
     as PyTorch's matmul; an operand of the wrong rank says "rank", naming it."""

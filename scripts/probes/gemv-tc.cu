@@ -1,4 +1,4 @@
-// Probe (GPU machine, session 30): a small-M NF4 forward (M <= 8) built for the memory roofline, standalone (no
+// Probe (GPU machine): a small-M NF4 forward (M <= 8) built for the memory roofline, standalone (no
 // libqmm), timed in a CUDA graph against a plain read of the same bytes; three versions ("tab" and "reg", below;
 // "ring", gemv_ring_kernel: the codes through a per-warp cp.async ring, which became the library's slice kernel).
 // Design: one block of 16 warps per SM; warp w keeps a
