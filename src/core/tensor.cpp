@@ -117,12 +117,12 @@ Tensor::Tensor(DType dtype, Shape shape, Device device) {
 }
 
 void copy(const TensorView& dst, const TensorView& src) {
-  detail::require(dst.dtype() == src.dtype(), ErrorCode::DTypeMismatch, "copy",
+  QMM_REQUIRE(dst.dtype() == src.dtype(), ErrorCode::DTypeMismatch, "copy",
                   "dst is " + dst.str() + " but src is " + src.str());
-  detail::require(dst.numel() == src.numel(), ErrorCode::ShapeMismatch, "copy",
+  QMM_REQUIRE(dst.numel() == src.numel(), ErrorCode::ShapeMismatch, "copy",
                   "dst is " + dst.str() + " but src is " + src.str());
   if (dst.numel() == 0) return;
-  detail::require(dst.data() && src.data(), ErrorCode::InvalidArgument, "copy", "null data pointer");
+  QMM_REQUIRE(dst.data() && src.data(), ErrorCode::InvalidArgument, "copy", "null data pointer");
   if (dst.device().is_cpu() && src.device().is_cpu()) {
     std::memmove(dst.data(), src.data(), src.nbytes());
     return;
@@ -132,15 +132,15 @@ void copy(const TensorView& dst, const TensorView& src) {
 
 void copy(const Context& ctx, const TensorView& dst, const TensorView& src) {
   if (dst.device().is_cpu() && src.device().is_cpu()) return copy(dst, src);
-  detail::require(dst.dtype() == src.dtype(), ErrorCode::DTypeMismatch, "copy",
+  QMM_REQUIRE(dst.dtype() == src.dtype(), ErrorCode::DTypeMismatch, "copy",
                   "dst is " + dst.str() + " but src is " + src.str());
-  detail::require(dst.numel() == src.numel(), ErrorCode::ShapeMismatch, "copy",
+  QMM_REQUIRE(dst.numel() == src.numel(), ErrorCode::ShapeMismatch, "copy",
                   "dst is " + dst.str() + " but src is " + src.str());
-  detail::require((dst.device().is_cpu() || dst.device() == ctx.device()) &&
+  QMM_REQUIRE((dst.device().is_cpu() || dst.device() == ctx.device()) &&
                       (src.device().is_cpu() || src.device() == ctx.device()),
                   ErrorCode::DeviceMismatch, "copy", "device tensors must be on the context's " + ctx.device().str());
   if (dst.numel() == 0) return;
-  detail::require(dst.data() && src.data(), ErrorCode::InvalidArgument, "copy", "null data pointer");
+  QMM_REQUIRE(dst.data() && src.data(), ErrorCode::InvalidArgument, "copy", "null data pointer");
   require_gpu_backend("copy").copy_bytes_async(ctx, dst.data(), src.data(), src.nbytes());
 }
 

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <sstream>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -18,23 +18,22 @@
 namespace qmm {
 namespace {
 
-using detail::require;
 
 #define QMM_TRAIN_ROUTE(ctx, op, fn, ...) \
   ((ctx).device().is_cpu() ? cpu::fn(__VA_ARGS__) : require_gpu_backend(op).fn((ctx), __VA_ARGS__))
 
+// v with 9 significant digits (what an ostringstream of precision 9 writes), without iostreams.
 std::string num(double v) {
-  std::ostringstream s;
-  s.precision(9);
-  s << v;
-  return s.str();
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", v);
+  return buf;
 }
 
 // An output may be exactly the memory of an input (each element is read before it is written), never a part of it.
 void require_exact_alias_or_disjoint(const char* op, const char* out_name, const TensorView& out, const char* in_name,
                                      const TensorView& in) {
   const bool exact = out.data() == in.data() && out.nbytes() == in.nbytes();
-  require(exact || !detail::overlaps(out, in), ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(exact || !detail::overlaps(out, in), ErrorCode::InvalidArgument, op,
           std::string(out_name) + " and " + in_name +
               " overlap in memory without being the same tensor (only an exact in-place alias is allowed)");
 }
@@ -57,17 +56,17 @@ void require_like(const Context& ctx, const char* op, const char* name, const Te
 void require_scalar_output(const Context& ctx, const char* op, const char* name, const TensorView& t) {
   detail::require_tensor(ctx, op, name, t);
   detail::require_dtype(op, name, t, {DType::F32});
-  require(t.numel() == 1, ErrorCode::ShapeMismatch, op,
+  QMM_REQUIRE(t.numel() == 1, ErrorCode::ShapeMismatch, op,
           std::string(name) + " must have one element but is " + t.shape().str());
 }
 
 void require_finite(const char* op, const char* name, double v) {
-  require(std::isfinite(v), ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(std::isfinite(v), ErrorCode::InvalidArgument, op,
           std::string(name) + " is " + num(v) + " but must be finite");
 }
 
 void require_in_range(const char* op, const char* name, double v, double lo, double hi, const char* range) {
-  require(v >= lo && v < hi, ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(v >= lo && v < hi, ErrorCode::InvalidArgument, op,
           std::string(name) + " is " + num(v) + " but must be in " + range);
 }
 
@@ -105,24 +104,24 @@ void require_no_write_overlaps(const char* op, std::vector<Range>& ranges) {
 }
 
 void validate_adamw_options(const char* op, const AdamWOptions& o, int step) {
-  require(step >= 1, ErrorCode::InvalidArgument, op, "step is " + std::to_string(step) + " but counts from 1");
+  QMM_REQUIRE(step >= 1, ErrorCode::InvalidArgument, op, "step is " + std::to_string(step) + " but counts from 1");
   require_finite(op, "opts.lr", o.lr);
-  require(o.lr >= 0, ErrorCode::InvalidArgument, op, "opts.lr is " + num(o.lr) + " but must be >= 0");
+  QMM_REQUIRE(o.lr >= 0, ErrorCode::InvalidArgument, op, "opts.lr is " + num(o.lr) + " but must be >= 0");
   require_in_range(op, "opts.beta1", o.beta1, 0.0, 1.0, "[0, 1)");
   require_in_range(op, "opts.beta2", o.beta2, 0.0, 1.0, "[0, 1)");
   require_finite(op, "opts.eps", o.eps);
-  require(o.eps >= 0, ErrorCode::InvalidArgument, op, "opts.eps is " + num(o.eps) + " but must be >= 0");
+  QMM_REQUIRE(o.eps >= 0, ErrorCode::InvalidArgument, op, "opts.eps is " + num(o.eps) + " but must be >= 0");
   require_finite(op, "opts.weight_decay", o.weight_decay);
-  require(o.weight_decay >= 0, ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(o.weight_decay >= 0, ErrorCode::InvalidArgument, op,
           "opts.weight_decay is " + num(o.weight_decay) + " but must be >= 0");
   require_finite(op, "opts.max_grad_norm", o.max_grad_norm);
-  require(o.max_grad_norm >= 0, ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(o.max_grad_norm >= 0, ErrorCode::InvalidArgument, op,
           "opts.max_grad_norm is " + num(o.max_grad_norm) + " but must be >= 0 (0: no clipping)");
 }
 
 void validate_adamw_params(const Context& ctx, const char* op, std::span<const AdamWParam> params,
                            const TensorView& norm) {
-  require(!params.empty(), ErrorCode::InvalidArgument, op, "params is empty");
+  QMM_REQUIRE(!params.empty(), ErrorCode::InvalidArgument, op, "params is empty");
   std::vector<Range> ranges;
   ranges.reserve(params.size() * 4 + 1);
   for (std::size_t i = 0; i < params.size(); ++i) {
@@ -157,7 +156,7 @@ void cast(const Context& ctx, const TensorView& src, const TensorView& dst) {
   const char* op = "cast";
   require_float_tensor(ctx, op, "src", src);
   require_float_tensor(ctx, op, "dst", dst);
-  require(src.numel() == dst.numel(), ErrorCode::ShapeMismatch, op,
+  QMM_REQUIRE(src.numel() == dst.numel(), ErrorCode::ShapeMismatch, op,
           "dst is " + dst.shape().str() + " (" + std::to_string(dst.numel()) + " elements) but src is " +
               src.shape().str() + " (" + std::to_string(src.numel()) + " elements)");
   require_exact_alias_or_disjoint(op, "dst", dst, "src", src);
@@ -167,14 +166,14 @@ void cast(const Context& ctx, const TensorView& src, const TensorView& dst) {
 
 void cast(const Context& ctx, std::span<const TensorView> src, std::span<const TensorView> dst) {
   const char* op = "cast";
-  require(src.size() == dst.size(), ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(src.size() == dst.size(), ErrorCode::InvalidArgument, op,
           "src has " + std::to_string(src.size()) + " tensors but dst has " + std::to_string(dst.size()));
   std::vector<TensorView> todo_src, todo_dst;
   for (std::size_t i = 0; i < src.size(); ++i) {
     const std::string s = "src[" + std::to_string(i) + "]", d = "dst[" + std::to_string(i) + "]";
     require_float_tensor(ctx, op, s.c_str(), src[i]);
     require_float_tensor(ctx, op, d.c_str(), dst[i]);
-    require(src[i].numel() == dst[i].numel(), ErrorCode::ShapeMismatch, op,
+    QMM_REQUIRE(src[i].numel() == dst[i].numel(), ErrorCode::ShapeMismatch, op,
             d + " is " + dst[i].shape().str() + " (" + std::to_string(dst[i].numel()) + " elements) but " + s +
                 " is " + src[i].shape().str() + " (" + std::to_string(src[i].numel()) + " elements)");
     require_exact_alias_or_disjoint(op, d.c_str(), dst[i], s.c_str(), src[i]);
@@ -214,7 +213,7 @@ void add_bias(const Context& ctx, const TensorView& y, const TensorView& bias) {
     detail::require_dtype(op, "bias", bias, {DType::F32});
   else
     detail::require_dtype(op, "bias", bias, {DType::F32, DType::BF16});
-  require(bias.dim(0) == y.dim(1), ErrorCode::ShapeMismatch, op,
+  QMM_REQUIRE(bias.dim(0) == y.dim(1), ErrorCode::ShapeMismatch, op,
           "bias is " + bias.shape().str() + " but y is " + y.shape().str() + ": bias must have y's last dimension");
   detail::require_no_overlap(op, "y", y, "bias", bias);
   if (y.numel() == 0) return;
@@ -234,7 +233,7 @@ void dropout(const Context& ctx, const TensorView& x, const TensorView& out, flo
 bool dropout_keep(std::uint64_t seed, std::int64_t index, float p) {
   const char* op = "dropout_keep";
   require_in_range(op, "p", p, 0.0, 1.0, "[0, 1)");
-  require(index >= 0, ErrorCode::InvalidArgument, op, "index is " + std::to_string(index) + " but must be >= 0");
+  QMM_REQUIRE(index >= 0, ErrorCode::InvalidArgument, op, "index is " + std::to_string(index) + " but must be >= 0");
   return train::dropout_keep_at(train::dropout_key(seed), index, train::dropout_threshold(p));
 }
 
@@ -245,7 +244,7 @@ void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target,
   require_like(ctx, op, "target", target, "y", y);
   require_like(ctx, op, "dy", dy, "y", y);
   require_scalar_output(ctx, op, "loss", loss);
-  require(y.numel() > 0, ErrorCode::InvalidArgument, op, "y is " + y.shape().str() + ": the mean of no elements");
+  QMM_REQUIRE(y.numel() > 0, ErrorCode::InvalidArgument, op, "y is " + y.shape().str() + ": the mean of no elements");
   require_finite(op, "scale", scale);
   require_exact_alias_or_disjoint(op, "dy", dy, "y", y);
   require_exact_alias_or_disjoint(op, "dy", dy, "target", target);
@@ -264,12 +263,12 @@ void require_norm_operands(const Context& ctx, const char* op, const TensorView&
   require_like(ctx, op, like_name, like, "x", x);
   detail::require_tensor(ctx, op, "w", w);
   detail::require_same_dtype(op, "w", w, "x", x);
-  require(w.rank() == 1 && w.dim(0) == x.dim(1), ErrorCode::ShapeMismatch, op,
+  QMM_REQUIRE(w.rank() == 1 && w.dim(0) == x.dim(1), ErrorCode::ShapeMismatch, op,
           "w is " + w.shape().str() + " but must be [" + std::to_string(x.dim(1)) + "] (x's last dimension)");
   if (rstd.empty()) return;
   detail::require_tensor(ctx, op, "rstd", rstd);
   detail::require_dtype(op, "rstd", rstd, {DType::F32});
-  require(rstd.rank() == 1 && rstd.dim(0) == x.dim(0), ErrorCode::ShapeMismatch, op,
+  QMM_REQUIRE(rstd.rank() == 1 && rstd.dim(0) == x.dim(0), ErrorCode::ShapeMismatch, op,
           "rstd is " + rstd.shape().str() + " but must be [" + std::to_string(x.dim(0)) + "] (x's rows)");
 }
 
@@ -277,7 +276,7 @@ void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, cons
               float eps) {
   const char* op = "rms_norm";
   require_norm_operands(ctx, op, x, "y", y, w, rstd);
-  require(std::isfinite(eps) && eps >= 0.0f, ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(std::isfinite(eps) && eps >= 0.0f, ErrorCode::InvalidArgument, op,
           "eps is " + num(eps) + " but must be finite and >= 0");
   require_exact_alias_or_disjoint(op, "y", y, "x", x);
   detail::require_no_overlap(op, "y", y, "w", w);
@@ -290,7 +289,7 @@ void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, cons
 void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
                        const TensorView& dy, const TensorView& dx, const TensorView& dw) {
   const char* op = "rms_norm_backward";
-  require(!rstd.empty(), ErrorCode::ShapeMismatch, op,
+  QMM_REQUIRE(!rstd.empty(), ErrorCode::ShapeMismatch, op,
           "rstd is missing but must be [" + std::to_string(x.rank() == 2 ? x.dim(0) : 0) + "] (the forward's)");
   require_norm_operands(ctx, op, x, "dy", dy, w, rstd);
   if (!dx.empty()) {
@@ -302,7 +301,7 @@ void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView
   if (!dw.empty()) {
     detail::require_tensor(ctx, op, "dw", dw);
     detail::require_dtype(op, "dw", dw, {DType::F32});
-    require(dw.shape() == w.shape(), ErrorCode::ShapeMismatch, op,
+    QMM_REQUIRE(dw.shape() == w.shape(), ErrorCode::ShapeMismatch, op,
             "dw is " + dw.shape().str() + " but must be w's shape " + w.shape().str());
     for (const auto& [name, in] : {std::pair<const char*, const TensorView*>{"x", &x}, {"w", &w}, {"rstd", &rstd},
                                    {"dy", &dy}, {"dx", &dx}})
@@ -318,19 +317,19 @@ void rope(const Context& ctx, const TensorView& q, const TensorView& k, const Te
   require_float_tensor(ctx, op, "q", q);
   detail::require_rank(op, "q", q, 4);
   const std::int64_t batch = q.dim(0), seq = q.dim(1), head_dim = q.dim(3);
-  require(head_dim >= 2 && head_dim % 2 == 0, ErrorCode::ShapeMismatch, op,
+  QMM_REQUIRE(head_dim >= 2 && head_dim % 2 == 0, ErrorCode::ShapeMismatch, op,
           "q is " + q.shape().str() + " but its head dimension D (the last) must be even and >= 2");
   require_like(ctx, op, "q_out", q_out, "q", q);
   // k is present where either of k, k_out is given (not a default view): one without the other is a caller's slip.
   const auto absent = [](const TensorView& t) { return t.rank() == 0 && t.data() == nullptr; };
   const bool has_k = !absent(k) || !absent(k_out);
   if (has_k) {
-    require(!absent(k), ErrorCode::InvalidArgument, op, "k is missing but k_out is given");
-    require(!absent(k_out), ErrorCode::InvalidArgument, op, "k_out is missing but k is given");
+    QMM_REQUIRE(!absent(k), ErrorCode::InvalidArgument, op, "k is missing but k_out is given");
+    QMM_REQUIRE(!absent(k_out), ErrorCode::InvalidArgument, op, "k_out is missing but k is given");
     detail::require_tensor(ctx, op, "k", k);
     detail::require_rank(op, "k", k, 4);
     detail::require_same_dtype(op, "k", k, "q", q);
-    require(k.dim(0) == batch && k.dim(1) == seq && k.dim(3) == head_dim, ErrorCode::ShapeMismatch, op,
+    QMM_REQUIRE(k.dim(0) == batch && k.dim(1) == seq && k.dim(3) == head_dim, ErrorCode::ShapeMismatch, op,
             "k is " + k.shape().str() + " but q is " + q.shape().str() + ": k must be [B, S, Hk, D] with q's B, S, D");
     require_like(ctx, op, "k_out", k_out, "k", k);
   }
@@ -341,7 +340,7 @@ void rope(const Context& ctx, const TensorView& q, const TensorView& k, const Te
     detail::require_dtype(op, "cos", cos, {DType::F32, q.dtype()});
   const std::string cs_shape = "[1 or " + std::to_string(batch) + ", " + std::to_string(seq) + ", " +
                                std::to_string(head_dim) + "] (q's B or 1, S, D)";
-  require(cos.rank() == 3 && (cos.dim(0) == 1 || cos.dim(0) == batch) && cos.dim(1) == seq && cos.dim(2) == head_dim,
+  QMM_REQUIRE(cos.rank() == 3 && (cos.dim(0) == 1 || cos.dim(0) == batch) && cos.dim(1) == seq && cos.dim(2) == head_dim,
           ErrorCode::ShapeMismatch, op, "cos is " + cos.shape().str() + " but must be " + cs_shape);
   require_like(ctx, op, "sin", sin, "cos", cos);
   // Outputs: their own input exactly or disjoint; never any other argument (cos and sin may share memory: both read).
@@ -368,20 +367,20 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
   detail::require_rank(op, "w", w, 2);
   detail::require_same_dtype(op, "w", w, "h", h);
   const std::int64_t t = h.dim(0), hidden = h.dim(1), vocab = w.dim(0);
-  require(w.dim(1) == hidden && vocab >= 1 && hidden >= 1, ErrorCode::ShapeMismatch, op,
+  QMM_REQUIRE(w.dim(1) == hidden && vocab >= 1 && hidden >= 1, ErrorCode::ShapeMismatch, op,
           "h is " + h.shape().str() + " but w is " + w.shape().str() + ": w must be [V, H] with h's H, V and H >= 1");
   detail::require_tensor(ctx, op, "labels", labels);
   detail::require_dtype(op, "labels", labels, {DType::I32});
-  require(labels.rank() == 1 && labels.dim(0) == t, ErrorCode::ShapeMismatch, op,
+  QMM_REQUIRE(labels.rank() == 1 && labels.dim(0) == t, ErrorCode::ShapeMismatch, op,
           "labels is " + labels.shape().str() + " but must be [" + std::to_string(t) + "] (one per row of h)");
   require_scalar_output(ctx, op, "loss", loss);
-  require(opts.chunk_tokens >= 0, ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(opts.chunk_tokens >= 0, ErrorCode::InvalidArgument, op,
           "chunk_tokens is " + std::to_string(opts.chunk_tokens) + " but must be >= 0");
   if (!dh.empty()) require_like(ctx, op, "dh", dh, "h", h);
   if (!dw.empty()) {
     detail::require_tensor(ctx, op, "dw", dw);
     detail::require_dtype(op, "dw", dw, {DType::F32});
-    require(dw.shape() == w.shape(), ErrorCode::ShapeMismatch, op,
+    QMM_REQUIRE(dw.shape() == w.shape(), ErrorCode::ShapeMismatch, op,
             "dw is " + dw.shape().str() + " but must be w's shape " + w.shape().str());
   }
   const std::pair<const char*, const TensorView*> outputs[] = {{"loss", &loss}, {"dh", &dh}, {"dw", &dw}};
@@ -403,7 +402,7 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
       lab = host_labels.data_as<const std::int32_t>();
     }
     for (std::int64_t i = 0; i < t; ++i)
-      require(lab[i] == opts.ignore_index || (lab[i] >= 0 && lab[i] < vocab), ErrorCode::InvalidArgument, op,
+      QMM_REQUIRE(lab[i] == opts.ignore_index || (lab[i] >= 0 && lab[i] < vocab), ErrorCode::InvalidArgument, op,
               "labels[" + std::to_string(i) + "] is " + std::to_string(lab[i]) + " but must be in [0, " +
                   std::to_string(vocab) + ") or the ignore_index " + std::to_string(opts.ignore_index));
   }
@@ -413,7 +412,7 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
 
 void grad_norm(const Context& ctx, std::span<const TensorView> grads, const TensorView& norm) {
   const char* op = "grad_norm";
-  require(!grads.empty(), ErrorCode::InvalidArgument, op, "grads is empty");
+  QMM_REQUIRE(!grads.empty(), ErrorCode::InvalidArgument, op, "grads is empty");
   for (std::size_t i = 0; i < grads.size(); ++i) {
     const std::string name = "grads[" + std::to_string(i) + "]";
     require_float_tensor(ctx, op, name.c_str(), grads[i]);

@@ -9,14 +9,14 @@ void require_tensor(const Context& ctx, const char* op, const char* name, const 
 }
 
 void require_tensor(Device device, const char* op, const char* name, const TensorView& t) {
-  require(t.data() != nullptr || t.numel() == 0, ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(t.data() != nullptr || t.numel() == 0, ErrorCode::InvalidArgument, op,
           std::string(name) + " has null data");
-  require(t.device() == device, ErrorCode::DeviceMismatch, op,
+  QMM_REQUIRE(t.device() == device, ErrorCode::DeviceMismatch, op,
           std::string(name) + " is on " + t.device().str() + " but the context runs on " + device.str());
 }
 
 void require_rank(const char* op, const char* name, const TensorView& t, int rank) {
-  require(t.rank() == rank, ErrorCode::ShapeMismatch, op,
+  QMM_REQUIRE(t.rank() == rank, ErrorCode::ShapeMismatch, op,
           std::string(name) + " must have rank " + std::to_string(rank) + " but is " + t.shape().str());
 }
 
@@ -31,13 +31,13 @@ void require_dtype(const char* op, const char* name, const TensorView& t, std::i
 
 void require_same_dtype(const char* op, const char* name_a, const TensorView& a, const char* name_b,
                         const TensorView& b) {
-  require(a.dtype() == b.dtype(), ErrorCode::DTypeMismatch, op,
+  QMM_REQUIRE(a.dtype() == b.dtype(), ErrorCode::DTypeMismatch, op,
           std::string(name_a) + " is " + dtype_name(a.dtype()) + " but " + name_b + " is " + dtype_name(b.dtype()));
 }
 
 void require_same_shape(const char* op, const char* name_a, const TensorView& a, const char* name_b,
                         const TensorView& b) {
-  require(a.shape() == b.shape(), ErrorCode::ShapeMismatch, op,
+  QMM_REQUIRE(a.shape() == b.shape(), ErrorCode::ShapeMismatch, op,
           std::string(name_a) + " is " + a.shape().str() + " but " + name_b + " is " + b.shape().str());
 }
 
@@ -50,7 +50,7 @@ bool overlaps(const TensorView& a, const TensorView& b) {
 
 void require_no_overlap(const char* op, const char* name_a, const TensorView& a, const char* name_b,
                         const TensorView& b) {
-  require(!overlaps(a, b), ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(!overlaps(a, b), ErrorCode::InvalidArgument, op,
           std::string(name_a) + " and " + name_b + " overlap in memory");
 }
 

@@ -13,9 +13,6 @@ namespace qmm::detail {
 
 [[noreturn]] void fail(ErrorCode code, const char* op, const std::string& message);
 
-inline void require(bool ok, ErrorCode code, const char* op, const std::string& message) {
-  if (!ok) fail(code, op, message);
-}
 
 // Data non-null (unless the tensor has no elements), on the context's device.
 void require_tensor(const Context& ctx, const char* op, const char* name, const TensorView& t);
@@ -36,3 +33,10 @@ void require_no_overlap(const char* op, const char* name_a, const TensorView& a,
                         const TensorView& b);
 
 }  // namespace qmm::detail
+
+// Throws qmm::Error(code, "op: message") unless `ok`. A macro so that the message, often built from shapes and
+// numbers, is made only when the check fails: a call that passes its checks builds no string.
+#define QMM_REQUIRE(ok, code, op, message)                          \
+  do {                                                              \
+    if (!(ok)) ::qmm::detail::fail((code), (op), (message));        \
+  } while (false)

@@ -11,10 +11,10 @@ AdamW::AdamW(const Context& ctx, const AdamWOptions& options) : ctx_(ctx), optio
 
 void AdamW::add(LoraLinear& layer) {
   const char* op = "AdamW::add";
-  detail::require(layer.context().device() == ctx_.device(), ErrorCode::DeviceMismatch, op,
+  QMM_REQUIRE(layer.context().device() == ctx_.device(), ErrorCode::DeviceMismatch, op,
                   "layer runs on " + layer.context().device().str() + " but the optimizer on " +
                       ctx_.device().str());
-  detail::require(std::find(layers_.begin(), layers_.end(), &layer) == layers_.end(), ErrorCode::InvalidArgument,
+  QMM_REQUIRE(std::find(layers_.begin(), layers_.end(), &layer) == layers_.end(), ErrorCode::InvalidArgument,
                   op, "layer was already added (it would be stepped twice)");
   layers_.push_back(&layer);
   for (const AdamWParam& p : layer.parameters()) params_.push_back(p);
@@ -27,7 +27,7 @@ void AdamW::add(SwiGluMlp& mlp) {
 }
 
 void AdamW::step(const TensorView& norm) {
-  detail::require(!params_.empty(), ErrorCode::InvalidArgument, "AdamW::step", "no parameters: add layers first");
+  QMM_REQUIRE(!params_.empty(), ErrorCode::InvalidArgument, "AdamW::step", "no parameters: add layers first");
   if (comm_) {
     std::vector<TensorView> grads;
     for (const AdamWParam& p : params_) grads.push_back(p.grad);
@@ -39,7 +39,7 @@ void AdamW::step(const TensorView& norm) {
 }
 
 void AdamW::all_reduce_with(Communicator* comm) {
-  detail::require(!comm || comm->context().device() == ctx_.device(), ErrorCode::DeviceMismatch,
+  QMM_REQUIRE(!comm || comm->context().device() == ctx_.device(), ErrorCode::DeviceMismatch,
                   "AdamW::all_reduce_with", "the communicator is not on the optimizer's device");
   comm_ = comm;
 }

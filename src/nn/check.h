@@ -26,12 +26,12 @@ inline void require_activation(const Context& ctx, const char* op, const char* n
   detail::require_tensor(ctx, op, name, t);
   detail::require_rank(op, name, t, 2);
   detail::require_dtype(op, name, t, {dtype});
-  detail::require((rows < 0 || t.dim(0) == rows) && t.dim(1) == cols, ErrorCode::ShapeMismatch, op,
+  QMM_REQUIRE((rows < 0 || t.dim(0) == rows) && t.dim(1) == cols, ErrorCode::ShapeMismatch, op,
                   std::string(name) + " is " + t.shape().str() + " but must be " + dims(rows, cols));
 }
 
 inline void require_finite_beta(const char* op, float beta) {
-  detail::require(std::isfinite(beta), ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(std::isfinite(beta), ErrorCode::InvalidArgument, op,
                   "dx_beta is " + std::to_string(beta) + " but must be finite");
 }
 

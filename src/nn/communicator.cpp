@@ -68,11 +68,11 @@ Communicator::Communicator(const Context& ctx, int rank, int world_size, const s
                            double timeout_s)
     : impl_(std::make_unique<Impl>(Impl{ctx, rank, world_size})) {
   const char* op = "Communicator";
-  detail::require(world_size >= 1, ErrorCode::InvalidArgument, op, "world_size " + std::to_string(world_size) + " < 1");
-  detail::require(rank >= 0 && rank < world_size, ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(world_size >= 1, ErrorCode::InvalidArgument, op, "world_size " + std::to_string(world_size) + " < 1");
+  QMM_REQUIRE(rank >= 0 && rank < world_size, ErrorCode::InvalidArgument, op,
                   "rank " + std::to_string(rank) + " is not in [0, " + std::to_string(world_size) + ")");
   if (!ctx.device().is_cuda()) {
-    detail::require(world_size == 1, ErrorCode::Unsupported, op, "a CPU context takes world size 1 only");
+    QMM_REQUIRE(world_size == 1, ErrorCode::Unsupported, op, "a CPU context takes world size 1 only");
     return;
   }
 #if !defined(QMM_WITH_NCCL)
@@ -80,7 +80,7 @@ Communicator::Communicator(const Context& ctx, int rank, int world_size, const s
   (void)timeout_s;
   throw Error(ErrorCode::Unsupported, "Communicator: this build has no NCCL (CMake did not find nccl.h and libnccl)");
 #else
-  detail::require(world_size == 1 || !rendezvous.empty(), ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(world_size == 1 || !rendezvous.empty(), ErrorCode::InvalidArgument, op,
                   "rendezvous: a file path shared by the ranks is needed for world size > 1");
   ncclUniqueId id{};
   if (rank == 0) {
@@ -121,8 +121,8 @@ const Context& Communicator::context() const { return impl_->ctx; }
 void Communicator::all_reduce_mean(const std::vector<TensorView>& tensors) {
   const char* op = "Communicator::all_reduce_mean";
   for (const TensorView& t : tensors) {
-    detail::require(t.dtype() == DType::F32, ErrorCode::DTypeMismatch, op, "tensors must be f32");
-    detail::require(t.device() == impl_->ctx.device(), ErrorCode::DeviceMismatch, op,
+    QMM_REQUIRE(t.dtype() == DType::F32, ErrorCode::DTypeMismatch, op, "tensors must be f32");
+    QMM_REQUIRE(t.device() == impl_->ctx.device(), ErrorCode::DeviceMismatch, op,
                     "a tensor is on " + t.device().str() + ", the communicator on " + impl_->ctx.device().str());
   }
 #if defined(QMM_WITH_NCCL)

@@ -10,7 +10,6 @@
 namespace qmm {
 namespace {
 
-using detail::require;
 using nn_detail::dims;
 
 std::string shape_of(const LoraLinear& l) { return dims(l.out_features(), l.in_features()); }
@@ -19,17 +18,17 @@ std::string shape_of(const LoraLinear& l) { return dims(l.out_features(), l.in_f
 void check_projections(const LoraLinear& gate, const LoraLinear& up, const LoraLinear& down) {
   const char* op = "SwiGluMlp";
   const Device dev = gate.context().device();
-  require(up.context().device() == dev && down.context().device() == dev, ErrorCode::DeviceMismatch, op,
+  QMM_REQUIRE(up.context().device() == dev && down.context().device() == dev, ErrorCode::DeviceMismatch, op,
           "gate, up and down run on " + dev.str() + ", " + up.context().device().str() + " and " +
               down.context().device().str() + " but must share one device");
   const DType act = gate.config().activations;
-  require(up.config().activations == act && down.config().activations == act, ErrorCode::DTypeMismatch, op,
+  QMM_REQUIRE(up.config().activations == act && down.config().activations == act, ErrorCode::DTypeMismatch, op,
           std::string("gate, up and down have activations ") + dtype_name(act) + ", " +
               dtype_name(up.config().activations) + " and " + dtype_name(down.config().activations) +
               " but must share one dtype");
-  require(up.out_features() == gate.out_features() && up.in_features() == gate.in_features(),
+  QMM_REQUIRE(up.out_features() == gate.out_features() && up.in_features() == gate.in_features(),
           ErrorCode::ShapeMismatch, op, "up is " + shape_of(up) + " but gate is " + shape_of(gate) + ": they must agree");
-  require(down.in_features() == gate.out_features() && down.out_features() == gate.in_features(),
+  QMM_REQUIRE(down.in_features() == gate.out_features() && down.out_features() == gate.in_features(),
           ErrorCode::ShapeMismatch, op,
           "down is " + shape_of(down) + " but must be " + dims(gate.in_features(), gate.out_features()) +
               " for gate " + shape_of(gate));
@@ -84,10 +83,10 @@ void SwiGluMlp::forward(const TensorView& x, const TensorView& y, ForwardMode mo
   const std::int64_t m = x.dim(0);
   nn_detail::require_activation(ctx, op, "y", y, act, m, h);
   detail::require_no_overlap(op, "y", y, "x", x);
-  require(mode == ForwardMode::Train || mode == ForwardMode::Eval || mode == ForwardMode::Recompute,
+  QMM_REQUIRE(mode == ForwardMode::Train || mode == ForwardMode::Eval || mode == ForwardMode::Recompute,
           ErrorCode::InvalidArgument, op, "mode " + std::to_string(static_cast<int>(mode)) + " is unknown");
   if (mode == ForwardMode::Recompute)
-    require(last_rows_ == m, ErrorCode::InvalidArgument, op,
+    QMM_REQUIRE(last_rows_ == m, ErrorCode::InvalidArgument, op,
             "mode Recompute needs a previous forward with " + std::to_string(m) + " rows");
   saved_ = false;  // until this forward has completed
 
@@ -110,11 +109,11 @@ void SwiGluMlp::backward(const TensorView& x, const TensorView& dy, const Tensor
   const Context& ctx = gate_.context();
   const DType act = gate_.config().activations;
   const std::int64_t h = hidden_features(), i = intermediate_features();
-  require(saved_, ErrorCode::InvalidArgument, op,
+  QMM_REQUIRE(saved_, ErrorCode::InvalidArgument, op,
           "no saved forward: call forward first (each backward consumes its forward)");
   const std::int64_t m = last_rows_;
   nn_detail::require_activation(ctx, op, "x", x, act, -1, h);
-  require(x.dim(0) == m, ErrorCode::ShapeMismatch, op,
+  QMM_REQUIRE(x.dim(0) == m, ErrorCode::ShapeMismatch, op,
           "x is " + x.shape().str() + " but the last forward had " + std::to_string(m) + " rows");
   nn_detail::require_activation(ctx, op, "dy", dy, act, m, h);
   if (!dx.empty()) {
@@ -162,7 +161,7 @@ void SwiGluMlp::refresh_working_copies() {
 }
 
 void SwiGluMlp::reserve(std::int64_t max_rows) {
-  require(max_rows >= 0, ErrorCode::InvalidArgument, "SwiGluMlp::reserve",
+  QMM_REQUIRE(max_rows >= 0, ErrorCode::InvalidArgument, "SwiGluMlp::reserve",
           "max_rows is " + std::to_string(max_rows) + " but must be >= 0");
   for (LoraLinear* l : {&gate_, &up_, &down_}) l->reserve(max_rows);
   const Device dev = gate_.context().device();
@@ -183,7 +182,7 @@ void SwiGluMlp::reserve(std::int64_t max_rows) {
 }
 
 void SwiGluMlp::set_scratch(std::shared_ptr<Scratch> scratch) {
-  require(scratch != nullptr, ErrorCode::InvalidArgument, "SwiGluMlp::set_scratch", "scratch is null");
+  QMM_REQUIRE(scratch != nullptr, ErrorCode::InvalidArgument, "SwiGluMlp::set_scratch", "scratch is null");
   for (LoraLinear* l : {&gate_, &up_, &down_}) l->set_scratch(scratch);
 }
 

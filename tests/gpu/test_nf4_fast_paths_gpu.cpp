@@ -595,14 +595,14 @@ TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
   Tensor a(DType::BF16, {300, 96}, gpu.device()), c(DType::F32, {300, 64}, gpu.device());
   const std::string why = fused_available() ? "K a multiple of 64" : "needs";
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, p.w_dev, c, {1, 0, Nf4Path::Fused}); },
-                                 ErrorCode::Unsupported, {"nf4_gemm", "Fused", why}));
+                                 ErrorCode::Unsupported, {"nf4_gemm", "path fused", why}));
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, c, p.w_dev, a, {1, 0, Nf4Path::Fused}); },
-                                 ErrorCode::Unsupported, {"nf4_gemm_backward_a", "Fused", why}));
+                                 ErrorCode::Unsupported, {"nf4_gemm_backward_a", "path fused", why}));
   Problem q = make_weight(60, 128, false, 6);  // N = 60: dC rows of 120 bytes cannot be TMA rows
   Tensor dc(DType::BF16, {300, 60}, gpu.device()), da(DType::F32, {300, 128}, gpu.device());
   const std::string why_n = fused_available() ? "N a multiple of 8" : "needs";
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, dc, q.w_dev, da, {1, 0, Nf4Path::Fused}); },
-                                 ErrorCode::Unsupported, {"nf4_gemm_backward_a", "Fused", why_n}));
+                                 ErrorCode::Unsupported, {"nf4_gemm_backward_a", "path fused", why_n}));
   // The same preconditions for the mma.sync kernel, named by its own messages.
   const bool mma = fused_mma_available();
 #ifdef QMM_DEV_KERNELS
@@ -612,10 +612,10 @@ TEST(FusedPath, ForcedWhereItCannotRunRaisesUnsupported) {
 #endif
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, p.w_dev, c, {1, 0, nf4_forced::kFusedMma}); },
                                  ErrorCode::Unsupported,
-                                 {"nf4_gemm", "FusedMma", mma ? "K a multiple of 64" : mma_missing}));
+                                 {"nf4_gemm", "path fused_mma", mma ? "K a multiple of 64" : mma_missing}));
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm_backward_a(gpu, dc, q.w_dev, da, {1, 0, nf4_forced::kFusedMma}); },
                                  ErrorCode::Unsupported,
-                                 {"nf4_gemm_backward_a", "FusedMma", mma ? "N a multiple of 8" : mma_missing}));
+                                 {"nf4_gemm_backward_a", "path fused_mma", mma ? "N a multiple of 8" : mma_missing}));
 }
 
 // Where the pair kernel splits K (or runs gate and up in one launch), a block adds its row groups' partial sums
@@ -703,11 +703,11 @@ TEST(SmallMPath, ForcedOnUnsupportedShapeRaisesUnsupported) {
   Problem p = make_weight(64, 100, false, 5);  // K = 100 is not a multiple of 64
   Tensor a(DType::BF16, {4, 100}, gpu.device()), c(DType::F32, {4, 64}, gpu.device());
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, p.w_dev, c, {1, 0, nf4_forced::kSmallM}); },
-                                 ErrorCode::Unsupported, {"nf4_gemm", "SmallM", "K a multiple of 64"}));
+                                 ErrorCode::Unsupported, {"nf4_gemm", "path small_m", "K a multiple of 64"}));
   Problem q = make_weight(64, 128, false, 7);  // 33 rows: one more than the kernels take
   Tensor a33(DType::BF16, {33, 128}, gpu.device()), c33(DType::F32, {33, 64}, gpu.device());
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a33, q.w_dev, c33, {1, 0, nf4_forced::kSmallM}); },
-                                 ErrorCode::Unsupported, {"nf4_gemm", "SmallM", "M <= 32"}));
+                                 ErrorCode::Unsupported, {"nf4_gemm", "path small_m", "M <= 32"}));
   // Auto takes a correct path for the same shape.
   Tensor ah = test::random_tensor(DType::BF16, {4, 100}, 6), ref(DType::F32, {4, 64});
   nf4_gemm(Context::cpu(), ah, p.w_host, ref);

@@ -573,9 +573,9 @@ TEST(Nf4GemmGpu, UnavailablePathsRaiseUnsupported) {
   // The forward and input-gradient Fused paths: FusedPath.* in test_nf4_fast_paths_gpu.cpp.
   EXPECT_TRUE(test::throws_error(
       [&] { nf4_gate_up(gpu, a, w.dev, w.dev, {c, TensorView(), TensorView()}, {1, 0, Nf4Path::Fused}); },
-      ErrorCode::Unsupported, {"nf4_gate_up", "Fused"}));
+      ErrorCode::Unsupported, {"nf4_gate_up", "path fused"}));
   EXPECT_TRUE(test::throws_error([&] { nf4_gemm(gpu, a, w.dev, c, {1, 0, nf4_forced::kReference}); },
-                                 ErrorCode::Unsupported, {"nf4_gemm", "Reference"}));
+                                 ErrorCode::Unsupported, {"nf4_gemm", "path reference"}));
 }
 
 }  // namespace
