@@ -78,7 +78,8 @@ def save_model(name, folder):
 
 def run_worker(script, variant, args, folder, out_json, worker_args):
     """Runs `script --worker variant` (this script's worker, or another bench script's) in its own process for one
-    model and returns its JSON result, or a "skipped" entry with the process's last line where it failed."""
+    model and returns its JSON result, or a "skipped" entry where it failed: how it ended (exit code, or the signal
+    that killed it) and its last line that is not a progress bar."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTHONUNBUFFERED="1")
     if variant == "unsloth" and args.unsloth_path:  # Unsloth patches transformers on import: its own site first
@@ -87,8 +88,11 @@ def run_worker(script, variant, args, folder, out_json, worker_args):
            "--model", args.model_now, "--device", args.device, *worker_args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not os.path.exists(out_json):
-        lines = (done.stdout + done.stderr).strip().splitlines()
-        return {"variant": variant, "skipped": lines[-1] if lines else f"exit {done.returncode}"}
+        code = done.returncode
+        how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
+        lines = [ln for ln in (done.stdout + done.stderr).replace("\r", "\n").splitlines()
+                 if ln.strip() and "it/s]" not in ln and "%|" not in ln]
+        return {"variant": variant, "skipped": how + (": " + lines[-1].strip() if lines else "")}
     with open(out_json) as f:
         return json.load(f)
 
