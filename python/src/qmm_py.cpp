@@ -108,11 +108,10 @@ qmm::Context context_for(const qmm::TensorView& first, std::uintptr_t stream) {
 template <class Enum, std::size_t N>
 Enum enum_of(const std::string& name, const Enum (&values)[N], const char* (*name_of)(Enum), const char* op,
              const char* what) {
-  std::string names;
-  for (Enum v : values) {
+  for (Enum v : values)
     if (name == name_of(v)) return v;
-    names += std::string(names.empty() ? "" : ", ") + name_of(v);
-  }
+  std::string names;
+  for (Enum v : values) names += std::string(names.empty() ? "" : ", ") + name_of(v);
   fail(qmm::ErrorCode::InvalidArgument, op, std::string(what) + " must be one of " + names + ", not '" + name + "'");
 }
 
