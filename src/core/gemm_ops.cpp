@@ -43,19 +43,20 @@ void check_common(const Context& ctx, const char* op, const Arg& a, const Arg& b
   detail::require_dtype(op, a.name, a.t, {DType::F32, DType::BF16});
   detail::require_same_dtype(op, a.name, a.t, b.name, b.t);
   QMM_REQUIRE(c.t.dtype() == a.t.dtype() || c.t.dtype() == DType::F32, ErrorCode::DTypeMismatch, op,
-          std::string(c.name) + " is " + dtype_name(c.t.dtype()) + " but must be " + dtype_name(a.t.dtype()) +
-              (a.t.dtype() == DType::F32 ? "" : " or f32") + " (the inputs' dtype or f32)");
+              std::string(c.name) + " is " + dtype_name(c.t.dtype()) + " but must be " + dtype_name(a.t.dtype()) +
+                  (a.t.dtype() == DType::F32 ? "" : " or f32") + " (the inputs' dtype or f32)");
   QMM_REQUIRE(std::isfinite(opts.alpha), ErrorCode::InvalidArgument, op,
-          "alpha is " + std::to_string(opts.alpha) + " but must be finite");
+              "alpha is " + std::to_string(opts.alpha) + " but must be finite");
   QMM_REQUIRE(std::isfinite(opts.beta), ErrorCode::InvalidArgument, op,
-          "beta is " + std::to_string(opts.beta) + " but must be finite");
+              "beta is " + std::to_string(opts.beta) + " but must be finite");
   QMM_REQUIRE(opts.math == MathMode::FP32 || opts.math == MathMode::TF32 || opts.math == MathMode::BF16,
-          ErrorCode::InvalidArgument, op, "math mode " + std::to_string(static_cast<int>(opts.math)) + " is unknown");
+              ErrorCode::InvalidArgument, op,
+              "math mode " + std::to_string(static_cast<int>(opts.math)) + " is unknown");
 }
 
 void check_output_shape(const char* op, const Arg& c, const Shape& want) {
   QMM_REQUIRE(c.t.shape() == want, ErrorCode::ShapeMismatch, op,
-          std::string(c.name) + " is " + c.t.shape().str() + " but must be " + want.str());
+              std::string(c.name) + " is " + c.t.shape().str() + " but must be " + want.str());
 }
 
 void check_no_overlap(const char* op, const Arg& a, const Arg& b, const Arg& c) {
@@ -94,7 +95,7 @@ void gemm(const Context& ctx, const TensorView& a, const TensorView& b, const Te
   const Arg A{"A", a}, B{"B", b}, C{"C", c};
   check_common(ctx, op, A, B, C, 2, opts);
   QMM_REQUIRE(a.dim(1) == b.dim(0), ErrorCode::ShapeMismatch, op,
-          "A is " + a.shape().str() + " but B is " + b.shape().str() + ": inner dimensions differ");
+              "A is " + a.shape().str() + " but B is " + b.shape().str() + ": inner dimensions differ");
   check_output_shape(op, C, {a.dim(0), b.dim(1)});
   check_no_overlap(op, A, B, C);
   GemmProblem p = make_problem(a, b, c, opts);
@@ -110,8 +111,8 @@ void gemm_bt(const Context& ctx, const TensorView& a, const TensorView& b, const
   const Arg A{"A", a}, B{"B", b}, C{"C", c};
   check_common(ctx, op, A, B, C, 2, opts);
   QMM_REQUIRE(a.dim(1) == b.dim(1), ErrorCode::ShapeMismatch, op,
-          "A is " + a.shape().str() + " but B is " + b.shape().str() +
-              ": inner dimensions differ (B is [N,K], its last dimension must equal A's)");
+              "A is " + a.shape().str() + " but B is " + b.shape().str() +
+                  ": inner dimensions differ (B is [N,K], its last dimension must equal A's)");
   check_output_shape(op, C, {a.dim(0), b.dim(0)});
   check_no_overlap(op, A, B, C);
   GemmProblem p = make_problem(a, b, c, opts);
@@ -129,8 +130,8 @@ void gemm_backward_a(const Context& ctx, const TensorView& dc, const TensorView&
   check_common(ctx, op, DC, B, DA, 2, opts);
   // dA[M,K] = dC[M,N] * B[K,N]^T: the contraction runs over N.
   QMM_REQUIRE(dc.dim(1) == b.dim(1), ErrorCode::ShapeMismatch, op,
-          "dC is " + dc.shape().str() + " but B is " + b.shape().str() +
-              ": inner dimensions differ (dC is [M,N], B is [K,N]; their N must agree)");
+              "dC is " + dc.shape().str() + " but B is " + b.shape().str() +
+                  ": inner dimensions differ (dC is [M,N], B is [K,N]; their N must agree)");
   check_output_shape(op, DA, {dc.dim(0), b.dim(0)});
   check_no_overlap(op, DC, B, DA);
   GemmProblem p = make_problem(dc, b, da, opts);
@@ -148,8 +149,8 @@ void gemm_backward_b(const Context& ctx, const TensorView& a, const TensorView& 
   check_common(ctx, op, A, DC, DB, 2, opts);
   // dB[K,N] = A[M,K]^T * dC[M,N]: the contraction runs over M.
   QMM_REQUIRE(a.dim(0) == dc.dim(0), ErrorCode::ShapeMismatch, op,
-          "A is " + a.shape().str() + " but dC is " + dc.shape().str() +
-              ": inner dimensions differ (A is [M,K], dC is [M,N]; their M must agree)");
+              "A is " + a.shape().str() + " but dC is " + dc.shape().str() +
+                  ": inner dimensions differ (A is [M,K], dC is [M,N]; their M must agree)");
   check_output_shape(op, DB, {a.dim(1), dc.dim(1)});
   check_no_overlap(op, A, DC, DB);
   GemmProblem p = make_problem(a, dc, db, opts);
@@ -171,15 +172,16 @@ void lora_backward_dy(const Context& ctx, const TensorView& dy, const TensorView
   detail::require_dtype(op, "grad_b", grad_b, {DType::F32});
   const std::int64_t m = dy.dim(0), n = dy.dim(1), r = b.dim(1);
   QMM_REQUIRE(b.dim(0) == n, ErrorCode::ShapeMismatch, op,
-          "dy is " + dy.shape().str() + " but b is " + b.shape().str() + ": b must be [N,r] with dy's N");
+              "dy is " + dy.shape().str() + " but b is " + b.shape().str() + ": b must be [N,r] with dy's N");
   check_output_shape(op, T, {m, r});
   check_output_shape(op, DT, {m, r});
   check_output_shape(op, GB, {n, r});
   QMM_REQUIRE(std::isfinite(scale), ErrorCode::InvalidArgument, op,
-          "scale is " + std::to_string(scale) + " but must be finite");
-  QMM_REQUIRE(std::isfinite(beta), ErrorCode::InvalidArgument, op, "beta is " + std::to_string(beta) + " but must be finite");
+              "scale is " + std::to_string(scale) + " but must be finite");
+  QMM_REQUIRE(std::isfinite(beta), ErrorCode::InvalidArgument, op,
+              "beta is " + std::to_string(beta) + " but must be finite");
   QMM_REQUIRE(math == MathMode::FP32 || math == MathMode::TF32 || math == MathMode::BF16, ErrorCode::InvalidArgument,
-          op, "math mode " + std::to_string(static_cast<int>(math)) + " is unknown");
+              op, "math mode " + std::to_string(static_cast<int>(math)) + " is unknown");
   for (const Arg* out : {&DT, &GB})
     for (const Arg* in : {&DY, &B, &T}) detail::require_no_overlap(op, out->name, out->t, in->name, in->t);
   detail::require_no_overlap(op, "dt", dt, "grad_b", grad_b);
@@ -195,12 +197,12 @@ void batched_gemm(const Context& ctx, const TensorView& a, const TensorView& b, 
   const Arg A{"A", a}, B{"B", b}, C{"C", c};
   check_common(ctx, op, A, B, C, 4, opts);
   QMM_REQUIRE(a.dim(0) == b.dim(0) && a.dim(1) == b.dim(1), ErrorCode::ShapeMismatch, op,
-          "A is " + a.shape().str() + " but B is " + b.shape().str() + ": batch dimensions [b,h] differ");
+              "A is " + a.shape().str() + " but B is " + b.shape().str() + ": batch dimensions [b,h] differ");
   const std::int64_t m = a.dim(2), k = a.dim(3);
   const std::int64_t bk = transpose_b ? b.dim(3) : b.dim(2), n = transpose_b ? b.dim(2) : b.dim(3);
   QMM_REQUIRE(k == bk, ErrorCode::ShapeMismatch, op,
-          "A is " + a.shape().str() + " but B is " + b.shape().str() + ": inner dimensions differ" +
-              (transpose_b ? " (transpose_b: B is [b,h,n,k])" : " (B is [b,h,k,n])"));
+              "A is " + a.shape().str() + " but B is " + b.shape().str() + ": inner dimensions differ" +
+                  (transpose_b ? " (transpose_b: B is [b,h,n,k])" : " (B is [b,h,k,n])"));
   check_output_shape(op, C, {a.dim(0), a.dim(1), m, n});
   check_no_overlap(op, A, B, C);
   GemmProblem p = make_problem(a, b, c, opts);

@@ -31,8 +31,8 @@ void check_operands(const Context& ctx, const char* op, std::initializer_list<Ar
 // An output may be exactly the memory of `input` (in place, element i reads then writes index i), never a part.
 void check_alias_allowed(const char* op, const Arg& out, const Arg& input) {
   QMM_REQUIRE(!detail::overlaps(out.t, input.t) || same_memory(out.t, input.t), ErrorCode::InvalidArgument, op,
-          std::string(out.name) + " and " + input.name +
-              " overlap in memory without being the same tensor (only an exact in-place alias is allowed)");
+              std::string(out.name) + " and " + input.name +
+                  " overlap in memory without being the same tensor (only an exact in-place alias is allowed)");
 }
 
 }  // namespace

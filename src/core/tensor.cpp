@@ -118,9 +118,9 @@ Tensor::Tensor(DType dtype, Shape shape, Device device) {
 
 void copy(const TensorView& dst, const TensorView& src) {
   QMM_REQUIRE(dst.dtype() == src.dtype(), ErrorCode::DTypeMismatch, "copy",
-                  "dst is " + dst.str() + " but src is " + src.str());
+              "dst is " + dst.str() + " but src is " + src.str());
   QMM_REQUIRE(dst.numel() == src.numel(), ErrorCode::ShapeMismatch, "copy",
-                  "dst is " + dst.str() + " but src is " + src.str());
+              "dst is " + dst.str() + " but src is " + src.str());
   if (dst.numel() == 0) return;
   QMM_REQUIRE(dst.data() && src.data(), ErrorCode::InvalidArgument, "copy", "null data pointer");
   if (dst.device().is_cpu() && src.device().is_cpu()) {
@@ -133,9 +133,9 @@ void copy(const TensorView& dst, const TensorView& src) {
 void copy(const Context& ctx, const TensorView& dst, const TensorView& src) {
   if (dst.device().is_cpu() && src.device().is_cpu()) return copy(dst, src);
   QMM_REQUIRE(dst.dtype() == src.dtype(), ErrorCode::DTypeMismatch, "copy",
-                  "dst is " + dst.str() + " but src is " + src.str());
+              "dst is " + dst.str() + " but src is " + src.str());
   QMM_REQUIRE(dst.numel() == src.numel(), ErrorCode::ShapeMismatch, "copy",
-                  "dst is " + dst.str() + " but src is " + src.str());
+              "dst is " + dst.str() + " but src is " + src.str());
   QMM_REQUIRE((dst.device().is_cpu() || dst.device() == ctx.device()) &&
                       (src.device().is_cpu() || src.device() == ctx.device()),
                   ErrorCode::DeviceMismatch, "copy", "device tensors must be on the context's " + ctx.device().str());

@@ -35,8 +35,8 @@ void require_exact_alias_or_disjoint(const char* op, const char* out_name, const
                                      const TensorView& in) {
   const bool exact = out.data() == in.data() && out.nbytes() == in.nbytes();
   QMM_REQUIRE(exact || !detail::overlaps(out, in), ErrorCode::InvalidArgument, op,
-          std::string(out_name) + " and " + in_name +
-              " overlap in memory without being the same tensor (only an exact in-place alias is allowed)");
+              std::string(out_name) + " and " + in_name +
+                  " overlap in memory without being the same tensor (only an exact in-place alias is allowed)");
 }
 
 // f32 or bf16, on the context's device, non-null.
@@ -58,17 +58,17 @@ void require_scalar_output(const Context& ctx, const char* op, const char* name,
   detail::require_tensor(ctx, op, name, t);
   detail::require_dtype(op, name, t, {DType::F32});
   QMM_REQUIRE(t.numel() == 1, ErrorCode::ShapeMismatch, op,
-          std::string(name) + " must have one element but is " + t.shape().str());
+              std::string(name) + " must have one element but is " + t.shape().str());
 }
 
 void require_finite(const char* op, const char* name, double v) {
   QMM_REQUIRE(std::isfinite(v), ErrorCode::InvalidArgument, op,
-          std::string(name) + " is " + num(v) + " but must be finite");
+              std::string(name) + " is " + num(v) + " but must be finite");
 }
 
 void require_in_range(const char* op, const char* name, double v, double lo, double hi, const char* range) {
   QMM_REQUIRE(v >= lo && v < hi, ErrorCode::InvalidArgument, op,
-          std::string(name) + " is " + num(v) + " but must be in " + range);
+              std::string(name) + " is " + num(v) + " but must be in " + range);
 }
 
 // ---- adamw_step's per-tensor checks -----------------------------------------------------------------------------
@@ -114,10 +114,10 @@ void validate_adamw_options(const char* op, const AdamWOptions& o, int step) {
   QMM_REQUIRE(o.eps >= 0, ErrorCode::InvalidArgument, op, "opts.eps is " + num(o.eps) + " but must be >= 0");
   require_finite(op, "opts.weight_decay", o.weight_decay);
   QMM_REQUIRE(o.weight_decay >= 0, ErrorCode::InvalidArgument, op,
-          "opts.weight_decay is " + num(o.weight_decay) + " but must be >= 0");
+              "opts.weight_decay is " + num(o.weight_decay) + " but must be >= 0");
   require_finite(op, "opts.max_grad_norm", o.max_grad_norm);
   QMM_REQUIRE(o.max_grad_norm >= 0, ErrorCode::InvalidArgument, op,
-          "opts.max_grad_norm is " + num(o.max_grad_norm) + " but must be >= 0 (0: no clipping)");
+              "opts.max_grad_norm is " + num(o.max_grad_norm) + " but must be >= 0 (0: no clipping)");
 }
 
 void validate_adamw_params(const Context& ctx, const char* op, std::span<const AdamWParam> params,
@@ -158,8 +158,8 @@ void cast(const Context& ctx, const TensorView& src, const TensorView& dst) {
   require_float_tensor(ctx, op, "src", src);
   require_float_tensor(ctx, op, "dst", dst);
   QMM_REQUIRE(src.numel() == dst.numel(), ErrorCode::ShapeMismatch, op,
-          "dst is " + dst.shape().str() + " (" + std::to_string(dst.numel()) + " elements) but src is " +
-              src.shape().str() + " (" + std::to_string(src.numel()) + " elements)");
+              "dst is " + dst.shape().str() + " (" + std::to_string(dst.numel()) + " elements) but src is " +
+                  src.shape().str() + " (" + std::to_string(src.numel()) + " elements)");
   require_exact_alias_or_disjoint(op, "dst", dst, "src", src);
   if (dst.numel() == 0 || (dst.data() == src.data() && dst.dtype() == src.dtype())) return;
   QMM_TRAIN_ROUTE(ctx, op, cast, std::span<const TensorView>(&src, 1), std::span<const TensorView>(&dst, 1));
@@ -168,21 +168,28 @@ void cast(const Context& ctx, const TensorView& src, const TensorView& dst) {
 void cast(const Context& ctx, std::span<const TensorView> src, std::span<const TensorView> dst) {
   const char* op = "cast";
   QMM_REQUIRE(src.size() == dst.size(), ErrorCode::InvalidArgument, op,
-          "src has " + std::to_string(src.size()) + " tensors but dst has " + std::to_string(dst.size()));
+              "src has " + std::to_string(src.size()) + " tensors but dst has " + std::to_string(dst.size()));
   std::vector<TensorView> todo_src, todo_dst;
+  // Argument names on the stack: a passing call allocates no string.
+  auto name = [](char (&buf)[24], const char* what, std::size_t i) {
+    std::snprintf(buf, sizeof buf, "%s[%zu]", what, i);
+    return buf;
+  };
+  char s[24], d[24], other[24];
   for (std::size_t i = 0; i < src.size(); ++i) {
-    const std::string s = "src[" + std::to_string(i) + "]", d = "dst[" + std::to_string(i) + "]";
-    require_float_tensor(ctx, op, s.c_str(), src[i]);
-    require_float_tensor(ctx, op, d.c_str(), dst[i]);
+    name(s, "src", i);
+    name(d, "dst", i);
+    require_float_tensor(ctx, op, s, src[i]);
+    require_float_tensor(ctx, op, d, dst[i]);
     QMM_REQUIRE(src[i].numel() == dst[i].numel(), ErrorCode::ShapeMismatch, op,
-            d + " is " + dst[i].shape().str() + " (" + std::to_string(dst[i].numel()) + " elements) but " + s +
-                " is " + src[i].shape().str() + " (" + std::to_string(src[i].numel()) + " elements)");
-    require_exact_alias_or_disjoint(op, d.c_str(), dst[i], s.c_str(), src[i]);
+                std::string(d) + " is " + dst[i].shape().str() + " (" + std::to_string(dst[i].numel()) +
+                    " elements) but " + s + " is " + src[i].shape().str() + " (" + std::to_string(src[i].numel()) +
+                    " elements)");
+    require_exact_alias_or_disjoint(op, d, dst[i], s, src[i]);
     for (std::size_t j = 0; j < src.size(); ++j) {
       if (j == i) continue;
-      const std::string js = std::to_string(j);
-      detail::require_no_overlap(op, d.c_str(), dst[i], ("src[" + js + "]").c_str(), src[j]);
-      if (j < i) detail::require_no_overlap(op, d.c_str(), dst[i], ("dst[" + js + "]").c_str(), dst[j]);
+      detail::require_no_overlap(op, d, dst[i], name(other, "src", j), src[j]);
+      if (j < i) detail::require_no_overlap(op, d, dst[i], name(other, "dst", j), dst[j]);
     }
     if (dst[i].numel() == 0 || (dst[i].data() == src[i].data() && dst[i].dtype() == src[i].dtype())) continue;
     todo_src.push_back(src[i]);
@@ -215,7 +222,7 @@ void add_bias(const Context& ctx, const TensorView& y, const TensorView& bias) {
   else
     detail::require_dtype(op, "bias", bias, {DType::F32, DType::BF16});
   QMM_REQUIRE(bias.dim(0) == y.dim(1), ErrorCode::ShapeMismatch, op,
-          "bias is " + bias.shape().str() + " but y is " + y.shape().str() + ": bias must have y's last dimension");
+              "bias is " + bias.shape().str() + " but y is " + y.shape().str() + ": bias must have y's last dimension");
   detail::require_no_overlap(op, "y", y, "bias", bias);
   if (y.numel() == 0) return;
   QMM_TRAIN_ROUTE(ctx, op, add_bias, y, bias);
@@ -265,12 +272,12 @@ void require_norm_operands(const Context& ctx, const char* op, const TensorView&
   detail::require_tensor(ctx, op, "w", w);
   detail::require_same_dtype(op, "w", w, "x", x);
   QMM_REQUIRE(w.rank() == 1 && w.dim(0) == x.dim(1), ErrorCode::ShapeMismatch, op,
-          "w is " + w.shape().str() + " but must be [" + std::to_string(x.dim(1)) + "] (x's last dimension)");
+              "w is " + w.shape().str() + " but must be [" + std::to_string(x.dim(1)) + "] (x's last dimension)");
   if (rstd.empty()) return;
   detail::require_tensor(ctx, op, "rstd", rstd);
   detail::require_dtype(op, "rstd", rstd, {DType::F32});
   QMM_REQUIRE(rstd.rank() == 1 && rstd.dim(0) == x.dim(0), ErrorCode::ShapeMismatch, op,
-          "rstd is " + rstd.shape().str() + " but must be [" + std::to_string(x.dim(0)) + "] (x's rows)");
+              "rstd is " + rstd.shape().str() + " but must be [" + std::to_string(x.dim(0)) + "] (x's rows)");
 }
 
 void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd,
@@ -278,7 +285,7 @@ void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, cons
   const char* op = "rms_norm";
   require_norm_operands(ctx, op, x, "y", y, w, rstd);
   QMM_REQUIRE(std::isfinite(eps) && eps >= 0.0f, ErrorCode::InvalidArgument, op,
-          "eps is " + num(eps) + " but must be finite and >= 0");
+              "eps is " + num(eps) + " but must be finite and >= 0");
   require_exact_alias_or_disjoint(op, "y", y, "x", x);
   detail::require_no_overlap(op, "y", y, "w", w);
   for (const auto& [name, in] : {std::pair<const char*, const TensorView*>{"x", &x}, {"w", &w}, {"y", &y}})
@@ -291,7 +298,7 @@ void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView
                        const TensorView& dy, const TensorView& dx, const TensorView& dw) {
   const char* op = "rms_norm_backward";
   QMM_REQUIRE(!rstd.empty(), ErrorCode::ShapeMismatch, op,
-          "rstd is missing but must be [" + std::to_string(x.rank() == 2 ? x.dim(0) : 0) + "] (the forward's)");
+              "rstd is missing but must be [" + std::to_string(x.rank() == 2 ? x.dim(0) : 0) + "] (the forward's)");
   require_norm_operands(ctx, op, x, "dy", dy, w, rstd);
   if (!dx.empty()) {
     require_like(ctx, op, "dx", dx, "x", x);
@@ -303,7 +310,7 @@ void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView
     detail::require_tensor(ctx, op, "dw", dw);
     detail::require_dtype(op, "dw", dw, {DType::F32});
     QMM_REQUIRE(dw.shape() == w.shape(), ErrorCode::ShapeMismatch, op,
-            "dw is " + dw.shape().str() + " but must be w's shape " + w.shape().str());
+                "dw is " + dw.shape().str() + " but must be w's shape " + w.shape().str());
     for (const auto& [name, in] : {std::pair<const char*, const TensorView*>{"x", &x}, {"w", &w}, {"rstd", &rstd},
                                    {"dy", &dy}, {"dx", &dx}})
       detail::require_no_overlap(op, "dw", dw, name, *in);
@@ -319,7 +326,7 @@ void rope(const Context& ctx, const TensorView& q, const TensorView& k, const Te
   detail::require_rank(op, "q", q, 4);
   const std::int64_t batch = q.dim(0), seq = q.dim(1), head_dim = q.dim(3);
   QMM_REQUIRE(head_dim >= 2 && head_dim % 2 == 0, ErrorCode::ShapeMismatch, op,
-          "q is " + q.shape().str() + " but its head dimension D (the last) must be even and >= 2");
+              "q is " + q.shape().str() + " but its head dimension D (the last) must be even and >= 2");
   require_like(ctx, op, "q_out", q_out, "q", q);
   // k is present where either of k, k_out is given (not a default view): one without the other is a caller's slip.
   const auto absent = [](const TensorView& t) { return t.rank() == 0 && t.data() == nullptr; };
@@ -331,7 +338,8 @@ void rope(const Context& ctx, const TensorView& q, const TensorView& k, const Te
     detail::require_rank(op, "k", k, 4);
     detail::require_same_dtype(op, "k", k, "q", q);
     QMM_REQUIRE(k.dim(0) == batch && k.dim(1) == seq && k.dim(3) == head_dim, ErrorCode::ShapeMismatch, op,
-            "k is " + k.shape().str() + " but q is " + q.shape().str() + ": k must be [B, S, Hk, D] with q's B, S, D");
+                "k is " + k.shape().str() + " but q is " + q.shape().str() +
+                    ": k must be [B, S, Hk, D] with q's B, S, D");
     require_like(ctx, op, "k_out", k_out, "k", k);
   }
   detail::require_tensor(ctx, op, "cos", cos);
@@ -341,8 +349,9 @@ void rope(const Context& ctx, const TensorView& q, const TensorView& k, const Te
     detail::require_dtype(op, "cos", cos, {DType::F32, q.dtype()});
   const std::string cs_shape = "[1 or " + std::to_string(batch) + ", " + std::to_string(seq) + ", " +
                                std::to_string(head_dim) + "] (q's B or 1, S, D)";
-  QMM_REQUIRE(cos.rank() == 3 && (cos.dim(0) == 1 || cos.dim(0) == batch) && cos.dim(1) == seq && cos.dim(2) == head_dim,
-          ErrorCode::ShapeMismatch, op, "cos is " + cos.shape().str() + " but must be " + cs_shape);
+  QMM_REQUIRE(cos.rank() == 3 && (cos.dim(0) == 1 || cos.dim(0) == batch) && cos.dim(1) == seq &&
+                  cos.dim(2) == head_dim,
+              ErrorCode::ShapeMismatch, op, "cos is " + cos.shape().str() + " but must be " + cs_shape);
   require_like(ctx, op, "sin", sin, "cos", cos);
   // Outputs: their own input exactly or disjoint; never any other argument (cos and sin may share memory: both read).
   require_exact_alias_or_disjoint(op, "q_out", q_out, "q", q);
@@ -369,20 +378,21 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
   detail::require_same_dtype(op, "w", w, "h", h);
   const std::int64_t t = h.dim(0), hidden = h.dim(1), vocab = w.dim(0);
   QMM_REQUIRE(w.dim(1) == hidden && vocab >= 1 && hidden >= 1, ErrorCode::ShapeMismatch, op,
-          "h is " + h.shape().str() + " but w is " + w.shape().str() + ": w must be [V, H] with h's H, V and H >= 1");
+              "h is " + h.shape().str() + " but w is " + w.shape().str() +
+                  ": w must be [V, H] with h's H, V and H >= 1");
   detail::require_tensor(ctx, op, "labels", labels);
   detail::require_dtype(op, "labels", labels, {DType::I32});
   QMM_REQUIRE(labels.rank() == 1 && labels.dim(0) == t, ErrorCode::ShapeMismatch, op,
-          "labels is " + labels.shape().str() + " but must be [" + std::to_string(t) + "] (one per row of h)");
+              "labels is " + labels.shape().str() + " but must be [" + std::to_string(t) + "] (one per row of h)");
   require_scalar_output(ctx, op, "loss", loss);
   QMM_REQUIRE(opts.chunk_tokens >= 0, ErrorCode::InvalidArgument, op,
-          "chunk_tokens is " + std::to_string(opts.chunk_tokens) + " but must be >= 0");
+              "chunk_tokens is " + std::to_string(opts.chunk_tokens) + " but must be >= 0");
   if (!dh.empty()) require_like(ctx, op, "dh", dh, "h", h);
   if (!dw.empty()) {
     detail::require_tensor(ctx, op, "dw", dw);
     detail::require_dtype(op, "dw", dw, {DType::F32});
     QMM_REQUIRE(dw.shape() == w.shape(), ErrorCode::ShapeMismatch, op,
-            "dw is " + dw.shape().str() + " but must be w's shape " + w.shape().str());
+                "dw is " + dw.shape().str() + " but must be w's shape " + w.shape().str());
   }
   const std::pair<const char*, const TensorView*> outputs[] = {{"loss", &loss}, {"dh", &dh}, {"dw", &dw}};
   const std::pair<const char*, const TensorView*> inputs[] = {{"h", &h}, {"w", &w}, {"labels", &labels}};
@@ -404,8 +414,8 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
     }
     for (std::int64_t i = 0; i < t; ++i)
       QMM_REQUIRE(lab[i] == opts.ignore_index || (lab[i] >= 0 && lab[i] < vocab), ErrorCode::InvalidArgument, op,
-              "labels[" + std::to_string(i) + "] is " + std::to_string(lab[i]) + " but must be in [0, " +
-                  std::to_string(vocab) + ") or the ignore_index " + std::to_string(opts.ignore_index));
+                  "labels[" + std::to_string(i) + "] is " + std::to_string(lab[i]) + " but must be in [0, " +
+                      std::to_string(vocab) + ") or the ignore_index " + std::to_string(opts.ignore_index));
   }
   if (ctx.device().is_cpu()) return cpu::linear_cross_entropy(h, w, labels, loss, dh, dw, opts.ignore_index);
   require_gpu_backend(op).linear_cross_entropy(ctx, h, w, labels, loss, dh, dw, opts);

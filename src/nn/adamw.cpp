@@ -12,10 +12,10 @@ AdamW::AdamW(const Context& ctx, const AdamWOptions& options) : ctx_(ctx), optio
 void AdamW::add(LoraLinear& layer) {
   const char* op = "AdamW::add";
   QMM_REQUIRE(layer.context().device() == ctx_.device(), ErrorCode::DeviceMismatch, op,
-                  "layer runs on " + layer.context().device().str() + " but the optimizer on " +
-                      ctx_.device().str());
+              "layer runs on " + layer.context().device().str() + " but the optimizer on " +
+                  ctx_.device().str());
   QMM_REQUIRE(std::find(layers_.begin(), layers_.end(), &layer) == layers_.end(), ErrorCode::InvalidArgument,
-                  op, "layer was already added (it would be stepped twice)");
+              op, "layer was already added (it would be stepped twice)");
   layers_.push_back(&layer);
   for (const AdamWParam& p : layer.parameters()) params_.push_back(p);
 }
@@ -40,7 +40,7 @@ void AdamW::step(const TensorView& norm) {
 
 void AdamW::all_reduce_with(Communicator* comm) {
   QMM_REQUIRE(!comm || comm->context().device() == ctx_.device(), ErrorCode::DeviceMismatch,
-                  "AdamW::all_reduce_with", "the communicator is not on the optimizer's device");
+              "AdamW::all_reduce_with", "the communicator is not on the optimizer's device");
   comm_ = comm;
 }
 

@@ -27,12 +27,12 @@ inline void require_activation(const Context& ctx, const char* op, const char* n
   detail::require_rank(op, name, t, 2);
   detail::require_dtype(op, name, t, {dtype});
   QMM_REQUIRE((rows < 0 || t.dim(0) == rows) && t.dim(1) == cols, ErrorCode::ShapeMismatch, op,
-                  std::string(name) + " is " + t.shape().str() + " but must be " + dims(rows, cols));
+              std::string(name) + " is " + t.shape().str() + " but must be " + dims(rows, cols));
 }
 
 inline void require_finite_beta(const char* op, float beta) {
   QMM_REQUIRE(std::isfinite(beta), ErrorCode::InvalidArgument, op,
-                  "dx_beta is " + std::to_string(beta) + " but must be finite");
+              "dx_beta is " + std::to_string(beta) + " but must be finite");
 }
 
 }  // namespace qmm::nn_detail

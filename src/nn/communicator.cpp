@@ -70,7 +70,7 @@ Communicator::Communicator(const Context& ctx, int rank, int world_size, const s
   const char* op = "Communicator";
   QMM_REQUIRE(world_size >= 1, ErrorCode::InvalidArgument, op, "world_size " + std::to_string(world_size) + " < 1");
   QMM_REQUIRE(rank >= 0 && rank < world_size, ErrorCode::InvalidArgument, op,
-                  "rank " + std::to_string(rank) + " is not in [0, " + std::to_string(world_size) + ")");
+              "rank " + std::to_string(rank) + " is not in [0, " + std::to_string(world_size) + ")");
   if (!ctx.device().is_cuda()) {
     QMM_REQUIRE(world_size == 1, ErrorCode::Unsupported, op, "a CPU context takes world size 1 only");
     return;
@@ -81,7 +81,7 @@ Communicator::Communicator(const Context& ctx, int rank, int world_size, const s
   throw Error(ErrorCode::Unsupported, "Communicator: this build has no NCCL (CMake did not find nccl.h and libnccl)");
 #else
   QMM_REQUIRE(world_size == 1 || !rendezvous.empty(), ErrorCode::InvalidArgument, op,
-                  "rendezvous: a file path shared by the ranks is needed for world size > 1");
+              "rendezvous: a file path shared by the ranks is needed for world size > 1");
   ncclUniqueId id{};
   if (rank == 0) {
     impl_->check(ncclGetUniqueId(&id), "ncclGetUniqueId");
@@ -123,7 +123,7 @@ void Communicator::all_reduce_mean(const std::vector<TensorView>& tensors) {
   for (const TensorView& t : tensors) {
     QMM_REQUIRE(t.dtype() == DType::F32, ErrorCode::DTypeMismatch, op, "tensors must be f32");
     QMM_REQUIRE(t.device() == impl_->ctx.device(), ErrorCode::DeviceMismatch, op,
-                    "a tensor is on " + t.device().str() + ", the communicator on " + impl_->ctx.device().str());
+                "a tensor is on " + t.device().str() + ", the communicator on " + impl_->ctx.device().str());
   }
 #if defined(QMM_WITH_NCCL)
   if (!impl_->comm) return;  // a CPU context of world size 1: the mean is the tensor itself

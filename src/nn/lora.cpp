@@ -40,16 +40,16 @@ Tensor zeros(const Context& ctx, DType dtype, Shape shape) {
 
 void check_config(const char* op, const LoraConfig& c) {
   QMM_REQUIRE(c.rank >= 1, ErrorCode::InvalidArgument, op,
-          "config.rank is " + std::to_string(c.rank) + " but must be >= 1");
+              "config.rank is " + std::to_string(c.rank) + " but must be >= 1");
   QMM_REQUIRE(std::isfinite(c.alpha) && c.alpha > 0.0f, ErrorCode::InvalidArgument, op,
-          "config.alpha is " + std::to_string(c.alpha) + " but must be finite and > 0");
+              "config.alpha is " + std::to_string(c.alpha) + " but must be finite and > 0");
   QMM_REQUIRE(c.dropout >= 0.0f && c.dropout < 1.0f, ErrorCode::InvalidArgument, op,
-          "config.dropout is " + std::to_string(c.dropout) + " but must be in [0, 1)");
+              "config.dropout is " + std::to_string(c.dropout) + " but must be in [0, 1)");
   QMM_REQUIRE(c.activations == DType::F32 || c.activations == DType::BF16, ErrorCode::DTypeMismatch, op,
-          std::string("config.activations is ") + dtype_name(c.activations) + " but must be f32 or bf16");
+              std::string("config.activations is ") + dtype_name(c.activations) + " but must be f32 or bf16");
   QMM_REQUIRE(c.math == MathMode::FP32 || c.math == MathMode::TF32 || c.math == MathMode::BF16,
-          ErrorCode::InvalidArgument, op,
-          "config.math " + std::to_string(static_cast<int>(c.math)) + " is unknown");
+              ErrorCode::InvalidArgument, op,
+              "config.math " + std::to_string(static_cast<int>(c.math)) + " is unknown");
 }
 
 void check_base(const Context& ctx, const char* op, const BaseWeight& base, DType activations) {
@@ -60,11 +60,11 @@ void check_base(const Context& ctx, const char* op, const BaseWeight& base, DTyp
     detail::require_tensor(ctx, op, "base", base.dense());
     detail::require_rank(op, "base", base.dense(), 2);
     QMM_REQUIRE(base.dense().dtype() == activations, ErrorCode::DTypeMismatch, op,
-            std::string("base is ") + dtype_name(base.dense().dtype()) + " but a dense base must have the " +
-                "activation dtype " + dtype_name(activations) + " (or be NF4)");
+                std::string("base is ") + dtype_name(base.dense().dtype()) + " but a dense base must have the " +
+                    "activation dtype " + dtype_name(activations) + " (or be NF4)");
   }
   QMM_REQUIRE(base.out_features() >= 1 && base.in_features() >= 1, ErrorCode::ShapeMismatch, op,
-          "base is " + dims(base.out_features(), base.in_features()) + " but must be [N,K] with N, K >= 1");
+              "base is " + dims(base.out_features(), base.in_features()) + " but must be [N,K] with N, K >= 1");
 }
 
 void check_bias(const Context& ctx, const char* op, const TensorView& bias, std::int64_t n, DType activations) {
@@ -73,7 +73,7 @@ void check_bias(const Context& ctx, const char* op, const TensorView& bias, std:
   detail::require_rank(op, "bias", bias, 1);
   detail::require_dtype(op, "bias", bias, {DType::F32, activations});
   QMM_REQUIRE(bias.dim(0) == n, ErrorCode::ShapeMismatch, op,
-          "bias is " + bias.shape().str() + " but must be [" + std::to_string(n) + "] (the base's N)");
+              "bias is " + bias.shape().str() + " but must be [" + std::to_string(n) + "] (the base's N)");
 }
 
 }  // namespace
@@ -143,12 +143,12 @@ LoraLinear::LoraLinear(const Context& ctx, const BaseWeight& base, const LoraCon
 namespace {
 void check_mode(const char* op, ForwardMode mode, std::int64_t saved_rows, std::int64_t rows) {
   QMM_REQUIRE(mode == ForwardMode::Train || mode == ForwardMode::Eval || mode == ForwardMode::Recompute,
-          ErrorCode::InvalidArgument, op, "mode " + std::to_string(static_cast<int>(mode)) + " is unknown");
+              ErrorCode::InvalidArgument, op, "mode " + std::to_string(static_cast<int>(mode)) + " is unknown");
   if (mode != ForwardMode::Recompute) return;
   QMM_REQUIRE(saved_rows >= 0, ErrorCode::InvalidArgument, op, "mode Recompute needs a previous forward");
   QMM_REQUIRE(saved_rows == rows, ErrorCode::ShapeMismatch, op,
-          "mode Recompute: x has " + std::to_string(rows) + " rows but the last forward had " +
-              std::to_string(saved_rows));
+              "mode Recompute: x has " + std::to_string(rows) + " rows but the last forward had " +
+                  std::to_string(saved_rows));
 }
 }  // namespace
 
@@ -228,7 +228,7 @@ void LoraLinear::backward(const TensorView& x, const TensorView& dy, const Tenso
   QMM_REQUIRE(saved_rows_ >= 0, ErrorCode::InvalidArgument, op, "no saved forward: call forward first");
   check_x(op, x);
   QMM_REQUIRE(x.dim(0) == saved_rows_, ErrorCode::ShapeMismatch, op,
-          "x is " + x.shape().str() + " but the last forward had " + std::to_string(saved_rows_) + " rows");
+              "x is " + x.shape().str() + " but the last forward had " + std::to_string(saved_rows_) + " rows");
   nn_detail::require_activation(ctx_, op, "dy", dy, config_.activations, saved_rows_, out_features());
   if (!dx.empty()) {
     nn_detail::require_activation(ctx_, op, "dx", dx, config_.activations, saved_rows_, in_features());
@@ -281,9 +281,10 @@ void LoraLinear::load_adapters(const TensorView& a, const TensorView& b) {
     QMM_REQUIRE(t.data() != nullptr, ErrorCode::InvalidArgument, op, std::string(name) + " has null data");
     detail::require_dtype(op, name, t, {DType::F32});
     QMM_REQUIRE(t.shape() == want, ErrorCode::ShapeMismatch, op,
-            std::string(name) + " is " + t.shape().str() + " but must be " + want.str());
+                std::string(name) + " is " + t.shape().str() + " but must be " + want.str());
     QMM_REQUIRE(t.device().is_cpu() || t.device() == ctx_.device(), ErrorCode::DeviceMismatch, op,
-            std::string(name) + " is on " + t.device().str() + " but must be on the host or " + ctx_.device().str());
+                std::string(name) + " is on " + t.device().str() + " but must be on the host or " +
+                    ctx_.device().str());
   };
   check("a", a, a_.shape());
   check("b", b, b_.shape());
@@ -309,7 +310,7 @@ void LoraLinear::zero_grad() {
 
 void LoraLinear::reserve(std::int64_t max_rows) {
   QMM_REQUIRE(max_rows >= 0, ErrorCode::InvalidArgument, "LoraLinear::reserve",
-          "max_rows is " + std::to_string(max_rows) + " but must be >= 0");
+              "max_rows is " + std::to_string(max_rows) + " but must be >= 0");
   const DType act = config_.activations;
   const Device dev = ctx_.device();
   saved_rows_ = -1;  // a grown buffer has lost what it held

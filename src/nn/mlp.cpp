@@ -19,19 +19,20 @@ void check_projections(const LoraLinear& gate, const LoraLinear& up, const LoraL
   const char* op = "SwiGluMlp";
   const Device dev = gate.context().device();
   QMM_REQUIRE(up.context().device() == dev && down.context().device() == dev, ErrorCode::DeviceMismatch, op,
-          "gate, up and down run on " + dev.str() + ", " + up.context().device().str() + " and " +
-              down.context().device().str() + " but must share one device");
+              "gate, up and down run on " + dev.str() + ", " + up.context().device().str() + " and " +
+                  down.context().device().str() + " but must share one device");
   const DType act = gate.config().activations;
   QMM_REQUIRE(up.config().activations == act && down.config().activations == act, ErrorCode::DTypeMismatch, op,
-          std::string("gate, up and down have activations ") + dtype_name(act) + ", " +
-              dtype_name(up.config().activations) + " and " + dtype_name(down.config().activations) +
-              " but must share one dtype");
+              std::string("gate, up and down have activations ") + dtype_name(act) + ", " +
+                  dtype_name(up.config().activations) + " and " + dtype_name(down.config().activations) +
+                  " but must share one dtype");
   QMM_REQUIRE(up.out_features() == gate.out_features() && up.in_features() == gate.in_features(),
-          ErrorCode::ShapeMismatch, op, "up is " + shape_of(up) + " but gate is " + shape_of(gate) + ": they must agree");
+              ErrorCode::ShapeMismatch, op,
+              "up is " + shape_of(up) + " but gate is " + shape_of(gate) + ": they must agree");
   QMM_REQUIRE(down.in_features() == gate.out_features() && down.out_features() == gate.in_features(),
-          ErrorCode::ShapeMismatch, op,
-          "down is " + shape_of(down) + " but must be " + dims(gate.in_features(), gate.out_features()) +
-              " for gate " + shape_of(gate));
+              ErrorCode::ShapeMismatch, op,
+              "down is " + shape_of(down) + " but must be " + dims(gate.in_features(), gate.out_features()) +
+                  " for gate " + shape_of(gate));
 }
 
 // A projection from the convenience constructor; its errors name the MLP and the projection.
@@ -84,10 +85,10 @@ void SwiGluMlp::forward(const TensorView& x, const TensorView& y, ForwardMode mo
   nn_detail::require_activation(ctx, op, "y", y, act, m, h);
   detail::require_no_overlap(op, "y", y, "x", x);
   QMM_REQUIRE(mode == ForwardMode::Train || mode == ForwardMode::Eval || mode == ForwardMode::Recompute,
-          ErrorCode::InvalidArgument, op, "mode " + std::to_string(static_cast<int>(mode)) + " is unknown");
+              ErrorCode::InvalidArgument, op, "mode " + std::to_string(static_cast<int>(mode)) + " is unknown");
   if (mode == ForwardMode::Recompute)
     QMM_REQUIRE(last_rows_ == m, ErrorCode::InvalidArgument, op,
-            "mode Recompute needs a previous forward with " + std::to_string(m) + " rows");
+                "mode Recompute needs a previous forward with " + std::to_string(m) + " rows");
   saved_ = false;  // until this forward has completed
 
   const Device dev = ctx.device();
@@ -110,11 +111,11 @@ void SwiGluMlp::backward(const TensorView& x, const TensorView& dy, const Tensor
   const DType act = gate_.config().activations;
   const std::int64_t h = hidden_features(), i = intermediate_features();
   QMM_REQUIRE(saved_, ErrorCode::InvalidArgument, op,
-          "no saved forward: call forward first (each backward consumes its forward)");
+              "no saved forward: call forward first (each backward consumes its forward)");
   const std::int64_t m = last_rows_;
   nn_detail::require_activation(ctx, op, "x", x, act, -1, h);
   QMM_REQUIRE(x.dim(0) == m, ErrorCode::ShapeMismatch, op,
-          "x is " + x.shape().str() + " but the last forward had " + std::to_string(m) + " rows");
+              "x is " + x.shape().str() + " but the last forward had " + std::to_string(m) + " rows");
   nn_detail::require_activation(ctx, op, "dy", dy, act, m, h);
   if (!dx.empty()) {
     nn_detail::require_activation(ctx, op, "dx", dx, act, m, h);
@@ -162,7 +163,7 @@ void SwiGluMlp::refresh_working_copies() {
 
 void SwiGluMlp::reserve(std::int64_t max_rows) {
   QMM_REQUIRE(max_rows >= 0, ErrorCode::InvalidArgument, "SwiGluMlp::reserve",
-          "max_rows is " + std::to_string(max_rows) + " but must be >= 0");
+              "max_rows is " + std::to_string(max_rows) + " but must be >= 0");
   for (LoraLinear* l : {&gate_, &up_, &down_}) l->reserve(max_rows);
   const Device dev = gate_.context().device();
   const DType act = gate_.config().activations;
