@@ -75,9 +75,12 @@ def _lora(x, xd, a, b, scale):
     return None if a is None else (x if xd is None else xd, a, b, scale)
 
 
-def _saved(xs, t, a, b, dtype):
-    """The tensors _impl's backward takes for an adapter (its working copies cast again from a and b)."""
-    return None if a is None else (xs.reshape(-1, xs.shape[-1]), t, *_impl.working_copies((a, b), dtype))
+def _saved(*adapters, dtype):
+    """The tensors _impl's backward takes for each adapter (xs, t, a, b), None where a is None: its working copies
+    cast again from a and b, every adapter's in one launch."""
+    copies = iter(_impl.working_copies([m for _, _, a, b in adapters if a is not None for m in (a, b)], dtype))
+    return tuple(None if a is None else (xs.reshape(-1, xs.shape[-1]), t, next(copies), next(copies))
+                 for xs, t, a, b in adapters)
 
 
 def _rows_of(x):
@@ -111,7 +114,7 @@ if AVAILABLE:
                                     want_da: bool, want_db: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         w = weight_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size)
         x_shape = (*dy.shape[:-1], cols) if xs is None else xs.shape
-        grads = _impl.linear_backward(dy, w, path, _saved(xs, t, a, b, dy.dtype), scale, dropped, x_shape,
+        grads = _impl.linear_backward(dy, w, path, _saved((xs, t, a, b), dtype=dy.dtype)[0], scale, dropped, x_shape,
                                 (want_dx, want_dxd, want_da, want_db))
         return tuple(_or_empty(g, dy) for g in grads)
 
@@ -185,7 +188,7 @@ if AVAILABLE:
                                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         w_gate = weight_of(g_codes, g_absmax, g_absmax2, g_code2, g_offset, g_rows, g_cols, g_block_size)
         w_up = weight_of(u_codes, u_absmax, u_absmax2, u_code2, u_offset, u_rows, u_cols, u_block_size)
-        saved = (_saved(xs_g, t_g, a_g, b_g, dh.dtype), _saved(xs_u, t_u, a_u, b_u, dh.dtype))
+        saved = _saved((xs_g, t_g, a_g, b_g), (xs_u, t_u, a_u, b_u), dtype=dh.dtype)
         grads = _impl.swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, (scale_g, scale_u),
                                 (dropped_g, dropped_u), (*dh.shape[:-1], g_cols), tuple(want))
         return tuple(_or_empty(g, dh) for g in grads)
