@@ -18,9 +18,7 @@ bnb's for the qmm variants (the same NF4 weights and adapters; bf16 and Unsloth 
 """
 import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
 
 import train_step  # the models, their saving and loading, the adapters' initialisation
@@ -89,24 +87,13 @@ def table(label, results):
 
 
 def parent(args):
-    import torch
-    report = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "models": {}}
+    report = train_step.new_report(args)
     print(f"decode: {report['device']}, torch {report['torch']}, prompt {args.prompt}, {args.new_tokens} new tokens, "
           f"median of {args.repeats}")
-    with tempfile.TemporaryDirectory() as tmp:
-        for model in args.models.split(","):
-            folder = os.path.join(tmp, model)
-            train_step.save_model(model, folder)
-            args.model_now = model
-            results = [run_variant(v, args, folder, os.path.join(tmp, f"{model}-{v}.json"))
-                       for v in args.variants.split(",")]
-            report["models"][model] = results
-            print(table(train_step.MODELS[model][4], results), flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    for model, results in train_step.run_models(args, run_variant):
+        report["models"][model] = results
+        print(table(train_step.MODELS[model][4], results), flush=True)
+    train_step.write_report(report, args.json)
 
 
 def main():

@@ -133,31 +133,46 @@ def table(model_label, results):
     return "\n".join(lines)
 
 
-def parent(args):
+def new_report(args):
+    """The JSON report's head: PyTorch's version and the device."""
     import torch
-    report = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "models": {}}
-    print(f"train_step: {report['device']}, torch {report['torch']}, {args.steps} steps after {args.warmup} warm-up"
-          f"{', gradient checkpointing' if args.checkpointing else ''}")
+    return {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "models": {}}
+
+
+def run_models(args, run_one):
+    """Yields (model, results) for each model of --models: the model saved once to a temporary folder, then
+    run_one(variant, args, folder, out_json) for every variant of --variants."""
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             folder = os.path.join(tmp, model)
             save_model(model, folder)
             args.model_now = model
-            results = [run_variant(v, args, folder, os.path.join(tmp, f"{model}-{v}.json"))
-                       for v in args.variants.split(",")]
-            reference = next((r for r in results if r["variant"] == "bnb" and "skipped" not in r), None)
-            for r in results:
-                if reference and "skipped" not in r and r is not reference:
-                    r.update(compare_grads(r, reference))
-            for r in results:
-                r.pop("grads", None)
-            report["models"][model] = results
-            print(table(f"{MODELS[model][4]} ({MODELS[model][2]} x {MODELS[model][3]})", results), flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
+            yield model, [run_one(v, args, folder, os.path.join(tmp, f"{model}-{v}.json"))
+                          for v in args.variants.split(",")]
+
+
+def write_report(report, path):
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def parent(args):
+    report = new_report(args)
+    print(f"train_step: {report['device']}, torch {report['torch']}, {args.steps} steps after {args.warmup} warm-up"
+          f"{', gradient checkpointing' if args.checkpointing else ''}")
+    for model, results in run_models(args, run_variant):
+        reference = next((r for r in results if r["variant"] == "bnb" and "skipped" not in r), None)
+        for r in results:
+            if reference and "skipped" not in r and r is not reference:
+                r.update(compare_grads(r, reference))
+        for r in results:
+            r.pop("grads", None)
+        report["models"][model] = results
+        print(table(f"{MODELS[model][4]} ({MODELS[model][2]} x {MODELS[model][3]})", results), flush=True)
+    write_report(report, args.json)
 
 
 # ---- a worker: one variant of one model --------------------------------------------------------------------------

@@ -30,11 +30,11 @@ def bias_grad(dy, bias):
     return _flat(dy).sum(0, dtype=torch.float32).to(bias.dtype)
 
 
-def working_copies(tensors, dtype):
-    """The adapter matrices in dtype, for its products: a tensor already in dtype as it is (None stays None), the
-    others cast in one launch."""
-    copies = iter(cast([t for t in tensors if t is not None and t.dtype != dtype], dtype))
-    return [t if t is None or t.dtype == dtype else next(copies) for t in tensors]
+def working_copies(pairs, dtype):
+    """Each adapter's (a, b) in dtype, for its products (None, no adapter, stays None): a matrix already in dtype as
+    it is, every other one of all the pairs cast in one launch."""
+    copies = iter(cast([m for p in pairs if p is not None for m in p if m.dtype != dtype], dtype))
+    return [None if p is None else tuple(m if m.dtype == dtype else next(copies) for m in p) for p in pairs]
 
 
 def _adapter_into(y, lora, a_w, b_w):
@@ -122,9 +122,9 @@ def swiglu_forward(x, w_gate, w_up, loras, path, keep):
         gate, up, h = nf4_gate_up(x, w_gate, w_up, gate=keep, up=keep, path=path)
         return h, gate, up, (None, None)
     gate, up, _ = nf4_gate_up(x, w_gate, w_up, h=False, path=path)
-    working = working_copies([m for lora in loras for m in (lora[1:3] if lora else (None, None))], x.dtype)
-    saved = tuple(None if lora is None else _adapter_into(y, lora, *working[2 * i:2 * i + 2])
-                  for i, (y, lora) in enumerate(zip((gate, up), loras)))
+    working = working_copies([None if lora is None else lora[1:3] for lora in loras], x.dtype)
+    saved = tuple(None if lora is None else _adapter_into(y, lora, *w)
+                  for y, lora, w in zip((gate, up), loras, working))
     return swiglu(gate, up), gate, up, saved
 
 

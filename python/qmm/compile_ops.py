@@ -78,9 +78,9 @@ def _lora(x, xd, a, b, scale):
 def _saved(*adapters, dtype):
     """The tensors _impl's backward takes for each adapter (xs, t, a, b), None where a is None: its working copies
     cast again from a and b, every adapter's in one launch."""
-    copies = iter(_impl.working_copies([m for _, _, a, b in adapters if a is not None for m in (a, b)], dtype))
-    return tuple(None if a is None else (xs.reshape(-1, xs.shape[-1]), t, next(copies), next(copies))
-                 for xs, t, a, b in adapters)
+    working = _impl.working_copies([None if a is None else (a, b) for _, _, a, b in adapters], dtype)
+    return tuple(None if w is None else (xs.reshape(-1, xs.shape[-1]), t, *w)
+                 for (xs, t, _, _), w in zip(adapters, working))
 
 
 def _rows_of(x):

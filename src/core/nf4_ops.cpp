@@ -15,15 +15,30 @@
 
 namespace qmm {
 
-const char* nf4_path_name(Nf4Path path) {
-  using namespace nf4_forced;
-  static constexpr std::pair<Nf4Path, const char*> kNames[] = {
-      {Nf4Path::Auto, "auto"},   {Nf4Path::DequantGemm, "dequant_gemm"}, {Nf4Path::Fused, "fused"},
-      {kReference, "reference"}, {kSmallM, "small_m"},                   {kFusedShared, "fused_shared"},
-      {kFusedMma, "fused_mma"}};
-  for (const auto& [p, name] : kNames)
+namespace {
+
+// Every path an entry point accepts: the public intents and the kernels tests and benchmarks force.
+constexpr std::pair<Nf4Path, const char*> kPathNames[] = {
+    {Nf4Path::Auto, "auto"},
+    {Nf4Path::DequantGemm, "dequant_gemm"},
+    {Nf4Path::Fused, "fused"},
+    {nf4_forced::kReference, "reference"},
+    {nf4_forced::kSmallM, "small_m"},
+    {nf4_forced::kFusedShared, "fused_shared"},
+    {nf4_forced::kFusedMma, "fused_mma"},
+};
+
+const char* known_path_name(Nf4Path path) {
+  for (const auto& [p, name] : kPathNames)
     if (p == path) return name;
-  return "?";
+  return nullptr;
+}
+
+}  // namespace
+
+const char* nf4_path_name(Nf4Path path) {
+  const char* name = known_path_name(path);
+  return name ? name : "?";
 }
 
 namespace {
@@ -72,7 +87,7 @@ void require_options(const char* op, const Nf4GemmOptions& opts) {
     fail(ErrorCode::InvalidArgument, op, "alpha is " + std::to_string(opts.alpha) + " but must be finite");
   if (!std::isfinite(opts.beta))
     fail(ErrorCode::InvalidArgument, op, "beta is " + std::to_string(opts.beta) + " but must be finite");
-  if (std::string(nf4_path_name(opts.path)) == "?")
+  if (!known_path_name(opts.path))
     fail(ErrorCode::InvalidArgument, op, "path " + std::to_string(static_cast<int>(opts.path)) + " is unknown");
 }
 

@@ -171,11 +171,11 @@ void cast(const Context& ctx, std::span<const TensorView> src, std::span<const T
               "src has " + std::to_string(src.size()) + " tensors but dst has " + std::to_string(dst.size()));
   std::vector<TensorView> todo_src, todo_dst;
   // Argument names on the stack: a passing call allocates no string.
-  auto name = [](char (&buf)[24], const char* what, std::size_t i) {
+  auto name = [](char (&buf)[32], const char* what, std::size_t i) {
     std::snprintf(buf, sizeof buf, "%s[%zu]", what, i);
     return buf;
   };
-  char s[24], d[24], other[24];
+  char s[32], d[32], other[32];
   for (std::size_t i = 0; i < src.size(); ++i) {
     name(s, "src", i);
     name(d, "dst", i);
