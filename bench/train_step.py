@@ -29,6 +29,7 @@ missing are reported as skipped.
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -68,18 +69,21 @@ def save_model(name, folder):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
     model.save_pretrained(folder)
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
-    vocab.update({"<unk>": 0, "<s>": 1, "</s>": 2})
+    # a pad token of its own: Unsloth rejects one that is the end-of-sequence token
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    vocab = {name: i for i, name in enumerate(specials)}
+    vocab.update({f"t{i}": i for i in range(len(specials), config.vocab_size)})
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>", bos_token="<s>",
-        eos_token="</s>", pad_token="</s>")
+        eos_token="</s>", pad_token="<pad>")
     tokenizer.save_pretrained(folder)
 
 
 def run_worker(script, variant, args, folder, out_json, worker_args):
     """Runs `script --worker variant` (this script's worker, or another bench script's) in its own process for one
     model and returns its JSON result, or a "skipped" entry where it failed: how it ended (exit code, or the signal
-    that killed it) and its last line that is not a progress bar."""
+    that killed it), the exception's line (else its last line that is not a progress bar) and the output's last
+    40 lines (the JSON report keeps them)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTHONUNBUFFERED="1")
     if variant == "unsloth" and args.unsloth_path:  # Unsloth patches transformers on import: its own site first
@@ -90,9 +94,11 @@ def run_worker(script, variant, args, folder, out_json, worker_args):
     if done.returncode != 0 or not os.path.exists(out_json):
         code = done.returncode
         how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
-        lines = [ln for ln in (done.stdout + done.stderr).replace("\r", "\n").splitlines()
+        lines = [ln.strip() for ln in (done.stdout + done.stderr).replace("\r", "\n").splitlines()
                  if ln.strip() and "it/s]" not in ln and "%|" not in ln]
-        return {"variant": variant, "skipped": how + (": " + lines[-1].strip() if lines else "")}
+        raised = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception)\b", ln)]
+        line = (raised or lines or [""])[-1]
+        return {"variant": variant, "skipped": how + (": " + line if line else ""), "log_tail": lines[-40:]}
     with open(out_json) as f:
         return json.load(f)
 
@@ -241,7 +247,7 @@ def worker(args):
     init_adapters(params)
     graphed = args.worker.endswith("-graph")
     opt = torch.optim.AdamW(list(params.values()), lr=1e-4, capturable=graphed and device == "cuda")
-    ids = torch.randint(3, config["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    ids = torch.randint(4, config["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
     step_fn = model
     if args.worker.endswith("-compile"):
         step_fn = torch.compile(model, fullgraph=True)

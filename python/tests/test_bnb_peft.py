@@ -274,6 +274,16 @@ def test_patch_bnb_with_lora_dropout(device, monkeypatch):
 needs_compile = pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
 
 
+def _assert_updates_agree(params, ref_params, initial):
+    """Each trained tensor moved from its initial value as the reference did, to 1% of the reference's move (in
+    norm). Elementwise tolerances do not fit AdamW: an element whose gradient is near zero moves by up to the learning
+    rate either way on a last-bit difference of its gradient, while a wrong backward moves whole tensors elsewhere."""
+    for i, (p, q, p0) in enumerate(zip(params, ref_params, initial)):
+        moved = (q.float() - p0.float()).norm()
+        off = (p.float() - q.float()).norm()
+        assert moved > 0 and off <= 1e-2 * moved, (i, tuple(p.shape), off.item(), moved.item())
+
+
 @needs_compile
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -283,8 +293,8 @@ def test_patched_peft_llama_trains_under_torch_compile_fullgraph(device, checkpo
     model's losses and trained LoRA weights. On the CPU with LoRA dropout on, exactly (aot_eager runs PyTorch's own
     ops as eager does, dropout draws the same masks; qmm's ops are the same kernels). On a GPU aot_eager's dropout
     draws other masks than eager's fused kernel and its decompositions change PyTorch's own kernels (the first loss
-    already differs in its last bits), so there dropout is off and the losses agree to 1e-5 relative, the weights
-    to 1e-4 relative plus 1e-7 (1e-5 of the learning rate)."""
+    already differs in its last bits), so there dropout is off, the losses agree to 1e-4 relative and the weights
+    moved alike (_assert_updates_agree)."""
     from torch._dynamo.utils import counters
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
 
@@ -301,6 +311,7 @@ def test_patched_peft_llama_trains_under_torch_compile_fullgraph(device, checkpo
             model.config.use_cache = False
             model.disable_input_require_grads()
         params = [p for p in model.parameters() if p.requires_grad]
+        initial = [p.detach().clone() for p in params]
         opt = torch.optim.AdamW(params, lr=1e-2)
         step = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
         torch.manual_seed(0)
@@ -311,7 +322,7 @@ def test_patched_peft_llama_trains_under_torch_compile_fullgraph(device, checkpo
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
-        return losses, [p.detach().clone() for p in params]
+        return losses, [p.detach().clone() for p in params], initial
 
     eager = train(False)
     torch._dynamo.reset()
@@ -323,8 +334,8 @@ def test_patched_peft_llama_trains_under_torch_compile_fullgraph(device, checkpo
         assert compiled[0] == eager[0]
         assert all(torch.equal(c, e) for c, e in zip(compiled[1], eager[1]))
     else:
-        assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
-        assert all(torch.allclose(c, e, rtol=1e-4, atol=1e-7) for c, e in zip(compiled[1], eager[1]))
+        assert compiled[0] == pytest.approx(eager[0], rel=1e-4)
+        _assert_updates_agree(compiled[1], eager[1], eager[2])
 
 
 @needs_compile
@@ -445,8 +456,8 @@ def test_patched_peft_llama_step_replays_as_a_cuda_graph(fused):
     """qmm.graph_step on a patched PEFT QLoRA Llama's whole step (forward, backward, capturable AdamW), with and
     without the fused loss, norms and rotary embeddings: ten steps on changing batches give the eager patched
     step's losses and trained LoRA weights, with one capture. Not bit for bit: PyTorch's own ops may round
-    differently under capture (qmm's kernels and plans do not change), so the losses agree to 1e-5 relative, the
-    weights to 1e-5 relative plus 1e-7 (1e-5 of the learning rate)."""
+    differently under capture (qmm's kernels and plans do not change), so the losses agree to 1e-4 relative and
+    the weights moved alike (_assert_updates_agree)."""
     def trainer():
         model = qlora_llama("cuda").train()
         qmm.patch_bnb(model, fused_loss=fused, fused_norm=fused, fused_rope=fused)
@@ -464,6 +475,7 @@ def test_patched_peft_llama_step_replays_as_a_cuda_graph(fused):
 
     batches = [torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(s)).cuda() for s in range(10)]
     eager_model, eager_params, eager_step = trainer()
+    initial = [p.detach().clone() for p in eager_params]
     eager = [eager_step(ids, ids).item() for ids in batches]
     qmm.unpatch_bnb(eager_model)
     model, params, step = trainer()
@@ -471,5 +483,5 @@ def test_patched_peft_llama_step_replays_as_a_cuda_graph(fused):
     replayed = [graphed(ids, ids).item() for ids in batches]
     qmm.unpatch_bnb(model)
     assert graphed.captured == 1
-    assert replayed == pytest.approx(eager, rel=1e-5)
-    assert all(torch.allclose(p, q, rtol=1e-5, atol=1e-7) for p, q in zip(params, eager_params))
+    assert replayed == pytest.approx(eager, rel=1e-4)
+    _assert_updates_agree(params, eager_params, initial)

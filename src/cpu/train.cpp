@@ -306,6 +306,7 @@ void linear_cross_entropy(const TensorView& h, const TensorView& w, const Tensor
   const auto in_range = [&](std::int32_t y) { return y >= 0 && y < vocab; };
   for (std::int64_t i = 0; i < t; ++i) n += lab[i] != ignore_index && in_range(lab[i]);
   const bool want_grads = !dh.empty() || !dw.empty();
+  const bool round_logits = h.dtype() == DType::BF16;  // a bf16 head writes bf16 logits (the GPU backend's too)
   std::vector<double> hd(static_cast<std::size_t>(t * hid)), wd(static_cast<std::size_t>(vocab * hid));
   with_storage(h.dtype(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -329,6 +330,7 @@ void linear_cross_entropy(const TensorView& h, const TensorView& w, const Tensor
       double acc = 0;
       for (std::int64_t k = 0; k < hid; ++k)
         acc += hd[static_cast<std::size_t>(i * hid + k)] * wd[static_cast<std::size_t>(v * hid + k)];
+      if (round_logits) acc = bf16_to_float(float_to_bf16(static_cast<float>(acc)));
       z[static_cast<std::size_t>(v)] = acc;
       zmax = std::max(zmax, acc);
     }

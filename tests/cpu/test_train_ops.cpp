@@ -905,7 +905,8 @@ struct CeReference {
 };
 
 // The loss and its gradients from the definition, written independently of the backend: softmax as exp(z) / Σ exp(z)
-// over logits shifted by their row maximum, the gradient of each term, then the mean.
+// over logits shifted by their row maximum, the gradient of each term, then the mean. bf16 inputs: the logits are
+// rounded to bf16 (the op's contract), the rounding passed through as the identity in the gradients.
 CeReference ce_reference(const Tensor& h, const Tensor& w, const std::vector<std::int32_t>& labels,
                          std::int32_t ignore) {
   const std::int64_t t = h.dim(0), hid = h.dim(1), vocab = w.dim(0);
@@ -921,6 +922,8 @@ CeReference ce_reference(const Tensor& h, const Tensor& w, const std::vector<std
     for (std::int64_t v = 0; v < vocab; ++v)
       for (std::int64_t k = 0; k < hid; ++k)
         z[static_cast<std::size_t>(v)] += val(h, i * hid + k) * val(w, v * hid + k);
+    if (h.dtype() == DType::BF16)
+      for (double& zv : z) zv = bf16_to_float(float_to_bf16(static_cast<float>(zv)));
     const double m = *std::max_element(z.begin(), z.end());
     double s = 0;
     for (double zv : z) s += std::exp(zv - m);

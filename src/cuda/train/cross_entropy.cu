@@ -1,14 +1,16 @@
 // linear_cross_entropy's steps on the GPU. label_stats counts the tokens that are not ignored (n) and the labels out
-// of range on the device, so that nothing waits for the host. The row step, one block per row of a chunk of fp32
-// logits: a first pass keeps each thread's running maximum and sum of exponentials (rescaled when the maximum grows),
-// the block combines them into the row's log-sum-exp, thread 0 writes the row's loss term, and a second pass writes
-// the gradient row (softmax - onehot) / n in g's dtype; a label out of range gives a NaN loss term and gradient row.
-// linear_cross_entropy (at the end) runs the chunks' GEMMs around them.
+// of range on the device, so that nothing waits for the host. The row step, one block per row of a chunk of logits
+// (in h's dtype, as a model's head writes them): a first pass keeps each thread's running maximum and sum of
+// exponentials (rescaled when the maximum grows), the block combines them into the row's log-sum-exp (fp32), thread
+// 0 writes the row's loss term, and a second pass writes the gradient row (softmax - onehot) / n over the logits; a
+// label out of range gives a NaN loss term and gradient row. linear_cross_entropy (at the end) runs the chunks'
+// GEMMs around them.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
@@ -31,9 +33,6 @@ __device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) 
   s = s * expf(m - top) + s2 * expf(m2 - top);
   m = top;
 }
-
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
 // stats[0] = the count of labels equal to neither ignore_index nor out of [0, vocab), stats[1] = the count out of
 // range (one block).
@@ -68,24 +67,52 @@ __global__ void __launch_bounds__(kThreads) label_stats_kernel(const std::int32_
   stats[1] = bad;
 }
 
-template <class G>
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// (m, s) with s the sum of exp(x - m) over the values seen, m their maximum: one more value x, one expf.
+__device__ __forceinline__ void push(float& m, float& s, float x) {
+  if (x > m) {
+    s = s * expf(m - x) + 1.0f;  // m = -inf at first: s = 0 * 0 + 1
+    m = x;
+  } else if (x != -INFINITY) {
+    s += expf(x - m);  // NaN x falls here and makes s NaN
+  }
+}
+
+// kVec elements of Z loaded or stored as one 16-byte access (kVec = 1: one element).
+template <class Z, int kVec>
+struct alignas(sizeof(Z) * kVec) Pack {
+  Z v[kVec];
+};
+
+// One block per row of a chunk's logits z [rows, V] (Z = f32 or bf16): the row's loss term logsumexp(z) - z[label]
+// into row_loss[row] and, with want_g, the gradient row (softmax(z) - onehot(label)) / n written over z in place.
+// kVec > 1 needs V * sizeof(Z) a multiple of 16 and z 16-byte aligned.
+template <class Z, int kVec>
 __global__ void __launch_bounds__(kThreads)
-    cross_entropy_rows_kernel(const float* logits, const std::int32_t* labels, std::int64_t vocab,
-                              std::int32_t ignore_index, const long long* stats, G* g, double* row_loss) {
+    cross_entropy_rows_kernel(Z* logits, const std::int32_t* labels, std::int64_t vocab, std::int32_t ignore_index,
+                              const long long* stats, bool want_g, double* row_loss) {
+  using P = Pack<Z, kVec>;
   const std::int64_t row = blockIdx.x;
-  const float* z = logits + row * vocab;
-  G* grow = g ? g + row * vocab : nullptr;
+  Z* z = logits + row * vocab;
   const std::int32_t label = labels[row];
   if (label == ignore_index || label < 0 || label >= vocab) {
     const float fill = label == ignore_index ? 0.0f : NAN;
     if (threadIdx.x == 0) row_loss[row] = fill;
-    if (grow)
-      for (std::int64_t v = threadIdx.x; v < vocab; v += kThreads) store(grow + v, fill);
+    if (want_g)
+      for (std::int64_t v = threadIdx.x; v < vocab; v += kThreads) store(z + v, fill);
     return;
   }
-  const float inv_n = 1.0f / static_cast<float>(stats[0]);  // n >= 1: this row counts
+  const std::int64_t packs = vocab / kVec;
   float m = -INFINITY, s = 0.0f;
-  for (std::int64_t v = threadIdx.x; v < vocab; v += kThreads) combine(m, s, z[v], 1.0f);
+  for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
+    const P p = reinterpret_cast<const P*>(z)[i];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) push(m, s, to_float(p.v[j]));
+  }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const float m2 = __shfl_down_sync(0xFFFFFFFFu, m, o), s2 = __shfl_down_sync(0xFFFFFFFFu, s, o);
@@ -104,13 +131,19 @@ __global__ void __launch_bounds__(kThreads)
     for (int w = 1; w < kThreads / 32; ++w) combine(bm, bs, warp_m[w], warp_s[w]);
     const float lse = bm + logf(bs);
     lse_shared = lse;
-    row_loss[row] = static_cast<double>(lse) - static_cast<double>(z[label]);
+    row_loss[row] = static_cast<double>(lse) - static_cast<double>(to_float(z[label]));
   }
-  __syncthreads();
-  if (!grow) return;
+  __syncthreads();  // z[label] is read before the gradient overwrites it
+  if (!want_g) return;
   const float lse = lse_shared;
-  for (std::int64_t v = threadIdx.x; v < vocab; v += kThreads)
-    store(grow + v, (expf(z[v] - lse) - (v == label ? 1.0f : 0.0f)) * inv_n);
+  const float inv_n = 1.0f / static_cast<float>(stats[0]);  // n >= 1: this row counts
+  for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
+    P p = reinterpret_cast<const P*>(z)[i];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      store(&p.v[j], (expf(to_float(p.v[j]) - lse) - (i * kVec + j == label ? 1.0f : 0.0f)) * inv_n);
+    reinterpret_cast<P*>(z)[i] = p;
+  }
 }
 
 // out = sum(values) / n with n = stats[0] (0 where n = 0 and no label was out of range), one block, the values summed
@@ -141,25 +174,32 @@ void label_stats(const Context& ctx, const TensorView& labels, std::int64_t voca
   QMM_CUDA_CHECK_LAUNCH("label_stats_kernel");
 }
 
-// Over one chunk of fp32 logits [rows, V]: each row's loss term logsumexp(z) - z[label] into row_loss[row] (fp64; 0
-// for an ignored row, NaN for a label out of range) and, where g is given (f32 or bf16 [rows, V]), the gradient rows
-// g = (softmax(z) - onehot(label)) / n (0 for an ignored row, NaN for a label out of range).
+// Over one chunk of logits z [rows, V] (f32 or bf16): each row's loss term logsumexp(z) - z[label] into
+// row_loss[row] (fp64; 0 for an ignored row, NaN for a label out of range) and, with want_g, the gradient rows
+// (softmax(z) - onehot(label)) / n written over z (0 for an ignored row, NaN for a label out of range).
 void rows_step(const Context& ctx, const TensorView& logits, const TensorView& labels, std::int32_t ignore_index,
-               const TensorView& stats, const TensorView& g, const TensorView& row_loss) {
+               const TensorView& stats, bool want_g, const TensorView& row_loss) {
   const std::int64_t rows = logits.dim(0), vocab = logits.dim(1);
   if (rows == 0) return;
   set_device(ctx);
-  const auto* z = logits.data_as<const float>();
   const auto* lab = labels.data_as<const std::int32_t>();
   auto* out = static_cast<double*>(row_loss.data());
   const auto* st = static_cast<const long long*>(stats.data());
   const unsigned blocks = static_cast<unsigned>(rows);
-  if (g.empty() || g.dtype() == DType::F32) {
-    cross_entropy_rows_kernel<float><<<blocks, kThreads, 0, stream_of(ctx)>>>(
-        z, lab, vocab, ignore_index, st, g.empty() ? nullptr : g.data_as<float>(), out);
+  // 16-byte accesses where every row starts on a 16-byte boundary (the chunk's buffer does)
+  const bool packed = (vocab * static_cast<std::int64_t>(dtype_size(logits.dtype()))) % 16 == 0 &&
+                      reinterpret_cast<std::uintptr_t>(logits.data()) % 16 == 0;
+  const auto launch = [&](auto* z, auto vec) {
+    using Z = std::remove_pointer_t<decltype(z)>;
+    cross_entropy_rows_kernel<Z, decltype(vec)::value>
+        <<<blocks, kThreads, 0, stream_of(ctx)>>>(z, lab, vocab, ignore_index, st, want_g, out);
+  };
+  if (logits.dtype() == DType::F32) {
+    auto* z = logits.data_as<float>();
+    packed ? launch(z, std::integral_constant<int, 4>{}) : launch(z, std::integral_constant<int, 1>{});
   } else {
-    cross_entropy_rows_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream_of(ctx)>>>(
-        z, lab, vocab, ignore_index, st, static_cast<__nv_bfloat16*>(g.data()), out);
+    auto* z = static_cast<__nv_bfloat16*>(logits.data());
+    packed ? launch(z, std::integral_constant<int, 8>{}) : launch(z, std::integral_constant<int, 1>{});
   }
   QMM_CUDA_CHECK_LAUNCH("cross_entropy_rows_kernel");
 }
@@ -179,31 +219,33 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
                           const TensorView& loss, const TensorView& dh, const TensorView& dw,
                           const CrossEntropyOptions& opts) {
   const std::int64_t t = h.dim(0), hidden = h.dim(1), vocab = w.dim(0);
-  // The tokens go through in chunks: a chunk's logits [c, V] (fp32) come from one GEMM, its rows' loss terms and
-  // gradient rows from rows_step, then its gradients' GEMMs. Memory: the logits and gradient rows of one chunk, by
-  // default a 32nd of the tokens (at least 64): about 5% of the whole fp32 logits. The count of tokens n that the
-  // mean divides by stays on the device: nothing here waits for it.
+  // The tokens go through in chunks: a chunk's logits [c, V] in h's dtype come from one GEMM (fp32 sums), its rows'
+  // loss terms and gradient rows (written over the logits) from rows_step, then its gradients' GEMMs. Each chunk
+  // reads the whole head again, so chunks are as large as kChunkBytes of logits allows: at least 512 tokens keep
+  // the GEMMs compute-bound (a head read per 512 rows of output). The count of tokens n that the mean divides by
+  // stays on the device: nothing here waits for it.
   if (t == 0) {
     qmm::zero(ctx, loss);
     return;
   }
+  constexpr std::int64_t kChunkBytes = std::int64_t{256} << 20;
   const Device dev = ctx.device();
-  const std::int64_t chunk = opts.chunk_tokens > 0 ? std::min(opts.chunk_tokens, t)
-                                                   : std::min(t, std::max<std::int64_t>(64, (t + 31) / 32));
+  const std::int64_t row_bytes = vocab * static_cast<std::int64_t>(dtype_size(h.dtype()));
+  const std::int64_t chunk =
+      std::min(t, opts.chunk_tokens > 0 ? opts.chunk_tokens
+                                        : std::max<std::int64_t>(512, kChunkBytes / row_bytes / 128 * 128));
   const bool grads = !dh.empty() || !dw.empty();
   // Temporaries from the stream-ordered pool: nothing waits for the device, and a graph capture can hold the call.
   // Each piece starts on a 256-byte boundary (the pool's blocks do): GEMM operands and fp64 sums stay aligned.
   const auto padded = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
-  const std::size_t logits_bytes = padded(static_cast<std::size_t>(chunk * vocab) * 4);
-  const std::size_t g_bytes = grads ? padded(static_cast<std::size_t>(chunk * vocab) * dtype_size(h.dtype())) : 0;
+  const std::size_t logits_bytes = padded(static_cast<std::size_t>(chunk * row_bytes));
   const std::size_t loss_bytes = padded(static_cast<std::size_t>(t) * 8);
   set_device(ctx);
-  ScratchBuffer scratch(state(ctx), logits_bytes + g_bytes + loss_bytes + 16);
+  ScratchBuffer scratch(state(ctx), logits_bytes + loss_bytes + 16);
   auto* base = static_cast<std::uint8_t*>(scratch.data());
-  const TensorView logits(base, DType::F32, {chunk, vocab}, dev);
-  const TensorView g = grads ? TensorView(base + logits_bytes, h.dtype(), {chunk, vocab}, dev) : TensorView();
-  const TensorView row_loss(base + logits_bytes + g_bytes, DType::U8, {8 * t}, dev);
-  const TensorView stats(base + logits_bytes + g_bytes + loss_bytes, DType::U8, {16}, dev);
+  const TensorView logits(base, h.dtype(), {chunk, vocab}, dev);
+  const TensorView row_loss(base + logits_bytes, DType::U8, {8 * t}, dev);
+  const TensorView stats(base + logits_bytes + loss_bytes, DType::U8, {16}, dev);
   label_stats(ctx, labels, vocab, opts.ignore_index, stats);
   const std::size_t h_row = static_cast<std::size_t>(hidden) * dtype_size(h.dtype());
   auto rows = [](const TensorView& base, std::int64_t first, std::size_t row_bytes, Shape shape) {
@@ -213,11 +255,11 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
   for (std::int64_t first = 0; first < t; first += chunk) {
     const std::int64_t c = std::min(chunk, t - first);
     const TensorView hc = rows(h, first, h_row, {c, hidden}), zc = rows(logits, 0, 0, {c, vocab});
-    const TensorView gc = grads ? rows(g, 0, 0, {c, vocab}) : TensorView();
     qmm::gemm_bt(ctx, hc, w, zc);
-    rows_step(ctx, zc, rows(labels, first, 4, {c}), opts.ignore_index, stats, gc, rows(row_loss, first, 8, {8 * c}));
-    if (!dh.empty()) qmm::gemm(ctx, gc, w, rows(dh, first, h_row, {c, hidden}));
-    if (!dw.empty()) qmm::gemm_backward_b(ctx, gc, hc, dw, {1.0f, 1.0f});
+    rows_step(ctx, zc, rows(labels, first, 4, {c}), opts.ignore_index, stats, grads,
+              rows(row_loss, first, 8, {8 * c}));
+    if (!dh.empty()) qmm::gemm(ctx, zc, w, rows(dh, first, h_row, {c, hidden}));
+    if (!dw.empty()) qmm::gemm_backward_b(ctx, zc, hc, dw, {1.0f, 1.0f});
   }
   mean_step(ctx, row_loss, stats, loss);
 }
