@@ -23,7 +23,10 @@ dtypes, strides, device) runs `warmup` eager steps and then captures a graph of 
 data-dependent shapes, a checked label count: qmm's fused loss skips that check while capturing) and its outputs
 are overwritten by the next replay (clone what you keep). Hugging Face models check an attention mask's values to
 skip it when nothing is padded, which they cannot do while capturing: pass no attention_mask for unpadded batches,
-or the graph holds the explicit-mask attention. On the CPU the step runs eagerly."""
+or the graph holds the explicit-mask attention. On the CPU the step runs eagerly.
+
+Capturing qmm's ops with torch.cuda.graph yourself: warm them up on the stream you capture on (qmm keeps a context
+per stream; graph_step does this)."""
 import torch
 
 from ._base import _error
@@ -92,7 +95,9 @@ class _Capture:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
         try:
-            with torch.cuda.graph(graph):
+            # On the stream the warm-up ran on: qmm keeps a context (cuBLASLt handle, plans) per stream, and a fresh
+            # one would do its first-use set-up of large GEMM kernels inside the capture, which that cannot hold.
+            with torch.cuda.graph(graph, stream=self.side):
                 self.outputs = step(*self.inputs)
         except Exception as e:  # what the step did that a graph cannot hold; the message says which call
             raise _error("Unsupported", f"graph_step: the step could not be captured into a CUDA graph: {e}. A "
