@@ -563,8 +563,8 @@ void Bench::run_train() {
 
 // linear_cross_entropy at the lm heads of Llama-3-8B and Qwen2.5-1.5B against the bf16 GEMMs it contains, timed
 // in turns: the logits GEMM (bf16 out) and the input gradient's GEMM, plus the weight gradient's where dW is asked
-// (a frozen head, as in LoRA training, asks dh alone). Its extra memory (one chunk's fp32 logits and gradient rows)
-// is printed against the whole fp32 logits.
+// (a frozen head, as in LoRA training, asks dh alone). Its extra memory (one chunk's logits, which its gradient
+// rows overwrite) is printed against the whole fp32 logits.
 void Bench::run_loss() {
   struct Head {
     std::string label;
@@ -598,11 +598,13 @@ void Bench::run_loss() {
       for (std::size_t i = 0; i < fns.size(); ++i)
         record({"linear_cross_entropy", i == 0 ? mode : (want_dw ? "3 gemms" : "2 gemms"), hd.label, 1, t, v, h,
                 flops, bytes, st[i]});
-      const std::int64_t chunk = std::min(t, std::max<std::int64_t>(64, (t + 31) / 32));  // the GPU path's default
+      const std::int64_t chunk = linear_cross_entropy_chunk_tokens(t, v, DType::BF16);
+      const double extra = chunk * v * 2.0 + t * 8.0;
       if (is_gpu_)
-        std::printf("  linear_cross_entropy %s: extra memory %.1f MiB (one chunk's fp32 logits and bf16 gradient rows), "
-                  "%.1f%% of the fp32 logits' %.1f MiB\n", hd.label.c_str(), chunk * v * 6.0 / 1048576.0,
-                  100.0 * chunk * v * 6.0 / (t * v * 4.0), t * v * 4.0 / 1048576.0);
+        std::printf("  linear_cross_entropy %s: extra memory %.1f MiB (chunks of %lld tokens: their bf16 logits and "
+                    "the loss terms), %.1f%% of the fp32 logits' %.1f MiB\n",
+                    hd.label.c_str(), extra / 1048576.0, static_cast<long long>(chunk), 100.0 * extra / (t * v * 4.0),
+                    t * v * 4.0 / 1048576.0);
     }
 
   // rms_norm forward and backward (with dw) at the decoder's widths, bf16, against the copy bandwidth: forward reads

@@ -58,6 +58,11 @@ struct CrossEntropyOptions {
 void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorView& w, const TensorView& labels,
                           const TensorView& loss, const TensorView& dh = {}, const TensorView& dw = {},
                           const CrossEntropyOptions& opts = {});
+// The chunk of tokens linear_cross_entropy's GPU path takes when opts.chunk_tokens is 0, for T tokens, vocabulary V
+// and h's dtype: as many tokens as 256 MiB of logits hold (each chunk reads the whole head again), at least 512,
+// at most T. Its extra device memory is one chunk's logits (h's dtype; the gradient rows overwrite them) plus 8
+// bytes per token.
+std::int64_t linear_cross_entropy_chunk_tokens(std::int64_t tokens, std::int64_t vocab, DType dtype);
 
 // RMSNorm over the last dimension, as Hugging Face's LlamaRMSNorm and Qwen2RMSNorm compute it: per row
 // rstd = 1 / sqrt(mean(x²) + eps) in fp32, then y = w · x̂ with x̂ = x · rstd rounded to x's dtype first (the

@@ -988,6 +988,20 @@ TEST(TrainLinearCrossEntropy, MatchesDefinitionOnRaggedShapes) {
     }
 }
 
+// The GPU path's default chunk: 256 MiB of logits in h's dtype, at least 512 tokens, at most T; bad arguments raise.
+TEST(TrainLinearCrossEntropy, DefaultChunkTokens) {
+  EXPECT_EQ(linear_cross_entropy_chunk_tokens(4096, 128256, DType::BF16), 1024);  // 1046 rows, in 128s
+  EXPECT_EQ(linear_cross_entropy_chunk_tokens(4096, 128256, DType::F32), 512);    // 523 rows
+  EXPECT_EQ(linear_cross_entropy_chunk_tokens(2048, 151936, DType::BF16), 768);
+  EXPECT_EQ(linear_cross_entropy_chunk_tokens(100000, 1000, DType::BF16), 100000);  // every token in one chunk
+  EXPECT_EQ(linear_cross_entropy_chunk_tokens(7, 1 << 30, DType::F32), 7);
+  EXPECT_EQ(linear_cross_entropy_chunk_tokens(0, 10, DType::F32), 0);
+  EXPECT_TRUE(test::throws_error([] { linear_cross_entropy_chunk_tokens(-1, 10, DType::F32); }, kInvalid,
+                                 {"linear_cross_entropy_chunk_tokens", "tokens is -1"}));
+  EXPECT_TRUE(test::throws_error([] { linear_cross_entropy_chunk_tokens(8, 0, DType::F32); }, kInvalid, {"vocab is 0"}));
+  EXPECT_TRUE(test::throws_error([] { linear_cross_entropy_chunk_tokens(8, 8, DType::I32); }, kDType, {"dtype is i32"}));
+}
+
 TEST(TrainLinearCrossEntropy, LossAloneAllIgnoredAndTheIgnoreIndex) {
   const Context& ctx = Context::cpu();
   const Tensor h = test::random_tensor(DType::F32, {9, 8}, 1), w = test::random_tensor(DType::F32, {20, 8}, 2);

@@ -221,19 +221,17 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
   const std::int64_t t = h.dim(0), hidden = h.dim(1), vocab = w.dim(0);
   // The tokens go through in chunks: a chunk's logits [c, V] in h's dtype come from one GEMM (fp32 sums), its rows'
   // loss terms and gradient rows (written over the logits) from rows_step, then its gradients' GEMMs. Each chunk
-  // reads the whole head again, so chunks are as large as kChunkBytes of logits allows: at least 512 tokens keep
-  // the GEMMs compute-bound (a head read per 512 rows of output). The count of tokens n that the mean divides by
-  // stays on the device: nothing here waits for it.
+  // reads the whole head again: chunks large enough to keep the GEMMs compute-bound (see
+  // linear_cross_entropy_chunk_tokens). The count of tokens n that the mean divides by stays on the device: nothing
+  // here waits for it.
   if (t == 0) {
     qmm::zero(ctx, loss);
     return;
   }
-  constexpr std::int64_t kChunkBytes = std::int64_t{256} << 20;
   const Device dev = ctx.device();
   const std::int64_t row_bytes = vocab * static_cast<std::int64_t>(dtype_size(h.dtype()));
-  const std::int64_t chunk =
-      std::min(t, opts.chunk_tokens > 0 ? opts.chunk_tokens
-                                        : std::max<std::int64_t>(512, kChunkBytes / row_bytes / 128 * 128));
+  const std::int64_t chunk = opts.chunk_tokens > 0 ? std::min(opts.chunk_tokens, t)
+                                                   : linear_cross_entropy_chunk_tokens(t, vocab, h.dtype());
   const bool grads = !dh.empty() || !dw.empty();
   // Temporaries from the stream-ordered pool: nothing waits for the device, and a graph capture can hold the call.
   // Each piece starts on a 256-byte boundary (the pool's blocks do): GEMM operands and fp64 sums stay aligned.
