@@ -2,11 +2,15 @@
 """What qmm's Python calls cost the host, per call, at a size where the device work is negligible (one token,
 64 x 64 weight, LoRA r 4): the raw binding of a patched projection's forward with its outputs preallocated (DLPack
 conversion, validation, context lookup, the launches), the same through the package with its allocations, and the
-differentiable op's forward + backward under autograd. On a GPU the calls are enqueued back to back and the device
+differentiable op's forward alone and its forward + backward under autograd, and for scale PyTorch's own
+forward + backward of the same layer in bf16 (a dense 64 x 64 weight and a PEFT-style adapter). On a GPU the calls are enqueued back to back and the device
 is synchronized once at the end, so the figure is the host's enqueue cost while the GPU keeps up; on the CPU it
 includes the CPU backend's own work.
 
     PYTHONPATH=build/python python3 bench/host_cost.py [--device cuda] [--calls 2000] [--json out/host_cost.json]
+                                                       [--profile]
+
+--profile adds torch.profiler's table of the autograd case (host time by op, the backward's thread included).
 """
 import argparse
 import json
@@ -40,6 +44,7 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler's host table of the autograd case")
     args = ap.parse_args()
     if args.calls < 1:
         ap.error("--calls must be at least 1")
@@ -63,16 +68,36 @@ def main():
     def package():
         _impl.linear_forward(x, w, None, (x, ad, bd, 2.0), "auto")
 
+    def autograd_forward():
+        qmm.lora_nf4_linear(xg, w, lora)
+
     def autograd():
         qmm.lora_nf4_linear(xg, w, lora).sum().backward()
 
+    dense = torch.randn((64, 64), generator=gen).to(dev, torch.bfloat16)
+    a16 = a.detach().to(torch.bfloat16).requires_grad_()
+    b16 = b.detach().to(torch.bfloat16).requires_grad_()
+
+    def torch_layer():
+        y = torch.nn.functional.linear(xg, dense)
+        (y + torch.nn.functional.linear(torch.nn.functional.linear(xg, a16), b16) * 2.0).sum().backward()
+
     rows = {"raw binding, outputs given": per_call_us(raw, args.calls, sync),
             "package forward (allocates)": per_call_us(package, args.calls, sync),
-            "autograd forward + backward": per_call_us(autograd, max(1, args.calls // 4), sync)}
+            "autograd forward alone": per_call_us(autograd_forward, args.calls, sync),
+            "autograd forward + backward": per_call_us(autograd, max(1, args.calls // 4), sync),
+            "torch bf16 layer, fwd + bwd": per_call_us(torch_layer, max(1, args.calls // 4), sync)}
     device = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"host cost per call, {device}, torch {torch.__version__}, 1 x 64 @ NF4 64 x 64, LoRA r 4")
     for name, us in rows.items():
         print(f"  {name:32s} {us:8.1f} µs")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(50):
+                autograd()
+            sync()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "torch": torch.__version__, "us_per_call": rows}, f, indent=1)

@@ -238,6 +238,17 @@ def init_adapters(params):
             p.copy_((torch.rand(p.shape, generator=g) * 2 - 1) * bound)
 
 
+def top_kernels(kernels, steps, count=25):
+    """The kernels that took the most device time, per step: [name (cut to 90 characters), launches, ms]."""
+    by_name = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name[:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += getattr(e, "device_time", None) or getattr(e, "cuda_time", 0)
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:count]
+    return [[name, round(n / steps, 1), round(us / steps / 1e3, 3)] for name, (n, us) in ranked]
+
+
 def worker(args):
     import torch
     device = args.device
@@ -302,6 +313,7 @@ def worker(args):
         busy_us = sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0) for e in kernels)
         result["kernels_per_step"] = len(kernels) // 2
         result["gpu_busy_ms"] = round(busy_us / 2 / 1e3, 1)
+        result["top_kernels"] = top_kernels(kernels, steps=2)
     grads_path = args.out + ".grads.pt"
     torch.save(grads, grads_path)
     result["grads"] = grads_path
