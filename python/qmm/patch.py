@@ -251,7 +251,9 @@ def _is_causal_lm(module):
 def _causal_lm_forward(lm, *args, labels=None, **kwargs):
     """Training with labels: the loss from the hidden states through linear_cross_entropy_loss, as transformers'
     causal-LM loss defines it (labels shifted by one, -100 ignored, the mean, or the sum over num_items_in_batch),
-    and no logits. Everything else (no labels, eval mode, generation) runs the model's own forward."""
+    and no logits; without past_key_values and use_cache, no KV cache is built (as Unsloth does: a training step has
+    no use for one, and building it costs each layer a concatenation and its backward). Everything else (no labels,
+    eval mode, generation) runs the model's own forward."""
     if labels is None or not lm.training or not torch.is_grad_enabled():
         return _unpatched(lm)(*args, labels=labels, **kwargs)
     why = "positional arguments" if args else None
@@ -261,6 +263,8 @@ def _causal_lm_forward(lm, *args, labels=None, **kwargs):
         return _fallback(lm, why, *args, labels=labels, **kwargs)
     num_items = kwargs.pop("num_items_in_batch", None)
     kwargs.pop("logits_to_keep", None)
+    if kwargs.get("past_key_values") is None and kwargs.get("cache") is None:  # "cache": transformers >= 5.2x
+        kwargs.setdefault("use_cache", False)
     outputs = lm.model(**kwargs)
     hidden = outputs[0]
     shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
@@ -268,9 +272,11 @@ def _causal_lm_forward(lm, *args, labels=None, **kwargs):
     if num_items is not None:  # a sum over the tokens of several micro-batches (gradient accumulation)
         loss = loss * (shifted != -100).sum() / num_items
     from transformers.modeling_outputs import CausalLMOutputWithPast
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
-                                  hidden_states=getattr(outputs, "hidden_states", None),
-                                  attentions=getattr(outputs, "attentions", None))
+    # newer transformers name the KV cache "cache" (reading "past_key_values" warns there)
+    cache = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(outputs, "hidden_states", None),
+                                  attentions=getattr(outputs, "attentions", None),
+                                  **{cache: getattr(outputs, cache, None)})
 
 
 def _is_swiglu_mlp(module):
@@ -415,7 +421,8 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
     patch_bnb(model) reads the new weights' offsets, which a compiled step cannot without breaking its graph.
     With `fused_loss`, a Hugging Face causal LM (Llama, Qwen2, Mistral) trained with labels returns its loss from
     the hidden states through linear_cross_entropy_loss, never holding the [tokens, vocab] logits, and no logits
-    (eval mode, generation and calls without labels run the model's own forward). With `fused_norm`, the RMSNorm
+    (eval mode, generation and calls without labels run the model's own forward) and, unless use_cache or
+    past_key_values is passed, builds no KV cache. With `fused_norm`, the RMSNorm
     modules of Llama, Qwen2/3 and Mistral run qmm's rms_norm forward and backward kernels (bitsandbytes or not).
     With `fused_rope`, their attention's rotary embedding runs qmm's rope (q and k in one launch, forward and
     backward): as Liger-Kernel does, this points the model family's `apply_rotary_pos_emb` (in transformers' modeling

@@ -373,7 +373,8 @@ def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
     embeddings by qmm too; the rotary function restored by unpatch_bnb) trained with labels returns transformers' causal-LM loss (shift
     by one, -100 ignored; the sum over num_items_in_batch too) computed from the hidden states by
     linear_cross_entropy_loss, and no logits; its LoRA gradients are the unpatched model's; eval mode, calls without
-    labels and generate are unchanged. Compiled (aot_eager, fullgraph) it gives the same loss with no graph break.
+    labels and generate are unchanged; training builds no KV cache unless asked (use_cache=True). Compiled
+    (aot_eager, fullgraph) it gives the same loss with no graph break.
     The model is float32: the loss within fp32 sums' reordering (1e-5 relative on the CPU's fp64 oracle, 1e-4 on a
     GPU's fp32 log-sum-exp)."""
     if compiled and not qmm.compile_ops.AVAILABLE:
@@ -395,7 +396,7 @@ def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
     counters.clear()
     step = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
     out = step(input_ids=ids, labels=labels)
-    assert out.logits is None
+    assert out.logits is None and out.past_key_values is None
     assert abs(out.loss.item() - ref_loss) <= tol * abs(ref_loss)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -409,6 +410,9 @@ def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
         return
     summed = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(40, device=device)).loss.item()
     assert abs(summed - ref_sum) <= tol * abs(ref_sum)
+    cached = model(input_ids=ids, labels=labels, use_cache=True)
+    assert cached.past_key_values is not None and abs(cached.loss.item() - ref_loss) <= tol * abs(ref_loss)
+    model.zero_grad(set_to_none=True)
     model.eval()
     with torch.no_grad():
         assert model(input_ids=ids, labels=labels).logits is not None
