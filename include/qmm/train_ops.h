@@ -49,7 +49,9 @@ void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target,
 // Labels out of range: with opts.check_labels (the default) the labels are read on the host first (a GPU's are
 // copied: the call waits for the device) and the first one out of range is InvalidArgument, nothing written;
 // without, nothing waits (a CUDA graph can capture the call) and a label out of range makes the loss NaN and its
-// token's dh row NaN (and dw where given).
+// token's dh row NaN (and dw where given). h and w are not scanned for non-finite values (a pass over h would cost
+// what the loss does): a NaN or Inf in a token's hidden state makes the loss non-finite (NaN, or +Inf) and that
+// token's dh row NaN (dw where given); the other tokens' dh rows stay finite.
 struct CrossEntropyOptions {
   std::int32_t ignore_index = -100;
   std::int64_t chunk_tokens = 0;

@@ -1051,6 +1051,30 @@ TEST(TrainLinearCrossEntropy, UncheckedLabelOutOfRangeGivesNaN) {
   }
 }
 
+// Non-finite hidden states are not scanned for (the documented result): a NaN or Inf in one token's h makes the loss
+// non-finite (NaN, or +Inf where the label's logit is -Inf) and that token's dh row NaN; every other token's dh row is what it is without that token's loss term.
+TEST(TrainLinearCrossEntropy, NonFiniteHiddenStateSpoilsOnlyItsToken) {
+  const Context& ctx = Context::cpu();
+  const Tensor w = test::random_tensor(DType::F32, {11, 8}, 2);
+  const std::vector<std::int32_t> labels = {1, 2, 3, 4, 5, 6};
+  std::vector<std::int32_t> ignored = labels;
+  ignored[2] = -100;
+  for (float bad : {NAN, INFINITY, -INFINITY}) {
+    SCOPED_TRACE(bad);
+    Tensor h = test::random_tensor(DType::F32, {6, 8}, 1);
+    Tensor loss(DType::F32, {1}), dh(DType::F32, {6, 8}), ref_loss(DType::F32, {1}), ref_dh(DType::F32, {6, 8});
+    linear_cross_entropy(ctx, h, w, i32_tensor(ignored), ref_loss, ref_dh);
+    h.data_as<float>()[2 * 8 + 5] = bad;
+    linear_cross_entropy(ctx, h, w, i32_tensor(labels), loss, dh);
+    EXPECT_FALSE(std::isfinite(loss.data_as<float>()[0]));
+    // the reference divides by 5 counted tokens, this call by 6: compare the rows scaled back to sums
+    for (std::int64_t i = 0; i < 6 * 8; ++i) {
+      if (i / 8 == 2) ASSERT_TRUE(std::isnan(dh.data_as<float>()[i])) << i;
+      else ASSERT_NEAR(6.0 * dh.data_as<float>()[i], 5.0 * ref_dh.data_as<float>()[i], 1e-6) << i;
+    }
+  }
+}
+
 TEST(TrainLinearCrossEntropy, BadArgumentsNameThemAndWriteNothing) {
   const Context& ctx = Context::cpu();
   const Tensor h = test::random_tensor(DType::F32, {5, 8}, 1), w = test::random_tensor(DType::F32, {11, 8}, 2);
