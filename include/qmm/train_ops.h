@@ -44,8 +44,9 @@ void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target,
 // h [T,H] f32 or bf16; w [V,H] of h's dtype (a separate head or the tied embedding); labels [T] i32, each in
 // [0, V) or ignore_index; loss [1] f32, written. With all tokens ignored (n = 0) the loss is 0 and the gradients
 // are 0. The products multiply bf16 (or f32) operands with fp32 sums and the logits are rounded to h's dtype (as a
-// bf16 model's head writes them); the log-sum-exp is fp32 (fp64 on the CPU backend). Gradients of the mean loss: dh [T,H] of h's dtype, written, where given (empty: none); dw [V,H] f32,
-// accumulated (dw += ∂loss/∂W), where given. On a GPU the gradient rows are rounded to h's dtype before their GEMMs.
+// bf16 model's head writes them); the log-sum-exp is fp32 (fp64 on the CPU backend). Gradients of the mean loss:
+// dh [T,H] of h's dtype, written, where given (empty: none); dw [V,H] f32, accumulated (dw += ∂loss/∂W), where
+// given. On a GPU the gradient rows are rounded to h's dtype before their GEMMs.
 // Labels out of range: with opts.check_labels (the default) the labels are read on the host first (a GPU's are
 // copied: the call waits for the device) and the first one out of range is InvalidArgument, nothing written;
 // without, nothing waits (a CUDA graph can capture the call) and a label out of range makes the loss NaN and its
