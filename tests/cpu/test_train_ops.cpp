@@ -998,8 +998,10 @@ TEST(TrainLinearCrossEntropy, DefaultChunkTokens) {
   EXPECT_EQ(linear_cross_entropy_chunk_tokens(0, 10, DType::F32), 0);
   EXPECT_TRUE(test::throws_error([] { linear_cross_entropy_chunk_tokens(-1, 10, DType::F32); }, kInvalid,
                                  {"linear_cross_entropy_chunk_tokens", "tokens is -1"}));
-  EXPECT_TRUE(test::throws_error([] { linear_cross_entropy_chunk_tokens(8, 0, DType::F32); }, kInvalid, {"vocab is 0"}));
-  EXPECT_TRUE(test::throws_error([] { linear_cross_entropy_chunk_tokens(8, 8, DType::I32); }, kDType, {"dtype is i32"}));
+  EXPECT_TRUE(
+      test::throws_error([] { linear_cross_entropy_chunk_tokens(8, 0, DType::F32); }, kInvalid, {"vocab is 0"}));
+  EXPECT_TRUE(
+      test::throws_error([] { linear_cross_entropy_chunk_tokens(8, 8, DType::I32); }, kDType, {"dtype is i32"}));
 }
 
 TEST(TrainLinearCrossEntropy, LossAloneAllIgnoredAndTheIgnoreIndex) {
@@ -1052,7 +1054,8 @@ TEST(TrainLinearCrossEntropy, UncheckedLabelOutOfRangeGivesNaN) {
 }
 
 // Non-finite hidden states are not scanned for (the documented result): a NaN or Inf in one token's h makes the loss
-// non-finite (NaN, or +Inf where the label's logit is -Inf) and that token's dh row NaN; every other token's dh row is what it is without that token's loss term.
+// non-finite (NaN, or +Inf where the label's logit is -Inf) and that token's dh row NaN; every other token's dh row
+// is what it is without that token's loss term.
 TEST(TrainLinearCrossEntropy, NonFiniteHiddenStateSpoilsOnlyItsToken) {
   const Context& ctx = Context::cpu();
   const Tensor w = test::random_tensor(DType::F32, {11, 8}, 2);

@@ -555,11 +555,12 @@ TEST(TrainOpsGpu, RopeMatchesCpu) {
 // linear_cross_entropy on the GPU (chunked logits GEMMs and the row kernel) against the CPU oracle (fp64): ragged
 // token counts over several chunks, ignored tokens (all of them in one case), both dtypes, labels checked on the
 // host and not (the count n then comes from the device). Both sides round the logits to the inputs' dtype; the
-// GPU's fp32 sums may land a bf16 logit one unit off the oracle's, rarely the label's: the loss within 1e-5 relative
-// (f32) or 1e-4 (bf16). The gradient rows are rounded to the activations' dtype before their GEMMs (bf16: 2^-9 each, summed
-// over V terms and T tokens): dh and dw within 1% (bf16) or 1e-4 (f32) Frobenius-relative of the oracle's, each
-// element within 8x that relative to itself or 1x that of the largest (elements near 0 cancel). Unchecked,
-// a label out of range gives the CPU backend's result: a NaN loss and NaN in its token's dh row, the others finite.
+// GPU's fp32 sums may land a bf16 logit one unit off the oracle's, rarely the label's: the loss within 1e-5
+// relative (f32) or 1e-4 (bf16). The gradient rows are rounded to the activations' dtype before their GEMMs (bf16:
+// 2^-9 each, summed over V terms and T tokens): dh and dw within 1% (bf16) or 1e-4 (f32) Frobenius-relative of the
+// oracle's, each element within 8x that relative to itself or 1x that of the largest (elements near 0 cancel).
+// Unchecked, a label out of range gives the CPU backend's result: a NaN loss and NaN in its token's dh row, the
+// others finite.
 TEST(TrainOpsGpu, LinearCrossEntropyMatchesCpu) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();
@@ -567,7 +568,8 @@ TEST(TrainOpsGpu, LinearCrossEntropyMatchesCpu) {
   std::uint64_t seed = 700;
   for (DType dt : {DType::F32, DType::BF16})
     for (auto [t, hidden, vocab, chunk] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>{
-             1, 64, 1, 0}, {7, 64, 130, 0}, {300, 128, 32003, 64}, {65, 64, 1000, 7}, {5, 64, 100, 0}, {1000, 64, 4096, 384}})
+             1, 64, 1, 0}, {7, 64, 130, 0}, {300, 128, 32003, 64}, {65, 64, 1000, 7}, {5, 64, 100, 0},
+             {1000, 64, 4096, 384}})
       for (const bool checked : {true, false}) {
         SCOPED_TRACE(std::string(dtype_name(dt)) + " T=" + std::to_string(t) + " V=" + std::to_string(vocab) +
                      (checked ? " checked" : " unchecked"));
