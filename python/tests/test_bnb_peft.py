@@ -222,6 +222,33 @@ def test_patch_bnb_inference_and_generate(device, monkeypatch):
     assert (got - expected).abs().max().item() <= 2.0 ** -6 * expected.abs().max().item()
 
 
+@pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
+@pytest.mark.parametrize("device", DEVICES)
+def test_patched_decoder_compiles_whole_for_static_cache_decoding(device):
+    """The fast decode path (bench/decode.py's qmm-static): greedy generate of a patched PEFT QLoRA Llama with a
+    static KV cache and its decoder compiled with fullgraph=True (aot_eager here; mode="reduce-overhead" replays
+    CUDA graphs on a GPU) gives the eager patched model's tokens, adapters unmerged, with no graph break."""
+    from torch._dynamo.utils import counters
+    model = qlora_llama(device, "CAUSAL_LM").eval()
+    qmm.patch_bnb(model)
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1)).to(device)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids),
+              pad_token_id=0)
+    with torch.no_grad():
+        eager = model.generate(input_ids=ids, **kw)
+        base = model.get_base_model()
+        torch._dynamo.reset()
+        counters.clear()
+        base.forward = torch.compile(base.forward, backend="aot_eager", fullgraph=True)
+        try:
+            static = model.generate(input_ids=ids, cache_implementation="static", **kw)
+        finally:
+            del base.forward  # the class's forward again
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert torch.equal(static, eager), (static.tolist(), eager.tolist())
+
+
 def _with_dropout(model, p):
     for name, module in model.named_modules():
         if name.endswith("lora_dropout"):
