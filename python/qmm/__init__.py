@@ -14,6 +14,7 @@ writes, for one): memory that PyTorch's allocator does not see.
     layer = qmm.QLoraLinear(w4, rank=16, alpha=32)     # frozen NF4 base + trainable LoRA adapters
     mlp = qmm.QLoraSwiGluMlp(w4_gate, w4_up, w4_down)  # an MLP block on NF4 weights, LoRA on all three
     qmm.patch_bnb(peft_model)                          # or: a bitsandbytes/PEFT QLoRA model, computed by qmm
+    qmm.patch_bnb(peft_model, fused_loss=True, fused_norm=True, fused_rope=True)  # training: loss, norms, rope too
     step = qmm.graph_step(train_step)                  # a whole training step replayed as one CUDA graph
 """
 from . import compile_ops, functional, graphs, layers, nf4, ops, patch  # noqa: F401 (submodules, by concern)
