@@ -145,7 +145,8 @@ def lora_backward_dy(dy, b, t, grad_b, *, scale=1.0, beta=1.0, out=None, math="f
 def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, chunk_tokens=0, check_labels=True):
     """The mean cross-entropy of the logits h @ w^T against labels, for h [T, H] (float32 or bfloat16), w [V, H] of
     h's dtype and labels [T] (int32, or int64 converted), each in [0, V) or ignore_index; the [T, V] logits are never
-    held whole. Returns (loss, dh): loss a float32 scalar tensor (0 when every token is ignored), dh the loss's
+    held whole; they are rounded to h's dtype (as a bf16 model's head writes them) and their log-sum-exp taken in
+    fp32. Returns (loss, dh): loss a float32 scalar tensor (0 when every token is ignored), dh the loss's
     gradient in h (where dh=True, else None); `dw` (float32 [V, H]) accumulates the gradient in w where given.
     check_labels=True reads the labels first (on a GPU the call waits for it) and raises qmm.Error naming the first
     out of range; check_labels=False waits for nothing (a CUDA graph can capture it), and a label out of range then
@@ -157,7 +158,8 @@ def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, 
     loss = torch.empty((), dtype=torch.float32, device=h.device).reshape(1)
     dh_out = torch.empty_like(h) if dh else None
     _call(_qmm.linear_cross_entropy, h, h, w, labels, loss, None if dh_out is None else dh_out,
-          None if dw is None else dw.detach(), ignore_index=ignore_index, chunk_tokens=chunk_tokens, check_labels=check_labels)
+          None if dw is None else dw.detach(), ignore_index=ignore_index, chunk_tokens=chunk_tokens,
+          check_labels=check_labels)
     return loss.reshape(()), dh_out
 
 
