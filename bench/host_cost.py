@@ -3,9 +3,9 @@
 64 x 64 weight, LoRA r 4): the raw binding of a patched projection's forward with its outputs preallocated (DLPack
 conversion, validation, context lookup, the launches), the same through the package with its allocations, and the
 differentiable op's forward alone and its forward + backward under autograd, and for scale PyTorch's own
-forward + backward of the same layer in bf16 (a dense 64 x 64 weight and a PEFT-style adapter). On a GPU the calls are enqueued back to back and the device
-is synchronized once at the end, so the figure is the host's enqueue cost while the GPU keeps up; on the CPU it
-includes the CPU backend's own work.
+forward + backward of the same layer in bf16 (a dense 64 x 64 weight and a PEFT-style adapter). On a GPU the calls
+are enqueued back to back and the device is synchronized once at the end, so the figure is the host's enqueue cost
+while the GPU keeps up; on the CPU it includes the CPU backend's own work.
 
     PYTHONPATH=build/python python3 bench/host_cost.py [--device cuda] [--calls 2000] [--json out/host_cost.json]
                                                        [--profile]

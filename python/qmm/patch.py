@@ -422,8 +422,8 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
     With `fused_loss`, a Hugging Face causal LM (Llama, Qwen2, Mistral) trained with labels returns its loss from
     the hidden states through linear_cross_entropy_loss, never holding the [tokens, vocab] logits, and no logits
     (eval mode, generation and calls without labels run the model's own forward) and, unless use_cache or
-    past_key_values is passed, builds no KV cache. With `fused_norm`, the RMSNorm
-    modules of Llama, Qwen2/3 and Mistral run qmm's rms_norm forward and backward kernels (bitsandbytes or not).
+    past_key_values is passed, builds no KV cache. With `fused_norm`, the RMSNorm modules of Llama, Qwen2/3 and
+    Mistral run qmm's rms_norm forward and backward kernels (bitsandbytes or not).
     With `fused_rope`, their attention's rotary embedding runs qmm's rope (q and k in one launch, forward and
     backward): as Liger-Kernel does, this points the model family's `apply_rotary_pos_emb` (in transformers' modeling
     module) at qmm's while any model patched so remains, so other models of that family in the process use it too;
