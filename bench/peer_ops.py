@@ -15,9 +15,11 @@ sees qmm's pool), and each result's largest difference from an fp32 (fp64 on the
 Liger is skipped where it is not installed or on the CPU (Triton).
 
     PYTHONPATH=build/python python3 bench/peer_ops.py [--models llama,qwen] [--ops rms_norm,rope,cross_entropy]
-        [--json out/peer_ops.json]
---tiny runs small shapes on any device (the CPU too): a check of the script, not a benchmark.
+        [--ce-chunks 256,512,1024] [--json out/peer_ops.json]
+--tiny runs small shapes on any device (the CPU too): a check of the script, not a benchmark. --ce-chunks adds qmm's
+loss with those chunk sizes (tokens per chunk: memory against rereads of the head) beside its default.
 """
+import functools
 import argparse
 import json
 import os
@@ -145,7 +147,7 @@ def hf_loss(h, w, labels):
     return torch.nn.functional.cross_entropy((h @ w.t()).float(), labels, ignore_index=-100)
 
 
-def loss_cases(m, device, dtype, lk, head_grad):
+def loss_cases(m, device, dtype, lk, head_grad, chunks=()):
     import qmm
     t, hidden, vocab = m["batch"] * m["seq"], m["hidden"], m["vocab"]
     g = torch.Generator(device="cpu").manual_seed(2)
@@ -154,6 +156,8 @@ def loss_cases(m, device, dtype, lk, head_grad):
     labels = torch.randint(0, vocab, (t,), generator=g).to(device)
     labels[::7] = -100
     impls = {"torch": hf_loss, "qmm": qmm.linear_cross_entropy_loss}
+    for c in chunks:
+        impls[f"qmm, chunks of {c}"] = functools.partial(qmm.linear_cross_entropy_loss, chunk_tokens=c)
     if lk is not None and device == "cuda":
         flce = lk.LigerFusedLinearCrossEntropyLoss()
 
@@ -217,8 +221,15 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="small shapes on any device: a check of the script")
+    ap.add_argument("--ce-chunks", default="", help="qmm's loss also with these chunk sizes (tokens, comma-separated)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    try:
+        chunks = [int(c) for c in args.ce_chunks.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--ce-chunks takes positive integers, got {args.ce_chunks!r}")
+    if any(c < 1 for c in chunks):
+        ap.error(f"--ce-chunks takes positive integers, got {args.ce_chunks!r}")
     device, dtype = args.device, torch.bfloat16
     models = ["tiny"] if args.tiny else args.models.split(",")
     lk = liger() if device == "cuda" else None
@@ -240,7 +251,7 @@ def main():
                 elif op == "rope":
                     impls, inputs, ref, nbytes = rope_cases(m, device, dtype, lk)
                 else:
-                    impls, inputs, ref, nbytes = loss_cases(m, device, dtype, lk, head_grad)
+                    impls, inputs, ref, nbytes = loss_cases(m, device, dtype, lk, head_grad, chunks)
                 b_grad = head_grad is not False
                 rows = [run_case(n, f, inputs, ref, device, args.repeats, b_grad) for n, f in impls.items()]
                 base = next(r["ms"] for r in rows if r["impl"] == "torch")

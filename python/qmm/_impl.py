@@ -147,14 +147,16 @@ def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd
     return (dx, *dxds, *grads)
 
 
-def cross_entropy(h, w, labels, ignore_index, want_dh, want_dw):
+def cross_entropy(h, w, labels, ignore_index, want_dh, want_dw, chunk_tokens=0):
     """The mean cross-entropy of h [T, H] @ w^T against labels [T], with its gradients computed in the same pass
-    (the logits are never held whole): (loss, dh or None, dw float32 or None). The labels are range-checked (a
-    qmm.Error names the first out of range) except while a CUDA graph is being captured, where the check's wait for
-    the device is not allowed: a label out of range then gives a NaN loss."""
+    (the logits are never held whole; chunk_tokens as ops.linear_cross_entropy takes it): (loss, dh or None, dw
+    float32 or None). The labels are range-checked (a qmm.Error names the first out of range) except while a CUDA
+    graph is being captured, where the check's wait for the device is not allowed: a label out of range then gives
+    a NaN loss."""
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
     check = not (h.is_cuda and torch.cuda.is_current_stream_capturing())
-    loss, dh = linear_cross_entropy(h, w, labels, ignore_index=ignore_index, dh=want_dh, dw=dw, check_labels=check)
+    loss, dh = linear_cross_entropy(h, w, labels, ignore_index=ignore_index, dh=want_dh, dw=dw,
+                                    chunk_tokens=chunk_tokens, check_labels=check)
     return loss, dh, dw
 
 
