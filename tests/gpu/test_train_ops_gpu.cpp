@@ -479,7 +479,8 @@ TEST(TrainOpsGpu, RmsNormMatchesCpu) {
   Context& gpu = *test::gpu_context();
   std::uint64_t seed = 800;
   for (DType dt : {DType::F32, DType::BF16})
-    for (auto [rows, hid] : {std::pair<std::int64_t, std::int64_t>{1, 64}, {7, 100}, {300, 1536}, {2048, 4096}, {1, 5120}}) {
+    for (auto [rows, hid] :
+         {std::pair<std::int64_t, std::int64_t>{1, 64}, {7, 100}, {300, 1536}, {2048, 4096}, {1, 5120}}) {
       SCOPED_TRACE(std::string(dtype_name(dt)) + " " + std::to_string(rows) + "x" + std::to_string(hid));
       const Tensor x = test::random_tensor(dt, {rows, hid}, ++seed, -3.0f, 3.0f);
       const Tensor w = test::random_tensor(dt, {hid}, ++seed, 0.5f, 1.5f);
