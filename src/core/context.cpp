@@ -9,7 +9,8 @@ namespace qmm {
 
 const GpuBackend& require_gpu_backend(const char* op) {
   const GpuBackend* backend = gpu_backend();
-  if (!backend) detail::fail(ErrorCode::NoDevice, op, "qmm was built without CUDA (nvcc was not found at configure time)");
+  if (!backend)
+    detail::fail(ErrorCode::NoDevice, op, "qmm was built without CUDA (nvcc was not found at configure time)");
   return *backend;
 }
 

@@ -5,8 +5,8 @@
 
 #include "core/gemm_problem.h"
 #include "core/gpu_backend.h"
+#include "core/reference_backend.h"
 #include "core/validate.h"
-#include "cpu/cpu_backend.h"
 #include "qmm/ops.h"
 
 namespace qmm {
@@ -81,7 +81,7 @@ GemmProblem make_problem(const TensorView& a, const TensorView& b, const TensorV
 void run(const Context& ctx, [[maybe_unused]] const char* op, const GemmProblem& p) {
   if (p.batch == 0 || p.m == 0 || p.n == 0) return;
   if (ctx.device().is_cpu()) {
-    cpu::gemm(p);
+    reference_backend().gemm(p);
     return;
   }
   require_gpu_backend(op).gemm(ctx, p);

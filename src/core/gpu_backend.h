@@ -1,6 +1,7 @@
-// How the core reaches a GPU. The core validates every argument, runs CPU work in src/cpu/, and hands GPU work to
-// the one GpuBackend linked into the build: src/cuda/cuda_backend.cu where CUDA was found, src/core/no_gpu.cpp
-// (no backend) otherwise. No core file includes a backend's headers; a backend includes the core's.
+// How the core reaches a GPU. The core validates every argument, hands CPU work to the ReferenceBackend
+// (core/reference_backend.h) and GPU work to the one GpuBackend linked into the build: src/cuda/cuda_backend.cu
+// where CUDA was found, src/core/no_gpu.cpp (no backend) otherwise. No core file includes a backend's headers; a
+// backend includes the core's.
 // Arguments arrive validated and on the context's device; everything is enqueued on the context's stream.
 #pragma once
 

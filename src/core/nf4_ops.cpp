@@ -9,8 +9,8 @@
 
 #include "core/gpu_backend.h"
 #include "core/nf4_forced.h"
+#include "core/reference_backend.h"
 #include "core/validate.h"
-#include "cpu/cpu_backend.h"
 #include "qmm/ops.h"
 
 namespace qmm {
@@ -176,7 +176,7 @@ void cpu_gate_up(const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& 
   for (Side& s : sides) {
     if (s.out.empty() && !want_h) continue;
     if (!want_h) {  // the output alone: the GEMM rounds once into its dtype
-      cpu::nf4_gemm(a, s.w, s.out, alpha, beta);
+      reference_backend().nf4_gemm(a, s.w, s.out, alpha, beta);
       continue;
     }
     if (!s.out.empty() && s.out.dtype() == DType::F32) {
@@ -185,14 +185,14 @@ void cpu_gate_up(const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& 
       s.tmp = Tensor(DType::F32, {m, n});
       s.f32 = s.tmp;
     }
-    cpu::nf4_gemm(a, s.w, s.f32, alpha, 0.0f);
+    reference_backend().nf4_gemm(a, s.w, s.f32, alpha, 0.0f);
     if (!s.out.empty() && s.out.dtype() == DType::BF16)
       round_to_bf16(s.f32.data_as<const float>(), s.out.data_as<std::uint16_t>(), m * n);
   }
   if (!want_h) return;
-  if (out.h.dtype() == DType::F32) return cpu::swiglu(sides[0].f32, sides[1].f32, out.h);
+  if (out.h.dtype() == DType::F32) return reference_backend().swiglu(sides[0].f32, sides[1].f32, out.h);
   Tensor h32(DType::F32, {m, n});
-  cpu::swiglu(sides[0].f32, sides[1].f32, h32);
+  reference_backend().swiglu(sides[0].f32, sides[1].f32, h32);
   round_to_bf16(h32.data_as<const float>(), out.h.data_as<std::uint16_t>(), m * n);
 }
 
@@ -210,7 +210,7 @@ void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out) {
     require_disjoint(op, parts[i], std::vector<Part>(parts.begin() + static_cast<std::ptrdiff_t>(i) + 1, parts.end()));
   }
   require_finite_weight(ctx, op, w);
-  if (ctx.device().is_cpu()) return cpu::nf4_quantize(w, out);
+  if (ctx.device().is_cpu()) return reference_backend().nf4_quantize(w, out);
   require_gpu_backend(op).nf4_quantize(ctx, w, out);
 }
 
@@ -234,7 +234,7 @@ void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& ou
   require_matrix(ctx, op, "out", out);
   require_shape(op, "out", out, w.rows, w.cols, "W's shape");
   require_disjoint(op, {"out", out}, weight_parts("W", w));
-  if (ctx.device().is_cpu()) return cpu::nf4_dequantize(w, out);
+  if (ctx.device().is_cpu()) return reference_backend().nf4_dequantize(w, out);
   require_gpu_backend(op).nf4_dequantize(ctx, w, out);
 }
 
@@ -256,7 +256,7 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
   if (ctx.device().is_cpu()) {
     require_cpu_path(op, opts.path);
     if (a.dim(0) == 0) return;
-    return cpu::nf4_gemm(a, w, c, opts.alpha, opts.beta);
+    return reference_backend().nf4_gemm(a, w, c, opts.alpha, opts.beta);
   }
   require_gpu_backend(op).nf4_gemm(ctx, a, w, c, opts);
 }
@@ -279,7 +279,7 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
   if (ctx.device().is_cpu()) {
     require_cpu_path(op, opts.path);
     if (dc.dim(0) == 0) return;
-    return cpu::nf4_gemm_backward_a(dc, w, da, opts.alpha, opts.beta);
+    return reference_backend().nf4_gemm_backward_a(dc, w, da, opts.alpha, opts.beta);
   }
   require_gpu_backend(op).nf4_gemm_backward_a(ctx, dc, w, da, opts);
 }

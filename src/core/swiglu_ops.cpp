@@ -2,8 +2,8 @@
 #include <string>
 
 #include "core/gpu_backend.h"
+#include "core/reference_backend.h"
 #include "core/validate.h"
-#include "cpu/cpu_backend.h"
 #include "qmm/ops.h"
 
 namespace qmm {
@@ -44,7 +44,7 @@ void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, co
   check_alias_allowed(op, H, G);
   check_alias_allowed(op, H, U);
   if (h.numel() == 0) return;
-  if (ctx.device().is_cpu()) return cpu::swiglu(gate, up, h);
+  if (ctx.device().is_cpu()) return reference_backend().swiglu(gate, up, h);
   require_gpu_backend(op).swiglu(ctx, gate, up, h);
 }
 
@@ -62,7 +62,7 @@ void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorVie
   detail::require_no_overlap(op, "dup", dup, "dh", dh);
   detail::require_no_overlap(op, "dgate", dgate, "dup", dup);
   if (dgate.numel() == 0) return;
-  if (ctx.device().is_cpu()) return cpu::swiglu_backward(gate, up, dh, dgate, dup);
+  if (ctx.device().is_cpu()) return reference_backend().swiglu_backward(gate, up, dh, dgate, dup);
   require_gpu_backend(op).swiglu_backward(ctx, gate, up, dh, dgate, dup);
 }
 

@@ -10,17 +10,18 @@
 #include <vector>
 
 #include "core/gpu_backend.h"
+#include "core/reference_backend.h"
 #include "core/train_math.h"
 #include "core/validate.h"
-#include "cpu/cpu_backend.h"
 #include "qmm/ops.h"
 
 namespace qmm {
 namespace {
 
 
-#define QMM_TRAIN_ROUTE(ctx, op, fn, ...) \
-  ((ctx).device().is_cpu() ? cpu::fn(__VA_ARGS__) : require_gpu_backend(op).fn((ctx), __VA_ARGS__))
+#define QMM_TRAIN_ROUTE(ctx, op, fn, ...)                        \
+  ((ctx).device().is_cpu() ? reference_backend().fn(__VA_ARGS__) \
+                           : require_gpu_backend(op).fn((ctx), __VA_ARGS__))
 
 // v with 9 significant digits, as an ostringstream of precision 9 writes it, but without iostreams: built with one,
 // every qmm.rms_norm call crashed inside PyTorch's process on the GPU machine.
@@ -428,7 +429,8 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
                   "labels[" + std::to_string(i) + "] is " + std::to_string(lab[i]) + " but must be in [0, " +
                       std::to_string(vocab) + ") or the ignore_index " + std::to_string(opts.ignore_index));
   }
-  if (ctx.device().is_cpu()) return cpu::linear_cross_entropy(h, w, labels, loss, dh, dw, opts.ignore_index);
+  if (ctx.device().is_cpu())
+    return reference_backend().linear_cross_entropy(h, w, labels, loss, dh, dw, opts.ignore_index);
   require_gpu_backend(op).linear_cross_entropy(ctx, h, w, labels, loss, dh, dw, opts);
 }
 

@@ -1,5 +1,6 @@
-// The CPU reference backend: the oracle for every test. Arguments arrive validated.
-// Accumulates in fp64; inputs are rounded exactly as the op's contract says before they are multiplied.
+// The CPU reference backend's functions (the core reaches them through core/reference_backend.h): the oracle for
+// every test. Arguments arrive validated. Accumulates in fp64; inputs are rounded exactly as the op's contract says
+// before they are multiplied.
 #pragma once
 
 #include "core/gemm_problem.h"

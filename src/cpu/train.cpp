@@ -296,8 +296,8 @@ void rope(const TensorView& q, const TensorView& k, const TensorView& cos, const
 
 // Token by token in fp64: the logits row, its log-sum-exp, the loss term, and (for the gradients) the row of
 // (softmax - onehot) / n; a label out of range (not checked: CrossEntropyOptions::check_labels off) gives a NaN
-// loss term and gradient row, as on a GPU. Per-token losses are summed in token order; dw's rows are summed over tokens in order
-// (each thread owns whole rows of dw), so the result does not depend on the thread count.
+// loss term and gradient row, as on a GPU. Per-token losses are summed in token order; dw's rows are summed over
+// tokens in order (each thread owns whole rows of dw), so the result does not depend on the thread count.
 void linear_cross_entropy(const TensorView& h, const TensorView& w, const TensorView& labels, const TensorView& loss,
                           const TensorView& dh, const TensorView& dw, std::int32_t ignore_index) {
   const std::int64_t t = h.dim(0), hid = h.dim(1), vocab = w.dim(0);
