@@ -152,6 +152,20 @@ void bf16_gemm(const Context& ctx, const void* a, const void* b, bool trans_b, c
   cuda::gemm(ctx, p);
 }
 
+// out[m,n] = alpha * act[m,k] * op(W) + beta * out through a bf16 copy of W (and of act where it is f32), regions
+// of one scratch allocation: op(W) = W^T (W stored [n,k]) with transpose_w, else W (stored [k,n]).
+void dequantize_then_gemm(const Context& ctx, const TensorView& act, const Nf4Weight& w, bool transpose_w,
+                          const TensorView& out, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                          float beta) {
+  ScratchPlan scratch;
+  const std::size_t a_at = act.dtype() == DType::F32 ? scratch.reserve(static_cast<std::size_t>(m * k) * 2) : 0;
+  const std::size_t w_at = scratch.reserve(static_cast<std::size_t>(w.rows * w.cols) * 2);
+  scratch.commit(ctx);
+  const void* a16 = bf16_operand(ctx, act, scratch, a_at);
+  dequantize_bf16(ctx, w, scratch.at<void>(w_at));
+  bf16_gemm(ctx, a16, scratch.at<void>(w_at), transpose_w, out, m, n, k, alpha, beta);
+}
+
 }  // namespace
 
 Nf4Device nf4_device(const Context& ctx) {
@@ -184,16 +198,8 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
     return launch_nf4_gemm_fused(ctx, plan, fused_operand(ctx, a, scratch), M, w, c, opts.alpha, opts.beta);
   }
 
-  // Scratch use inside this call: [bf16 A (when A is f32)] [bf16 W], regions of one allocation. The dense GEMM
-  // takes bf16 operands as they are and needs no scratch of its own.
-  ScratchPlan scratch;
-  const std::size_t a_at = a.dtype() == DType::F32 ? scratch.reserve(static_cast<std::size_t>(M * K) * 2) : 0;
-  const std::size_t w_at = scratch.reserve(static_cast<std::size_t>(N * K) * 2);
-  scratch.commit(ctx);
-  const void* a16 = bf16_operand(ctx, a, scratch, a_at);
-  dequantize_bf16(ctx, w, scratch.at<void>(w_at));
   // C[M,N] = A[M,K] * W^T, W stored [N,K].
-  bf16_gemm(ctx, a16, scratch.at<void>(w_at), true, c, M, N, K, opts.alpha, opts.beta);
+  dequantize_then_gemm(ctx, a, w, true, c, M, N, K, opts.alpha, opts.beta);
 }
 
 void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weight& w, const TensorView& da,
@@ -210,14 +216,8 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
                                           opts.beta);
   }
 
-  ScratchPlan scratch;
-  const std::size_t a_at = dc.dtype() == DType::F32 ? scratch.reserve(static_cast<std::size_t>(M * N) * 2) : 0;
-  const std::size_t w_at = scratch.reserve(static_cast<std::size_t>(N * K) * 2);
-  scratch.commit(ctx);
-  const void* dc16 = bf16_operand(ctx, dc, scratch, a_at);
-  dequantize_bf16(ctx, w, scratch.at<void>(w_at));
   // dA[M,K] = dC[M,N] * W, W stored [N,K] = B [k=N, n=K], not transposed.
-  bf16_gemm(ctx, dc16, scratch.at<void>(w_at), false, da, M, K, N, opts.alpha, opts.beta);
+  dequantize_then_gemm(ctx, dc, w, false, da, M, K, N, opts.alpha, opts.beta);
 }
 
 void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
