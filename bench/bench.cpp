@@ -177,7 +177,7 @@ class Bench {
 
   // --hold-ms: replays fn back to back for that long (times dropped) right before it is timed. A large GEMM run
   // for ~1 s settles at the clocks the power limit leaves (H200: 1400-1700 MHz against 1980 in the first tens of
-  // milliseconds), and a path that draws more power per call then slows more (scripts/probes/sustained.cu).
+  // milliseconds), and a path that draws more power per call then slows more (src/cuda/dev/probes/sustained.cu).
   void hold(const std::function<void(int)>& fn, int sets, double eager_us) const {
     if (opts_.hold_ms <= 0) return;
     const int calls = graph_calls(sets);

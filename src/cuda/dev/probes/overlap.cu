@@ -2,7 +2,7 @@
 // GEMM on the first (in the GEMM's last, partly empty wave)? Times, per shape, the GEMM alone, the dequantization
 // alone, both in sequence on one stream, and both concurrently (dequantization enqueued before or after the GEMM,
 // with and without stream priorities). Build after scripts/device-check (libqmm in build-gpu-90a):
-//   nvcc -std=c++20 -O2 -Iinclude scripts/probes/overlap.cu build-gpu-90a/libqmm.a -lcublasLt -lgomp -o /tmp/overlap
+//   nvcc -std=c++20 -O2 -Iinclude src/cuda/dev/probes/overlap.cu build-gpu-90a/libqmm.a -lcublasLt -lgomp -o /tmp/overlap
 // `/tmp/overlap once` runs one GEMM per shape and nothing else (for ncu's launch figures).
 #include <cuda_runtime.h>
 

@@ -7,7 +7,7 @@
 // block; DEPTH row groups in flight), a byte permute + one shared load per code byte turn them into the mma's
 // A fragment (a 64 KB pair table, one copy per lane: no bank conflicts), and the block's scale multiplies the
 // block's mma sum (scale-after). No barrier until the end, where the warps' partial sums are added in k order.
-//   nvcc -std=c++20 -O3 -Iinclude -Isrc -gencode=arch=compute_90a,code=sm_90a scripts/probes/gemv-tc.cu -o /tmp/gemv-tc
+//   nvcc -std=c++20 -O3 -Iinclude -Isrc -gencode=arch=compute_90a,code=sm_90a src/cuda/dev/probes/gemv-tc.cu -o /tmp/gemv-tc
 //   /tmp/gemv-tc [one]   (one: only the three Llama M = 1 versions, for ncu)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

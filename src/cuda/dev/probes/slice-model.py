@@ -7,7 +7,7 @@ and each pass's reduction, and compares the outputs (C, or gate, up and h; split
 with the scale-after contract computed directly in float64. It checks the schedule (every row group and slice
 once, every sum read where it was written, inside the shared memory the host asks for) and the index mapping
 without a GPU; cp.async, the PTX and the timing are the GPU tests' and the bench's business.
-  scripts/probes/slice-model.py      (a fixed list of ragged shapes, one and two weights, both scale formats)
+  src/cuda/dev/probes/slice-model.py      (a fixed list of ragged shapes, one and two weights, both scale formats)
 Needs numpy."""
 import sys
 

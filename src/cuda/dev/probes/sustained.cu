@@ -2,7 +2,7 @@
 // dequantized weight, dequantize + cuBLASLt, FusedShared), device times of calls run back to back for about a
 // second, early and late, with the SM clock and the board power read through NVML (dlopen'd: no NVML header or
 // library at build time) while they run. Build after scripts/device-check (libqmm in build-gpu-90a):
-//   nvcc -std=c++20 -O2 -Iinclude -Isrc scripts/probes/sustained.cu build-gpu-90a/libqmm.a -lcublasLt -lcuda -lgomp -ldl \
+//   nvcc -std=c++20 -O2 -Iinclude -Isrc src/cuda/dev/probes/sustained.cu build-gpu-90a/libqmm.a -lcublasLt -lcuda -lgomp -ldl \
 //     -o /tmp/sustained
 #include <cuda_runtime.h>
 #include <dlfcn.h>
