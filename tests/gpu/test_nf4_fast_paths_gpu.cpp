@@ -9,8 +9,8 @@
 
 #include "common/test_util.h"
 #include "core/nf4_forced.h"
-#ifdef QMM_WITH_CUDA
-#include "cuda/nf4/nf4_small_m.h"
+#ifdef QMM_DEV_KERNELS
+#include "cuda/dev/nf4_slice.h"
 #endif
 
 namespace qmm {
@@ -126,7 +126,7 @@ INSTANTIATE_TEST_SUITE_P(Gemv, SmallMForward,
                                            Shape3{1, 130, 18432}, Shape3{1, 10560, 64}, Shape3{1, 2050, 4096},
                                            Shape3{1, 40000, 256}));
 
-#ifdef QMM_WITH_CUDA
+#ifdef QMM_DEV_KERNELS
 // The scale formats and A and C dtypes a slice-kernel case runs: all eight, or on the large shapes (there for
 // their schedule: several passes per block), two that between them take each once, to keep the fp64 reference
 // to seconds.
@@ -148,9 +148,9 @@ Tensor slice_sums(const TensorView& a, const Nf4Weight& w) {
   return test::nf4_scale_after_reference(a, w, Tensor(DType::F32, {a.dim(0), w.rows}), 1.0f, 0.0f);
 }
 
-// The slice kernel, forced through the internal entry point (Auto does not take it yet; nf4_small_m.cu says
-// when it will), against the scale-after reference to fp32 accumulation precision, every scale format, A and C
-// dtype (slice_configs) and beta in {0, 1} (C poisoned when beta is 0).
+// The slice kernel (a development kernel: Auto does not take it), launched through its entry point, against the
+// scale-after reference to fp32 accumulation precision, every scale format, A and C dtype (slice_configs) and
+// beta in {0, 1} (C poisoned when beta is 0).
 class SmallMSlice : public ::testing::TestWithParam<Shape3> {};
 
 TEST_P(SmallMSlice, MatchesScaleAfterReference) {

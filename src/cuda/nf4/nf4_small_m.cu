@@ -11,6 +11,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
 #include "cuda/nf4/nf4_small_m.cuh"
+#include "cuda/nf4/nf4_small_m_host.h"
 #include "qmm/error.h"
 
 namespace qmm::cuda {
@@ -59,18 +60,11 @@ void launch_nf4_split_k_reduce(const Context& ctx, const float* partial, int spl
   });
 }
 
-namespace {
-
-// What a forward call writes: C (one weight) or gate_up's outputs (two, C empty), alpha * sum (+ beta * old).
-struct ForwardOut {
-  TensorView c;
-  small_m::GateUpOut gate_up;
-  float alpha, beta;
-};
+namespace small_m {
 
 // The forward kernels' view of a weight.
-small_m::WeightArgs weight_args(const Nf4Weight& w) {
-  return {w.codes.data_as<std::uint8_t>(), small_m::scales_of(w)};
+WeightArgs weight_args(const Nf4Weight& w) {
+  return {w.codes.data_as<std::uint8_t>(), scales_of(w)};
 }
 
 // Scratch for `floats` fp32 partial sums (split-K, or gate and up for the reduction), owned by `scratch`.
@@ -78,6 +72,47 @@ float* new_partials(const Context& ctx, std::unique_ptr<ScratchBuffer>& scratch,
   scratch = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(floats) * 4);
   return scratch->at<float>(0);
 }
+
+// The pair kernel's preconditions beyond the small-M ones: M <= 16 (A bf16, or f32 rounded to bf16 when it is
+// packed), blocks of 64, K a multiple of 256,
+// absmax read in aligned pairs (plain: 8 bytes) or q in aligned words (double-quantized: 4 bytes), and a GPU that
+// gives a block the kernel's shared memory (sm_90 does; elsewhere, and for other shapes, the table kernel). Where
+// it fits it beats the table kernel and the GEMV on every shape measured (docs/BENCHMARKS.md, NF4 GEMMs by M),
+// the wide down projections above one row included since its sums became block-local, so the planner
+// (nf4_plan.cpp) takes it whenever it fits.
+bool pair_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
+  const std::uintptr_t scale_align = w.double_quant() ? 4 : 8;
+  return a.dim(0) <= 16 && w.block_size == 64 && w.cols % 256 == 0 &&
+         reinterpret_cast<std::uintptr_t>(w.absmax.data()) % scale_align == 0 &&
+         state(ctx).props.sharedMemPerBlockOptin >= static_cast<std::size_t>(kPairSharedBytes);
+}
+
+// gate_up's reduction of split-K partials [weight][split][M][N] into its outputs.
+void launch_gate_up_reduce(const Context& ctx, const float* partial, int splits, std::int64_t mn,
+                           const GateUpOut& o, float alpha, float beta) {
+  launch_by_lanes(ctx, splits, mn, [&](auto lanes, unsigned blocks) {
+    QMM_CUDA_CHECK(launch_overlapping(ctx, nf4_gate_up_reduce_kernel<decltype(lanes)::value>, blocks,
+                                      kReduceThreads, 0, partial, splits, mn, o, alpha, beta));
+  });
+}
+
+// gate_up's outputs as the kernels take them.
+GateUpOut gate_up_out(const GateUpOutputs& out) {
+  auto ptr = [](const TensorView& v) { return v.empty() ? nullptr : v.data(); };
+  return {ptr(out.gate), ptr(out.up), ptr(out.h), out.gate.dtype() == DType::BF16, out.up.dtype() == DType::BF16,
+          out.h.dtype() == DType::BF16};
+}
+
+}  // namespace small_m
+
+namespace {
+
+using small_m::ForwardOut;
+using small_m::gate_up_out;
+using small_m::launch_gate_up_reduce;
+using small_m::new_partials;
+using small_m::pair_fits;
+using small_m::weight_args;
 
 // Split-K for the table kernel: the A tile (a_rows x spans * 256 bf16) must fit kTabMaxSharedA (and the GPU's
 // shared memory per block); among the span counts that fit, the one with the shortest modelled time, waves x
@@ -156,20 +191,6 @@ float* launch_gemv(const Context& ctx, const TensorView& a, const Nf4Weight& w0,
   return partial;
 }
 
-// The pair kernel's preconditions beyond the small-M ones: M <= 16 (A bf16, or f32 rounded to bf16 when it is
-// packed), blocks of 64, K a multiple of 256,
-// absmax read in aligned pairs (plain: 8 bytes) or q in aligned words (double-quantized: 4 bytes), and a GPU that
-// gives a block the kernel's shared memory (sm_90 does; elsewhere, and for other shapes, the table kernel). Where
-// it fits it beats the table kernel and the GEMV on every shape measured (docs/BENCHMARKS.md, NF4 GEMMs by M),
-// the wide down projections above one row included since its sums became block-local, so the planner
-// (nf4_plan.cpp) takes it whenever it fits.
-bool pair_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
-  const std::uintptr_t scale_align = w.double_quant() ? 4 : 8;
-  return a.dim(0) <= 16 && w.block_size == 64 && w.cols % 256 == 0 &&
-         reinterpret_cast<std::uintptr_t>(w.absmax.data()) % scale_align == 0 &&
-         state(ctx).props.sharedMemPerBlockOptin >= static_cast<std::size_t>(small_m::kPairSharedBytes);
-}
-
 // Split-K for the pair kernel: a row group's units (splits x weights, at most the block's 16 warps) share a block
 // and a round, so that the block sums them. Among the split counts, the one with the shortest modelled time,
 // rounds x (steps per split + one step of per-round cost), fewest splits on ties.
@@ -228,116 +249,6 @@ void launch_pair_scales(const Context& ctx, bool packed, const TensorView& a, co
                         std::unique_ptr<ScratchBuffer>& scratch) {
   if (w0.double_quant()) launch_pair<NT8, true>(ctx, packed, a, w0, w1, weights, o, scratch);
   else launch_pair<NT8, false>(ctx, packed, a, w0, w1, weights, o, scratch);
-}
-
-// The slice kernel's preconditions: the pair kernel's (its ring steps and table) and shared memory for the fixed
-// layout plus the smallest pass: two row groups (a two-weight pass) of 16 slices' sums at 16 rows.
-bool slice_fits(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
-  using namespace small_m;
-  return a.dim(0) <= kSliceMaxRows && pair_fits(ctx, a, w) &&
-         state(ctx).props.sharedMemPerBlockOptin >=
-             static_cast<std::size_t>(kSliceFixedBytes + 2 * kSliceWarps * 16 * kSliceMaxRows * 4);
-}
-
-// At most 16 slices per split (one per warp), as few splits as that allows and the slices spread evenly over
-// them; a block per SM, each taking an even share of a split's row groups; passes as long as the shared memory
-// left for sums holds (with two weights, an even number of groups unless one pass takes all of a block's).
-struct SliceLaunch {
-  small_m::SliceGrid grid;
-  int splits, blocks, smem;
-};
-SliceLaunch slice_launch(const Context& ctx, std::int64_t M, std::int64_t N, std::int64_t K, int weights) {
-  using namespace small_m;
-  SliceLaunch l{};
-  SliceGrid& g = l.grid;
-  g.weights = weights;
-  g.slices = static_cast<int>(K / kSliceK);
-  l.splits = (g.slices + kSliceWarps - 1) / kSliceWarps;
-  g.per_split = (g.slices + l.splits - 1) / l.splits;
-  g.warps_per_slice = kSliceWarps / g.per_split;
-  g.groups = weights * static_cast<int>((N + 15) / 16);
-  const int per_split_blocks = std::max(1, state(ctx).sm_count() / l.splits);
-  g.groups_per_block = (g.groups + per_split_blocks - 1) / per_split_blocks;
-  g.groups_per_block += g.groups_per_block % weights;
-  l.blocks = (g.groups + g.groups_per_block - 1) / g.groups_per_block;
-  const std::int64_t group_sum_bytes = static_cast<std::int64_t>(g.per_split) * 16 * M * 4;
-  const std::int64_t free_bytes = static_cast<std::int64_t>(state(ctx).props.sharedMemPerBlockOptin) - kSliceFixedBytes;
-  const int iters_needed = (g.groups_per_block + g.warps_per_slice - 1) / g.warps_per_slice;
-  int pass_iters = static_cast<int>(std::clamp<std::int64_t>(
-      free_bytes / (group_sum_bytes * g.warps_per_slice), 1, iters_needed));
-  // An odd pass of two weights' groups would split a row's gate and up over two passes: one group less, or (a
-  // single group per pass) two, which slice_fits leaves room for.
-  if (weights == 2 && pass_iters * g.warps_per_slice % 2 == 1 && pass_iters < iters_needed)
-    pass_iters = pass_iters > 1 ? pass_iters - 1 : 2;
-  g.pass_groups = pass_iters * g.warps_per_slice;
-  l.smem = static_cast<int>(kSliceFixedBytes + g.pass_groups * group_sum_bytes);
-  return l;
-}
-
-// gate_up's reduction of split-K partials [weight][split][M][N] into its outputs.
-void launch_gate_up_reduce(const Context& ctx, const float* partial, int splits, std::int64_t mn,
-                           const small_m::GateUpOut& o, float alpha, float beta) {
-  launch_by_lanes(ctx, splits, mn, [&](auto lanes, unsigned blocks) {
-    QMM_CUDA_CHECK(launch_overlapping(ctx, small_m::nf4_gate_up_reduce_kernel<decltype(lanes)::value>, blocks,
-                                      kReduceThreads, 0, partial, splits, mn, o, alpha, beta));
-  });
-}
-
-template <int NT8, bool kDq, bool kAF32>
-void launch_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
-                  const ForwardOut& o) {
-  using namespace small_m;
-  const std::int64_t M = a.dim(0), K = a.dim(1), N = w0.rows;
-  const SliceLaunch l = slice_launch(ctx, M, N, K, weights);
-  std::unique_ptr<ScratchBuffer> scratch;
-  float* partial = l.splits > 1 ? new_partials(ctx, scratch, weights * l.splits * M * N) : nullptr;
-  auto kernel = nf4_small_m_slice_kernel<NT8, kDq, kAF32>;
-  allow_dynamic_shared(reinterpret_cast<const void*>(kernel), l.smem);
-  const SliceOut out{o.c.empty() ? nullptr : o.c.data(), o.c.dtype() == DType::BF16, o.gate_up, partial, l.splits,
-                     o.alpha, o.beta};
-  QMM_CUDA_CHECK(launch_overlapping(ctx, kernel, dim3(static_cast<unsigned>(l.blocks), static_cast<unsigned>(l.splits)),
-                                    kSliceThreads, l.smem, a.data(), static_cast<int>(M), N, K, weight_args(w0),
-                                    weight_args(w1), l.grid, out));
-  if (!partial) return;
-  if (weights == 1) launch_nf4_split_k_reduce(ctx, partial, l.splits, M * N, o.c, o.alpha, o.beta);
-  else launch_gate_up_reduce(ctx, partial, l.splits, M * N, o.gate_up, o.alpha, o.beta);
-}
-
-void launch_slice_for(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1, int weights,
-                      const ForwardOut& o) {
-  set_device(ctx);
-  const bool f32 = a.dtype() == DType::F32, dq = w0.double_quant();
-  auto launch = [&](auto nt8) {
-    constexpr int NT8 = decltype(nt8)::value;
-    if (dq) f32 ? launch_slice<NT8, true, true>(ctx, a, w0, w1, weights, o)
-                : launch_slice<NT8, true, false>(ctx, a, w0, w1, weights, o);
-    else f32 ? launch_slice<NT8, false, true>(ctx, a, w0, w1, weights, o)
-             : launch_slice<NT8, false, false>(ctx, a, w0, w1, weights, o);
-  };
-  if (a.dim(0) <= 8) launch(std::integral_constant<int, 1>{});
-  else launch(std::integral_constant<int, 2>{});
-}
-
-// The small-M forward kernels' problem conditions (nf4_plan.cpp's small_m_fits, for the forced slice kernel).
-bool nf4_small_m_supported(const TensorView& a, const Nf4Weight& w) {
-  const std::int64_t M = a.dim(0), K = a.dim(1);
-  return M >= 1 && M <= kNf4SmallMMaxRows && K % 64 == 0 && w.block_size >= 64 && aligned16(a.data()) &&
-         aligned16(w.codes.data()) && (a.dtype() == DType::F32 || a.dtype() == DType::BF16);
-}
-
-// Whether the slice kernel can take a launch over these weights (one, or gate and up with one scale format).
-bool slice_fits_all(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight& w1) {
-  return nf4_small_m_supported(a, w0) && nf4_small_m_supported(a, w1) && slice_fits(ctx, a, w0) &&
-         slice_fits(ctx, a, w1) && w0.double_quant() == w1.double_quant();
-}
-
-// A forced slice kernel where it does not fit: Unsupported, before anything is launched.
-void check_slice_fits(const char* op, const Context& ctx, const TensorView& a, const Nf4Weight& w0,
-                      const Nf4Weight& w1) {
-  if (!slice_fits_all(ctx, a, w0, w1))
-    throw Error(ErrorCode::Unsupported, std::string(op) + ": the small-M slice kernel does not support this problem "
-                                        "(it needs M <= 16, blocks of 64, K a multiple of 256, one scale format and "
-                                        "sm_90's shared memory)");
 }
 
 // The planned kernel (nf4_plan.cpp: pair where it fits, GEMV at one row, the table kernel otherwise).
@@ -419,15 +330,6 @@ void launch_nf4_gemm_small_m(const Context& ctx, const Nf4Plan& plan, const Tens
   if (partial) launch_nf4_split_k_reduce(ctx, partial, splits, a.dim(0) * w.rows, c, alpha, beta);
 }
 
-namespace {
-// gate_up's outputs as the kernels take them.
-small_m::GateUpOut gate_up_out(const GateUpOutputs& out) {
-  auto ptr = [](const TensorView& v) { return v.empty() ? nullptr : v.data(); };
-  return {ptr(out.gate), ptr(out.up), ptr(out.h), out.gate.dtype() == DType::BF16, out.up.dtype() == DType::BF16,
-          out.h.dtype() == DType::BF16};
-}
-}  // namespace
-
 void launch_nf4_gate_up_small_m(const Context& ctx, const Nf4Plan& plan, const TensorView& a,
                                 const Nf4Weight& w_gate, const Nf4Weight& w_up, const GateUpOutputs& out, float alpha,
                                 float beta) {
@@ -436,22 +338,6 @@ void launch_nf4_gate_up_small_m(const Context& ctx, const Nf4Plan& plan, const T
   std::unique_ptr<ScratchBuffer> scratch;
   const float* partial = launch_forward(ctx, plan, a, w_gate, w_up, 2, {TensorView(), o, alpha, beta}, scratch, &splits);
   if (partial) launch_gate_up_reduce(ctx, partial, splits, a.dim(0) * w_gate.rows, o, alpha, beta);
-}
-
-bool nf4_small_m_slice_supported(const Context& ctx, const TensorView& a, const Nf4Weight& w) {
-  return slice_fits_all(ctx, a, w, w);
-}
-
-void launch_nf4_gemm_small_m_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
-                                   float alpha, float beta) {
-  check_slice_fits("nf4_gemm", ctx, a, w, w);
-  launch_slice_for(ctx, a, w, w, 1, {c, {}, alpha, beta});
-}
-
-void launch_nf4_gate_up_small_m_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,
-                                      const Nf4Weight& w_up, const GateUpOutputs& out, float alpha, float beta) {
-  check_slice_fits("nf4_gate_up", ctx, a, w_gate, w_up);
-  launch_slice_for(ctx, a, w_gate, w_up, 2, {TensorView(), gate_up_out(out), alpha, beta});
 }
 
 }  // namespace qmm::cuda

@@ -3,8 +3,8 @@
 // multiple of 256, up to 16 rows take the pair kernel on sm_90 (one table of code-byte pairs, the block scale
 // applied after the product: the scale-after contract in ops.h; f32 A rounded to bf16 by a packing kernel);
 // otherwise per-lane tables of the block's 16 scaled values, on the tensor cores, or at M = 1 a GEMV kernel (same
-// tables, FMAs). The slice kernel (M <= 16, the pair kernel's table and contract, A held in registers) runs only
-// where a test launches it, for now. Device code: nf4_small_m.cuh (one header per kernel).
+// tables, FMAs). Device code: nf4_small_m.cuh (one header per kernel). The slice kernel, which no plan takes, is in
+// src/cuda/dev/nf4_slice.h.
 #pragma once
 
 #include "cuda/nf4/nf4_plan.h"
@@ -32,16 +32,6 @@ void launch_nf4_gate_up_small_m(const Context& ctx, const Nf4Plan& plan, const T
 // dA = dC * dequant(W) for M <= 16 (plan SmallMBackward: its m8 tiles).
 void launch_nf4_gemm_backward_small_m(const Context& ctx, const Nf4Plan& plan, const TensorView& dc,
                                       const Nf4Weight& w, const TensorView& da, float alpha, float beta);
-
-// The slice kernel (nf4_slice_kernel.cuh; M <= 16, blocks of 64, K a multiple of 256, a GPU that gives a block its
-// shared memory: sm_90), which no plan takes until it has run and been timed on the GPU: the GPU tests launch it
-// here. Where it does not fit, the launches throw Unsupported.
-bool nf4_small_m_slice_supported(const Context& ctx, const TensorView& a, const Nf4Weight& w);
-void launch_nf4_gemm_small_m_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,
-                                   float alpha, float beta);
-// Both weights in one scale format.
-void launch_nf4_gate_up_small_m_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate,
-                                      const Nf4Weight& w_up, const GateUpOutputs& out, float alpha, float beta);
 
 // C = alpha * (sum over splits of partial[split][mn]) + beta * C: the split-K reduction (fixed order, so
 // deterministic), shared with the fused kernel.

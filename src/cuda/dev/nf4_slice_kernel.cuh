@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "cuda/nf4/nf4_pair_kernel.cuh"
+#include "cuda/nf4/nf4_small_m.cuh"  // the pair kernel's table and ring, and their helpers
 
 namespace qmm::cuda::small_m {
 
