@@ -10,6 +10,8 @@
   qmm-all-compile  the same, compiled
   qmm-all-graph    qmm-all with the whole step (forward, backward, AdamW) replayed as one CUDA graph
                    (qmm.graph_step; AdamW capturable)
+  qmm-all-reduce-overhead  qmm-all compiled with mode="reduce-overhead" (PyTorch replays the compiled forward and
+                   backward as CUDA graphs; AdamW stays eager)
   liger        Liger-Kernel's patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) on bnb + PEFT
   unsloth      Unsloth's FastLanguageModel in 4-bit with its LoRA
 
@@ -50,7 +52,8 @@ MODELS = {  # name: (config class, config, batch, sequence length)
                                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256), 2, 64,
              "tiny Llama (a check of the script)"),
 }
-VARIANTS = ["bf16", "bnb", "qmm", "qmm-compile", "qmm-all", "qmm-all-compile", "qmm-all-graph", "liger", "unsloth"]
+VARIANTS = ["bf16", "bnb", "qmm", "qmm-compile", "qmm-all", "qmm-all-compile", "qmm-all-graph",
+            "qmm-all-reduce-overhead", "liger", "unsloth"]
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 16, 32
 
@@ -262,6 +265,8 @@ def worker(args):
     step_fn = model
     if args.worker.endswith("-compile"):
         step_fn = torch.compile(model, fullgraph=True)
+    elif args.worker.endswith("-reduce-overhead"):
+        step_fn = torch.compile(model, fullgraph=True, mode="reduce-overhead")
 
     def train_step(ids):
         loss = step_fn(input_ids=ids, labels=ids).loss
