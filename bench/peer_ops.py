@@ -224,12 +224,10 @@ def main():
     ap.add_argument("--ce-chunks", default="", help="qmm's loss also with these chunk sizes (tokens, comma-separated)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    try:
-        chunks = [int(c) for c in args.ce_chunks.split(",") if c.strip()]
-    except ValueError:
+    fields = [c.strip() for c in args.ce_chunks.split(",") if c.strip()]
+    if not all(c.isdigit() and int(c) > 0 for c in fields):
         ap.error(f"--ce-chunks takes positive integers, got {args.ce_chunks!r}")
-    if any(c < 1 for c in chunks):
-        ap.error(f"--ce-chunks takes positive integers, got {args.ce_chunks!r}")
+    chunks = [int(c) for c in fields]
     device, dtype = args.device, torch.bfloat16
     models = ["tiny"] if args.tiny else args.models.split(",")
     lk = liger() if device == "cuda" else None

@@ -14,11 +14,13 @@
 
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
+#include "cuda/common/elem.cuh"
 #include "cuda/cuda_backend.h"
 
 namespace qmm::cuda {
 namespace {
 
+using common::Elem;
 constexpr int kThreads = 256;
 
 // (m, s) += (m2, s2): two partial (maximum, sum of exp(x - maximum)) pairs as one.
@@ -67,11 +69,6 @@ __global__ void __launch_bounds__(kThreads) label_stats_kernel(const std::int32_
   stats[1] = bad;
 }
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-
 // (m, s) with s the sum of exp(x - m) over the values seen, m their maximum: one more value x, one expf.
 __device__ __forceinline__ void push(float& m, float& s, float x) {
   if (x > m) {
@@ -82,20 +79,15 @@ __device__ __forceinline__ void push(float& m, float& s, float x) {
   }
 }
 
-// kVec elements of Z loaded or stored as one 16-byte access (kVec = 1: one element).
-template <class Z, int kVec>
-struct alignas(sizeof(Z) * kVec) Pack {
-  Z v[kVec];
-};
-
 // One block per row of a chunk's logits z [rows, V] (Z = f32 or bf16): the row's loss term logsumexp(z) - z[label]
 // into row_loss[row] and, with want_g, the gradient row (softmax(z) - onehot(label)) / n written over z in place.
-// kVec > 1 needs V * sizeof(Z) a multiple of 16 and z 16-byte aligned.
-template <class Z, int kVec>
+// kPacked (16-byte accesses) needs V * sizeof(Z) a multiple of 16 and z 16-byte aligned.
+template <class Z, bool kPacked>
 __global__ void __launch_bounds__(kThreads)
     cross_entropy_rows_kernel(Z* logits, const std::int32_t* labels, std::int64_t vocab, std::int32_t ignore_index,
                               const long long* stats, bool want_g, double* row_loss) {
-  using P = Pack<Z, kVec>;
+  using E = Elem<Z>;
+  constexpr int kVec = kPacked ? E::kVec : 1;
   const std::int64_t row = blockIdx.x;
   Z* z = logits + row * vocab;
   const std::int32_t label = labels[row];
@@ -103,15 +95,17 @@ __global__ void __launch_bounds__(kThreads)
     const float fill = label == ignore_index ? 0.0f : NAN;
     if (threadIdx.x == 0) row_loss[row] = fill;
     if (want_g)
-      for (std::int64_t v = threadIdx.x; v < vocab; v += kThreads) store(z + v, fill);
+      for (std::int64_t v = threadIdx.x; v < vocab; v += kThreads) E::store(z, v, fill);
     return;
   }
   const std::int64_t packs = vocab / kVec;
   float m = -INFINITY, s = 0.0f;
   for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
-    const P p = reinterpret_cast<const P*>(z)[i];
+    float v[kVec];
+    if constexpr (kPacked) E::load_vec(z, i, v);
+    else v[0] = E::load(z, i);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) push(m, s, to_float(p.v[j]));
+    for (int j = 0; j < kVec; ++j) push(m, s, v[j]);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -131,18 +125,20 @@ __global__ void __launch_bounds__(kThreads)
     for (int w = 1; w < kThreads / 32; ++w) combine(bm, bs, warp_m[w], warp_s[w]);
     const float lse = bm + logf(bs);
     lse_shared = lse;
-    row_loss[row] = static_cast<double>(lse) - static_cast<double>(to_float(z[label]));
+    row_loss[row] = static_cast<double>(lse) - static_cast<double>(E::load(z, label));
   }
   __syncthreads();  // z[label] is read before the gradient overwrites it
   if (!want_g) return;
   const float lse = lse_shared;
   const float inv_n = 1.0f / static_cast<float>(stats[0]);  // n >= 1: this row counts
   for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
-    P p = reinterpret_cast<const P*>(z)[i];
+    float v[kVec];
+    if constexpr (kPacked) E::load_vec(z, i, v);
+    else v[0] = E::load(z, i);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j)
-      store(&p.v[j], (expf(to_float(p.v[j]) - lse) - (i * kVec + j == label ? 1.0f : 0.0f)) * inv_n);
-    reinterpret_cast<P*>(z)[i] = p;
+    for (int j = 0; j < kVec; ++j) v[j] = (expf(v[j] - lse) - (i * kVec + j == label ? 1.0f : 0.0f)) * inv_n;
+    if constexpr (kPacked) E::store_vec(z, i, v);
+    else E::store(z, i, v[0]);
   }
 }
 
@@ -189,18 +185,13 @@ void rows_step(const Context& ctx, const TensorView& logits, const TensorView& l
   // 16-byte accesses where every row starts on a 16-byte boundary (the chunk's buffer does)
   const bool packed = (vocab * static_cast<std::int64_t>(dtype_size(logits.dtype()))) % 16 == 0 &&
                       reinterpret_cast<std::uintptr_t>(logits.data()) % 16 == 0;
-  const auto launch = [&](auto* z, auto vec) {
+  const auto launch = [&](auto* z) {
     using Z = std::remove_pointer_t<decltype(z)>;
-    cross_entropy_rows_kernel<Z, decltype(vec)::value>
-        <<<blocks, kThreads, 0, stream_of(ctx)>>>(z, lab, vocab, ignore_index, st, want_g, out);
+    const auto kernel = packed ? cross_entropy_rows_kernel<Z, true> : cross_entropy_rows_kernel<Z, false>;
+    kernel<<<blocks, kThreads, 0, stream_of(ctx)>>>(z, lab, vocab, ignore_index, st, want_g, out);
   };
-  if (logits.dtype() == DType::F32) {
-    auto* z = logits.data_as<float>();
-    packed ? launch(z, std::integral_constant<int, 4>{}) : launch(z, std::integral_constant<int, 1>{});
-  } else {
-    auto* z = static_cast<__nv_bfloat16*>(logits.data());
-    packed ? launch(z, std::integral_constant<int, 8>{}) : launch(z, std::integral_constant<int, 1>{});
-  }
+  if (logits.dtype() == DType::F32) launch(logits.data_as<float>());
+  else launch(static_cast<__nv_bfloat16*>(logits.data()));
   QMM_CUDA_CHECK_LAUNCH("cross_entropy_rows_kernel");
 }
 

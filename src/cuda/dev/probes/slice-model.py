@@ -18,7 +18,7 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
                 0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                 0.7229568362236023, 1.0], dtype=np.float32)
 
-# The kernel's constants (nf4_pair_kernel.cuh, nf4_slice_kernel.cuh) and an H200's limits.
+# The kernel's constants (nf4_pair_kernel.cuh, nf4_slice_kernel.cuh) and the limits of an sm_90 GPU with 132 SMs.
 WARPS, SLICE_K, DEPTH, MAX_ROWS = 16, 256, 3, 16
 ROW_BYTES, CODE_BYTES = 128, 16 * 128
 STEP_BYTES = CODE_BYTES + 16 * 16
@@ -288,7 +288,7 @@ def run_kernel(a_bf16, ws, L):
 
 
 def check(m, n, k, weights, dq, seed, sms=SMS, min_passes=1):
-    """One case against the reference; sms below an H200's gives a small N the schedule of a large one."""
+    """One case against the reference; fewer SMs than SMS give a small N the schedule of a large one."""
     rng = np.random.default_rng(seed)
     L = slice_launch(m, n, k, weights, sms=sms)
     assert L["smem"] <= OPTIN, "more shared memory than a block gets"
@@ -317,7 +317,7 @@ def main():
     for seed, (m, n, k) in enumerate(shapes):
         for weights in (1, 2):
             ok &= check(m, n, k, weights, dq=seed % 2 == 1, seed=seed)
-    # Several passes per block: few SMs (the same schedule a large N gives an H200), one and two n8 tiles.
+    # Several passes per block: few SMs (the same schedule a large N gives the full GPU), one and two n8 tiles.
     for m in (8, 16):
         for weights in (1, 2):
             ok &= check(m, 300, 4096, weights, dq=True, seed=99, sms=2, min_passes=2)
