@@ -1,6 +1,7 @@
-// RMSNorm on the GPU, one block per row: the row's sum of squares (fp32, block-reduced in a fixed order) gives
-// rstd; the forward writes y = w · round(x · rstd), the backward dx = rstd · (g − x̂ · mean(g · x̂)),
-// g = dy · w.
+// RMSNorm on the GPU. Rows that a warp can hold in registers (16-byte packs, at most kMaxPacks per lane) go one
+// warp per row and are read once; other rows (odd widths, misaligned views, very wide f32 rows) one block per row.
+// The row's sum of squares (fp32, reduced in a fixed order) gives rstd; the forward writes
+// y = w · round(x · rstd), the backward dx = rstd · (g − x̂ · mean(g · x̂)), g = dy · w.
 // The weight gradient dw += Σ_rows dy · x̂ is summed without atomics, in a fixed order: each block of the first
 // kernel sums a group of rows per column into a partial, a second kernel adds the groups' partials in group order.
 #include <cuda_bf16.h>
@@ -8,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <type_traits>
 
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
@@ -73,6 +76,157 @@ __global__ void __launch_bounds__(kThreads) rms_norm_dx_kernel(const T* x, const
   }
 }
 
+// ---- one warp per row -------------------------------------------------------------------------------------------
+
+constexpr int kWarpsPerBlock = 8;
+constexpr int kMaxPacks = 16;  // 16-byte packs a lane holds: rows up to 4096 bf16 or 2048 f32 elements
+
+// A 16-byte pack of T as fp32 values.
+template <class T>
+__device__ __forceinline__ void unpack(const uint4& q, float (&v)[Elem<T>::kVec]);
+template <>
+__device__ __forceinline__ void unpack<float>(const uint4& q, float (&v)[4]) {
+  v[0] = __uint_as_float(q.x);
+  v[1] = __uint_as_float(q.y);
+  v[2] = __uint_as_float(q.z);
+  v[3] = __uint_as_float(q.w);
+}
+template <>
+__device__ __forceinline__ void unpack<__nv_bfloat16>(const uint4& q, float (&v)[8]) {
+  const std::uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // the low half of each word is the element with the lower index
+    v[2 * j] = __uint_as_float(w[j] << 16);
+    v[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+  }
+}
+
+// The warp's total of v, in every lane, in a fixed order.
+__device__ __forceinline__ float warp_total(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+// Lane l holds packs l, l + 32, ... (kPacks of them, those past the row's `packs` unused).
+template <class T, int kPacks>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    rms_norm_warp_kernel(const T* x, const T* w, T* y, float* rstd, std::int64_t rows, std::int64_t hid, float eps) {
+  using E = Elem<T>;
+  constexpr int V = E::kVec;
+  const int lane = threadIdx.x & 31;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;  // whole warps leave together
+  const std::int64_t packs = hid / V;
+  const uint4* xr = reinterpret_cast<const uint4*>(x + row * hid);
+  uint4 q[kPacks];
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) {
+    if (lane + 32 * j >= packs) continue;
+    q[j] = xr[lane + 32 * j];
+    float v[V];
+    unpack<T>(q[j], v);
+#pragma unroll
+    for (int k = 0; k < V; ++k) ss = fmaf(v[k], v[k], ss);
+  }
+  const float rs = rsqrtf(warp_total(ss) / static_cast<float>(hid) + eps);
+  if (rstd && lane == 0) rstd[row] = rs;
+  T* yr = y + row * hid;  // y may be x: the row is in registers
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) {
+    const std::int64_t p = lane + 32 * j;
+    if (p >= packs) continue;
+    float v[V], wv[V], out[V];
+    unpack<T>(q[j], v);
+    E::load_vec(w, p, wv);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      T xh;  // x · rstd rounded to the storage dtype first, as Hugging Face's module computes it
+      E::store(&xh, 0, v[k] * rs);
+      out[k] = wv[k] * E::load(&xh, 0);
+    }
+    E::store_vec(yr, p, out);
+  }
+}
+
+template <class T, int kPacks>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    rms_norm_dx_warp_kernel(const T* x, const T* w, const float* rstd, const T* dy, T* dx, std::int64_t rows,
+                            std::int64_t hid) {
+  using E = Elem<T>;
+  constexpr int V = E::kVec;
+  const int lane = threadIdx.x & 31;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const std::int64_t packs = hid / V;
+  const float rs = rstd[row];
+  const uint4* xr = reinterpret_cast<const uint4*>(x + row * hid);
+  const uint4* dyr = reinterpret_cast<const uint4*>(dy + row * hid);
+  uint4 qx[kPacks], qdy[kPacks];
+  float dot = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) {
+    const std::int64_t p = lane + 32 * j;
+    if (p >= packs) continue;
+    qx[j] = xr[p];
+    qdy[j] = dyr[p];
+    float xv[V], dv[V], wv[V];
+    unpack<T>(qx[j], xv);
+    unpack<T>(qdy[j], dv);
+    E::load_vec(w, p, wv);
+#pragma unroll
+    for (int k = 0; k < V; ++k) dot = fmaf(dv[k] * wv[k], xv[k] * rs, dot);
+  }
+  const float mean = warp_total(dot) / static_cast<float>(hid);
+  T* dxr = dx + row * hid;  // dx may be dy: the row is in registers
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) {
+    const std::int64_t p = lane + 32 * j;
+    if (p >= packs) continue;
+    float xv[V], dv[V], wv[V], out[V];
+    unpack<T>(qx[j], xv);
+    unpack<T>(qdy[j], dv);
+    E::load_vec(w, p, wv);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float g = dv[k] * wv[k], xh = xv[k] * rs;
+      out[k] = rs * (g - xh * mean);
+    }
+    E::store_vec(dxr, p, out);
+  }
+}
+
+// The packs per lane the warp kernels take for rows of hid elements of T (1, 2, 4, 8 or 16), or 0 where a row is
+// not whole 16-byte packs, a pointer is not 16-byte aligned, or the row is wider than kMaxPacks per lane.
+template <class T>
+int warp_packs(std::int64_t hid, std::initializer_list<const void*> pointers) {
+  constexpr int V = Elem<T>::kVec;
+  if (hid % V != 0) return 0;
+  for (const void* p : pointers)
+    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return 0;
+  const std::int64_t per_lane = (hid / V + 31) / 32;
+  for (int k = 1; k <= kMaxPacks; k *= 2)
+    if (per_lane <= k) return k;
+  return 0;
+}
+
+// Calls f(std::integral_constant<int, kPacks>) for kPacks in {1, 2, 4, 8, 16}.
+template <class F>
+void with_packs(int packs, F&& f) {
+  switch (packs) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: f(std::integral_constant<int, 16>{}); break;
+  }
+}
+
+unsigned warp_blocks(std::int64_t rows) {
+  return static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
 // partial[group][k] = Σ over the group's rows, in order, of dy · x · rstd; grid (column blocks, groups).
 template <class T>
 __global__ void __launch_bounds__(kThreads) rms_norm_dw_partial_kernel(const T* x, const float* rstd, const T* dy,
@@ -101,7 +255,17 @@ __global__ void __launch_bounds__(kThreads) rms_norm_dw_finish_kernel(const floa
 template <class T>
 void launch_forward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y,
                     const TensorView& rstd, float eps) {
-  rms_norm_kernel<T><<<static_cast<unsigned>(x.dim(0)), kThreads, 0, stream_of(ctx)>>>(
+  const std::int64_t rows = x.dim(0), hid = x.dim(1);
+  if (const int packs = warp_packs<T>(hid, {x.data(), w.data(), y.data()})) {
+    with_packs(packs, [&](auto k) {
+      rms_norm_warp_kernel<T, decltype(k)::value><<<warp_blocks(rows), 32 * kWarpsPerBlock, 0, stream_of(ctx)>>>(
+          x.data_as<const T>(), w.data_as<const T>(), y.data_as<T>(), rstd.empty() ? nullptr : rstd.data_as<float>(),
+          rows, hid, eps);
+    });
+    QMM_CUDA_CHECK_LAUNCH("rms_norm_warp_kernel");
+    return;
+  }
+  rms_norm_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream_of(ctx)>>>(
       x.data_as<const T>(), w.data_as<const T>(), y.data_as<T>(), rstd.empty() ? nullptr : rstd.data_as<float>(),
       x.dim(1), eps);
   QMM_CUDA_CHECK_LAUNCH("rms_norm_kernel");
@@ -123,6 +287,15 @@ void launch_backward(const Context& ctx, const TensorView& x, const TensorView& 
     QMM_CUDA_CHECK_LAUNCH("rms_norm_dw_finish_kernel");
   }
   if (dx.empty()) return;
+  if (const int packs = warp_packs<T>(hid, {x.data(), w.data(), dy.data(), dx.data()})) {
+    with_packs(packs, [&](auto k) {
+      rms_norm_dx_warp_kernel<T, decltype(k)::value><<<warp_blocks(rows), 32 * kWarpsPerBlock, 0, stream_of(ctx)>>>(
+          x.data_as<const T>(), w.data_as<const T>(), rstd.data_as<const float>(), dy.data_as<const T>(),
+          dx.data_as<T>(), rows, hid);
+    });
+    QMM_CUDA_CHECK_LAUNCH("rms_norm_dx_warp_kernel");
+    return;
+  }
   rms_norm_dx_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream_of(ctx)>>>(
       x.data_as<const T>(), w.data_as<const T>(), rstd.data_as<const float>(), dy.data_as<const T>(), dx.data_as<T>(),
       hid);
