@@ -473,9 +473,9 @@ TEST(TrainOpsGpu, HostTensorsAreRejected) {
 // rms_norm forward and backward on the GPU against the CPU oracle: rstd to fp32 sums' rounding (1e-5), dx to one
 // rounding of its dtype beside the sums' order, y to two (rstd's last fp32 bit can move the rounding of x·rstd by
 // one ulp, and the product with w by another: seen at 22 of 8M bf16 elements), dw (fp32 sums over rows in groups)
-// to 1e-4 relative. Widths through both kernels: a warp per row (whole 16-byte packs, up to 16 per lane: 8, 64,
-// 1536, 4096 bf16; up to 2048 f32) and a block per row (100; 4104 and 5120 bf16; 4096 f32); y in place over x and
-// dx over dy give the same bytes.
+// to 1e-4 relative. Widths through both kernels: a warp per row (whole 16-byte packs, up to 16 per lane forward:
+// 8, 64, 1536, 4096 bf16, up to 2048 f32; up to 8 backward: 2048 bf16, 1024 f32) and a block per row (100; 4104 and
+// 5120 bf16; 4096 f32; 4096 bf16 backward); y in place over x and dx over dy give the same bytes.
 TEST(TrainOpsGpu, RmsNormMatchesCpu) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();

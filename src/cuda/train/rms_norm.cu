@@ -1,5 +1,5 @@
-// RMSNorm on the GPU. Rows that a warp can hold in registers (16-byte packs, at most kMaxPacks per lane) go one
-// warp per row and are read once; other rows (odd widths, misaligned views, very wide f32 rows) one block per row.
+// RMSNorm on the GPU. Rows that a warp can hold in registers (16-byte packs, at most kMaxPacks per lane forward,
+// kMaxPacksBackward backward, whose lanes hold x and dy) go one warp per row and are read once; other rows (odd widths, misaligned views, very wide f32 rows) one block per row.
 // The row's sum of squares (fp32, reduced in a fixed order) gives rstd; the forward writes
 // y = w · round(x · rstd), the backward dx = rstd · (g − x̂ · mean(g · x̂)), g = dy · w.
 // The weight gradient dw += Σ_rows dy · x̂ is summed without atomics, in a fixed order: each block of the first
@@ -80,6 +80,8 @@ __global__ void __launch_bounds__(kThreads) rms_norm_dx_kernel(const T* x, const
 
 constexpr int kWarpsPerBlock = 8;
 constexpr int kMaxPacks = 16;  // 16-byte packs a lane holds: rows up to 4096 bf16 or 2048 f32 elements
+// The backward's lanes hold x's and dy's packs: at 16 of each the block-per-row kernel measured faster (occupancy).
+constexpr int kMaxPacksBackward = 8;
 
 // A 16-byte pack of T as fp32 values.
 template <class T>
@@ -198,29 +200,26 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 }
 
 // The packs per lane the warp kernels take for rows of hid elements of T (1, 2, 4, 8 or 16), or 0 where a row is
-// not whole 16-byte packs, a pointer is not 16-byte aligned, or the row is wider than kMaxPacks per lane.
-template <class T>
+// not whole 16-byte packs, a pointer is not 16-byte aligned, or the row is wider than kMax packs per lane.
+template <class T, int kMax>
 int warp_packs(std::int64_t hid, std::initializer_list<const void*> pointers) {
   constexpr int V = Elem<T>::kVec;
   if (hid % V != 0) return 0;
   for (const void* p : pointers)
     if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return 0;
   const std::int64_t per_lane = (hid / V + 31) / 32;
-  for (int k = 1; k <= kMaxPacks; k *= 2)
+  for (int k = 1; k <= kMax; k *= 2)
     if (per_lane <= k) return k;
   return 0;
 }
 
-// Calls f(std::integral_constant<int, kPacks>) for kPacks in {1, 2, 4, 8, 16}.
-template <class F>
+// Calls f(std::integral_constant<int, kPacks>) for kPacks in {1, 2, 4, ..., kMax} (packs, a power of 2 <= kMax).
+template <int kMax, class F>
 void with_packs(int packs, F&& f) {
-  switch (packs) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    default: f(std::integral_constant<int, 16>{}); break;
+  if constexpr (kMax > 1) {
+    if (packs < kMax) return with_packs<kMax / 2>(packs, f);
   }
+  f(std::integral_constant<int, kMax>{});
 }
 
 unsigned warp_blocks(std::int64_t rows) {
@@ -256,8 +255,8 @@ template <class T>
 void launch_forward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y,
                     const TensorView& rstd, float eps) {
   const std::int64_t rows = x.dim(0), hid = x.dim(1);
-  if (const int packs = warp_packs<T>(hid, {x.data(), w.data(), y.data()})) {
-    with_packs(packs, [&](auto k) {
+  if (const int packs = warp_packs<T, kMaxPacks>(hid, {x.data(), w.data(), y.data()})) {
+    with_packs<kMaxPacks>(packs, [&](auto k) {
       rms_norm_warp_kernel<T, decltype(k)::value><<<warp_blocks(rows), 32 * kWarpsPerBlock, 0, stream_of(ctx)>>>(
           x.data_as<const T>(), w.data_as<const T>(), y.data_as<T>(), rstd.empty() ? nullptr : rstd.data_as<float>(),
           rows, hid, eps);
@@ -287,8 +286,8 @@ void launch_backward(const Context& ctx, const TensorView& x, const TensorView& 
     QMM_CUDA_CHECK_LAUNCH("rms_norm_dw_finish_kernel");
   }
   if (dx.empty()) return;
-  if (const int packs = warp_packs<T>(hid, {x.data(), w.data(), dy.data(), dx.data()})) {
-    with_packs(packs, [&](auto k) {
+  if (const int packs = warp_packs<T, kMaxPacksBackward>(hid, {x.data(), w.data(), dy.data(), dx.data()})) {
+    with_packs<kMaxPacksBackward>(packs, [&](auto k) {
       rms_norm_dx_warp_kernel<T, decltype(k)::value><<<warp_blocks(rows), 32 * kWarpsPerBlock, 0, stream_of(ctx)>>>(
           x.data_as<const T>(), w.data_as<const T>(), rstd.data_as<const float>(), dy.data_as<const T>(),
           dx.data_as<T>(), rows, hid);
