@@ -9,7 +9,9 @@ An NF4 weight enters an op as 8 arguments, its "op args": codes, absmax, absmax2
 double quantization's offset as a 0-d float64 CPU tensor (a float argument would compile one graph per value, i.e.
 per layer; a CPU tensor is read without a device synchronization), rows, cols and block size. Nf4Weight.op_args()
 gives them, and patch.py takes them from a bitsandbytes layer directly, so no Python-side lookup runs inside a
-traced region. An adapter enters as its x_dropped (None: x itself), a and b (None: no adapter) and scale."""
+traced region. A backward op takes the weight without its offset (saved_weight_of finds the forward's Nf4Weight):
+a saved CPU tensor would be an output of the compiled forward, which mode="reduce-overhead" (CUDA graphs) refuses.
+An adapter enters as its x_dropped (None: x itself), a and b (None: no adapter) and scale."""
 import math
 import weakref
 from typing import List, Optional, Tuple
@@ -17,6 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import _impl
+from ._base import _error
 from .nf4 import Nf4Weight
 from .ops import nf4_gate_up as _nf4_gate_up
 from .ops import nf4_gemm_backward_a, rope_like, swiglu_backward as _swiglu_backward
@@ -56,6 +59,25 @@ def weight_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size):
         return w
     _weights[key] = (ref, fields, w)
     return w
+
+
+def _without_offset(fields):
+    return fields[:4] + fields[5:]
+
+
+def saved_weight_of(codes, absmax, absmax2, code2, rows, cols, block_size):
+    """The Nf4Weight that weight_of made for these tensors in the forward (a backward op's weight arguments carry no
+    offset): by the codes tensor, else by its data (a compiled graph may pass the saved codes as another view)."""
+    fields = (codes.data_ptr(), *(None if t is None else t.data_ptr() for t in (absmax, absmax2, code2)),
+              rows, cols, block_size)
+    cached = _weights.get(id(codes))
+    if cached is not None and cached[0]() is codes and _without_offset(cached[1]) == fields:
+        return cached[2]
+    for ref, cached_fields, w in list(_weights.values()):
+        if ref() is not None and _without_offset(cached_fields) == fields:
+            return w
+    raise _error("InvalidArgument", "qmm's backward got an NF4 weight whose forward did not run in this process (its "
+                                    "tensors were replaced between the forward and the backward?)")
 
 
 def _op_args(w):
@@ -109,17 +131,17 @@ if AVAILABLE:
     @op("qmm::lora_nf4_linear_backward", mutates_args=())
     def lora_nf4_linear_backward_op(dy: Tensor, xs: Optional[Tensor], t: Optional[Tensor], a: Optional[Tensor],
                                     b: Optional[Tensor], codes: Tensor, absmax: Tensor, absmax2: Optional[Tensor],
-                                    code2: Optional[Tensor], offset: Tensor, rows: int, cols: int, block_size: int,
+                                    code2: Optional[Tensor], rows: int, cols: int, block_size: int,
                                     scale: float, path: str, dropped: bool, want_dx: bool, want_dxd: bool,
                                     want_da: bool, want_db: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        w = weight_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size)
+        w = saved_weight_of(codes, absmax, absmax2, code2, rows, cols, block_size)
         x_shape = (*dy.shape[:-1], cols) if xs is None else xs.shape
         grads = _impl.linear_backward(dy, w, path, _saved((xs, t, a, b), dtype=dy.dtype)[0], scale, dropped, x_shape,
                                 (want_dx, want_dxd, want_da, want_db))
         return tuple(_or_empty(g, dy) for g in grads)
 
     @lora_nf4_linear_backward_op.register_fake
-    def _(dy, xs, t, a, b, codes, absmax, absmax2, code2, offset, rows, cols, block_size, scale, path, dropped,
+    def _(dy, xs, t, a, b, codes, absmax, absmax2, code2, rows, cols, block_size, scale, path, dropped,
           want_dx, want_dxd, want_da, want_db):
         empty = dy.new_empty(0)
         return (dy.new_empty((*dy.shape[:-1], cols)) if want_dx else empty,
@@ -129,7 +151,7 @@ if AVAILABLE:
 
     def _setup_linear(ctx, inputs, output):
         x, xd, a, b, bias = inputs[:5]
-        ctx.save_for_backward(None if a is None else x if xd is None else xd, output[1], a, b, bias, *inputs[5:10])
+        ctx.save_for_backward(None if a is None else x if xd is None else xd, output[1], a, b, bias, *inputs[5:9])
         ctx.w_scalars, ctx.scale, ctx.path, ctx.dropped = inputs[10:13], inputs[13], inputs[14], xd is not None
         ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)
@@ -179,15 +201,14 @@ if AVAILABLE:
                                     a_g: Optional[Tensor], b_g: Optional[Tensor], a_u: Optional[Tensor],
                                     b_u: Optional[Tensor],
                                     g_codes: Tensor, g_absmax: Tensor, g_absmax2: Optional[Tensor],
-                                    g_code2: Optional[Tensor], g_offset: Tensor, g_rows: int, g_cols: int,
-                                    g_block_size: int,
+                                    g_code2: Optional[Tensor], g_rows: int, g_cols: int, g_block_size: int,
                                     u_codes: Tensor, u_absmax: Tensor, u_absmax2: Optional[Tensor],
-                                    u_code2: Optional[Tensor], u_offset: Tensor, u_rows: int, u_cols: int,
+                                    u_code2: Optional[Tensor], u_rows: int, u_cols: int,
                                     u_block_size: int, scale_g: float, scale_u: float, path: str,
                                     dropped_g: bool, dropped_u: bool, want: List[bool]
                                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        w_gate = weight_of(g_codes, g_absmax, g_absmax2, g_code2, g_offset, g_rows, g_cols, g_block_size)
-        w_up = weight_of(u_codes, u_absmax, u_absmax2, u_code2, u_offset, u_rows, u_cols, u_block_size)
+        w_gate = saved_weight_of(g_codes, g_absmax, g_absmax2, g_code2, g_rows, g_cols, g_block_size)
+        w_up = saved_weight_of(u_codes, u_absmax, u_absmax2, u_code2, u_rows, u_cols, u_block_size)
         saved = _saved((xs_g, t_g, a_g, b_g), (xs_u, t_u, a_u, b_u), dtype=dh.dtype)
         grads = _impl.swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, (scale_g, scale_u),
                                 (dropped_g, dropped_u), (*dh.shape[:-1], g_cols), tuple(want))
@@ -195,7 +216,7 @@ if AVAILABLE:
 
     @lora_nf4_swiglu_backward_op.register_fake
     def _(dh, gate, up, xs_g, xs_u, t_g, t_u, a_g, b_g, a_u, b_u, *args):
-        cols, dropped, want = args[6], args[-3:-1], args[-1]
+        cols, dropped, want = args[5], args[-3:-1], args[-1]
         empty = dh.new_empty(0)
         x_shape = (*dh.shape[:-1], cols)
 
@@ -210,7 +231,7 @@ if AVAILABLE:
         x, xd_g, a_g, b_g, xd_u, a_u, b_u = inputs[:7]
         xs = [None if a is None else x if xd is None else xd for xd, a in ((xd_g, a_g), (xd_u, a_u))]
         ctx.save_for_backward(output[1], output[2], *xs, output[3], output[4], a_g, b_g, a_u, b_u,
-                              *inputs[7:12], *inputs[15:20])
+                              *inputs[7:11], *inputs[15:19])
         ctx.g_scalars, ctx.u_scalars = inputs[12:15], inputs[20:23]
         ctx.scales, ctx.path = inputs[23:25], inputs[25]
         ctx.dropped = (xd_g is not None, xd_u is not None)
@@ -224,8 +245,8 @@ if AVAILABLE:
             return (None,) * 27
         want = (n[0], n[1], n[4], n[2], n[3], n[5], n[6])
         dx, dxd_g, dxd_u, da_g, db_g, da_u, db_u = (_or_none(g) for g in lora_nf4_swiglu_backward_op(
-            dh, gate, up, xs_g, xs_u, _or_none(t_g), _or_none(t_u), a_g, b_g, a_u, b_u, *w_tensors[:5],
-            *ctx.g_scalars, *w_tensors[5:], *ctx.u_scalars, *ctx.scales, ctx.path, *ctx.dropped, list(want)))
+            dh, gate, up, xs_g, xs_u, _or_none(t_g), _or_none(t_u), a_g, b_g, a_u, b_u, *w_tensors[:4],
+            *ctx.g_scalars, *w_tensors[4:], *ctx.u_scalars, *ctx.scales, ctx.path, *ctx.dropped, list(want)))
         grads = (dx, dxd_g, _impl.param_grad(da_g, a_g), _impl.param_grad(db_g, b_g), dxd_u, _impl.param_grad(da_u, a_u),
                  _impl.param_grad(db_u, b_u))
         return tuple(g if wanted else None for g, wanted in zip(grads, n[:7])) + (None,) * 20
@@ -316,22 +337,21 @@ if AVAILABLE:
 
     @op("qmm::nf4_input_grad", mutates_args=())
     def nf4_input_grad_op(dy: Tensor, codes: Tensor, absmax: Tensor, absmax2: Optional[Tensor],
-                          code2: Optional[Tensor], offset: Tensor, rows: int, cols: int, block_size: int,
-                          path: str) -> Tensor:
-        return nf4_gemm_backward_a(dy, weight_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size),
+                          code2: Optional[Tensor], rows: int, cols: int, block_size: int, path: str) -> Tensor:
+        return nf4_gemm_backward_a(dy, saved_weight_of(codes, absmax, absmax2, code2, rows, cols, block_size),
                                    path=path)
 
     @nf4_input_grad_op.register_fake
-    def _(dy, codes, absmax, absmax2, code2, offset, rows, cols, block_size, path):
+    def _(dy, codes, absmax, absmax2, code2, rows, cols, block_size, path):
         return dy.new_empty((*dy.shape[:-1], cols))
 
     def _setup_gate_up(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[1:6], *inputs[9:14])
+        ctx.save_for_backward(*inputs[1:5], *inputs[9:13])
         ctx.g_scalars, ctx.u_scalars, ctx.path = inputs[6:9], inputs[14:17], inputs[17]
 
     def _gate_up_grad(ctx, dgate, dup):
         saved = ctx.saved_tensors
-        g_args, u_args = (*saved[:5], *ctx.g_scalars), (*saved[5:], *ctx.u_scalars)
+        g_args, u_args = (*saved[:4], *ctx.g_scalars), (*saved[4:], *ctx.u_scalars)
         grads = [nf4_input_grad_op(d, *w_args, ctx.path) for d, w_args in ((dgate, g_args), (dup, u_args))
                  if d is not None]
         return (sum(grads[1:], grads[0]) if grads else None,) + (None,) * 17

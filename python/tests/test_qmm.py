@@ -1223,6 +1223,26 @@ def test_compiled_ops_reuse_a_weight_made_once_and_follow_a_replaced_one(monkeyp
 
 
 @pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
+def test_compiled_backward_finds_the_forward_weight_without_its_offset():
+    """A backward op takes the NF4 weight's tensors without the offset (a CPU tensor saved for the backward would be
+    an output of the compiled forward, which CUDA-graph replay refuses): it finds the forward's Nf4Weight, offset
+    included, also through another view of the codes, and refuses tensors no forward has seen."""
+    w = qmm.Nf4Weight.quantize(randn((64, 32), 81, "cpu"))
+    args = w.op_args()
+    assert args[4].item() == w.offset != 0.0
+    made = qmm.compile_ops.weight_of(*args)
+    codes, absmax, absmax2, code2, _, rows, cols, block_size = args
+    assert qmm.compile_ops.saved_weight_of(codes, absmax, absmax2, code2, rows, cols, block_size) is made
+    alias = codes.view(codes.shape)
+    found = qmm.compile_ops.saved_weight_of(alias, absmax, absmax2, code2, rows, cols, block_size)
+    assert found is made and found.offset == w.offset
+    other = qmm.Nf4Weight.quantize(randn((64, 32), 82, "cpu")).op_args()
+    with pytest.raises(qmm.Error) as e:
+        qmm.compile_ops.saved_weight_of(other[0], other[1], other[2], other[3], rows, cols, block_size)
+    assert e.value.code == "InvalidArgument" and "forward did not run" in str(e.value)
+
+
+@pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
 @pytest.mark.parametrize("device", DEVICES)
 def test_patched_layers_compiled_one_by_one_share_a_graph(device):
     """Each decoder layer compiled as its own region (as Unsloth does): layers of one shape share one compiled
