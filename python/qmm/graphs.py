@@ -21,7 +21,10 @@ the learning rate unless the optimizer keeps it in a tensor, which layers run). 
 dtypes, strides, device) runs `warmup` eager steps and then captures a graph of its own, with memory of its own
 (pad batches to a few fixed shapes). The step may not synchronize with the host (`.item()`, printing a tensor,
 data-dependent shapes, a checked label count: qmm's fused loss skips that check while capturing) and its outputs
-are overwritten by the next replay (clone what you keep). Hugging Face models check an attention mask's values to
+are overwritten by the next replay (clone what you keep); they come without autograd history, warm-up calls' too.
+A loss of an eager step run before on another stream (PyTorch's default one) that is still referenced when the
+graph is captured keeps that step's gradient accumulators, tied to that stream, in use: let it go (`loss.item()`
+or `loss.detach()` keep the value) before the step's first calls. Hugging Face models check an attention mask's values to
 skip it when nothing is padded, which they cannot do while capturing: pass no attention_mask for unpadded batches,
 or the graph holds the explicit-mask attention. On the CPU the step runs eagerly.
 
@@ -86,7 +89,7 @@ class _Capture:
         current = torch.cuda.current_stream(self.device)
         self.side.wait_stream(current)
         with torch.cuda.stream(self.side):
-            out = step(*inputs)
+            out = _detached(step(*inputs))
         current.wait_stream(self.side)
         return out
 
@@ -98,12 +101,13 @@ class _Capture:
             # On the stream the warm-up ran on: qmm keeps a context (cuBLASLt handle, plans) per stream, and a fresh
             # one would do its first-use set-up of large GEMM kernels inside the capture, which that cannot hold.
             with torch.cuda.graph(graph, stream=self.side):
-                self.outputs = step(*self.inputs)
+                self.outputs = _detached(step(*self.inputs))
         except Exception as e:  # what the step did that a graph cannot hold; the message says which call
             raise _error("Unsupported", f"graph_step: the step could not be captured into a CUDA graph: {e}. A "
                                         "captured step may not synchronize with the host (.item(), printing a "
-                                        "tensor, data-dependent shapes) and needs a capturable optimizer "
-                                        "(capturable=True or fused=True)") from e
+                                        "tensor, data-dependent shapes), needs a capturable optimizer "
+                                        "(capturable=True or fused=True), and no loss of an eager step run on "
+                                        "another stream may still be referenced (see qmm.graphs)") from e
         self.graph = graph
 
     def replay(self, inputs):
@@ -112,6 +116,18 @@ class _Capture:
                 static.copy_(t)
         self.graph.replay()
         return self.outputs
+
+
+def _detached(out):
+    """The step's outputs without their autograd graphs: a returned loss would hold its step's graph, and with it
+    PyTorch's gradient accumulators of the stream that step ran on, into the next call (the capture)."""
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_detached(o) for o in out)
+    if isinstance(out, dict):
+        return {k: _detached(v) for k, v in out.items()}
+    return out
 
 
 def graph_step(step, warmup=2):

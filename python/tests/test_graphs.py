@@ -99,6 +99,28 @@ def test_graph_step_trains_as_the_eager_step_bit_for_bit():
 
 
 @needs_gpu
+def test_graph_step_after_an_eager_step_on_the_default_stream():
+    """A training loop whose first step ran eagerly on PyTorch's default stream (to build the optimizer's state, say),
+    its loss still referenced while graph_step warms up: that loss holds the step's gradient accumulators, tied to
+    the default stream, into the warm-up; the warm-up's returned loss must not carry them into the capture. The
+    outputs come back without autograd history, and training matches the eager loop bit for bit."""
+    mlp_e, step_e = trainer("cuda")
+    mlp_g, step_g = trainer("cuda")
+    graphed = qmm.graph_step(step_g, warmup=1)
+    data = batches("cuda", 5)
+    loss = step_g(*data[0])
+    assert step_e(*data[0]).item() == loss.item()
+    for i, (x, target) in enumerate(data[1:]):
+        want = step_e(x, target).item()
+        loss = graphed(x, target)
+        assert loss.grad_fn is None and not loss.requires_grad
+        assert loss.item() == want, f"step {i + 1}"
+    assert graphed.captured == 1
+    for e, g in zip(mlp_e.parameters(), mlp_g.parameters()):
+        assert torch.equal(e, g)
+
+
+@needs_gpu
 def test_graph_step_captures_once_per_input_shape():
     _, step = trainer("cuda")
     graphed = qmm.graph_step(step, warmup=1)
