@@ -162,6 +162,45 @@ def test_patch_bnb_on_a_peft_llama(device, monkeypatch):
     assert (ref[0] - ref[1]).abs().max().item() > 2.0 ** -4 * ref[0].abs().max().item()  # the adapters count
 
 
+def test_adapters_trained_patched_save_and_load_with_peft(tmp_path):
+    """The adapters of a patched model, trained a few AdamW steps, saved by PEFT (save_pretrained) under PEFT's own
+    names and loaded into a fresh model, as a state dict or as a second named adapter made active (load_adapter,
+    set_adapter): the fresh patched model gives the trained one's loss bit for bit."""
+    peft = pytest.importorskip("peft")
+    safetensors = pytest.importorskip("safetensors.torch")
+    model = qlora_llama("cpu")
+    qmm.patch_bnb(model)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        trained = model(input_ids=ids, labels=ids).loss.item()
+    model.save_pretrained(tmp_path)
+    saved = safetensors.load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert set(saved) == set(peft.get_peft_model_state_dict(model))
+    assert not any("qmm" in k for k in saved)
+
+    fresh = qlora_llama("cpu")
+    qmm.patch_bnb(fresh)
+    with torch.no_grad():
+        untrained = fresh(input_ids=ids, labels=ids).loss.item()
+        peft.set_peft_model_state_dict(fresh, saved)
+        loaded = fresh(input_ids=ids, labels=ids).loss.item()
+    assert loaded == trained != untrained
+
+    other = qlora_llama("cpu")
+    qmm.patch_bnb(other)
+    other.load_adapter(str(tmp_path), adapter_name="trained")
+    other.set_adapter("trained")
+    with torch.no_grad():
+        assert other(input_ids=ids, labels=ids).loss.item() == trained
+        other.set_adapter("default")
+        assert other(input_ids=ids, labels=ids).loss.item() == untrained
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_patch_bnb_with_gradient_checkpointing(device, reentrant):
