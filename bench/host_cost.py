@@ -3,7 +3,9 @@
 64 x 64 weight, LoRA r 4): the raw binding of a patched projection's forward with its outputs preallocated (DLPack
 conversion, validation, context lookup, the launches), the same through the package with its allocations, and the
 differentiable op's forward alone and its forward + backward under autograd, and for scale PyTorch's own
-forward + backward of the same layer in bf16 (a dense 64 x 64 weight and a PEFT-style adapter). On a GPU the calls
+forward + backward of the same layer in bf16 (a dense 64 x 64 weight and a PEFT-style adapter); both again as one of
+16 projections chained in one forward and one backward, as a model's layers share a step's backward (whose own cost,
+on a GPU waking autograd's device thread, a lone layer's backward pays alone). On a GPU the calls
 are enqueued back to back and the device is synchronized once at the end, so the figure is the host's enqueue cost
 while the GPU keeps up; on the CPU it includes the CPU backend's own work.
 
@@ -82,15 +84,34 @@ def main():
         y = torch.nn.functional.linear(xg, dense)
         (y + torch.nn.functional.linear(torch.nn.functional.linear(xg, a16), b16) * 2.0).sum().backward()
 
+    chain = 16  # projections in one forward and one backward: a model's step, where the engine's per-backward cost
+
+    def autograd_chained():  # (waking its device thread, on a GPU) is shared by every layer
+        h = xg
+        for _ in range(chain):
+            h = qmm.lora_nf4_linear(h, w, lora)
+        h.sum().backward()
+
+    def torch_chained():
+        h = xg
+        for _ in range(chain):
+            h = torch.nn.functional.linear(h, dense) + \
+                torch.nn.functional.linear(torch.nn.functional.linear(h, a16), b16) * 2.0
+        h.sum().backward()
+
     rows = {"raw binding, outputs given": per_call_us(raw, args.calls, sync),
             "package forward (allocates)": per_call_us(package, args.calls, sync),
             "autograd forward alone": per_call_us(autograd_forward, args.calls, sync),
             "autograd forward + backward": per_call_us(autograd, max(1, args.calls // 4), sync),
-            "torch bf16 layer, fwd + bwd": per_call_us(torch_layer, max(1, args.calls // 4), sync)}
+            "torch bf16 layer, fwd + bwd": per_call_us(torch_layer, max(1, args.calls // 4), sync),
+            f"autograd fwd + bwd, 1 of {chain} chained": per_call_us(autograd_chained, max(1, args.calls // 64),
+                                                                      sync) / chain,
+            f"torch bf16 layer, 1 of {chain} chained": per_call_us(torch_chained, max(1, args.calls // 64),
+                                                                    sync) / chain}
     device = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"host cost per call, {device}, torch {torch.__version__}, 1 x 64 @ NF4 64 x 64, LoRA r 4")
     for name, us in rows.items():
-        print(f"  {name:32s} {us:8.1f} µs")
+        print(f"  {name:36s} {us:8.1f} µs")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU]) as prof:
