@@ -21,7 +21,8 @@ the learning rate unless the optimizer keeps it in a tensor, which layers run). 
 dtypes, strides, device) runs `warmup` eager steps and then captures a graph of its own, with memory of its own
 (pad batches to a few fixed shapes). The step may not synchronize with the host (`.item()`, printing a tensor,
 data-dependent shapes, a checked label count: qmm's fused loss skips that check while capturing) and its outputs
-are overwritten by the next replay (clone what you keep); they come without autograd history, warm-up calls' too.
+are overwritten by the next replay (clone what you keep); they come without autograd history (eager calls' too,
+in the same containers: tensors, tuples, lists, dicts, a transformers ModelOutput).
 A loss of an eager step run before on another stream (PyTorch's default one) that is still referenced when the
 graph is captured keeps that step's gradient accumulators, tied to that stream, in use: let it go (`loss.item()`
 or `loss.detach()` keep the value) before the step's first calls. Hugging Face models check an attention mask's values to
@@ -30,6 +31,8 @@ or the graph holds the explicit-mask attention. On the CPU the step runs eagerly
 
 Capturing qmm's ops with torch.cuda.graph yourself: warm them up on the stream you capture on (qmm keeps a context
 per stream; graph_step does this)."""
+import copy
+
 import torch
 
 from ._base import _error
@@ -53,7 +56,7 @@ class GraphStep:
             raise _error("InvalidArgument", "graph_step: the inputs are on different devices: "
                                             + ", ".join(str(t.device) for t in inputs))
         if not inputs or not inputs[0].is_cuda:
-            return self._step(*inputs)
+            return _detached(self._step(*inputs))
         device = inputs[0].device
         key = tuple((tuple(t.shape), t.dtype, t.stride()) for t in inputs) + (device,)
         entry = self._entries.get(key)
@@ -119,14 +122,21 @@ class _Capture:
 
 
 def _detached(out):
-    """The step's outputs without their autograd graphs: a returned loss would hold its step's graph, and with it
+    """The step's outputs without their autograd graphs, in the same containers (tuples, named ones, lists, dicts and
+    their subclasses such as transformers' ModelOutput): a returned loss would hold its step's graph, and with it
     PyTorch's gradient accumulators of the stream that step ran on, into the next call (the capture)."""
     if isinstance(out, torch.Tensor):
         return out.detach()
-    if isinstance(out, (tuple, list)):
+    if isinstance(out, tuple):
+        items = [_detached(o) for o in out]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    if isinstance(out, list):
         return type(out)(_detached(o) for o in out)
     if isinstance(out, dict):
-        return {k: _detached(v) for k, v in out.items()}
+        copied = copy.copy(out)
+        for k, v in out.items():
+            copied[k] = _detached(v)
+        return copied
     return out
 
 

@@ -1,5 +1,7 @@
 """qmm.graph_step: a whole training step replayed as one CUDA graph. On the CPU it must be the step itself; on a GPU
 its replays must train exactly as the eager step does (the same kernels on the same inputs: the same bits)."""
+import collections
+
 import pytest
 import torch
 
@@ -53,6 +55,23 @@ def test_graph_step_on_the_cpu_is_the_step_itself():
         assert torch.equal(graphed(x, target), step_a(x, target))
     assert graphed.captured == 0
     assert all(torch.equal(a, b) for a, b in zip(mlp_a.parameters(), mlp_b.parameters()))
+
+
+def test_graph_step_outputs_come_without_history_in_their_containers():
+    """Whatever the step returns comes back detached, in the same containers (a named tuple, a list, a dict
+    subclass: an OrderedDict standing in for transformers' ModelOutput), other values as they are."""
+    Pair = collections.namedtuple("Pair", "loss count")
+    w = torch.ones(3, requires_grad=True)
+
+    def step(x):
+        loss = (w * x).sum()
+        return Pair(loss, 3), [loss * 2, "text"], collections.OrderedDict(loss=loss, none=None)
+
+    pair, items, mapping = qmm.graph_step(step)(torch.ones(3))
+    assert type(pair) is Pair and pair.count == 3 and pair.loss.item() == 3.0 and not pair.loss.requires_grad
+    assert type(items) is list and items[1] == "text" and items[0].item() == 6.0 and items[0].grad_fn is None
+    assert type(mapping) is collections.OrderedDict and list(mapping) == ["loss", "none"]
+    assert mapping["loss"].grad_fn is None and mapping["none"] is None
 
 
 @pytest.mark.parametrize("bad,fragment", [(None, "callable"), ("step", "callable")])
