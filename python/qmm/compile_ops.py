@@ -165,7 +165,8 @@ if AVAILABLE:
                                                       ctx.path, ctx.dropped, *need[:4])
         dbias = _impl.bias_grad(dy, bias) if need[4] else None
         return (_or_none(dx) if need[0] else None, _or_none(dxd) if need[1] else None,
-                _impl.param_grad(_or_none(da), a) if need[2] else None, _impl.param_grad(_or_none(db), b) if need[3] else None,
+                _impl.param_grad(_or_none(da), a) if need[2] else None,
+                _impl.param_grad(_or_none(db), b) if need[3] else None,
                 dbias) + (None,) * 10
 
     lora_nf4_linear_op.register_autograd(_linear_grad, setup_context=_setup_linear)
@@ -247,8 +248,8 @@ if AVAILABLE:
         dx, dxd_g, dxd_u, da_g, db_g, da_u, db_u = (_or_none(g) for g in lora_nf4_swiglu_backward_op(
             dh, gate, up, xs_g, xs_u, _or_none(t_g), _or_none(t_u), a_g, b_g, a_u, b_u, *w_tensors[:4],
             *ctx.g_scalars, *w_tensors[4:], *ctx.u_scalars, *ctx.scales, ctx.path, *ctx.dropped, list(want)))
-        grads = (dx, dxd_g, _impl.param_grad(da_g, a_g), _impl.param_grad(db_g, b_g), dxd_u, _impl.param_grad(da_u, a_u),
-                 _impl.param_grad(db_u, b_u))
+        grads = (dx, dxd_g, _impl.param_grad(da_g, a_g), _impl.param_grad(db_g, b_g), dxd_u,
+                 _impl.param_grad(da_u, a_u), _impl.param_grad(db_u, b_u))
         return tuple(g if wanted else None for g, wanted in zip(grads, n[:7])) + (None,) * 20
 
     lora_nf4_swiglu_op.register_autograd(_swiglu_block_grad, setup_context=_setup_swiglu_block)

@@ -25,9 +25,9 @@ are overwritten by the next replay (clone what you keep); they come without auto
 in the same containers: tensors, tuples, lists, dicts, a transformers ModelOutput).
 A loss of an eager step run before on another stream (PyTorch's default one) that is still referenced when the
 graph is captured keeps that step's gradient accumulators, tied to that stream, in use: let it go (`loss.item()`
-or `loss.detach()` keep the value) before the step's first calls. Hugging Face models check an attention mask's values to
-skip it when nothing is padded, which they cannot do while capturing: pass no attention_mask for unpadded batches,
-or the graph holds the explicit-mask attention. On the CPU the step runs eagerly.
+or `loss.detach()` keep the value) before the step's first calls. Hugging Face models check an attention mask's
+values to skip it when nothing is padded, which they cannot do while capturing: pass no attention_mask for
+unpadded batches, or the graph holds the explicit-mask attention. On the CPU the step runs eagerly.
 
 Capturing qmm's ops with torch.cuda.graph yourself: warm them up on the stream you capture on (qmm keeps a context
 per stream; graph_step does this)."""

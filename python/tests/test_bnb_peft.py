@@ -436,8 +436,8 @@ def test_patched_peft_llama_under_transformers_trainer_with_torch_compile(tmp_pa
 @pytest.mark.parametrize("compiled,task_type", [(False, None), (True, None), (False, "CAUSAL_LM")])
 def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
     """patch_bnb(fused_loss=True, fused_norm=True, fused_rope=True): a PEFT QLoRA Llama (its RMSNorms and rotary
-    embeddings by qmm too; the rotary function restored by unpatch_bnb) trained with labels returns transformers' causal-LM loss (shift
-    by one, -100 ignored; the sum over num_items_in_batch too) computed from the hidden states by
+    embeddings by qmm too; the rotary function restored by unpatch_bnb) trained with labels returns transformers'
+    causal-LM loss (shift by one, -100 ignored; the sum over num_items_in_batch too) computed from the hidden states by
     linear_cross_entropy_loss, and no logits; its LoRA gradients are the unpatched model's; eval mode, calls without
     labels and generate are unchanged; training builds no KV cache unless asked (use_cache=True). Compiled
     (aot_eager, fullgraph) it gives the same loss with no graph break.

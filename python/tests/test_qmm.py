@@ -1676,7 +1676,8 @@ def test_patch_bnb_fused_rope_points_the_family_at_qmm_and_back(monkeypatch):
     assert qmm.patch_bnb(first, fused_rope=True) == [] and modeling.apply_rotary_pos_emb is not own
     qmm.patch_bnb(second, fused_rope=True)
     calls = []
-    monkeypatch.setattr(qmm.functional._Rope, "apply", lambda *a, f=qmm.functional._Rope.apply: calls.append(1) or f(*a))
+    rope_apply = qmm.functional._Rope.apply
+    monkeypatch.setattr(qmm.functional._Rope, "apply", lambda *a: calls.append(1) or rope_apply(*a))
     q, k, cos, sin = _rope_inputs("cpu", torch.float32, 2, 7, 4, 2, 64, 1, 3)
     qr, kr = q.clone().requires_grad_(), k.clone().requires_grad_()
     got_q, got_k = first[0](qr, kr, cos, sin)

@@ -1,5 +1,6 @@
 // RMSNorm on the GPU. Rows that a warp can hold in registers (16-byte packs, at most kMaxPacks per lane forward,
-// kMaxPacksBackward backward, whose lanes hold x and dy) go one warp per row and are read once; other rows (odd widths, misaligned views, very wide f32 rows) one block per row.
+// kMaxPacksBackward backward, whose lanes hold x and dy) go one warp per row and are read once; other rows (odd
+// widths, misaligned views, very wide rows) one block per row.
 // The row's sum of squares (fp32, reduced in a fixed order) gives rstd; the forward writes
 // y = w · round(x · rstd), the backward dx = rstd · (g − x̂ · mean(g · x̂)), g = dy · w.
 // The weight gradient dw += Σ_rows dy · x̂ is summed without atomics, in a fixed order: each block of the first
