@@ -289,6 +289,7 @@ def worker(args):
         if i == 0:  # eager in every variant, to compare the LoRA gradients before the optimizer clears them
             loss = step_fn(input_ids=ids, labels=ids).loss
             loss.backward()
+            loss = loss.detach()  # its graph would keep this default-stream step's gradient accumulators alive
             grads = {n: p.grad.detach().float().cpu() for n, p in params.items()}
             opt.step()
             opt.zero_grad(set_to_none=True)
