@@ -147,17 +147,44 @@ def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd
     return (dx, *dxds, *grads)
 
 
-def cross_entropy(h, w, labels, ignore_index, want_dh, want_dw, chunk_tokens=0):
+def cross_entropy(h, w, labels, ignore_index, want_dh, want_dw, chunk_tokens=0, check_labels=True):
     """The mean cross-entropy of h [T, H] @ w^T against labels [T], with its gradients computed in the same pass
     (the logits are never held whole; chunk_tokens as ops.linear_cross_entropy takes it): (loss, dh or None, dw
-    float32 or None). The labels are range-checked (a qmm.Error names the first out of range) except while a CUDA
-    graph is being captured, where the check's wait for the device is not allowed: a label out of range then gives
-    a NaN loss."""
+    float32 or None). With check_labels the labels are range-checked (a qmm.Error names the first out of range)
+    except while a CUDA graph is being captured, where the check's wait for the device is not allowed; unchecked, a
+    label out of range gives a NaN loss."""
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
-    check = not (h.is_cuda and torch.cuda.is_current_stream_capturing())
+    check = check_labels and not (h.is_cuda and torch.cuda.is_current_stream_capturing())
     loss, dh = linear_cross_entropy(h, w, labels, ignore_index=ignore_index, dh=want_dh, dw=dw,
                                     chunk_tokens=chunk_tokens, check_labels=check)
     return loss, dh, dw
+
+
+class PendingLabelCheck:
+    """A label range check without a wait in the middle of a step: made when the labels are (on a GPU, a copy to
+    pinned host memory and an event, queued on the current stream), read by `first_bad` when the loss needs them,
+    by which time the device is long past the copy (where linear_cross_entropy's own check would wait for the
+    whole forward pass)."""
+
+    def __init__(self, labels, vocab, ignore_index):
+        self.vocab, self.ignore_index, self.event = vocab, ignore_index, None
+        if labels.is_cuda:
+            self.labels = torch.empty(labels.shape, dtype=labels.dtype, pin_memory=True)
+            self.labels.copy_(labels, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.labels = labels.detach().clone()
+
+    def first_bad(self):
+        """(index, value) of the first label (in row-major order) neither in [0, vocab) nor ignore_index, or None."""
+        if self.event is not None:
+            self.event.synchronize()
+        bad = (self.labels != self.ignore_index) & ((self.labels < 0) | (self.labels >= self.vocab))
+        if not bool(bad.any()):
+            return None
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        return index, int(self.labels[index])
 
 
 def rope_grads(rotate_back, dq, dk):

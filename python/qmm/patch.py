@@ -24,6 +24,8 @@ import weakref
 import torch
 
 from . import _qmm
+from ._base import _error
+from ._impl import PendingLabelCheck
 from .compile_ops import compiling
 from .functional import (Lora, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_swiglu, nf4_gate_up_linear,
                          rms_norm_autograd, rope_autograd, swiglu_autograd)
@@ -265,10 +267,20 @@ def _causal_lm_forward(lm, *args, labels=None, **kwargs):
     kwargs.pop("logits_to_keep", None)
     if kwargs.get("past_key_values") is None and kwargs.get("cache") is None:  # "cache": transformers >= 5.2x
         kwargs.setdefault("use_cache", False)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    # The labels' range check starts before the decoder runs and ends at the loss: the loss's own check would wait
+    # there for the whole forward pass, idling the device while the host then queues the backward.
+    vocab = lm.lm_head.weight.shape[0]
+    early = not compiling() and not (labels.is_cuda and torch.cuda.is_current_stream_capturing())
+    pending = PendingLabelCheck(labels[..., 1:], vocab, -100) if early else None
     outputs = lm.model(**kwargs)
     hidden = outputs[0]
-    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-    loss = linear_cross_entropy_loss(hidden, lm.lm_head.weight, shifted, -100)
+    bad = None if pending is None else pending.first_bad()
+    if bad is not None:  # the index in the caller's labels (the first token's label is never used)
+        index = ", ".join(str(i) for i in bad[0][:-1] + (bad[0][-1] + 1,))
+        raise _error("InvalidArgument", f"{type(lm).__name__} (qmm fused loss): labels[{index}] is {bad[1]} but "
+                                        f"must be in [0, {vocab}) or -100 (ignored)")
+    loss = linear_cross_entropy_loss(hidden, lm.lm_head.weight, shifted, -100, check_labels=pending is None)
     if num_items is not None:  # a sum over the tokens of several micro-batches (gradient accumulation)
         loss = loss * (shifted != -100).sum() / num_items
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -422,8 +434,9 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
     With `fused_loss`, a Hugging Face causal LM (Llama, Qwen2, Mistral) trained with labels returns its loss from
     the hidden states through linear_cross_entropy_loss, never holding the [tokens, vocab] logits, and no logits
     (eval mode, generation and calls without labels run the model's own forward) and, unless use_cache or
-    past_key_values is passed, builds no KV cache. With `fused_norm`, the RMSNorm modules of Llama, Qwen2/3 and
-    Mistral run qmm's rms_norm forward and backward kernels (bitsandbytes or not).
+    past_key_values is passed, builds no KV cache; a label out of range is a qmm.Error, checked without a wait for
+    the device in the step (started before the decoder, read at the loss). With `fused_norm`, the RMSNorm modules of
+    Llama, Qwen2/3 and Mistral run qmm's rms_norm forward and backward kernels (bitsandbytes or not).
     With `fused_rope`, their attention's rotary embedding runs qmm's rope (q and k in one launch, forward and
     backward): as Liger-Kernel does, this points the model family's `apply_rotary_pos_emb` (in transformers' modeling
     module) at qmm's while any model patched so remains, so other models of that family in the process use it too;

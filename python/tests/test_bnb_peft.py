@@ -490,6 +490,30 @@ def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_patch_bnb_fused_loss_refuses_a_label_out_of_range(device):
+    """The patched causal LM checks its labels without waiting for the forward pass (the check starts with the
+    labels and ends at the loss): a label out of [0, vocab) that the loss would use is a qmm.Error naming its index
+    in the caller's labels, before any gradient exists; the first token's label, which the shifted loss never
+    uses, is not checked (as transformers' own loss does not); fixed labels then train."""
+    model = qlora_llama(device).train()
+    qmm.patch_bnb(model, fused_loss=True)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    labels = ids.clone()
+    labels[1, 5], labels[1, 7], labels[0, 0] = 128, -5, 1000
+    with pytest.raises(qmm.Error) as e:
+        model(input_ids=ids, labels=labels)
+    assert e.value.code == "InvalidArgument" and "labels[1, 5] is 128" in str(e.value) and "[0, 128)" in str(e.value)
+    assert all(p.grad is None for p in model.parameters())
+    labels[1, 5] = -100
+    with pytest.raises(qmm.Error, match=r"labels\[1, 7\] is -5"):
+        model(input_ids=ids, labels=labels)
+    labels[1, 7] = 3
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fused_loss_norm_and_rope_on_a_bf16_lora_model_without_bitsandbytes(device):
     """A bf16 Llama with PEFT LoRA and no bitsandbytes (a plain LoRA run) patched with fused_loss, fused_norm and
     fused_rope: only the loss, the RMSNorms and the rotary embedding change hands (no NF4 layer to patch), the loss

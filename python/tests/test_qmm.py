@@ -1368,6 +1368,32 @@ def test_linear_cross_entropy_matches_torch():
         assert abs(loss.item() - users.item()) <= 2 * logit_bound.item() + 1e-6
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_pending_label_check_finds_the_first_label_out_of_range(device):
+    """The patched causal LM's label check, started with the labels and read at the loss (on a GPU through pinned
+    memory and an event, so the step never waits for its forward pass): the first label in row-major order that is
+    neither in [0, vocab) nor the ignore index, with its index in the labels' own shape; None when all are fine."""
+    labels = torch.tensor([[1, 2, -100, 3], [4, 5, 6, 7]], device=device)
+    assert qmm._impl.PendingLabelCheck(labels, 8, -100).first_bad() is None
+    assert qmm._impl.PendingLabelCheck(labels, 7, -100).first_bad() == ((1, 3), 7)
+    assert qmm._impl.PendingLabelCheck(labels, 8, 1).first_bad() == ((0, 2), -100)
+    view = labels[:, 1:]  # not contiguous, as the patch passes it
+    assert qmm._impl.PendingLabelCheck(view, 6, -100).first_bad() == ((1, 1), 6)
+    pending = qmm._impl.PendingLabelCheck(labels, 8, -100)
+    labels[0, 0] = 99  # changed after the check started: the check sees the labels as they were
+    assert pending.first_bad() is None
+
+
+def test_linear_cross_entropy_loss_unchecked_labels_give_a_nan_loss():
+    h, w = randn((4, 8), 1, "cpu").requires_grad_(), randn((10, 8), 2, "cpu")
+    bad = torch.tensor([1, 2, 10, 3])
+    _expect_error("InvalidArgument", "labels[2] is 10", lambda: qmm.linear_cross_entropy_loss(h, w, bad))
+    loss = qmm.linear_cross_entropy_loss(h, w, bad, check_labels=False)
+    assert torch.isnan(loss)
+    loss.backward()
+    assert torch.isnan(h.grad[2]).all() and torch.isfinite(h.grad[[0, 1, 3]]).all()
+
+
 def test_linear_cross_entropy_bad_input_and_all_ignored():
     h, w = randn((4, 8), 1, "cpu"), randn((10, 8), 2, "cpu")
     loss, dh = qmm.linear_cross_entropy(h, w, torch.full((4,), -100), dh=True)
