@@ -37,6 +37,13 @@ def _call(fn, like, *args, **kwargs):
         return fn(*args, **kwargs, stream=stream)
 
 
+def _flag(op, name, value):
+    """value where it is a bool; otherwise a qmm.Error naming the op and the argument."""
+    if not isinstance(value, bool):
+        raise _error("InvalidArgument", f"{op}: {name} must be True or False, got {value!r}")
+    return value
+
+
 def _in(t):
     """An input as qmm takes it: detached (DLPack refuses tensors that require grad) and dense row-major."""
     if t.requires_grad:

@@ -7,7 +7,7 @@ import math
 import torch
 
 from . import _impl, compile_ops
-from ._base import _error
+from ._base import _error, _flag
 from .nf4 import Nf4Weight, _nf4
 from .ops import nf4_gate_up, nf4_gemm_backward_a, rms_norm, rms_norm_backward, rope, swiglu, swiglu_backward
 
@@ -232,6 +232,7 @@ def linear_cross_entropy_loss(h, w, labels, ignore_index=-100, chunk_tokens=0, c
     chunk_tokens (0: qmm's choice, 256 MiB of logits; smaller chunks hold less memory and reread the head more).
     check_labels as linear_cross_entropy takes it (True: a label out of range is a qmm.Error, and on a GPU the call
     waits for the device to read them; False: nothing waits, and such a label makes the loss NaN)."""
+    _flag("linear_cross_entropy_loss", "check_labels", check_labels)
     hidden = h.shape[-1]
     h2, labels = h.reshape(-1, hidden), labels.reshape(-1)
     if _compiling():

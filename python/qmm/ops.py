@@ -4,7 +4,7 @@ import torch
 from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _qmm
-from ._base import _call, _dim, _error, _in, _out, _rows
+from ._base import _call, _dim, _error, _flag, _in, _out, _rows
 from .nf4 import _nf4
 
 
@@ -151,6 +151,7 @@ def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, 
     check_labels=True reads the labels first (on a GPU the call waits for it) and raises qmm.Error naming the first
     out of range; check_labels=False waits for nothing (a CUDA graph can capture it), and a label out of range then
     makes the loss NaN and its token's dh row NaN."""
+    _flag("linear_cross_entropy", "check_labels", check_labels)
     h, w = _in(h), _in(w)
     labels = _in(labels)
     if labels.dtype == torch.int64:

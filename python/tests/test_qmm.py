@@ -1388,6 +1388,11 @@ def test_linear_cross_entropy_loss_unchecked_labels_give_a_nan_loss():
     h, w = randn((4, 8), 1, "cpu").requires_grad_(), randn((10, 8), 2, "cpu")
     bad = torch.tensor([1, 2, 10, 3])
     _expect_error("InvalidArgument", "labels[2] is 10", lambda: qmm.linear_cross_entropy_loss(h, w, bad))
+    for flag in ("no", 0, None):
+        _expect_error("InvalidArgument", "check_labels must be True or False",
+                      lambda: qmm.linear_cross_entropy_loss(h, w, bad, check_labels=flag))
+        _expect_error("InvalidArgument", "linear_cross_entropy: check_labels",
+                      lambda: qmm.linear_cross_entropy(h, w, bad, check_labels=flag))
     loss = qmm.linear_cross_entropy_loss(h, w, bad, check_labels=False)
     assert torch.isnan(loss)
     loss.backward()
