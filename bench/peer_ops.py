@@ -19,8 +19,8 @@ Liger is skipped where it is not installed or on the CPU (Triton).
 --tiny runs small shapes on any device (the CPU too): a check of the script, not a benchmark. --ce-chunks adds qmm's
 loss with those chunk sizes (tokens per chunk: memory against rereads of the head) beside its default.
 """
-import functools
 import argparse
+import functools
 import json
 import os
 import statistics

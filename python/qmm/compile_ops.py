@@ -44,37 +44,37 @@ def compiling():
 _weights = {}
 
 
+def _layout(codes, absmax, absmax2, code2, rows, cols, block_size):
+    """What identifies a weight's tensors besides its offset: their data and its shape and block size."""
+    return (codes.data_ptr(), *(None if t is None else t.data_ptr() for t in (absmax, absmax2, code2)), rows, cols,
+            block_size)
+
+
 def weight_of(codes, absmax, absmax2, code2, offset, rows, cols, block_size):
     """The Nf4Weight of an op's 8 weight arguments."""
-    fields = (codes.data_ptr(), *(None if t is None else t.data_ptr() for t in (absmax, absmax2, code2)),
-              offset.item(), rows, cols, block_size)
+    layout, value = _layout(codes, absmax, absmax2, code2, rows, cols, block_size), offset.item()
     cached = _weights.get(id(codes))
-    if cached is not None and cached[0]() is codes and cached[1] == fields:
+    if cached is not None and cached[0]() is codes and cached[1] == layout and cached[2].offset == value:
         return cached[2]
-    w = Nf4Weight(codes.view(codes.shape), absmax, (rows, cols), block_size, absmax2, code2, fields[4])
+    w = Nf4Weight(codes.view(codes.shape), absmax, (rows, cols), block_size, absmax2, code2, value)
     key = id(codes)
     try:
         ref = weakref.ref(codes, lambda _, key=key: _weights.pop(key, None))
     except TypeError:  # a tensor type that takes no weak reference: made at every call
         return w
-    _weights[key] = (ref, fields, w)
+    _weights[key] = (ref, layout, w)
     return w
-
-
-def _without_offset(fields):
-    return fields[:4] + fields[5:]
 
 
 def saved_weight_of(codes, absmax, absmax2, code2, rows, cols, block_size):
     """The Nf4Weight that weight_of made for these tensors in the forward (a backward op's weight arguments carry no
     offset): by the codes tensor, else by its data (a compiled graph may pass the saved codes as another view)."""
-    fields = (codes.data_ptr(), *(None if t is None else t.data_ptr() for t in (absmax, absmax2, code2)),
-              rows, cols, block_size)
+    layout = _layout(codes, absmax, absmax2, code2, rows, cols, block_size)
     cached = _weights.get(id(codes))
-    if cached is not None and cached[0]() is codes and _without_offset(cached[1]) == fields:
+    if cached is not None and cached[0]() is codes and cached[1] == layout:
         return cached[2]
-    for ref, cached_fields, w in list(_weights.values()):
-        if ref() is not None and _without_offset(cached_fields) == fields:
+    for ref, cached_layout, w in list(_weights.values()):
+        if ref() is not None and cached_layout == layout:
             return w
     raise _error("InvalidArgument", "qmm's backward got an NF4 weight whose forward did not run in this process (its "
                                     "tensors were replaced between the forward and the backward?)")

@@ -27,6 +27,13 @@ struct Elem<float> {
   __device__ __forceinline__ static void store_vec(float* p, std::int64_t v, const float (&x)[kVec]) {
     reinterpret_cast<float4*>(p)[v] = make_float4(x[0], x[1], x[2], x[3]);
   }
+  // A 16-byte vector already loaded (as 4 words), as fp32 values.
+  __device__ __forceinline__ static void unpack(const uint4& q, float (&x)[kVec]) {
+    x[0] = __uint_as_float(q.x);
+    x[1] = __uint_as_float(q.y);
+    x[2] = __uint_as_float(q.z);
+    x[3] = __uint_as_float(q.w);
+  }
 };
 
 template <>
@@ -39,7 +46,10 @@ struct Elem<__nv_bfloat16> {
     p[i] = __float2bfloat16_rn(v);
   }
   __device__ __forceinline__ static void load_vec(const __nv_bfloat16* p, std::int64_t v, float (&x)[kVec]) {
-    const uint4 q = reinterpret_cast<const uint4*>(p)[v];
+    unpack(reinterpret_cast<const uint4*>(p)[v], x);
+  }
+  // A 16-byte vector already loaded (as 4 words), as fp32 values.
+  __device__ __forceinline__ static void unpack(const uint4& q, float (&x)[kVec]) {
     const std::uint32_t w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {

@@ -84,26 +84,6 @@ constexpr int kMaxPacks = 16;  // 16-byte packs a lane holds: rows up to 4096 bf
 // The backward's lanes hold x's and dy's packs: at 16 of each the block-per-row kernel measured faster (occupancy).
 constexpr int kMaxPacksBackward = 8;
 
-// A 16-byte pack of T as fp32 values.
-template <class T>
-__device__ __forceinline__ void unpack(const uint4& q, float (&v)[Elem<T>::kVec]);
-template <>
-__device__ __forceinline__ void unpack<float>(const uint4& q, float (&v)[4]) {
-  v[0] = __uint_as_float(q.x);
-  v[1] = __uint_as_float(q.y);
-  v[2] = __uint_as_float(q.z);
-  v[3] = __uint_as_float(q.w);
-}
-template <>
-__device__ __forceinline__ void unpack<__nv_bfloat16>(const uint4& q, float (&v)[8]) {
-  const std::uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {  // the low half of each word is the element with the lower index
-    v[2 * j] = __uint_as_float(w[j] << 16);
-    v[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
-  }
-}
-
 // The warp's total of v, in every lane, in a fixed order.
 __device__ __forceinline__ float warp_total(float v) {
 #pragma unroll
@@ -129,7 +109,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     if (lane + 32 * j >= packs) continue;
     q[j] = xr[lane + 32 * j];
     float v[V];
-    unpack<T>(q[j], v);
+    E::unpack(q[j], v);
 #pragma unroll
     for (int k = 0; k < V; ++k) ss = fmaf(v[k], v[k], ss);
   }
@@ -141,7 +121,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     const std::int64_t p = lane + 32 * j;
     if (p >= packs) continue;
     float v[V], wv[V], out[V];
-    unpack<T>(q[j], v);
+    E::unpack(q[j], v);
     E::load_vec(w, p, wv);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -175,8 +155,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     qx[j] = xr[p];
     qdy[j] = dyr[p];
     float xv[V], dv[V], wv[V];
-    unpack<T>(qx[j], xv);
-    unpack<T>(qdy[j], dv);
+    E::unpack(qx[j], xv);
+    E::unpack(qdy[j], dv);
     E::load_vec(w, p, wv);
 #pragma unroll
     for (int k = 0; k < V; ++k) dot = fmaf(dv[k] * wv[k], xv[k] * rs, dot);
@@ -188,8 +168,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     const std::int64_t p = lane + 32 * j;
     if (p >= packs) continue;
     float xv[V], dv[V], wv[V], out[V];
-    unpack<T>(qx[j], xv);
-    unpack<T>(qdy[j], dv);
+    E::unpack(qx[j], xv);
+    E::unpack(qdy[j], dv);
     E::load_vec(w, p, wv);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
