@@ -93,7 +93,11 @@ def run_worker(script, variant, args, folder, out_json, worker_args):
         env["PYTHONPATH"] = args.unsloth_path + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, os.path.abspath(script), "--worker", variant, "--model-dir", folder, "--out", out_json,
            "--model", args.model_now, "--device", args.device, *worker_args]
+    start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # A progress line per worker, so a run cut short by a time limit still tells how far it got.
+    print(f"  {args.model_now} {variant}: exit {done.returncode} after {time.perf_counter() - start:.0f} s",
+          file=sys.stderr, flush=True)
     if done.returncode != 0 or not os.path.exists(out_json):
         code = done.returncode
         how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
