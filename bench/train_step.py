@@ -25,7 +25,7 @@ step 0 against bnb's (relative difference, norm-wise, per tensor: largest and me
 missing are reported as skipped.
 
     PYTHONPATH=build/python python3 bench/train_step.py [--models qwen,llama] [--variants ...] [--steps 10]
-        [--checkpointing] [--json out/train_step.json] [--unsloth-path DIR]
+        [--checkpointing] [--nf4-path auto] [--json out/train_step.json] [--unsloth-path DIR]
 --tiny runs a small Llama config on any device (the CPU too): a check of the script, not a benchmark.
 """
 import argparse
@@ -114,6 +114,7 @@ def run_variant(variant, args, folder, out_json):
     worker_args = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     worker_args += ["--checkpointing"] if args.checkpointing else []
     worker_args += ["--profile"] if args.profile else []
+    worker_args += ["--nf4-path", args.nf4_path]
     return run_worker(__file__, variant, args, folder, out_json, worker_args)
 
 
@@ -175,7 +176,8 @@ def write_report(report, path):
 def parent(args):
     report = new_report(args)
     print(f"train_step: {report['device']}, torch {report['torch']}, {args.steps} steps after {args.warmup} warm-up"
-          f"{', gradient checkpointing' if args.checkpointing else ''}")
+          f"{', gradient checkpointing' if args.checkpointing else ''}"
+          f"{'' if args.nf4_path == 'auto' else ', qmm NF4 path ' + args.nf4_path}")
     for model, results in run_models(args, run_variant):
         reference = next((r for r in results if r["variant"] == "bnb" and "skipped" not in r), None)
         for r in results:
@@ -222,7 +224,8 @@ def load(variant, folder, args):
     if variant.startswith("qmm"):
         import qmm
         everything = variant.startswith("qmm-all")
-        qmm.patch_bnb(model, fused_loss=everything, fused_norm=everything, fused_rope=everything)
+        qmm.patch_bnb(model, path=getattr(args, "nf4_path", "auto"), fused_loss=everything, fused_norm=everything,
+                      fused_rope=everything)
     return model
 
 
@@ -340,6 +343,9 @@ def main():
     ap.add_argument("--checkpointing", action="store_true", help="transformers' gradient checkpointing")
     ap.add_argument("--profile", action="store_true", help="kernels per step and GPU busy time (torch.profiler)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--nf4-path", default="auto",
+                    help="the qmm variants' NF4 path (patch_bnb's path: auto, dequant_gemm, fused, ...), to time one "
+                         "kernel choice inside the step")
     ap.add_argument("--tiny", action="store_true", help="the tiny config only (any device): checks the script")
     ap.add_argument("--json")
     ap.add_argument("--unsloth-path", help="a folder with Unsloth's packages, put first on its worker's path")
