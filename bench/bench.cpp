@@ -701,13 +701,14 @@ void Bench::run_nf4() {
       }
     }
   }
-  // Whether this build and GPU run a forced fused path (Fused: sm_90a on Hopper; the development kernels FusedShared
-  // and FusedMma: a QMM_DEV_KERNELS build, on Hopper and from sm_80): one that cannot raises Unsupported.
+  // Whether this build and GPU run a forced path (Fused: sm_90a on Hopper; the development kernels FusedShared,
+  // FusedMma and the small-M slice kernel: a QMM_DEV_KERNELS build, on Hopper and from sm_80 for FusedMma): one that
+  // cannot raises Unsupported.
   auto runs = [&](Nf4Path path) {
     if (!is_gpu_ || catalogue_) return false;
     try {
-      Nf4Tensor w = nf4_quantize(ctx_, pool_->make(ctx_, DType::BF16, {64, 64}, 399), false);
-      Tensor a(DType::BF16, {1, 64}, ctx_.device()), c(DType::BF16, {1, 64}, ctx_.device());
+      Nf4Tensor w = nf4_quantize(ctx_, pool_->make(ctx_, DType::BF16, {64, 256}, 399), false);
+      Tensor a(DType::BF16, {1, 256}, ctx_.device()), c(DType::BF16, {1, 64}, ctx_.device());
       nf4_gemm(ctx_, a, w, c, {1.0f, 0.0f, path});
     } catch (const Error& e) {
       if (e.code() != ErrorCode::Unsupported) throw;
@@ -716,7 +717,7 @@ void Bench::run_nf4() {
     return true;
   };
   const bool fused_ok = runs(Nf4Path::Fused), shared_ok = runs(nf4_forced::kFusedShared),
-             mma_ok = runs(nf4_forced::kFusedMma);
+             mma_ok = runs(nf4_forced::kFusedMma), slice_ok = runs(nf4_forced::kSmallMSlice);
   // The usual token counts plus 8 and 32, where the dispatcher's small-M thresholds are decided, 256, inside the
   // range where Auto takes the fused forward on large weights, and 1024, between it and the shared-dequantization
   // kernel's range.
@@ -758,6 +759,7 @@ void Bench::run_nf4() {
       // (The CPU backend runs Auto only.)
       if (M <= 64 && is_gpu_)
         paths.insert(paths.end(), {{"dequant", Nf4Path::DequantGemm}, {"small-m", nf4_forced::kSmallM}});
+      if (M <= 16 && slice_ok) paths.push_back({"small-m-slice", nf4_forced::kSmallMSlice});
       if (M >= 256 && (fused_ok || mma_ok)) paths.push_back({"dequant", Nf4Path::DequantGemm});
       if (M >= 32 && fused_ok) paths.push_back({"fused", Nf4Path::Fused});
       if (M >= 256 && shared_ok) paths.push_back({"fused-shared", nf4_forced::kFusedShared});
@@ -774,7 +776,7 @@ void Bench::run_nf4() {
           fwd_plans.push_back(plan_line(cuda::Nf4Op::Forward, M, N, K, DType::BF16, path));
           fwd_fns.push_back([&, po](int i) { nf4_gemm(ctx_, as[i % sets], ws[i % sets], cs[i % sets], po); });
         }
-        if (bwd && (path != nf4_forced::kSmallM || M <= 16)) {
+        if (bwd && (path != nf4_forced::kSmallM || M <= 16) && path != nf4_forced::kSmallMSlice) {
           bwd_rows.push_back({"nf4_gemm_backward_a", "dq " + pname, p.label, 1, M, K, N, flops, io});
           bwd_plans.push_back(plan_line(cuda::Nf4Op::BackwardA, M, N, K, DType::BF16, path));
           bwd_fns.push_back(
@@ -796,12 +798,22 @@ void Bench::run_nf4() {
           print_plan((*plans)[i]);
         }
       }
-      if (gu) {
-        record({"nf4_gate_up", "dq auto h", p.label, 1, M, N, K, 2 * flops, 2 * wbytes + 2.0 * (M * K + M * N),
-                time([&](int i) {
-                  nf4_gate_up(ctx_, as[i % sets], ws[i % sets], ws2[i % sets], {TensorView(), TensorView(), hs[i % sets]});
-                })});
-        print_plan(plan_line(cuda::Nf4Op::GateUp, M, N, K, DType::BF16, Nf4Path::Auto));
+      if (gu) {  // Auto, and the slice kernel in turns with it where the build has it
+        std::vector<std::pair<std::string, Nf4Path>> gu_paths = {{"auto", Nf4Path::Auto}};
+        if (M <= 16 && slice_ok) gu_paths.push_back({"small-m-slice", nf4_forced::kSmallMSlice});
+        std::vector<std::function<void(int)>> gu_fns;
+        for (const auto& [pname, path] : gu_paths) {
+          const Nf4GemmOptions po{1.0f, 0.0f, path};
+          gu_fns.push_back([&, po](int i) {
+            nf4_gate_up(ctx_, as[i % sets], ws[i % sets], ws2[i % sets], {TensorView(), TensorView(), hs[i % sets]}, po);
+          });
+        }
+        const std::vector<Stats> st = time_interleaved(gu_fns, sets);
+        for (std::size_t i = 0; i < gu_paths.size(); ++i) {
+          record({"nf4_gate_up", "dq " + gu_paths[i].first + " h", p.label, 1, M, N, K, 2 * flops,
+                  2 * wbytes + 2.0 * (M * K + M * N), st[i]});
+          print_plan(plan_line(cuda::Nf4Op::GateUp, M, N, K, DType::BF16, gu_paths[i].second));
+        }
       }
     }
 }

@@ -122,11 +122,7 @@ qmm::MathMode math_of(const std::string& name, const char* op) {
 }
 
 qmm::Nf4Path path_of(const std::string& name, const char* op) {
-  using P = qmm::Nf4Path;
-  namespace forced = qmm::nf4_forced;  // kernels forced by tests and benchmarks
-  static constexpr P kPaths[] = {P::Auto,          P::DequantGemm,       P::Fused,           forced::kReference,
-                                 forced::kSmallM, forced::kFusedShared, forced::kFusedMma};
-  return enum_of(name, kPaths, qmm::nf4_path_name, op, "path");
+  return enum_of(name, qmm::nf4_forced::kAllPaths, qmm::nf4_path_name, op, "path");
 }
 
 // The NF4 weight from any object with the attributes of qmm.Nf4Weight (codes, absmax, absmax2, code2, offset,

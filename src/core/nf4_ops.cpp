@@ -26,6 +26,7 @@ constexpr std::pair<Nf4Path, const char*> kPathNames[] = {
     {nf4_forced::kSmallM, "small_m"},
     {nf4_forced::kFusedShared, "fused_shared"},
     {nf4_forced::kFusedMma, "fused_mma"},
+    {nf4_forced::kSmallMSlice, "small_m_slice"},
 };
 
 const char* known_path_name(Nf4Path path) {

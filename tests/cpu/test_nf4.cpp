@@ -794,7 +794,7 @@ TEST(Nf4Validation, GemmArguments) {
   EXPECT_TRUE(rejected(gemm(o.a, c, {1, 0, static_cast<Nf4Path>(9)}), ErrorCode::InvalidArgument,
                        {"nf4_gemm:", "path 9 is unknown"}, {c}));
   for (Nf4Path p : {Nf4Path::DequantGemm, Nf4Path::Fused, nf4_forced::kSmallM, nf4_forced::kFusedShared,
-                    nf4_forced::kFusedMma})
+                    nf4_forced::kFusedMma, nf4_forced::kSmallMSlice})
     EXPECT_TRUE(rejected(gemm(o.a, c, {1, 0, p}), ErrorCode::Unsupported,
                          {"nf4_gemm:", std::string("path ") + nf4_path_name(p), "CPU"}, {c}));
 
@@ -929,6 +929,8 @@ TEST(Nf4Paths, Names) {
   EXPECT_STREQ(nf4_path_name(Nf4Path::Fused), "fused");
   EXPECT_STREQ(nf4_path_name(nf4_forced::kFusedShared), "fused_shared");
   EXPECT_STREQ(nf4_path_name(nf4_forced::kFusedMma), "fused_mma");
+  EXPECT_STREQ(nf4_path_name(nf4_forced::kSmallMSlice), "small_m_slice");
+  for (Nf4Path p : nf4_forced::kAllPaths) EXPECT_STRNE(nf4_path_name(p), "?") << static_cast<int>(p);
 }
 
 TEST(Nf4Tensor, AllocateSizesEveryField) {

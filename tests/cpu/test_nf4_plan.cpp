@@ -35,8 +35,8 @@ Nf4Problem problem(Nf4Op op, std::int64_t m, const Shape& s, DType act, bool dq,
 }
 
 // A plan in a few characters: P pair (1/2 n8 tiles, d direct / p packed A), G GEMV, T table (n8 tiles),
-// B small-M input gradient (m8 tiles), F fused in-loop (split-K), S fused shared, M fused mma, D dequantize + GEMM,
-// U unsupported.
+// B small-M input gradient (m8 tiles), L small-M slice (n8 tiles), F fused in-loop (split-K), S fused shared, M fused
+// mma, D dequantize + GEMM, U unsupported.
 std::string code(const Nf4Plan& p) {
   switch (p.kernel) {
     case Nf4Kernel::SmallMPair: return "P" + std::to_string(p.n8_tiles) + (p.packed_a ? "p" : "d");
@@ -46,6 +46,7 @@ std::string code(const Nf4Plan& p) {
     case Nf4Kernel::FusedInLoop: return "F" + std::to_string(p.grid.splits);
     case Nf4Kernel::FusedShared: return "S" + std::to_string(p.grid.splits);
     case Nf4Kernel::FusedMma: return "M";
+    case Nf4Kernel::SmallMSlice: return "L" + std::to_string(p.n8_tiles);
     case Nf4Kernel::DequantGemm: return "D";
     case Nf4Kernel::Unsupported: return "U";
   }
@@ -280,6 +281,37 @@ TEST(Nf4Plan, ForcedPaths) {
   old.cc = 75;
   EXPECT_STREQ(plan(Nf4Op::Forward, 256, llama_up, nf4_forced::kFusedMma, old).why,
                "a GPU of compute capability 8.0 or newer");
+}
+
+// The slice kernel, forced (Auto never takes it): forward and gate_up up to 16 rows where the pair kernel fits, in
+// builds with the development kernels; otherwise Unsupported, saying what is missing.
+TEST(Nf4Plan, ForcedSlice) {
+  const Shape llama_up = kShapes[2], k1088 = kShapes[4];
+  Nf4Device h100_dev = h100(), a100_dev = a100();
+  h100_dev.dev_kernels = a100_dev.dev_kernels = true;
+  auto plan = [&](Nf4Op op, std::int64_t m, const Shape& s, const Nf4Device& d, DType act = DType::BF16) {
+    return plan_nf4(problem(op, m, s, act, true, 0.0f, nf4_forced::kSmallMSlice), d);
+  };
+  EXPECT_EQ(code(plan(Nf4Op::Forward, 1, llama_up, h100_dev)), "L1");
+  EXPECT_EQ(code(plan(Nf4Op::Forward, 8, llama_up, h100_dev)), "L1");
+  EXPECT_EQ(code(plan(Nf4Op::Forward, 9, llama_up, h100_dev, DType::F32)), "L2");
+  EXPECT_EQ(code(plan(Nf4Op::GateUp, 16, kShapes[0], h100_dev)), "L2");
+  EXPECT_STREQ(plan(Nf4Op::Forward, 16, llama_up, h100_dev).why, "forced (path small_m_slice)");
+  const char* needs = "M <= 16, blocks of 64, K a multiple of 256, one scale format, aligned A, codes and absmax, "
+                      "and sm_90's shared memory";
+  EXPECT_STREQ(plan(Nf4Op::Forward, 17, llama_up, h100_dev).why, needs);
+  EXPECT_STREQ(plan(Nf4Op::Forward, 4, k1088, h100_dev).why, needs);
+  EXPECT_STREQ(plan(Nf4Op::Forward, 4, llama_up, a100_dev).why, needs);  // 163 KB of shared memory per block
+  EXPECT_STREQ(plan(Nf4Op::BackwardA, 4, llama_up, h100_dev).why,
+               "the forward or gate_up: the slice kernel has no input gradient");
+  EXPECT_STREQ(plan(Nf4Op::Forward, 4, llama_up, h100()).why,
+               "a build with the development kernels (-DQMM_DEV_KERNELS=ON)");
+  Nf4Problem mixed = problem(Nf4Op::GateUp, 4, llama_up, DType::BF16, true, 0.0f, nf4_forced::kSmallMSlice);
+  mixed.w_up.double_quant = false;  // one kernel instance serves both weights
+  EXPECT_STREQ(plan_nf4(mixed, h100_dev).why, needs);
+  Nf4Problem misaligned = problem(Nf4Op::Forward, 4, llama_up, DType::BF16, true, 0.0f, nf4_forced::kSmallMSlice);
+  misaligned.act_align = 8;
+  EXPECT_EQ(plan_nf4(misaligned, h100_dev).kernel, Nf4Kernel::Unsupported);
 }
 
 TEST(Nf4Plan, AlignmentAndFormatRules) {

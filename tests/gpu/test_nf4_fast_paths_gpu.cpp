@@ -283,6 +283,36 @@ TEST(SmallMSliceArgs, UnsupportedProblemThrows) {
   EXPECT_TRUE(test::bytes_equal(test::host_copy(c), before));
   EXPECT_TRUE(test::bytes_equal(test::host_copy(g), g_before));
 }
+
+// The forced path small_m_slice through the public entry points runs the same kernel as the direct launches: bit
+// for bit, nf4_gemm and nf4_gate_up (with h), one and two n8 tiles; the input gradient refuses it.
+TEST(SmallMSliceArgs, ForcedPathIsTheDirectLaunch) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  std::uint64_t seed = 21;
+  for (std::int64_t m : {1, 7, 16}) {
+    Problem wg = make_weight(300, 1024, true, ++seed), wu = make_weight(300, 1024, true, ++seed);
+    const Tensor a = to_device(test::random_tensor(DType::BF16, {m, 1024}, ++seed), gpu.device());
+    if (!cuda::nf4_small_m_slice_supported(gpu, a, wg.w_dev))
+      GTEST_SKIP() << "the slice kernel needs sm_90's shared memory per block";
+    const Nf4GemmOptions slice{0.5f, 0.0f, nf4_forced::kSmallMSlice};
+    Tensor c(DType::BF16, {m, 300}, gpu.device()), c_direct(DType::BF16, {m, 300}, gpu.device());
+    test::poison(c);
+    nf4_gemm(gpu, a, wg.w_dev, c, slice);
+    cuda::launch_nf4_gemm_small_m_slice(gpu, a, wg.w_dev, c_direct, 0.5f, 0.0f);
+    Tensor h(DType::BF16, {m, 300}, gpu.device()), h_direct(DType::BF16, {m, 300}, gpu.device());
+    test::poison(h);
+    nf4_gate_up(gpu, a, wg.w_dev, wu.w_dev, {TensorView(), TensorView(), h}, slice);
+    cuda::launch_nf4_gate_up_small_m_slice(gpu, a, wg.w_dev, wu.w_dev, {TensorView(), TensorView(), h_direct}, 0.5f,
+                                           0.0f);
+    gpu.synchronize();
+    EXPECT_TRUE(test::bytes_equal(test::host_copy(c), test::host_copy(c_direct))) << "M=" << m;
+    EXPECT_TRUE(test::bytes_equal(test::host_copy(h), test::host_copy(h_direct))) << "M=" << m;
+    const Tensor dc = to_device(test::random_tensor(DType::BF16, {m, 300}, ++seed), gpu.device());
+    Tensor da(DType::BF16, {m, 1024}, gpu.device());
+    EXPECT_THROW(nf4_gemm_backward_a(gpu, dc, wg.w_dev, da, slice), Error);
+  }
+}
 #endif
 
 // Both scale formats and dC/dA dtypes, beta in {0, 1} (dA poisoned when beta is 0).

@@ -16,6 +16,13 @@
 #include "qmm/error.h"
 
 namespace qmm::cuda {
+
+// nf4_plan.cpp plans the forced slice kernel with the pair kernel's conditions and these rows.
+static_assert(small_m::kSliceMaxRows == 16, "nf4_plan.cpp's kSliceMaxRows");
+static_assert(small_m::kSliceFixedBytes + 2 * small_m::kSliceWarps * 16 * small_m::kSliceMaxRows * 4 <=
+                  small_m::kPairSharedBytes,
+              "nf4_plan.cpp's slice_fits takes pair_fits' shared memory as enough");
+
 namespace {
 
 // The slice kernel's preconditions: the pair kernel's (its ring steps and table) and shared memory for the fixed

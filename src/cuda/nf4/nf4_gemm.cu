@@ -1,7 +1,8 @@
 // NF4 GEMMs on the GPU: validate (core), plan (nf4_plan.h: which kernel, why), launch the planned kernel.
 //  DequantGemm: dequantize W to bf16 into scratch, round an f32 A to bf16 (nearest even) into the same scratch
 //  allocation, then the dense bf16 GEMM (cuBLASLt, fp32 accumulation).
-//  Small-M kernels: nf4_small_m.cu. Fused kernels: nf4_fused.cu (sm_90a wgmma), dev/nf4_fused_mma.cu (mma.sync; QMM_DEV_KERNELS builds).
+//  Small-M kernels: nf4_small_m.cu (and dev/nf4_slice.cu). Fused kernels: nf4_fused.cu (sm_90a wgmma),
+//  dev/nf4_fused_mma.cu (mma.sync). The dev/ kernels are in QMM_DEV_KERNELS builds only.
 // The plan is made again on every call rather than kept in the context's PlanCache: it is a handful of
 // comparisons, cheaper than a PlanCache lookup (a string key, a lock, a hash); the cache serves cuBLASLt's
 // heuristic query, which takes microseconds.
@@ -18,6 +19,9 @@
 #include "cuda/nf4/nf4_fused.h"
 #include "cuda/nf4/nf4_plan.h"
 #include "cuda/nf4/nf4_small_m.h"
+#ifdef QMM_DEV_KERNELS
+#include "cuda/dev/nf4_slice.h"
+#endif
 #include "cuda/swiglu/swiglu.cuh"
 #include "qmm/error.h"
 
@@ -42,6 +46,18 @@ Nf4Plan plan_or_throw(const Context& ctx, const Nf4Problem& p) {
 
 bool is_fused(Nf4Kernel k) {
   return k == Nf4Kernel::FusedInLoop || k == Nf4Kernel::FusedShared || k == Nf4Kernel::FusedMma;
+}
+
+// The forced slice kernel: the planner plans it only where the build has it (Nf4Device::dev_kernels).
+void launch_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight* w1,
+                  const TensorView& c, const GateUpOutputs* gate_up, const Nf4GemmOptions& opts) {
+#ifdef QMM_DEV_KERNELS
+  if (w1) return launch_nf4_gate_up_small_m_slice(ctx, a, w0, *w1, *gate_up, opts.alpha, opts.beta);
+  return launch_nf4_gemm_small_m_slice(ctx, a, w0, c, opts.alpha, opts.beta);
+#else
+  (void)ctx, (void)a, (void)w0, (void)w1, (void)c, (void)gate_up, (void)opts;
+  throw Error(ErrorCode::Internal, "the small-M slice kernel was planned in a build without it");
+#endif
 }
 
 // ---- kernels --------------------------------------------------------------------------------------------------
@@ -191,6 +207,7 @@ void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w.rows;
   if (M == 0 || N == 0) return;
   set_device(ctx);
+  if (plan.kernel == Nf4Kernel::SmallMSlice) return launch_slice(ctx, a, w, nullptr, c, nullptr, opts);
   if (plan.kernel != Nf4Kernel::DequantGemm && !is_fused(plan.kernel))
     return launch_nf4_gemm_small_m(ctx, plan, a, w, c, opts.alpha, opts.beta);
   if (is_fused(plan.kernel)) {
@@ -228,6 +245,7 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   const std::int64_t M = a.dim(0), K = a.dim(1), N = w_gate.rows;
   if (M == 0 || N == 0) return;
   set_device(ctx);
+  if (plan.kernel == Nf4Kernel::SmallMSlice) return launch_slice(ctx, a, w_gate, &w_up, TensorView(), &out, opts);
   if (plan.kernel != Nf4Kernel::DequantGemm && !is_fused(plan.kernel))
     return launch_nf4_gate_up_small_m(ctx, plan, a, w_gate, w_up, out, opts.alpha, opts.beta);
   // Fused: the fused forward once per projection.

@@ -7,8 +7,8 @@
 //  2. the fused wgmma kernel (sm_90a) for tens to hundreds of rows where it can run: on large weights from just
 //     above the small-M range, on smaller ones from kAutoFusedMinRows and only when its grid fills the GPU;
 //  3. dequantize + cuBLASLt otherwise.
-// A forced path (SmallM, Fused, FusedShared, FusedMma) takes its kernel where it can run and is Unsupported
-// otherwise; DequantGemm always runs. Measurements behind the thresholds: docs/BENCHMARKS.md.
+// A forced path (SmallM, SmallMSlice, Fused, FusedShared, FusedMma) takes its kernel where it can run and is
+// Unsupported otherwise; DequantGemm always runs. Measurements behind the thresholds: docs/BENCHMARKS.md.
 #include "cuda/nf4/nf4_plan.h"
 
 #include <algorithm>
@@ -38,13 +38,15 @@ constexpr double kMinWaveFill = 0.9;
 constexpr std::int64_t kPairPackMinRows = 9;
 constexpr std::int64_t kPairPackMinK = 4096;
 // Auto never takes FusedShared (slower than dequantize + cuBLASLt under sustained load), FusedMma (not yet timed
-// against the others), nor the small-M slice kernel (forced by tests only until it is timed on a GPU).
+// against the others), nor the small-M slice kernel (forced path small_m_slice, which `qmm bench` times against
+// Auto's pair kernel in builds with the development kernels, until it has won there).
 
 // ---- what each kernel needs (the kernels' own constants; their .cu files static_assert these) -----------------
 
 constexpr std::int64_t kSmallMMaxRows = 32;           // nf4_small_m.h kNf4SmallMMaxRows
 constexpr std::int64_t kSmallMBackwardMaxRows = 16;   // nf4_small_m.h kNf4SmallMBackwardMaxRows
 constexpr std::int64_t kPairMaxRows = 16;             // two n8 tiles
+constexpr std::int64_t kSliceMaxRows = 16;            // small_m::kSliceMaxRows (dev/nf4_slice_kernel.cuh)
 constexpr std::int64_t kPairSharedBytes = 224256;     // small_m::kPairSharedBytes: 219 KB (sm_90 gives it)
 constexpr std::int64_t kGemvChunk = 64;               // small_m::kGemvChunk
 constexpr std::int64_t kGemvGroupK = 2048;            // small_m::kGemvGroupK
@@ -86,6 +88,16 @@ bool gemv_fits(const Nf4WeightFacts& w, const Nf4Device& d) {
   return K % kGemvChunk == 0 && w.block_size >= kGemvChunk && (K + kGemvGroupK - 1) / kGemvGroupK <= kGemvSums &&
          (!w.double_quant || aligned(w.code2_align, 16)) && d.smem_per_block_optin >= kGemvSharedBytes;
 }
+
+// dev/nf4_slice.cu: the pair kernel's conditions for both weights, one scale format, M <= 16 (its shared memory is
+// less than the pair kernel's: dev/nf4_slice.cu static_asserts it).
+bool slice_fits(const Nf4Problem& p, const Nf4WeightFacts& w0, const Nf4WeightFacts& w1, const Nf4Device& d) {
+  return p.m <= kSliceMaxRows && small_m_fits(p, w0) && small_m_fits(p, w1) && w0.rows == w1.rows &&
+         pair_fits(p, w0, d) && pair_fits(p, w1, d) && w0.double_quant == w1.double_quant;
+}
+constexpr const char* kSliceNeeds =
+    "M <= 16, blocks of 64, K a multiple of 256, one scale format, aligned A, codes and absmax, and sm_90's shared "
+    "memory";
 
 // Every fused kernel's stages of 64 along K and 16-byte rows; the first unmet condition, or null.
 const char* fused_shape_unmet(const Nf4Problem& p, const Nf4WeightFacts& w, bool backward) {
@@ -193,6 +205,7 @@ const char* nf4_kernel_name(Nf4Kernel k) {
     case Nf4Kernel::FusedInLoop: return "fused in-loop";
     case Nf4Kernel::FusedShared: return "fused shared-dequant";
     case Nf4Kernel::FusedMma: return "fused mma.sync";
+    case Nf4Kernel::SmallMSlice: return "small-m slice";
   }
   return "?";
 }
@@ -253,6 +266,16 @@ Nf4Plan plan_nf4(const Nf4Problem& p, const Nf4Device& d) {
   const Nf4WeightFacts& w_up = gate_up ? p.w_up : p.w;
   const bool large = p.w.rows * p.w.cols >= kLargeWeightElements;
   if (p.path == nf4_forced::kReference) return unsupported("runs on the CPU backend only (use a CPU context)");
+  if (p.path == nf4_forced::kSmallMSlice) {
+    if (!d.dev_kernels) return unsupported(kDevKernelsNeeded);
+    if (backward) return unsupported("the forward or gate_up: the slice kernel has no input gradient");
+    if (!slice_fits(p, p.w, w_up, d)) return unsupported(kSliceNeeds);
+    Nf4Plan plan;
+    plan.kernel = Nf4Kernel::SmallMSlice;
+    plan.n8_tiles = p.m <= 8 ? 1 : 2;
+    plan.why = "forced (path small_m_slice)";
+    return plan;
+  }
 
   // 1. Small M.
   const std::int64_t auto_rows = !backward ? kAutoSmallMRows : large ? kAutoSmallMBackwardRowsLarge : 0;
@@ -321,7 +344,7 @@ Nf4Plan plan_nf4(const Nf4Problem& p, const Nf4Device& d) {
 std::string nf4_plan_summary(const Nf4Plan& plan) {
   std::string s = nf4_kernel_name(plan.kernel);
   const bool small_m = plan.kernel == Nf4Kernel::SmallMPair || plan.kernel == Nf4Kernel::SmallMTable ||
-                       plan.kernel == Nf4Kernel::SmallMBackward;
+                       plan.kernel == Nf4Kernel::SmallMBackward || plan.kernel == Nf4Kernel::SmallMSlice;
   if (small_m) {
     s.append(" x").append(std::to_string(plan.n8_tiles));
     s.append(plan.kernel == Nf4Kernel::SmallMBackward ? " m8" : " n8");
