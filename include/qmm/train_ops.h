@@ -45,8 +45,9 @@ void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target,
 // [0, V) or ignore_index; loss [1] f32, written. With all tokens ignored (n = 0) the loss is 0 and the gradients
 // are 0. The products multiply bf16 (or f32) operands with fp32 sums and the logits are rounded to h's dtype (as a
 // bf16 model's head writes them); the log-sum-exp is fp32 (fp64 on the CPU backend). Gradients of the mean loss:
-// dh [T,H] of h's dtype, written, where given (empty: none); dw [V,H] f32, accumulated (dw += ∂loss/∂W), where
-// given. On a GPU the gradient rows are rounded to h's dtype before their GEMMs.
+// dh [T,H] of h's dtype, written, where given (empty: none); dw [V,H] f32, where given: accumulated
+// (dw += ∂loss/∂W), or with opts.accumulate_dw false written without its old contents being read (a fresh buffer
+// needs no zeroing). On a GPU the gradient rows are rounded to h's dtype before their GEMMs.
 // Labels out of range: with opts.check_labels (the default) the labels are read on the host first (a GPU's are
 // copied: the call waits for the device) and the first one out of range is InvalidArgument, nothing written;
 // without, nothing waits (a CUDA graph can capture the call) and a label out of range makes the loss NaN and its
@@ -57,15 +58,18 @@ struct CrossEntropyOptions {
   std::int32_t ignore_index = -100;
   std::int64_t chunk_tokens = 0;
   bool check_labels = true;
+  bool accumulate_dw = true;
 };
 void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorView& w, const TensorView& labels,
                           const TensorView& loss, const TensorView& dh = {}, const TensorView& dw = {},
                           const CrossEntropyOptions& opts = {});
 // The chunk of tokens linear_cross_entropy's GPU path takes when opts.chunk_tokens is 0, for T tokens, vocabulary V
 // and h's dtype: as many tokens as 256 MiB of logits hold (each chunk reads the whole head again), at least 512,
-// at most T. Its extra device memory is one chunk's logits (h's dtype; the gradient rows overwrite them) plus 8
-// bytes per token.
-std::int64_t linear_cross_entropy_chunk_tokens(std::int64_t tokens, std::int64_t vocab, DType dtype);
+// at most T; with dw wanted, as many as 1 GiB holds (each chunk also reads and writes the f32 dw [V, H] once, which
+// costs more than rereading the head). Its extra device memory is one chunk's logits (h's dtype; the gradient rows
+// overwrite them) plus 8 bytes per token.
+std::int64_t linear_cross_entropy_chunk_tokens(std::int64_t tokens, std::int64_t vocab, DType dtype,
+                                               bool with_dw = false);
 
 // RMSNorm over the last dimension, as Hugging Face's LlamaRMSNorm and Qwen2RMSNorm compute it: per row
 // rstd = 1 / sqrt(mean(x²) + eps) in fp32, then y = w · x̂ with x̂ = x · rstd rounded to x's dtype first (the

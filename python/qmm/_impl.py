@@ -153,10 +153,10 @@ def cross_entropy(h, w, labels, ignore_index, want_dh, want_dw, chunk_tokens=0, 
     float32 or None). With check_labels the labels are range-checked (a qmm.Error names the first out of range)
     except while a CUDA graph is being captured, where the check's wait for the device is not allowed; unchecked, a
     label out of range gives a NaN loss."""
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
+    dw = torch.empty(w.shape, dtype=torch.float32, device=w.device) if want_dw else None  # written, not added to
     check = check_labels and not (h.is_cuda and torch.cuda.is_current_stream_capturing())
     loss, dh = linear_cross_entropy(h, w, labels, ignore_index=ignore_index, dh=want_dh, dw=dw,
-                                    chunk_tokens=chunk_tokens, check_labels=check)
+                                    chunk_tokens=chunk_tokens, check_labels=check, accumulate_dw=False)
     return loss, dh, dw
 
 

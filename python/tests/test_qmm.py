@@ -1346,7 +1346,8 @@ def test_nf4_modules_move_with_to_and_keep_their_format_under_dtype_casts(device
 def test_linear_cross_entropy_matches_torch():
     """The fused head + loss on the CPU backend (fp64 sums) against PyTorch's cross_entropy of the fp64 logits, rounded
     to bf16 for bf16 inputs as the op's contract says (ignore index, int64 labels), its dh against autograd's (through
-    the rounding) and dw accumulated; and against what PyTorch users get (bf16 logits upcast to fp32)."""
+    the rounding) and dw accumulated (or, with accumulate_dw=False, written over NaN); and against what PyTorch
+    users get (bf16 logits upcast to fp32)."""
     for dtype, t, hid, vocab in ((torch.float32, 7, 16, 63), (torch.bfloat16, 65, 32, 130), (torch.float32, 1, 3, 1)):
         h, w = randn((t, hid), 1, "cpu", dtype), randn((vocab, hid), 2, "cpu", dtype)
         labels = torch.randint(0, vocab, (t,), generator=gen(3))
@@ -1363,6 +1364,9 @@ def test_linear_cross_entropy_matches_torch():
         assert abs(loss.item() - ref.item()) <= 1e-6 * (1 + abs(ref.item()))
         assert_close(dh, hd.grad, (2.0 ** -8 if dtype == torch.bfloat16 else 1e-6) * hd.grad.abs() + 1e-7, "dh")
         assert_close(dw, 1 + wd.grad, 1e-6, "dw accumulated")
+        written = torch.full((vocab, hid), float("nan"))
+        qmm.linear_cross_entropy(h, w, labels, dw=written, accumulate_dw=False)
+        assert_close(written, wd.grad, 1e-6, "dw written")
         users = torch.nn.functional.cross_entropy((h @ w.t()).float(), labels, ignore_index=-100)
         logit_bound = (2.0 ** -8 if dtype == torch.bfloat16 else 1e-6) * (h.double().abs() @ w.double().abs().t()).max()
         assert abs(loss.item() - users.item()) <= 2 * logit_bound.item() + 1e-6
@@ -1393,6 +1397,8 @@ def test_linear_cross_entropy_loss_unchecked_labels_give_a_nan_loss():
                       lambda: qmm.linear_cross_entropy_loss(h, w, bad, check_labels=flag))
         _expect_error("InvalidArgument", "linear_cross_entropy: check_labels",
                       lambda: qmm.linear_cross_entropy(h, w, bad, check_labels=flag))
+        _expect_error("InvalidArgument", "linear_cross_entropy: accumulate_dw",
+                      lambda: qmm.linear_cross_entropy(h, w, bad, accumulate_dw=flag))
     loss = qmm.linear_cross_entropy_loss(h, w, bad, check_labels=False)
     assert torch.isnan(loss)
     loss.backward()

@@ -50,10 +50,10 @@ class ReferenceBackend {
   // k and k_out are absent views (rank 0) where there is no k.
   virtual void rope(const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
                     const TensorView& q_out, const TensorView& k_out, bool inverse) const = 0;
-  // The labels are not checked here (the core did, where asked).
+  // The labels are not checked here (the core did, where asked). accumulate_dw false: dw written, never read.
   virtual void linear_cross_entropy(const TensorView& h, const TensorView& w, const TensorView& labels,
                                     const TensorView& loss, const TensorView& dh, const TensorView& dw,
-                                    std::int32_t ignore_index) const = 0;
+                                    std::int32_t ignore_index, bool accumulate_dw) const = 0;
 };
 
 // The CPU reference backend (always linked).

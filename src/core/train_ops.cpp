@@ -368,15 +368,15 @@ void rope(const Context& ctx, const TensorView& q, const TensorView& k, const Te
   QMM_TRAIN_ROUTE(ctx, op, rope, q, k, cos, sin, q_out, k_out, inverse);
 }
 
-std::int64_t linear_cross_entropy_chunk_tokens(std::int64_t tokens, std::int64_t vocab, DType dtype) {
+std::int64_t linear_cross_entropy_chunk_tokens(std::int64_t tokens, std::int64_t vocab, DType dtype, bool with_dw) {
   const char* op = "linear_cross_entropy_chunk_tokens";
   QMM_REQUIRE(tokens >= 0, ErrorCode::InvalidArgument, op, "tokens is " + std::to_string(tokens) + ", below 0");
   QMM_REQUIRE(vocab >= 1, ErrorCode::InvalidArgument, op, "vocab is " + std::to_string(vocab) + ", below 1");
   QMM_REQUIRE(dtype == DType::F32 || dtype == DType::BF16, ErrorCode::DTypeMismatch, op,
               std::string("dtype is ") + dtype_name(dtype) + " but must be f32 or bf16");
-  constexpr std::int64_t kChunkBytes = std::int64_t{256} << 20;
+  const std::int64_t chunk_bytes = std::int64_t{with_dw ? 1024 : 256} << 20;
   const std::int64_t row_bytes = vocab * static_cast<std::int64_t>(dtype_size(dtype));
-  return std::min(tokens, std::max<std::int64_t>(512, kChunkBytes / row_bytes / 128 * 128));
+  return std::min(tokens, std::max<std::int64_t>(512, chunk_bytes / row_bytes / 128 * 128));
 }
 
 void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorView& w, const TensorView& labels,
@@ -430,7 +430,8 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
                       std::to_string(vocab) + ") or the ignore_index " + std::to_string(opts.ignore_index));
   }
   if (ctx.device().is_cpu())
-    return reference_backend().linear_cross_entropy(h, w, labels, loss, dh, dw, opts.ignore_index);
+    return reference_backend().linear_cross_entropy(h, w, labels, loss, dh, dw, opts.ignore_index,
+                                                    opts.accumulate_dw);
   require_gpu_backend(op).linear_cross_entropy(ctx, h, w, labels, loss, dh, dw, opts);
 }
 

@@ -38,6 +38,6 @@ void rms_norm_backward(const TensorView& x, const TensorView& w, const TensorVie
 void rope(const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
           const TensorView& q_out, const TensorView& k_out, bool inverse);
 void linear_cross_entropy(const TensorView& h, const TensorView& w, const TensorView& labels, const TensorView& loss,
-                          const TensorView& dh, const TensorView& dw, std::int32_t ignore_index);
+                          const TensorView& dh, const TensorView& dw, std::int32_t ignore_index, bool accumulate_dw);
 
 }  // namespace qmm::cpu

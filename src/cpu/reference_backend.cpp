@@ -62,8 +62,8 @@ class CpuReference final : public ReferenceBackend {
   }
   void linear_cross_entropy(const TensorView& h, const TensorView& w, const TensorView& labels,
                             const TensorView& loss, const TensorView& dh, const TensorView& dw,
-                            std::int32_t ignore_index) const override {
-    cpu::linear_cross_entropy(h, w, labels, loss, dh, dw, ignore_index);
+                            std::int32_t ignore_index, bool accumulate_dw) const override {
+    cpu::linear_cross_entropy(h, w, labels, loss, dh, dw, ignore_index, accumulate_dw);
   }
 };
 

@@ -299,7 +299,7 @@ void rope(const TensorView& q, const TensorView& k, const TensorView& cos, const
 // loss term and gradient row, as on a GPU. Per-token losses are summed in token order; dw's rows are summed over
 // tokens in order (each thread owns whole rows of dw), so the result does not depend on the thread count.
 void linear_cross_entropy(const TensorView& h, const TensorView& w, const TensorView& labels, const TensorView& loss,
-                          const TensorView& dh, const TensorView& dw, std::int32_t ignore_index) {
+                          const TensorView& dh, const TensorView& dw, std::int32_t ignore_index, bool accumulate_dw) {
   const std::int64_t t = h.dim(0), hid = h.dim(1), vocab = w.dim(0);
   const std::int32_t* lab = labels.data_as<const std::int32_t>();
   std::int64_t n = 0;
@@ -369,7 +369,7 @@ void linear_cross_entropy(const TensorView& h, const TensorView& w, const Tensor
         double acc = 0;
         for (std::int64_t i = 0; i < t; ++i)
           acc += g[static_cast<std::size_t>(i * vocab + v)] * hd[static_cast<std::size_t>(i * hid + k)];
-        out[v * hid + k] = static_cast<float>(out[v * hid + k] + acc);
+        out[v * hid + k] = static_cast<float>(accumulate_dw ? out[v * hid + k] + acc : acc);
       }
   }
 }

@@ -988,7 +988,31 @@ TEST(TrainLinearCrossEntropy, MatchesDefinitionOnRaggedShapes) {
     }
 }
 
-// The GPU path's default chunk: 256 MiB of logits in h's dtype, at least 512 tokens, at most T; bad arguments raise.
+// accumulate_dw false: dw written without being read (a NaN-poisoned dw ends as a zeroed one accumulated to, bit
+// for bit), also with no tokens (a zero gradient) and with every token ignored.
+TEST(TrainLinearCrossEntropy, DwWrittenWithoutAccumulating) {
+  const Context& ctx = Context::cpu();
+  std::uint64_t seed = 900;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (auto [t, hid, vocab, ignore_every] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, int>{7, 16, 63, 3},
+                                               {0, 8, 5, 0}, {3, 8, 5, 1}}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " T=" + std::to_string(t));
+      const Tensor h = test::random_tensor(dt, {t, hid}, ++seed, -2.0f, 2.0f);
+      const Tensor w = test::random_tensor(dt, {vocab, hid}, ++seed, -2.0f, 2.0f);
+      std::vector<std::int32_t> labels = ce_labels(t, vocab, ++seed, ignore_every);
+      if (ignore_every == 1) labels.assign(labels.size(), -100);
+      Tensor loss(DType::F32, {1}), added = test::filled(DType::F32, {vocab, hid}, 0.0f);
+      linear_cross_entropy(ctx, h, w, i32_tensor(labels), loss, {}, added);
+      Tensor written = test::filled(DType::F32, {vocab, hid}, NAN);
+      CrossEntropyOptions opts;
+      opts.accumulate_dw = false;
+      linear_cross_entropy(ctx, h, w, i32_tensor(labels), loss, {}, written, opts);
+      EXPECT_TRUE(test::bytes_equal(written, added));
+    }
+}
+
+// The GPU path's default chunk: 256 MiB of logits in h's dtype (1 GiB with dw), at least 512 tokens, at most T; bad
+// arguments raise.
 TEST(TrainLinearCrossEntropy, DefaultChunkTokens) {
   EXPECT_EQ(linear_cross_entropy_chunk_tokens(4096, 128256, DType::BF16), 1024);  // 1046 rows, in 128s
   EXPECT_EQ(linear_cross_entropy_chunk_tokens(4096, 128256, DType::F32), 512);    // 523 rows
@@ -996,6 +1020,9 @@ TEST(TrainLinearCrossEntropy, DefaultChunkTokens) {
   EXPECT_EQ(linear_cross_entropy_chunk_tokens(100000, 1000, DType::BF16), 100000);  // every token in one chunk
   EXPECT_EQ(linear_cross_entropy_chunk_tokens(7, 1 << 30, DType::F32), 7);
   EXPECT_EQ(linear_cross_entropy_chunk_tokens(0, 10, DType::F32), 0);
+  EXPECT_EQ(linear_cross_entropy_chunk_tokens(4096, 128256, DType::BF16, true), 4096);   // 4186 rows
+  EXPECT_EQ(linear_cross_entropy_chunk_tokens(100000, 128256, DType::F32, true), 2048);  // 2093 rows
+  EXPECT_EQ(linear_cross_entropy_chunk_tokens(2048, 151936, DType::BF16, true), 2048);
   EXPECT_TRUE(test::throws_error([] { linear_cross_entropy_chunk_tokens(-1, 10, DType::F32); }, kInvalid,
                                  {"linear_cross_entropy_chunk_tokens", "tokens is -1"}));
   EXPECT_TRUE(

@@ -563,7 +563,8 @@ TEST(TrainOpsGpu, RopeMatchesCpu) {
 
 // linear_cross_entropy on the GPU (chunked logits GEMMs and the row kernel) against the CPU oracle (fp64): ragged
 // token counts over several chunks, ignored tokens (all of them in one case), both dtypes, labels checked on the
-// host and not (the count n then comes from the device). Both sides round the logits to the inputs' dtype; the
+// host and not (the count n then comes from the device), dw accumulated onto zeros (checked cases) and written over
+// NaN (accumulate_dw false: the unchecked ones). Both sides round the logits to the inputs' dtype; the
 // GPU's fp32 sums may land a bf16 logit one unit off the oracle's, rarely the label's: the loss within 1e-5
 // relative (f32) or 1e-4 (bf16). The gradient rows are rounded to the activations' dtype before their GEMMs (bf16:
 // 2^-9 each, summed over V terms and T tokens): dh and dw within 1% (bf16) or 1e-4 (f32) Frobenius-relative of the
@@ -591,11 +592,12 @@ TEST(TrainOpsGpu, LinearCrossEntropyMatchesCpu) {
         CrossEntropyOptions opts;
         opts.chunk_tokens = chunk;
         opts.check_labels = checked;
+        opts.accumulate_dw = checked;
         Tensor loss(DType::F32, {1}), dh(dt, {t, hidden}), dw = test::filled(DType::F32, {vocab, hidden}, 0.0f);
         linear_cross_entropy(Context::cpu(), h, w, labels, loss, dh, dw, opts);
         const Tensor loss_d = to_device(test::filled(DType::F32, {1}, NAN), dev);
         const Tensor dh_d = to_device(test::filled(dt, {t, hidden}, NAN), dev);
-        const Tensor dw_d = to_device(test::filled(DType::F32, {vocab, hidden}, 0.0f), dev);
+        const Tensor dw_d = to_device(test::filled(DType::F32, {vocab, hidden}, checked ? 0.0f : NAN), dev);
         linear_cross_entropy(gpu, to_device(h, dev), to_device(w, dev), to_device(labels, dev), loss_d, dh_d, dw_d,
                              opts);
         gpu.synchronize();

@@ -217,12 +217,13 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
   // here waits for it.
   if (t == 0) {
     qmm::zero(ctx, loss);
+    if (!dw.empty() && !opts.accumulate_dw) qmm::zero(ctx, dw);  // written: a zero gradient
     return;
   }
   const Device dev = ctx.device();
   const std::int64_t row_bytes = vocab * static_cast<std::int64_t>(dtype_size(h.dtype()));
   const std::int64_t chunk = opts.chunk_tokens > 0 ? std::min(opts.chunk_tokens, t)
-                                                   : linear_cross_entropy_chunk_tokens(t, vocab, h.dtype());
+                                                   : linear_cross_entropy_chunk_tokens(t, vocab, h.dtype(), !dw.empty());
   const bool grads = !dh.empty() || !dw.empty();
   // Temporaries from the stream-ordered pool: nothing waits for the device, and a graph capture can hold the call.
   // Each piece starts on a 256-byte boundary (the pool's blocks do): GEMM operands and fp64 sums stay aligned.
@@ -248,7 +249,8 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
     rows_step(ctx, zc, rows(labels, first, 4, {c}), opts.ignore_index, stats, grads,
               rows(row_loss, first, 8, {8 * c}));
     if (!dh.empty()) qmm::gemm(ctx, zc, w, rows(dh, first, h_row, {c, hidden}));
-    if (!dw.empty()) qmm::gemm_backward_b(ctx, zc, hc, dw, {1.0f, 1.0f});
+    const float dw_beta = first == 0 && !opts.accumulate_dw ? 0.0f : 1.0f;  // the first chunk overwrites, or adds
+    if (!dw.empty()) qmm::gemm_backward_b(ctx, zc, hc, dw, {1.0f, dw_beta});
   }
   mean_step(ctx, row_loss, stats, loss);
 }
