@@ -598,12 +598,12 @@ void Bench::run_loss() {
       for (std::size_t i = 0; i < fns.size(); ++i)
         record({"linear_cross_entropy", i == 0 ? mode : (want_dw ? "3 gemms" : "2 gemms"), hd.label, 1, t, v, h,
                 flops, bytes, st[i]});
-      const std::int64_t chunk = linear_cross_entropy_chunk_tokens(t, v, DType::BF16);
+      const std::int64_t chunk = linear_cross_entropy_chunk_tokens(t, v, DType::BF16, want_dw);
       const double extra = chunk * v * 2.0 + t * 8.0;
       if (is_gpu_)
-        std::printf("  linear_cross_entropy %s: extra memory %.1f MiB (chunks of %lld tokens: their bf16 logits and "
-                    "the loss terms), %.1f%% of the fp32 logits' %.1f MiB\n",
-                    hd.label.c_str(), extra / 1048576.0, static_cast<long long>(chunk), 100.0 * extra / (t * v * 4.0),
+        std::printf("  linear_cross_entropy %s%s: extra memory %.1f MiB (chunks of %lld tokens: their bf16 logits "
+                    "and the loss terms), %.1f%% of the fp32 logits' %.1f MiB\n",
+                    hd.label.c_str(), want_dw ? " with dw" : "", extra / 1048576.0, static_cast<long long>(chunk), 100.0 * extra / (t * v * 4.0),
                     t * v * 4.0 / 1048576.0);
     }
 
