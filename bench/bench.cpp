@@ -603,8 +603,8 @@ void Bench::run_loss() {
       if (is_gpu_)
         std::printf("  linear_cross_entropy %s%s: extra memory %.1f MiB (chunks of %lld tokens: their bf16 logits "
                     "and the loss terms), %.1f%% of the fp32 logits' %.1f MiB\n",
-                    hd.label.c_str(), want_dw ? " with dw" : "", extra / 1048576.0, static_cast<long long>(chunk), 100.0 * extra / (t * v * 4.0),
-                    t * v * 4.0 / 1048576.0);
+                    hd.label.c_str(), want_dw ? " with dw" : "", extra / 1048576.0, static_cast<long long>(chunk),
+                    100.0 * extra / (t * v * 4.0), t * v * 4.0 / 1048576.0);
     }
 
   // rms_norm forward and backward (with dw) at the decoder's widths, bf16, against the copy bandwidth: forward reads
@@ -805,7 +805,8 @@ void Bench::run_nf4() {
         for (const auto& [pname, path] : gu_paths) {
           const Nf4GemmOptions po{1.0f, 0.0f, path};
           gu_fns.push_back([&, po](int i) {
-            nf4_gate_up(ctx_, as[i % sets], ws[i % sets], ws2[i % sets], {TensorView(), TensorView(), hs[i % sets]}, po);
+            nf4_gate_up(ctx_, as[i % sets], ws[i % sets], ws2[i % sets], {TensorView(), TensorView(), hs[i % sets]},
+                        po);
           });
         }
         const std::vector<Stats> st = time_interleaved(gu_fns, sets);

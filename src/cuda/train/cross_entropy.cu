@@ -222,8 +222,9 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
   }
   const Device dev = ctx.device();
   const std::int64_t row_bytes = vocab * static_cast<std::int64_t>(dtype_size(h.dtype()));
-  const std::int64_t chunk = opts.chunk_tokens > 0 ? std::min(opts.chunk_tokens, t)
-                                                   : linear_cross_entropy_chunk_tokens(t, vocab, h.dtype(), !dw.empty());
+  const std::int64_t chunk = opts.chunk_tokens > 0
+                                 ? std::min(opts.chunk_tokens, t)
+                                 : linear_cross_entropy_chunk_tokens(t, vocab, h.dtype(), !dw.empty());
   const bool grads = !dh.empty() || !dw.empty();
   // Temporaries from the stream-ordered pool: nothing waits for the device, and a graph capture can hold the call.
   // Each piece starts on a 256-byte boundary (the pool's blocks do): GEMM operands and fp64 sums stay aligned.
