@@ -1,0 +1,68 @@
+"""The Python benchmarks' own checks (--tiny: a small Llama on the CPU), so that a script broken by a change is found
+before a GPU session spends its time on it. They need transformers, PEFT and bitsandbytes (skipped without them,
+as on CI's Debian PyTorch; scripts/test-peers runs them)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import torch
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+if torch.cuda.is_available():  # CPU checks of the scripts, about 90 s: CI runs them; a GPU session's time is dearer
+    pytest.skip("the scripts' CPU checks run in CI, not on the GPU machine", allow_module_level=True)
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+
+
+def run_script(name, *args):
+    """The script's stdout; its stderr's progress lines are checked to name every worker."""
+    done = subprocess.run([sys.executable, os.path.join(BENCH, name), "--tiny", "--device", "cpu", *args],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout, done.stderr
+
+
+def rows(table_text):
+    """{variant: [cells]} of the markdown table rows in the text."""
+    out = {}
+    for line in table_text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0] not in ("variant", "---"):
+            out[cells[0]] = cells[1:]
+    return out
+
+
+def test_train_step_tiny_runs_and_compares_with_bnb():
+    """bench/train_step.py: every variant asked for runs (none skipped), each worker's end is reported as it comes,
+    and the patched variants' losses and gradients are compared with bnb's."""
+    out, err = run_script("train_step.py", "--variants", "bnb,qmm,qmm-all", "--steps", "2", "--warmup", "1")
+    table = rows(out)
+    assert set(table) == {"bnb", "qmm", "qmm-all"}, out
+    for variant, cells in table.items():
+        assert not cells[0].startswith("skipped"), (variant, cells)
+        assert re.search(rf"tiny {variant}: exit 0 after \d+ s", err), err
+    for variant in ("qmm", "qmm-all"):
+        assert table[variant][-3] != "-", table[variant]  # the LoRA gradients against bnb's
+
+
+def test_train_step_nf4_path_reaches_the_patch():
+    """--nf4-path goes to qmm.patch_bnb: a path the CPU backend does not run makes the qmm variant a skipped row
+    whose reason is qmm's error, naming the path."""
+    out, _ = run_script("train_step.py", "--variants", "qmm", "--steps", "1", "--warmup", "1", "--nf4-path", "fused")
+    assert "qmm NF4 path fused" in out
+    cells = rows(out)["qmm"]
+    assert cells[0].startswith("skipped") and "path fused is not available on the CPU backend" in cells[0], cells
+
+
+def test_decode_tiny_generates_bitsandbytes_tokens():
+    """bench/decode.py: the patched variants generate bnb's greedy tokens."""
+    out, err = run_script("decode.py", "--variants", "bnb,qmm", "--new-tokens", "4", "--repeats", "1")
+    table = rows(out)
+    assert set(table) == {"bnb", "qmm"}, out
+    assert table["qmm"][-1] == "yes", table
+    assert "tiny qmm: exit 0" in err, err
