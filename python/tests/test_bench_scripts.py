@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 import torch
 
 pytest.importorskip("bitsandbytes")
@@ -20,7 +19,7 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
 
 
 def run_script(name, *args):
-    """The script's stdout; its stderr's progress lines are checked to name every worker."""
+    """(stdout, stderr) of the script run with --tiny on the CPU; the test fails where it exits non-zero."""
     done = subprocess.run([sys.executable, os.path.join(BENCH, name), "--tiny", "--device", "cpu", *args],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
