@@ -9,7 +9,7 @@
                RMSNorms (fused_norm) and the rotary embeddings (fused_rope)
   qmm-all-compile  the same, compiled
   qmm-all-graph    qmm-all with the whole step (forward, backward, AdamW) replayed as one CUDA graph
-                   (qmm.graph_step; AdamW capturable)
+                   (qmm.graph_step; AdamW fused and capturable)
   qmm-all-reduce-overhead  qmm-all compiled with mode="reduce-overhead" (PyTorch replays the compiled forward and
                    backward as CUDA graphs; AdamW stays eager)
   liger        Liger-Kernel's patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) on bnb + PEFT
@@ -18,11 +18,11 @@
 Models are built from real configs (random weights, no hub): saved once with a tokenizer beside them, then loaded
 by each variant in its own process (from_pretrained, with BitsAndBytesConfig for the 4-bit ones). LoRA r 16, alpha
 32 on all seven projections, the same nonzero adapter initialisation in every variant (PEFT's B = 0 would leave A's
-gradient zero), the same token batch, AdamW on the adapters. Per variant: median and min step time, tokens/s,
-torch's peak allocated memory and the device's used memory (torch.cuda.mem_get_info, which also sees qmm's pool),
-every step's loss, kernels per step and GPU busy time (torch.profiler over two steps), and the LoRA gradients of
-step 0 against bnb's (relative difference, norm-wise, per tensor: largest and median). Variants whose packages are
-missing are reported as skipped.
+gradient zero), the same token batch, AdamW on the adapters (fused on a GPU, as transformers' Trainer's default).
+Per variant: median and min step time, tokens/s, torch's peak allocated memory and the device's used memory
+(torch.cuda.mem_get_info, which also sees qmm's pool), every step's loss, kernels per step and GPU busy time
+(torch.profiler over two steps), and the LoRA gradients of step 0 against bnb's (relative difference, norm-wise,
+per tensor: largest and median). Variants whose packages are missing are reported as skipped.
 
     PYTHONPATH=build/python python3 bench/train_step.py [--models qwen,llama] [--variants ...] [--steps 10]
         [--checkpointing] [--nf4-path auto] [--json out/train_step.json] [--unsloth-path DIR]
@@ -267,7 +267,10 @@ def worker(args):
     params = lora_params(model)
     init_adapters(params)
     graphed = args.worker.endswith("-graph")
-    opt = torch.optim.AdamW(list(params.values()), lr=1e-4, capturable=graphed and device == "cuda")
+    # On a GPU PyTorch's fused AdamW (transformers' Trainer's default optimizer): one kernel for every adapter,
+    # where the capturable multi-tensor one would replay a few small kernels per tensor.
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-4, fused=device == "cuda",
+                            capturable=graphed and device == "cuda")
     ids = torch.randint(4, config["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
     step_fn = model
     if args.worker.endswith("-compile"):

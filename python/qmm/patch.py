@@ -250,12 +250,50 @@ def _is_causal_lm(module):
         getattr(config, "final_logit_softcapping", None) is None
 
 
+# transformers looks for packed sequences (several in one row, told apart by their position ids) by reading the
+# device, which it cannot do under torch.compile or in a CUDA graph capture: there it assumes packing, builds the
+# causal mask as a tensor, and the attention then takes SDPA's masked path (a slower kernel; GQA's K/V repeated per
+# query head). A call with neither attention_mask nor position_ids has nothing to find (transformers numbers every
+# row 0, 1, 2, ...): while the patched causal LM runs such a call, the search answers "none" without looking.
+_positions_unpacked = False
+_PACKING_HELD = "_qmm_packing_held"  # on a model holding the wrapped search
+_packing = []  # [transformers' own search, the count of models holding the wrap] while it is wrapped
+
+
+def _unpacked_search(original):
+    def find_packed_sequence_indices(position_ids):
+        return None if _positions_unpacked else original(position_ids)
+    return functools.wraps(original)(find_packed_sequence_indices)
+
+
+def _hold_packing_search(model):
+    owner = sys.modules.get("transformers.masking_utils")
+    if owner is None or not callable(getattr(owner, "find_packed_sequence_indices", None)):
+        return  # a transformers without the search
+    if not _packing:
+        _packing.extend([owner.find_packed_sequence_indices, 0])
+        owner.find_packed_sequence_indices = _unpacked_search(_packing[0])
+    _packing[1] += 1
+    model.__dict__[_PACKING_HELD] = True
+
+
+def _release_packing_search(model):
+    if not model.__dict__.pop(_PACKING_HELD, False):
+        return
+    _packing[1] -= 1
+    if _packing[1] == 0:
+        sys.modules["transformers.masking_utils"].find_packed_sequence_indices = _packing[0]
+        _packing.clear()
+
+
 def _causal_lm_forward(lm, *args, labels=None, **kwargs):
     """Training with labels: the loss from the hidden states through linear_cross_entropy_loss, as transformers'
     causal-LM loss defines it (labels shifted by one, -100 ignored, the mean, or the sum over num_items_in_batch),
     and no logits; without past_key_values and use_cache, no KV cache is built (as Unsloth does: a training step has
     no use for one, and building it costs each layer a concatenation and its backward). Everything else (no labels,
-    eval mode, generation) runs the model's own forward."""
+    eval mode, generation) runs the model's own forward. A call without attention_mask and position_ids keeps
+    SDPA's causal path under torch.compile and CUDA graphs too (transformers' packed-sequence search, above)."""
+    global _positions_unpacked
     if labels is None or not lm.training or not torch.is_grad_enabled():
         return _unpatched(lm)(*args, labels=labels, **kwargs)
     why = "positional arguments" if args else None
@@ -273,7 +311,12 @@ def _causal_lm_forward(lm, *args, labels=None, **kwargs):
     vocab = lm.lm_head.weight.shape[0]
     early = not compiling() and not (labels.is_cuda and torch.cuda.is_current_stream_capturing())
     pending = PendingLabelCheck(labels[..., 1:], vocab, -100) if early else None
-    outputs = lm.model(**kwargs)
+    unpacked = kwargs.get("attention_mask") is None and kwargs.get("position_ids") is None
+    previous, _positions_unpacked = _positions_unpacked, unpacked
+    try:
+        outputs = lm.model(**kwargs)
+    finally:
+        _positions_unpacked = previous
     hidden = outputs[0]
     bad = None if pending is None else pending.first_bad()
     if bad is not None:  # the index in the caller's labels (the first token's label is never used)
@@ -435,7 +478,10 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
     the hidden states through linear_cross_entropy_loss, never holding the [tokens, vocab] logits, and no logits
     (eval mode, generation and calls without labels run the model's own forward) and, unless use_cache or
     past_key_values is passed, builds no KV cache; a label out of range is a qmm.Error, checked without a wait for
-    the device in the step (started before the decoder, read at the loss). With `fused_norm`, the RMSNorm modules of
+    the device in the step (started before the decoder, read at the loss); while it runs a call without
+    attention_mask and position_ids, transformers' search for packed sequences (masking_utils, wrapped while such a
+    model is patched) finds none without reading the device, so that under torch.compile and CUDA graphs the
+    attention keeps SDPA's causal kernel instead of an explicit mask. With `fused_norm`, the RMSNorm modules of
     Llama, Qwen2/3 and Mistral run qmm's rms_norm forward and backward kernels (bitsandbytes or not).
     With `fused_rope`, their attention's rotary embedding runs qmm's rope (q and k in one launch, forward and
     backward): as Liger-Kernel does, this points the model family's `apply_rotary_pos_emb` (in transformers' modeling
@@ -460,6 +506,8 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
             _patch(module, _swiglu_mlp_forward, path)
         elif fused_loss and _is_causal_lm(module):
             _patch(module, _causal_lm_forward, path)
+            if _PACKING_HELD not in model.__dict__:
+                _hold_packing_search(model)
         elif fused_norm and _is_rms_norm(module):
             _patch(module, _rms_norm_forward, path)
         else:
@@ -484,4 +532,5 @@ def unpatch_bnb(model):
             _nf4_cache.pop(module, None)
             restored.append(name)
     _unpatch_rope(model)
+    _release_packing_search(model)
     return restored

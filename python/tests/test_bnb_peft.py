@@ -489,6 +489,38 @@ def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
     assert modeling_llama.apply_rotary_pos_emb is own_rotary
 
 
+def test_patched_causal_lm_keeps_the_causal_attention_where_transformers_cannot_look(monkeypatch):
+    """Under torch.compile and in a CUDA graph capture transformers cannot read the position ids to rule out packed
+    sequences (it looks where no KV cache is built, as the fused loss's training calls build none), so it builds
+    the causal mask as a tensor (SDPA's masked path). Made to believe it is tracing, the unpatched model's decoder
+    layers get a mask without a cache, and the model patched with fused_loss, called without attention_mask and
+    position_ids, gets none (SDPA's causal kernel), with the same loss; called with position ids, the search runs
+    as transformers' own. unpatch_bnb gives transformers its search back."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    own_search = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "is_tracing", lambda *a, **k: True)
+    model = qlora_llama("cpu").train()
+    masks = []
+    for layer in model.base_model.model.model.layers:
+        layer.register_forward_pre_hook(lambda mod, args, kwargs: masks.append(kwargs.get("attention_mask")),
+                                        with_kwargs=True)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    ref = model(input_ids=ids, labels=ids, use_cache=False).loss.item()
+    assert masks and all(isinstance(m, torch.Tensor) for m in masks), masks  # the premise: a mask while tracing
+    qmm.patch_bnb(model, fused_loss=True)
+    assert masking_utils.find_packed_sequence_indices is not own_search
+    masks.clear()
+    loss = model(input_ids=ids, labels=ids).loss.item()
+    assert masks and all(m is None for m in masks), masks
+    assert abs(loss - ref) <= 1e-5 * abs(ref)
+    masks.clear()
+    positions = torch.arange(9).expand(2, 9)
+    model(input_ids=ids, labels=ids, position_ids=positions)
+    assert masks and all(isinstance(m, torch.Tensor) for m in masks), masks
+    qmm.unpatch_bnb(model)
+    assert masking_utils.find_packed_sequence_indices is own_search
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_patch_bnb_fused_loss_refuses_a_label_out_of_range(device):
     """The patched causal LM checks its labels without waiting for the forward pass (the check starts with the

@@ -28,10 +28,12 @@ def qlora_mlp(device, hidden=64, inter=96):
     return mlp
 
 
-def trainer(device):
-    """A fresh block, its optimizer and its training step (forward, backward, AdamW, gradients cleared)."""
+def trainer(device, fused=False):
+    """A fresh block, its optimizer and its training step (forward, backward, AdamW, gradients cleared): AdamW
+    capturable on a GPU, or fused (PyTorch's one-kernel AdamW, transformers' Trainer's default, capturable too)."""
     mlp = qlora_mlp(device)
-    opt = torch.optim.AdamW(mlp.parameters(), lr=1e-2, capturable=device == "cuda")
+    opt = torch.optim.AdamW(mlp.parameters(), lr=1e-2, fused=True) if fused else \
+        torch.optim.AdamW(mlp.parameters(), lr=1e-2, capturable=device == "cuda")
 
     def step(x, target):
         loss = torch.nn.functional.mse_loss(mlp(x), target)
@@ -102,11 +104,12 @@ def test_graph_step_inputs_must_be_tensors():
 
 
 @needs_gpu
-def test_graph_step_trains_as_the_eager_step_bit_for_bit():
-    """Ten steps on changing batches: the replayed step's losses and trained weights equal the eager step's. Two
-    warm-up calls run eagerly, the third captures (and replays) the graph."""
-    mlp_e, step_e = trainer("cuda")
-    mlp_g, step_g = trainer("cuda")
+@pytest.mark.parametrize("fused", [False, True])
+def test_graph_step_trains_as_the_eager_step_bit_for_bit(fused):
+    """Ten steps on changing batches: the replayed step's losses and trained weights equal the eager step's (AdamW
+    capturable, or fused). Two warm-up calls run eagerly, the third captures (and replays) the graph."""
+    mlp_e, step_e = trainer("cuda", fused)
+    mlp_g, step_g = trainer("cuda", fused)
     graphed = qmm.graph_step(step_g, warmup=2)
     for i, (x, target) in enumerate(batches("cuda", 10)):
         want = step_e(x, target).item()
