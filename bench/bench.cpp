@@ -675,8 +675,12 @@ double nf4_bytes(std::int64_t n, std::int64_t k, bool dq) {
 }
 
 void Bench::run_nf4() {
-  // Quantize/dequantize of the weights, then the NF4 GEMMs with bf16 activations and double-quantized weights.
-  for (const Projection& p : projections()) {
+  // Quantize/dequantize of the weights (the MLP's and attention's), then the NF4 GEMMs with bf16 activations and
+  // double-quantized weights.
+  std::vector<Projection> weights = projections();
+  if (is_gpu_)
+    for (const Projection& p : bench::attention_projections()) weights.push_back(p);
+  for (const Projection& p : weights) {
     const std::int64_t N = p.n, K = p.k;
     if (p.label.find("down") != std::string::npos) continue;  // same element count as gate_up
     const std::string label = p.label.substr(0, p.label.find(' ')) + " " + std::to_string(N) + "x" + std::to_string(K);

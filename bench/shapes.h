@@ -21,6 +21,15 @@ inline std::vector<Projection> projections() {
           {"llama3-8b down", 14336, 4096}};
 }
 
+// The attention projections' weights (q and o share a shape, as k and v do), for the NF4 conversions: a training
+// step dequantizes them too, and at these sizes a kernel's launch and tail weigh more.
+inline std::vector<Projection> attention_projections() {
+  return {{"qwen2.5-1.5b q_proj", 1536, 1536},
+          {"qwen2.5-1.5b k_proj", 1536, 256},
+          {"llama3-8b q_proj", 4096, 4096},
+          {"llama3-8b k_proj", 4096, 1024}};
+}
+
 inline std::vector<std::int64_t> token_counts() { return {1, 16, 64, 512, 2048, 4096}; }
 
 struct Attention {
