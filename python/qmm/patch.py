@@ -16,6 +16,7 @@ offset, is kept on bitsandbytes' QuantState as a CPU tensor, made when the weigh
 eager call after bitsandbytes replaced it)."""
 import collections
 import functools
+import inspect
 import sys
 import types
 import warnings
@@ -250,14 +251,16 @@ def _is_causal_lm(module):
         getattr(config, "final_logit_softcapping", None) is None
 
 
-# transformers looks for packed sequences (several in one row, told apart by their position ids) by reading the
-# device, which it cannot do under torch.compile or in a CUDA graph capture: there it assumes packing, builds the
-# causal mask as a tensor, and the attention then takes SDPA's masked path (a slower kernel; GQA's K/V repeated per
-# query head). A call with neither attention_mask nor position_ids has nothing to find (transformers numbers every
-# row 0, 1, 2, ...): while the patched causal LM runs such a call, the search answers "none" without looking.
+# transformers builds the causal mask as a tensor (SDPA then takes its masked path: a slower kernel, GQA's K/V repeated
+# per query head) wherever it cannot prove it unneeded: it looks for packed sequences (several in one row, told
+# apart by their position ids) by reading the device, which it cannot do in a CUDA graph capture or under
+# torch.compile, and under torch.compile (PyTorch before 2.14) it never skips the mask. A call with neither
+# attention_mask nor position_ids and no cached tokens needs none (transformers numbers every row 0, 1, 2, ...; the
+# mask is SDPA's is_causal): while the patched causal LM runs such a call, the two checks say so without looking.
 _positions_unpacked = False
-_PACKING_HELD = "_qmm_packing_held"  # on a model holding the wrapped search
-_packing = []  # [transformers' own search, the count of models holding the wrap] while it is wrapped
+_MASKING_HELD = "_qmm_masking_held"  # on a model holding the wrapped checks
+_masking = {}  # transformers.masking_utils' own functions, by name, while they are wrapped
+_masking_holders = [0]
 
 
 def _unpacked_search(original):
@@ -266,24 +269,44 @@ def _unpacked_search(original):
     return functools.wraps(original)(find_packed_sequence_indices)
 
 
-def _hold_packing_search(model):
+def _causal_skip(original):
+    def _ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        if _positions_unpacked and padding_mask is None and q_length == kv_length and \
+                (local_attention_size is None or kv_length < local_attention_size):
+            return True
+        return original(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size)
+    return functools.wraps(original)(_ignore_causal_mask_sdpa)
+
+
+# What is wrapped: each function with the parameters its wrapper takes (another transformers keeps its own).
+_MASKING_WRAPS = {"find_packed_sequence_indices": (_unpacked_search, ["position_ids"]),
+                  "_ignore_causal_mask_sdpa": (_causal_skip, ["padding_mask", "q_length", "kv_length", "q_offset",
+                                                              "kv_offset", "local_attention_size"])}
+
+
+def _hold_masking_checks(model):
     owner = sys.modules.get("transformers.masking_utils")
-    if owner is None or not callable(getattr(owner, "find_packed_sequence_indices", None)):
-        return  # a transformers without the search
-    if not _packing:
-        _packing.extend([owner.find_packed_sequence_indices, 0])
-        owner.find_packed_sequence_indices = _unpacked_search(_packing[0])
-    _packing[1] += 1
-    model.__dict__[_PACKING_HELD] = True
-
-
-def _release_packing_search(model):
-    if not model.__dict__.pop(_PACKING_HELD, False):
+    if owner is None:
         return
-    _packing[1] -= 1
-    if _packing[1] == 0:
-        sys.modules["transformers.masking_utils"].find_packed_sequence_indices = _packing[0]
-        _packing.clear()
+    if _masking_holders[0] == 0:
+        for name, (wrap, params) in _MASKING_WRAPS.items():
+            own = getattr(owner, name, None)
+            if callable(own) and list(inspect.signature(own).parameters) == params:
+                _masking[name] = own
+                setattr(owner, name, wrap(own))
+    _masking_holders[0] += 1
+    model.__dict__[_MASKING_HELD] = True
+
+
+def _release_masking_checks(model):
+    if not model.__dict__.pop(_MASKING_HELD, False):
+        return
+    _masking_holders[0] -= 1
+    if _masking_holders[0] == 0:
+        owner = sys.modules["transformers.masking_utils"]
+        for name, own in _masking.items():
+            setattr(owner, name, own)
+        _masking.clear()
 
 
 def _causal_lm_forward(lm, *args, labels=None, **kwargs):
@@ -292,7 +315,7 @@ def _causal_lm_forward(lm, *args, labels=None, **kwargs):
     and no logits; without past_key_values and use_cache, no KV cache is built (as Unsloth does: a training step has
     no use for one, and building it costs each layer a concatenation and its backward). Everything else (no labels,
     eval mode, generation) runs the model's own forward. A call without attention_mask and position_ids keeps
-    SDPA's causal path under torch.compile and CUDA graphs too (transformers' packed-sequence search, above)."""
+    SDPA's causal path in CUDA graphs and under torch.compile too (transformers' mask checks, above)."""
     global _positions_unpacked
     if labels is None or not lm.training or not torch.is_grad_enabled():
         return _unpatched(lm)(*args, labels=labels, **kwargs)
@@ -479,9 +502,9 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
     (eval mode, generation and calls without labels run the model's own forward) and, unless use_cache or
     past_key_values is passed, builds no KV cache; a label out of range is a qmm.Error, checked without a wait for
     the device in the step (started before the decoder, read at the loss); while it runs a call without
-    attention_mask and position_ids, transformers' search for packed sequences (masking_utils, wrapped while such a
-    model is patched) finds none without reading the device, so that under torch.compile and CUDA graphs the
-    attention keeps SDPA's causal kernel instead of an explicit mask. With `fused_norm`, the RMSNorm modules of
+    attention_mask and position_ids, transformers' mask checks (masking_utils' packed-sequence search and causal-
+    mask skip, wrapped while such a model is patched) know there is nothing to mask beyond causality, so that in
+    CUDA graphs and under torch.compile the attention keeps SDPA's causal kernel instead of an explicit mask. With `fused_norm`, the RMSNorm modules of
     Llama, Qwen2/3 and Mistral run qmm's rms_norm forward and backward kernels (bitsandbytes or not).
     With `fused_rope`, their attention's rotary embedding runs qmm's rope (q and k in one launch, forward and
     backward): as Liger-Kernel does, this points the model family's `apply_rotary_pos_emb` (in transformers' modeling
@@ -506,8 +529,8 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
             _patch(module, _swiglu_mlp_forward, path)
         elif fused_loss and _is_causal_lm(module):
             _patch(module, _causal_lm_forward, path)
-            if _PACKING_HELD not in model.__dict__:
-                _hold_packing_search(model)
+            if _MASKING_HELD not in model.__dict__:
+                _hold_masking_checks(model)
         elif fused_norm and _is_rms_norm(module):
             _patch(module, _rms_norm_forward, path)
         else:
@@ -532,5 +555,5 @@ def unpatch_bnb(model):
             _nf4_cache.pop(module, None)
             restored.append(name)
     _unpatch_rope(model)
-    _release_packing_search(model)
+    _release_masking_checks(model)
     return restored

@@ -490,14 +490,14 @@ def test_patch_bnb_fused_loss_on_a_peft_llama(compiled, task_type, device):
 
 
 def test_patched_causal_lm_keeps_the_causal_attention_where_transformers_cannot_look(monkeypatch):
-    """Under torch.compile and in a CUDA graph capture transformers cannot read the position ids to rule out packed
-    sequences (it looks where no KV cache is built, as the fused loss's training calls build none), so it builds
-    the causal mask as a tensor (SDPA's masked path). Made to believe it is tracing, the unpatched model's decoder
-    layers get a mask without a cache, and the model patched with fused_loss, called without attention_mask and
-    position_ids, gets none (SDPA's causal kernel), with the same loss; called with position ids, the search runs
-    as transformers' own. unpatch_bnb gives transformers its search back."""
+    """In a CUDA graph capture transformers cannot read the position ids to rule out packed sequences (it looks
+    where no KV cache is built, as the fused loss's training calls build none), so it builds the causal mask as a
+    tensor (SDPA's masked path). Made to believe it is capturing, the unpatched model's decoder layers get a mask
+    without a cache, and the model patched with fused_loss, called without attention_mask and position_ids, gets
+    none (SDPA's causal kernel), with the same loss; called with position ids, the checks run as transformers' own.
+    unpatch_bnb gives transformers its functions back."""
     masking_utils = pytest.importorskip("transformers.masking_utils")
-    own_search = masking_utils.find_packed_sequence_indices
+    own = (masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa)
     monkeypatch.setattr(masking_utils, "is_tracing", lambda *a, **k: True)
     model = qlora_llama("cpu").train()
     masks = []
@@ -508,7 +508,7 @@ def test_patched_causal_lm_keeps_the_causal_attention_where_transformers_cannot_
     ref = model(input_ids=ids, labels=ids, use_cache=False).loss.item()
     assert masks and all(isinstance(m, torch.Tensor) for m in masks), masks  # the premise: a mask while tracing
     qmm.patch_bnb(model, fused_loss=True)
-    assert masking_utils.find_packed_sequence_indices is not own_search
+    assert masking_utils.find_packed_sequence_indices is not own[0]
     masks.clear()
     loss = model(input_ids=ids, labels=ids).loss.item()
     assert masks and all(m is None for m in masks), masks
@@ -518,7 +518,39 @@ def test_patched_causal_lm_keeps_the_causal_attention_where_transformers_cannot_
     model(input_ids=ids, labels=ids, position_ids=positions)
     assert masks and all(isinstance(m, torch.Tensor) for m in masks), masks
     qmm.unpatch_bnb(model)
-    assert masking_utils.find_packed_sequence_indices is own_search
+    assert (masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa) == own
+
+
+@pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
+def test_patched_causal_lm_compiles_without_a_causal_mask(monkeypatch):
+    """Under torch.compile (aot_eager, fullgraph) transformers builds the causal mask as a tensor whatever the
+    inputs (its skip needs PyTorch 2.14's export check); the model patched with fused_loss, called without
+    attention_mask and position_ids, compiles without one: SDPA's mask function returns None while tracing."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    made = []
+    own_sdpa_mask = masking_utils.sdpa_mask
+
+    def sdpa_mask(*args, **kwargs):
+        mask = own_sdpa_mask(*args, **kwargs)
+        made.append(mask)
+        return mask
+
+    mapping = getattr(getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None), "_global_mapping", {})
+    if "sdpa" not in mapping:
+        pytest.skip("a transformers without its mask functions' registry")
+    monkeypatch.setattr(masking_utils, "sdpa_mask", sdpa_mask)
+    monkeypatch.setitem(mapping, "sdpa", sdpa_mask)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    for fused in (False, True):
+        model = qlora_llama("cpu").train()
+        if fused:
+            qmm.patch_bnb(model, fused_loss=True)
+        torch._dynamo.reset()
+        made.clear()
+        torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=ids, labels=ids, use_cache=False)
+        assert made, "sdpa_mask was not called"
+        assert all((m is None) == fused for m in made), (fused, [None if m is None else m.shape for m in made])
+        qmm.unpatch_bnb(model)
 
 
 @pytest.mark.parametrize("device", DEVICES)
