@@ -112,7 +112,7 @@ def main():
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.checkpointing = False  # train_step.load's option
+    args.checkpointing, args.nf4_path = False, "auto"  # train_step.load's options
     if args.worker:
         return worker(args)
     unknown = set(args.variants.split(",")) - set(VARIANTS)

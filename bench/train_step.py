@@ -224,7 +224,7 @@ def load(variant, folder, args):
     if variant.startswith("qmm"):
         import qmm
         everything = variant.startswith("qmm-all")
-        qmm.patch_bnb(model, path=getattr(args, "nf4_path", "auto"), fused_loss=everything, fused_norm=everything,
+        qmm.patch_bnb(model, path=args.nf4_path, fused_loss=everything, fused_norm=everything,
                       fused_rope=everything)
     return model
 

@@ -26,8 +26,9 @@ in the same containers: tensors, tuples, lists, dicts, a transformers ModelOutpu
 A loss of an eager step run before on another stream (PyTorch's default one) that is still referenced when the
 graph is captured keeps that step's gradient accumulators, tied to that stream, in use: let it go (`loss.item()`
 or `loss.detach()` keep the value) before the step's first calls. Hugging Face models check an attention mask's
-values to skip it when nothing is padded, which they cannot do while capturing: pass no attention_mask for
-unpadded batches, or the graph holds the explicit-mask attention. On the CPU the step runs eagerly.
+values (and, building no KV cache, the position ids) to skip the mask when nothing is padded or packed, which they
+cannot do while capturing: pass no attention_mask for unpadded batches, and without a KV cache patch the model
+with patch_bnb(fused_loss=True), or the graph holds the explicit-mask attention. On the CPU the step runs eagerly.
 
 Capturing qmm's ops with torch.cuda.graph yourself: warm them up on the stream you capture on (qmm keeps a context
 per stream; graph_step does this)."""

@@ -251,6 +251,32 @@ def _is_causal_lm(module):
         getattr(config, "final_logit_softcapping", None) is None
 
 
+_WRAPS = "_qmm_wrapped_functions"  # on a patched model: the (module, name) pairs of the functions it holds wrapped
+_wrapped = {}  # (module, name) -> [the module's own function, the count of models holding the wrap]
+
+
+def _hold_wrap(model, owner, name, wrap):
+    """Points module `owner`'s function `name` at wrap(its own function) while any model holds it, once per model:
+    transformers' modules are shared by every model of a family in the process; _release_wraps gives it back."""
+    held = model.__dict__.setdefault(_WRAPS, [])
+    if (owner, name) in held:
+        return
+    entry = _wrapped.setdefault((owner, name), [getattr(owner, name), 0])
+    if entry[1] == 0:
+        setattr(owner, name, wrap(entry[0]))
+    entry[1] += 1
+    held.append((owner, name))
+
+
+def _release_wraps(model):
+    for owner, name in model.__dict__.pop(_WRAPS, []):
+        entry = _wrapped[(owner, name)]
+        entry[1] -= 1
+        if entry[1] == 0:
+            setattr(owner, name, entry[0])
+            del _wrapped[(owner, name)]
+
+
 # transformers builds the causal mask as a tensor (SDPA then takes its masked path: a slower kernel, GQA's K/V repeated
 # per query head) wherever it cannot prove it unneeded: it looks for packed sequences (several in one row, told
 # apart by their position ids) by reading the device, which it cannot do in a CUDA graph capture or under
@@ -258,9 +284,6 @@ def _is_causal_lm(module):
 # attention_mask nor position_ids and no cached tokens needs none (transformers numbers every row 0, 1, 2, ...; the
 # mask is SDPA's is_causal): while the patched causal LM runs such a call, the two checks say so without looking.
 _positions_unpacked = False
-_MASKING_HELD = "_qmm_masking_held"  # on a model holding the wrapped checks
-_masking = {}  # transformers.masking_utils' own functions, by name, while they are wrapped
-_masking_holders = [0]
 
 
 def _unpacked_search(original):
@@ -286,27 +309,10 @@ _MASKING_WRAPS = {"find_packed_sequence_indices": (_unpacked_search, ["position_
 
 def _hold_masking_checks(model):
     owner = sys.modules.get("transformers.masking_utils")
-    if owner is None:
-        return
-    if _masking_holders[0] == 0:
-        for name, (wrap, params) in _MASKING_WRAPS.items():
-            own = getattr(owner, name, None)
-            if callable(own) and list(inspect.signature(own).parameters) == params:
-                _masking[name] = own
-                setattr(owner, name, wrap(own))
-    _masking_holders[0] += 1
-    model.__dict__[_MASKING_HELD] = True
-
-
-def _release_masking_checks(model):
-    if not model.__dict__.pop(_MASKING_HELD, False):
-        return
-    _masking_holders[0] -= 1
-    if _masking_holders[0] == 0:
-        owner = sys.modules["transformers.masking_utils"]
-        for name, own in _masking.items():
-            setattr(owner, name, own)
-        _masking.clear()
+    for name, (wrap, params) in _MASKING_WRAPS.items():
+        own = getattr(owner, name, None)
+        if callable(own) and list(inspect.signature(own).parameters) == params:
+            _hold_wrap(model, owner, name, wrap)
 
 
 def _causal_lm_forward(lm, *args, labels=None, **kwargs):
@@ -387,8 +393,6 @@ def _rms_norm_forward(norm, x, *args, **kwargs):
 
 
 _ROPE_ATTENTIONS = ("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention")
-_ROPE_OWNERS = "_qmm_rope_modules"  # on a model patched with fused_rope: the modeling modules it holds patched
-_rope_originals = {}  # modeling module -> [its own apply_rotary_pos_emb, the count of models holding the patch]
 
 
 def _rope_module_of(module):
@@ -421,26 +425,11 @@ def _qmm_rotary(original):
 
 
 def _patch_rope(model):
-    """Points the modeling modules of the model's attention layers at qmm's rope, once per model."""
-    held = model.__dict__.setdefault(_ROPE_OWNERS, [])
+    """Points the modeling modules of the model's attention layers at qmm's rope."""
     for module in model.modules():
         owner = _rope_module_of(module)
-        if owner is None or owner in held:
-            continue
-        entry = _rope_originals.setdefault(owner, [owner.apply_rotary_pos_emb, 0])
-        if entry[1] == 0:
-            owner.apply_rotary_pos_emb = _qmm_rotary(entry[0])
-        entry[1] += 1
-        held.append(owner)
-
-
-def _unpatch_rope(model):
-    for owner in model.__dict__.pop(_ROPE_OWNERS, []):
-        entry = _rope_originals[owner]
-        entry[1] -= 1
-        if entry[1] == 0:
-            owner.apply_rotary_pos_emb = entry[0]
-            del _rope_originals[owner]
+        if owner is not None:
+            _hold_wrap(model, owner, "apply_rotary_pos_emb", _qmm_rotary)
 
 
 _Patch = collections.namedtuple("_Patch", ("fn", "path", "attr", "previous"))
@@ -529,14 +518,13 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
             _patch(module, _swiglu_mlp_forward, path)
         elif fused_loss and _is_causal_lm(module):
             _patch(module, _causal_lm_forward, path)
-            if _MASKING_HELD not in model.__dict__:
-                _hold_masking_checks(model)
+            _hold_masking_checks(model)
         elif fused_norm and _is_rms_norm(module):
             _patch(module, _rms_norm_forward, path)
         else:
             continue
         patched.append(name)
-    if fused_rope and _ROPE_OWNERS not in model.__dict__:
+    if fused_rope:
         _patch_rope(model)
     return patched
 
@@ -554,6 +542,5 @@ def unpatch_bnb(model):
                 setattr(module, patch.attr, patch.previous)
             _nf4_cache.pop(module, None)
             restored.append(name)
-    _unpatch_rope(model)
-    _release_masking_checks(model)
+    _release_wraps(model)
     return restored
