@@ -91,18 +91,21 @@ def linear_forward(x, w, bias, lora, path):
     return y, (x2 if xd2 is None else xd2, t, a if a_w is None else a_w, b if b_w is None else b_w)
 
 
-def linear_backward(dy, w, path, saved, scale, dropped, xd_shape, want):
+def linear_backward(dy, w, path, saved, scale, dropped, xd_shape, want, dx=None):
     """Gradients (dx, dxd, da, db) of linear_forward for want = (dx, dxd, da, db) flags, None where not wanted; the
-    NF4 input gradient and the adapter's products in one binding call."""
+    NF4 input gradient and the adapter's products in one binding call. A given dx (want's dx set) is added into:
+    the input gradient of several projections of one input, summed where it is computed."""
     want_dx, want_dxd, want_a, want_b = want
     n, k = w.shape
     dy2 = _flat(dy) if dy.is_contiguous() else _flat(dy.contiguous())
-    dx = torch.empty((*dy.shape[:-1], k), dtype=dy.dtype, device=dy.device) if want_dx else None
-    dx2 = None if dx is None else dx.view(-1, k)
+    dx_beta = 0.0 if dx is None else 1.0
+    if dx is None and want_dx:
+        dx = torch.empty((*dy.shape[:-1], k), dtype=dy.dtype, device=dy.device)
+    dx2 = dx.view(-1, k) if want_dx else None
     if saved is None:
-        if dx is not None:
+        if want_dx:
             _call(_qmm.lora_nf4_linear_backward, dy2, dy2, w._native, path, dx2, None, None, None, None, 1.0, None,
-                  None, None, False, None)
+                  None, None, False, None, dx_beta)
         return dx, None, None, None
     xs, t, a_w, b_w = saved
     dt = torch.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -110,8 +113,32 @@ def linear_backward(dy, w, path, saved, scale, dropped, xd_shape, want):
     grad_a = torch.empty(a_w.shape, dtype=torch.float32, device=dy.device) if want_a else None
     dxd = torch.empty(xd_shape, dtype=dy.dtype, device=dy.device) if dropped and want_dxd else None
     _call(_qmm.lora_nf4_linear_backward, dy2, dy2, w._native, path, dx2, xs, t, a_w, b_w, float(scale), dt, grad_a,
-          grad_b, dropped, None if dxd is None else dxd.view(-1, k))
+          grad_b, dropped, None if dxd is None else dxd.view(-1, k), dx_beta)
     return dx, dxd, grad_a, grad_b if want_b else None
+
+
+def linears_forward(x, ws, biases, loras, path):
+    """linear_forward for several projections of one input (an attention's q, k and v): every adapter's working
+    copies made in one launch, then each projection as linear_forward computes it. Returns the outputs and each
+    projection's saved tensors."""
+    working = working_copies([None if lora is None else lora[1:3] for lora in loras], x.dtype)
+    done = [linear_forward(x, w, bias, None if lora is None else (lora[0], *copies, lora[3]), path)
+            for w, bias, lora, copies in zip(ws, biases, loras, working)]
+    return [y for y, _ in done], [saved for _, saved in done]
+
+
+def linears_backward(dys, ws, path, saved, scales, dropped, x_shape, wants, want_dx):
+    """Gradients of linears_forward: dx (the projections' input gradients summed into one tensor, each added by its
+    own NF4 product: no separate sum), then per projection (dxd, da, db) for its wants = (dxd, da, db) flags. A
+    projection whose output has no gradient (dy None) adds nothing."""
+    dx, grads = None, []
+    for dy, w, s, scale, drop, want in zip(dys, ws, saved, scales, dropped, wants):
+        if dy is None:
+            grads.append((None, None, None))
+            continue
+        dx, dxd, da, db = linear_backward(dy, w, path, s, scale, drop, x_shape, (want_dx, *want), dx)
+        grads.append((dxd, da, db))
+    return dx, grads
 
 
 def swiglu_forward(x, w_gate, w_up, loras, path, keep):

@@ -105,6 +105,9 @@ def _saved(*adapters, dtype):
                  for (xs, t, _, _), w in zip(adapters, working))
 
 
+_WEIGHT_ARGS = ("codes", "absmax", "absmax2", "code2", "offset", "rows", "cols", "block_size")
+
+
 def _rows_of(x):
     return math.prod(x.shape[:-1])
 
@@ -170,6 +173,109 @@ if AVAILABLE:
                 dbias) + (None,) * 10
 
     lora_nf4_linear_op.register_autograd(_linear_grad, setup_context=_setup_linear)
+
+    # ---- an attention's q, k and v: three projections of one x -----------------------------------------------------
+
+    @op("qmm::lora_nf4_qkv", mutates_args=())
+    def lora_nf4_qkv_op(x: Tensor,
+                        xd_q: Optional[Tensor], a_q: Optional[Tensor], b_q: Optional[Tensor], bias_q: Optional[Tensor],
+                        xd_k: Optional[Tensor], a_k: Optional[Tensor], b_k: Optional[Tensor], bias_k: Optional[Tensor],
+                        xd_v: Optional[Tensor], a_v: Optional[Tensor], b_v: Optional[Tensor], bias_v: Optional[Tensor],
+                        q_codes: Tensor, q_absmax: Tensor, q_absmax2: Optional[Tensor], q_code2: Optional[Tensor],
+                        q_offset: Tensor, q_rows: int, q_cols: int, q_block_size: int,
+                        k_codes: Tensor, k_absmax: Tensor, k_absmax2: Optional[Tensor], k_code2: Optional[Tensor],
+                        k_offset: Tensor, k_rows: int, k_cols: int, k_block_size: int,
+                        v_codes: Tensor, v_absmax: Tensor, v_absmax2: Optional[Tensor], v_code2: Optional[Tensor],
+                        v_offset: Tensor, v_rows: int, v_cols: int, v_block_size: int,
+                        scale_q: float, scale_k: float, scale_v: float,
+                        path: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        args = locals()
+        ws = [weight_of(*(args[f"{p}_{n}"] for n in _WEIGHT_ARGS)) for p in "qkv"]
+        loras = [_lora(x, args[f"xd_{p}"], args[f"a_{p}"], args[f"b_{p}"], args[f"scale_{p}"]) for p in "qkv"]
+        ys, saved = _impl.linears_forward(x, ws, [args[f"bias_{p}"] for p in "qkv"], loras, path)
+        return (*ys, *(_or_empty(s and s[1], x) for s in saved))
+
+    @lora_nf4_qkv_op.register_fake
+    def _(x, *args):
+        ys = [x.new_empty((*x.shape[:-1], args[17 + 8 * p])) for p in range(3)]
+        ts = [x.new_empty(0) if args[1 + 4 * p] is None else x.new_empty((_rows_of(x), args[1 + 4 * p].shape[0]))
+              for p in range(3)]
+        return (*ys, *ts)
+
+    @op("qmm::lora_nf4_qkv_backward", mutates_args=())
+    def lora_nf4_qkv_backward_op(dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor],
+                                 xs_q: Optional[Tensor], xs_k: Optional[Tensor], xs_v: Optional[Tensor],
+                                 t_q: Optional[Tensor], t_k: Optional[Tensor], t_v: Optional[Tensor],
+                                 a_q: Optional[Tensor], b_q: Optional[Tensor], a_k: Optional[Tensor],
+                                 b_k: Optional[Tensor], a_v: Optional[Tensor], b_v: Optional[Tensor],
+                                 q_codes: Tensor, q_absmax: Tensor, q_absmax2: Optional[Tensor],
+                                 q_code2: Optional[Tensor], q_rows: int, q_cols: int, q_block_size: int,
+                                 k_codes: Tensor, k_absmax: Tensor, k_absmax2: Optional[Tensor],
+                                 k_code2: Optional[Tensor], k_rows: int, k_cols: int, k_block_size: int,
+                                 v_codes: Tensor, v_absmax: Tensor, v_absmax2: Optional[Tensor],
+                                 v_code2: Optional[Tensor], v_rows: int, v_cols: int, v_block_size: int,
+                                 scale_q: float, scale_k: float, scale_v: float, path: str, dropped: List[bool],
+                                 want: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                            Tensor, Tensor, Tensor]:
+        args = locals()
+        ws = [saved_weight_of(*(args[f"{p}_{n}"] for n in _WEIGHT_ARGS if n != "offset")) for p in "qkv"]
+        saved = _saved(*((args[f"xs_{p}"], args[f"t_{p}"], args[f"a_{p}"], args[f"b_{p}"]) for p in "qkv"),
+                       dtype=next(d for d in (dq, dk, dv) if d is not None).dtype)
+        dys = (dq, dk, dv)
+        like = next(d for d in dys if d is not None)
+        dx, grads = _impl.linears_backward(dys, ws, path, saved, (scale_q, scale_k, scale_v), dropped,
+                                           (*like.shape[:-1], q_cols), [want[1 + 3 * p:4 + 3 * p] for p in range(3)],
+                                           want[0])
+        return (_or_empty(dx, like), *(_or_empty(g, like) for projection in grads for g in projection))
+
+    @lora_nf4_qkv_backward_op.register_fake
+    def _(dq, dk, dv, xs_q, xs_k, xs_v, t_q, t_k, t_v, a_q, b_q, a_k, b_k, a_v, b_v, *args):
+        like = next(d for d in (dq, dk, dv) if d is not None)
+        dropped, want, cols = args[-2], args[-1], args[5]
+        empty = like.new_empty(0)
+        out = [like.new_empty((*like.shape[:-1], cols)) if want[0] else empty]
+        for p, (dy, a, b) in enumerate(((dq, a_q, b_q), (dk, a_k, b_k), (dv, a_v, b_v))):
+            live = dy is not None and a is not None
+            out += [like.new_empty((*like.shape[:-1], cols)) if live and dropped[p] and want[1 + 3 * p] else empty,
+                    a.new_empty(a.shape, dtype=torch.float32) if live and want[2 + 3 * p] else empty,
+                    b.new_empty(b.shape, dtype=torch.float32) if live and want[3 + 3 * p] else empty]
+        return tuple(out)
+
+    def _setup_qkv(ctx, inputs, output):
+        x = inputs[0]
+        adapters = [inputs[1 + 4 * p:5 + 4 * p] for p in range(3)]  # (xd, a, b, bias) each
+        xs = [None if a is None else x if xd is None else xd for xd, a, _, _ in adapters]
+        w_tensors = [t for p in range(3) for t in inputs[13 + 8 * p:17 + 8 * p]]
+        ctx.save_for_backward(*xs, *output[3:6], *(t for xd, a, b, bias in adapters for t in (a, b, bias)),
+                              *w_tensors)
+        ctx.w_scalars = [inputs[18 + 8 * p:21 + 8 * p] for p in range(3)]
+        ctx.scales, ctx.path = inputs[37:40], inputs[40]
+        ctx.dropped = [xd is not None for xd, _, _, _ in adapters]
+        ctx.mark_non_differentiable(*output[3:6])
+        ctx.set_materialize_grads(False)
+
+    def _qkv_grad(ctx, dq, dk, dv, *_):
+        saved = ctx.saved_tensors
+        xs, ts, params, w_tensors = saved[0:3], saved[3:6], saved[6:15], saved[15:]
+        need = ctx.needs_input_grad
+        if dq is None and dk is None and dv is None:
+            return (None,) * 41
+        want = [need[0]] + [need[i + 4 * p] for p in range(3) for i in (1, 2, 3)]
+        weight_args = [a for p in range(3) for a in (*w_tensors[4 * p:4 * p + 4], *ctx.w_scalars[p])]
+        ab = [t for p in range(3) for t in params[3 * p:3 * p + 2]]
+        grads = [_or_none(g) for g in lora_nf4_qkv_backward_op(dq, dk, dv, *xs, *(_or_none(t) for t in ts), *ab,
+                                                               *weight_args, *ctx.scales, ctx.path, ctx.dropped,
+                                                               want)]
+        out = [grads[0] if need[0] else None]
+        for p, dy in enumerate((dq, dk, dv)):
+            a, b, bias = params[3 * p:3 * p + 3]
+            dxd, da, db = grads[1 + 3 * p:4 + 3 * p]
+            out += [dxd if need[1 + 4 * p] else None, _impl.param_grad(da, a) if need[2 + 4 * p] else None,
+                    _impl.param_grad(db, b) if need[3 + 4 * p] else None,
+                    _impl.bias_grad(dy, bias) if need[4 + 4 * p] and dy is not None else None]
+        return tuple(out) + (None,) * 28
+
+    lora_nf4_qkv_op.register_autograd(_qkv_grad, setup_context=_setup_qkv)
 
     # ---- an MLP's input half: gate and up (+ adapters), SwiGLU ----------------------------------------------------
 
@@ -417,6 +523,17 @@ def lora_nf4_linear(x, w, lora, bias, path):
     """lora: the (x_dropped or x, a, b, scale) of functional._check_lora, or None."""
     xd, a, b, scale = (None, None, None, 1.0) if lora is None else lora
     return lora_nf4_linear_op(x, None if xd is x else xd, a, b, bias, *_op_args(w), scale, path)[0]
+
+
+def lora_nf4_qkv(x, weights, loras, biases, path):
+    """Three projections of x (an attention's q, k and v) as one op: loras as lora_nf4_linear's, biases or None."""
+    args = []
+    for lora, bias in zip(loras, biases):
+        xd, a, b, _ = (None, None, None, 1.0) if lora is None else lora
+        args += [None if xd is x else xd, a, b, bias]
+    weight_args = [a for w in weights for a in _op_args(w)]
+    scales = [1.0 if lora is None else lora[3] for lora in loras]
+    return lora_nf4_qkv_op(x, *args, *weight_args, *scales, path)[:3]
 
 
 def lora_nf4_swiglu(x, w_gate, w_up, loras, path):

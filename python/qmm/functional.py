@@ -101,6 +101,78 @@ def nf4_linear(x, w, bias=None, path="auto"):
     return lora_nf4_linear(x, w, None, bias, path)
 
 
+class _LoraNf4Linears(torch.autograd.Function):
+    """Several projections of one x; their per-projection tensors flat, 5 each: xd, a, b, bias and (not a tensor)
+    the weight."""
+
+    @staticmethod
+    def forward(ctx, x, scales, path, *flat):
+        xds, as_, bs, biases, ws = (flat[i::5] for i in range(5))
+        loras = [None if a is None else (x if xd is None else xd, a, b, scale)
+                 for xd, a, b, scale in zip(xds, as_, bs, scales)]
+        ys, saved = _impl.linears_forward(x, ws, biases, loras, path)
+        ctx.counts = [len(s or ()) for s in saved]
+        ctx.save_for_backward(*(t for s in saved for t in (s or ())), *as_, *bs, *biases)
+        ctx.ws, ctx.path, ctx.scales, ctx.x_shape = ws, path, scales, x.shape
+        ctx.dropped = [xd is not None for xd in xds]
+        ctx.set_materialize_grads(False)  # an unused output (v in a KV-free attention...) costs no product
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        tensors, n = ctx.saved_tensors, len(ctx.ws)
+        saved, at = [], 0
+        for c in ctx.counts:
+            saved.append(tuple(tensors[at:at + c]) or None)
+            at += c
+        as_, bs, biases = tensors[at:at + n], tensors[at + n:at + 2 * n], tensors[at + 2 * n:]
+        need = ctx.needs_input_grad  # x, scales, path, then 5 per projection
+        wants = [(need[3 + 5 * i], need[4 + 5 * i], need[5 + 5 * i]) for i in range(n)]
+        dx, grads = _impl.linears_backward(dys, ctx.ws, ctx.path, saved, ctx.scales, ctx.dropped, ctx.x_shape,
+                                           wants, need[0])
+        flat = []
+        for (dxd, da, db), a, b, bias, dy, i in zip(grads, as_, bs, biases, dys, range(n)):
+            dbias = _impl.bias_grad(dy, bias) if need[6 + 5 * i] and dy is not None else None
+            flat += [dxd, _impl.param_grad(da, a), _impl.param_grad(db, b), dbias, None]
+        return (dx, None, None, *flat)
+
+
+def lora_nf4_linears(x, weights, loras=None, biases=None, path="auto"):
+    """Several projections of one input as one op: (x @ dequant(W_i)^T + biases[i] + loras[i]'s term for each i),
+    e.g. an attention's q, k and v. Each output is what lora_nf4_linear(x, weights[i], loras[i], biases[i]) gives;
+    together they cost one autograd node, their adapters' working copies one launch, and their input gradients no
+    separate sum (each projection's product adds into the one dx). loras and biases are lists as long as weights
+    (None entries: no adapter, no bias) or None. Returns a tuple of outputs."""
+    op = "lora_nf4_linears"
+    if not isinstance(weights, (list, tuple)) or not weights:
+        raise _error("InvalidArgument", f"{op}: argument 'weights' must be a non-empty list of NF4 weights")
+    n = len(weights)
+    loras, biases = [None] * n if loras is None else list(loras), [None] * n if biases is None else list(biases)
+    for name, given in (("loras", loras), ("biases", biases)):
+        if len(given) != n:
+            raise _error("InvalidArgument", f"{op}: argument '{name}' has {len(given)} entries for {n} weights")
+    shapes = [_shape(w) if isinstance(w, tuple) else _nf4(op, f"weights[{i}]", w) for i, w in enumerate(weights)]
+    if len({k for _, k in shapes}) != 1:
+        raise _error("ShapeMismatch", f"{op}: the weights are {[list(s) for s in shapes]}; they must share their "
+                                      f"input width")
+    lora_args = [_check_lora(op, f"loras[{i}]", lora, x, *shape) for i, (lora, shape) in enumerate(zip(loras, shapes))]
+    if _compiling():  # three (q, k, v) as one custom op, as eager; other counts one op per projection
+        if n == 3:
+            return compile_ops.lora_nf4_qkv(x, weights, lora_args, biases, path)
+        return tuple(compile_ops.lora_nf4_linear(x, w, la, bias, path)
+                     for w, la, bias in zip(weights, lora_args, biases))
+    ws = [_weight(op, f"weights[{i}]", w) for i, w in enumerate(weights)]
+    tensors = [t for lora in loras if lora is not None for t in (lora.a, lora.b, lora.x_dropped)]
+    if not _grad_wanted(x, *biases, *tensors):
+        return tuple(_impl.linears_forward(x, ws, biases, lora_args, path)[0])
+    flat = []
+    for lora, bias, w in zip(loras, biases, ws):
+        flat += [None, None, None] if lora is None else [lora.x_dropped, lora.a, lora.b]
+        flat += [bias, w]
+    scales = tuple(1.0 if la is None else la[3] for la in lora_args)
+    return _LoraNf4Linears.apply(x, scales, path, *flat)
+
+
 class _LoraNf4SwiGlu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, xd_g, a_g, b_g, xd_u, a_u, b_u, w_gate, w_up, scales, path):

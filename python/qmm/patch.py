@@ -28,8 +28,8 @@ from . import _qmm
 from ._base import _error
 from ._impl import PendingLabelCheck
 from .compile_ops import compiling
-from .functional import (Lora, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_swiglu, nf4_gate_up_linear,
-                         rms_norm_autograd, rope_autograd, swiglu_autograd)
+from .functional import (Lora, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_linears, lora_nf4_swiglu,
+                         nf4_gate_up_linear, rms_norm_autograd, rope_autograd, swiglu_autograd)
 from .layers import _has_bnb_weight, _is_lora_wrapper, _model
 from .nf4 import Nf4Weight
 
@@ -166,19 +166,22 @@ def _add_lora(layer, x, y):
     return y
 
 
-def _unpatched(module):
-    """The forward `module` had before patch_bnb."""
+def _unpatched(module, *args, **kwargs):
+    """Calls the forward `module` had before patch_bnb (the class's function called with the module, which
+    torch.compile traces where a bound method made here would break its graph)."""
     patch = module.__dict__[_PATCH]
     if patch.attr is None:
-        return getattr(type(module), _ORIGINAL).__get__(module)
-    return patch.previous if patch.previous is not None else getattr(type(module), patch.attr).__get__(module)
+        return getattr(type(module), _ORIGINAL)(module, *args, **kwargs)
+    if patch.previous is not None:
+        return patch.previous(*args, **kwargs)
+    return getattr(type(module), patch.attr)(module, *args, **kwargs)
 
 
 def _fallback(module, why, *args, **kwargs):
     """Runs the module's own forward for a call qmm does not cover, saying why once per reason (Python's warnings
     show each message once), so that a model that stays slow tells its user."""
     warnings.warn(f"qmm.patch_bnb: {why}; the module's own forward runs instead", stacklevel=3)
-    return _unpatched(module)(*args, **kwargs)
+    return _unpatched(module, *args, **kwargs)
 
 
 def _uncovered_call(x, args, kwargs):
@@ -198,7 +201,20 @@ def _path(module):
     return module.__dict__[_PATCH].path
 
 
+# A projection's output computed ahead by its attention's grouped call (_attention_forward), by the projection
+# module's identity: (the input it was computed for, the output), taken by the module's next call on that input.
+_precomputed = {}
+
+
+def _take_precomputed(layer, x, args, kwargs):
+    entry = _precomputed.pop(id(layer), None) if _precomputed else None
+    return entry[1] if entry is not None and entry[0] is x and not args and not kwargs else None
+
+
 def _bnb_linear_forward(layer, x, *args, **kwargs):
+    y = _take_precomputed(layer, x, args, kwargs)
+    if y is not None:
+        return y
     why = _uncovered_call(x, args, kwargs)
     w = None if why else _weight_now(layer)
     if w is None:
@@ -208,6 +224,9 @@ def _bnb_linear_forward(layer, x, *args, **kwargs):
 
 def _lora_linear_forward(layer, x, *args, **kwargs):
     """A PEFT LoRA layer on a bitsandbytes NF4 base: one op for base, bias and its one active adapter."""
+    y = _take_precomputed(layer, x, args, kwargs)
+    if y is not None:
+        return y
     why = _uncovered_call(x, args, kwargs)
     plan = _lora_plan(layer) if why is None else None
     why = why or (None if plan is not None else _VARIANT)
@@ -239,6 +258,43 @@ def _swiglu_mlp_forward(mlp, x, *args, **kwargs):
     gate, up = ((y if b.bias is None else y + b.bias.to(y.dtype)) for y, b in zip(outs, bases))
     gate, up = ((y if plan == "none" else _add_lora(p, x, y)) for p, plan, y in zip(projections, plans, (gate, up)))
     return mlp.down_proj(swiglu_autograd(gate, up))
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _attention_forward(attn, *args, **kwargs):
+    """A Llama/Qwen2/Qwen3/Mistral attention whose q_proj, k_proj and v_proj are patched NF4 layers (PEFT-wrapped or
+    not): q, k and v (bases, biases and plain adapters) as one op (lora_nf4_linears) on the hidden states, handed to
+    the projections, then the attention's own forward, whose q_proj/k_proj/v_proj calls on those hidden states
+    return them. Where the grouped op does not cover the projections (several adapters, a LoRA variant, another
+    dtype...), the attention's own forward runs and each projection's patch decides for itself."""
+    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.dtype not in _QMM_DTYPES:
+        return _unpatched(attn, *args, **kwargs)
+    projections = [getattr(attn, name) for name in _QKV]
+    bases = [_bnb_nf4_base(p) if _PATCH in p.__dict__ else None for p in projections]
+    plans = [_lora_plan(p) for p in projections]
+    weights = [None] if None in bases or any(plan is None or plan == "add" for plan in plans) else \
+        [_weight_now(b) for b in bases]
+    if None in weights:
+        return _unpatched(attn, *args, **kwargs)
+    loras = [_adapter(p, plan, x) for p, plan in zip(projections, plans)]
+    outputs = lora_nf4_linears(x, weights, loras, [b.bias for b in bases], _path(attn))
+    for p, y in zip(projections, outputs):
+        _precomputed[id(p)] = (x, y)
+    try:
+        return _unpatched(attn, *args, **kwargs)
+    finally:
+        for p in projections:
+            _precomputed.pop(id(p), None)
+
+
+def _is_qkv_attention(module):
+    """A Llama/Qwen2/Qwen3/Mistral attention (whose forward calls q_proj, k_proj and v_proj on its hidden states)
+    with bitsandbytes NF4 bases under all three."""
+    return type(module).__name__ in _ROPE_ATTENTIONS and \
+        all(_bnb_nf4_base(getattr(module, p, None)) is not None for p in _QKV)
 
 
 def _is_causal_lm(module):
@@ -324,7 +380,7 @@ def _causal_lm_forward(lm, *args, labels=None, **kwargs):
     SDPA's causal path in CUDA graphs and under torch.compile too (transformers' mask checks, above)."""
     global _positions_unpacked
     if labels is None or not lm.training or not torch.is_grad_enabled():
-        return _unpatched(lm)(*args, labels=labels, **kwargs)
+        return _unpatched(lm, *args, labels=labels, **kwargs)
     why = "positional arguments" if args else None
     if why is None and kwargs.get("logits_to_keep", 0) not in (0, None):
         why = "logits_to_keep"
@@ -473,19 +529,23 @@ def _patch(module, forward, path):
         cls.forward = _dispatching_forward(cls, original)
 
 
-def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=False, fused_rope=False):
-    """Runs a bitsandbytes 4-bit model's NF4 layers with qmm, in place, and changes nothing else: modules,
-    parameters, state-dict names and PEFT's LoRA adapters stay (PEFT trains, saves and merges them as before). Every
+def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=False, fused_rope=False,
+              fuse_qkv=True):
+    """Runs a bitsandbytes 4-bit model's NF4 layers with qmm, in place, and changes nothing else: modules, parameters,
+    state-dict names and PEFT's LoRA adapters stay (PEFT trains, saves and merges them as before). Every
     bitsandbytes NF4 linear layer then computes with qmm (bf16 products, fp32 sums, whatever its compute_dtype); a
     PEFT LoRA layer around one computes base, bias and its plain adapter as one op (lora_nf4_linear: PEFT's lora_A
     and lora_B trained, their products in the activations' dtype with fp32 sums, LoRA dropout by PyTorch); with
     `fuse_mlp`, every MLP of Hugging Face's Llama/Qwen/Mistral form (down_proj(silu(gate_proj(x)) * up_proj(x)),
     gate_proj and up_proj NF4, PEFT-wrapped or not) computes both input projections from one read of x, their
-    adapters and the SwiGLU as one op (lora_nf4_swiglu). A call that qmm does not cover (float16 activations, DoRA
-    or other LoRA variants, extra arguments, a weight not yet quantized) runs the module's own forward, with a
-    warning that says why (once per reason). The patched model traces whole under torch.compile (fullgraph=True);
-    after bitsandbytes replaces weights (merge_adapter, a move to another device), one eager call or another
-    patch_bnb(model) reads the new weights' offsets, which a compiled step cannot without breaking its graph.
+    adapters and the SwiGLU as one op (lora_nf4_swiglu); with `fuse_qkv`, every Llama/Qwen2/Qwen3/Mistral attention
+    on NF4 q_proj, k_proj and v_proj computes the three (with their biases and adapters) as one op
+    (lora_nf4_linears: one autograd node, their input gradients summed in their products). A call that qmm does not
+    cover (float16 activations, DoRA or other LoRA variants, extra arguments, a weight not yet quantized) runs the
+    module's own forward, with a warning that says why (once per reason). The patched model traces whole under
+    torch.compile (fullgraph=True); after bitsandbytes replaces weights (merge_adapter, a move to another device),
+    one eager call or another patch_bnb(model) reads the new weights' offsets, which a compiled step cannot without
+    breaking its graph.
     With `fused_loss`, a Hugging Face causal LM (Llama, Qwen2, Mistral) trained with labels returns its loss from
     the hidden states through linear_cross_entropy_loss, never holding the [tokens, vocab] logits, and no logits
     (eval mode, generation and calls without labels run the model's own forward) and, unless use_cache or
@@ -493,13 +553,13 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
     the device in the step (started before the decoder, read at the loss); while it runs a call without
     attention_mask and position_ids, transformers' mask checks (masking_utils' packed-sequence search and causal-
     mask skip, wrapped while such a model is patched) know there is nothing to mask beyond causality, so that in
-    CUDA graphs and under torch.compile the attention keeps SDPA's causal kernel instead of an explicit mask. With `fused_norm`, the RMSNorm modules of
-    Llama, Qwen2/3 and Mistral run qmm's rms_norm forward and backward kernels (bitsandbytes or not).
-    With `fused_rope`, their attention's rotary embedding runs qmm's rope (q and k in one launch, forward and
-    backward): as Liger-Kernel does, this points the model family's `apply_rotary_pos_emb` (in transformers' modeling
-    module) at qmm's while any model patched so remains, so other models of that family in the process use it too;
-    unpatch_bnb of the last such model restores it. `path` forces qmm's NF4 implementation (see nf4_gemm). Returns
-    the patched modules' names; unpatch_bnb undoes it."""
+    CUDA graphs and under torch.compile the attention keeps SDPA's causal kernel instead of an explicit mask. With
+    `fused_norm`, the RMSNorm modules of Llama, Qwen2/3 and Mistral run qmm's rms_norm forward and backward kernels
+    (bitsandbytes or not). With `fused_rope`, their attention's rotary embedding runs qmm's rope (q and k in one
+    launch, forward and backward): as Liger-Kernel does, this points the model family's `apply_rotary_pos_emb` (in
+    transformers' modeling module) at qmm's while any model patched so remains, so other models of that family in
+    the process use it too; unpatch_bnb of the last such model restores it. `path` forces qmm's NF4 implementation
+    (see nf4_gemm). Returns the patched modules' names; unpatch_bnb undoes it."""
     _model("patch_bnb", model)
     _qmm.check_nf4_path(path, "patch_bnb")
     patched = []
@@ -516,6 +576,8 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
             _patch(module, _lora_linear_forward, path)
         elif fuse_mlp and _is_swiglu_mlp(module):
             _patch(module, _swiglu_mlp_forward, path)
+        elif fuse_qkv and _is_qkv_attention(module):
+            _patch(module, _attention_forward, path)
         elif fused_loss and _is_causal_lm(module):
             _patch(module, _causal_lm_forward, path)
             _hold_masking_checks(model)

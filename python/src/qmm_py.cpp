@@ -514,7 +514,7 @@ NB_MODULE(_qmm, m) {
       "lora_nf4_linear_backward",
       [](const In& dy, const Nf4Handle& w, const std::string& path, const nb::object& dx, const nb::object& xs,
          const nb::object& t, const nb::object& a_w, const nb::object& b_w, float scale, const nb::object& dt,
-         const nb::object& grad_a, const nb::object& grad_b, bool dropped, const nb::object& dxd,
+         const nb::object& grad_a, const nb::object& grad_b, bool dropped, const nb::object& dxd, float dx_beta,
          std::uintptr_t stream) {
         const char* op = "lora_nf4_linear_backward";
         const qmm::TensorView dyv = view_of(dy, op, "dy"), dxv = view_or_empty<Out>(dx, op, "dx");
@@ -523,7 +523,7 @@ NB_MODULE(_qmm, m) {
         const qmm::TensorView dtv = view_or_empty<Out>(dt, op, "dt"), gav = view_or_empty<Out>(grad_a, op, "grad_a");
         const qmm::TensorView gbv = view_or_empty<Out>(grad_b, op, "grad_b"), dxdv = view_or_empty<Out>(dxd, op, "dxd");
         const qmm::Nf4Weight wv = w.view;
-        const qmm::Nf4GemmOptions opts = nf4_options(1.0f, 0.0f, path, op);
+        const qmm::Nf4GemmOptions opts = nf4_options(1.0f, dx_beta, path, op);
         if (dyv.rank() != 2) fail(qmm::ErrorCode::ShapeMismatch, op, "dy is " + dyv.shape().str() + ": [M, N]");
         const std::int64_t m_rows = dyv.dim(0), n = dyv.dim(1), k = wv.cols;
         const bool adapter = !tv.empty();
@@ -558,8 +558,8 @@ NB_MODULE(_qmm, m) {
       nb::arg("dy"), nb::arg("w"), nb::arg("path"), nb::arg("dx").none(), nb::arg("xs").none(), nb::arg("t").none(),
       nb::arg("a_w").none(), nb::arg("b_w").none(), nb::arg("scale"), nb::arg("dt").none(),
       nb::arg("grad_a").none(), nb::arg("grad_b").none(), nb::arg("dropped"), nb::arg("dxd").none(),
-      nb::arg("stream") = 0,
-      "dx = dy @ dequant(W) (+ dt @ a_w, or dxd = dt @ a_w where the adapter's input was dropped out), "
+      nb::arg("dx_beta") = 0.0f, nb::arg("stream") = 0,
+      "dx = dy @ dequant(W) + dx_beta * dx (+ dt @ a_w, or dxd = dt @ a_w where the adapter's input was dropped out), "
       "dt = scale * dy @ b_w, grad_b = scale * dy^T @ t, grad_a = dt^T @ xs");
 
   def_nf4_gemm<qmm::nf4_gemm>(m, "nf4_gemm", "a", "c", "c = alpha * a @ dequant(W)^T + beta * c");

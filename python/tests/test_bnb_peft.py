@@ -121,10 +121,11 @@ def test_patch_bnb_on_a_peft_llama(device, monkeypatch):
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
     ref_loss, ref_grads = loss_and_grads(model, ids)
     names = qmm.patch_bnb(model)
-    assert len(names) == 2 * (7 * 2 + 1)  # each layer's seven LoRA layers, their bases, and its MLP
-    bnb_calls, adapter_calls = [], []
-    matmul_4bit = bnb.matmul_4bit
+    assert len(names) == 2 * (7 * 2 + 2)  # each layer's seven LoRA layers, their bases, its attention and its MLP
+    bnb_calls, adapter_calls, grouped = [], [], []
+    matmul_4bit, linears = bnb.matmul_4bit, qmm.patch.lora_nf4_linears
     monkeypatch.setattr(bnb, "matmul_4bit", lambda *a, **k: bnb_calls.append(1) or matmul_4bit(*a, **k))
+    monkeypatch.setattr(qmm.patch, "lora_nf4_linears", lambda *a, **k: grouped.append(1) or linears(*a, **k))
     hooks = [m.register_forward_hook(lambda *a: adapter_calls.append(1))
              for n, m in model.named_modules() if n.endswith(("lora_A.default", "lora_B.default"))]
     loss, grads = loss_and_grads(model, ids)
@@ -132,6 +133,7 @@ def test_patch_bnb_on_a_peft_llama(device, monkeypatch):
         h.remove()
     assert bnb_calls == [], "a 4-bit product ran in bitsandbytes"
     assert adapter_calls == [], "an adapter ran as PEFT's modules, not in qmm's fused op"
+    assert len(grouped) == 2, "q, k and v did not run as one op"
     assert abs(loss - ref_loss) <= 1e-3 * abs(ref_loss)
     assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 7 * 2
     for n, g in grads.items():

@@ -690,6 +690,78 @@ def test_lora_nf4_swiglu_matches_reference(device, dtype, m, k, n, adapters, dro
         assert_close(g, r, 2 * bound, f"lora_nf4_swiglu result {i}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,ns", [(1, 64, (64, 16, 16)), (7, 128, (63, 65, 7)), (65, 192, (96, 32, 32))])
+@pytest.mark.parametrize("unused_v", [False, True])
+def test_lora_nf4_linears_matches_reference(device, dtype, m, k, ns, unused_v):
+    """lora_nf4_linears (an attention's q, k and v: three NF4 projections of one x, of GQA's unequal widths, as one
+    op) and its gradients against PyTorch's autograd in fp64, projection by projection: q with an adapter and a
+    bias, k with an adapter on dropout(x), v with neither (or, unused_v, its output given no gradient). x's gradient
+    is the sum of the three projections' (each within its own bound); under torch.compile (aot_eager, fullgraph)
+    the op gives the eager op's outputs and gradients bit for bit."""
+    seed = m * 100 + k + sum(ns)
+    ws = [qmm.Nf4Weight.quantize(randn((n, k), seed + i, device) * 0.5) for i, n in enumerate(ns)]
+    x = randn((2, m, k), seed + 3, device, dtype)
+    mask = (torch.rand((2, m, k), generator=gen(seed + 4)) > 0.25).to(dtype).to(device) / 0.75
+    loras = [(randn((4, k), seed + 5, device) * 0.2, randn((ns[0], 4), seed + 6, device) * 0.2, 2.0, None),
+             (randn((8, k), seed + 7, device) * 0.2, randn((ns[1], 8), seed + 8, device) * 0.2, 0.5, mask), None]
+    bias = randn((ns[0],), seed + 9, device, dtype)
+    dys = [randn((2, m, n), seed + 10 + i, device, dtype) for i, n in enumerate(ns)]
+
+    def run(fn):
+        xr = x.clone().requires_grad_()
+        params = [t.detach().clone().requires_grad_() for lora in loras[:2] for t in lora[:2]] + \
+            [bias.detach().clone().requires_grad_()]
+        terms = [qmm.Lora(params[0], params[1], 2.0), qmm.Lora(params[2], params[3], 0.5, xr * mask), None]
+        ys = fn(xr, ws, terms, [params[4], None, None])
+        assert [tuple(y.shape) for y in ys] == [(2, m, n) for n in ns] and all(y.dtype == dtype for y in ys)
+        used = 2 if unused_v else 3
+        sum((y * dy).sum() for y, dy in zip(ys[:used], dys[:used])).backward()
+        return [*ys, xr.grad] + [p.grad for p in params]
+    got = run(qmm.lora_nf4_linears)
+    cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
+    wds = [w.dequantize(torch.bfloat16).double().cpu() for w in ws]
+    ref_loras = [None if lora is None else (cpu(lora[0]), cpu(lora[1]), lora[2], cpu(lora[3])) for lora in loras]
+    biases = [cpu(bias), None, None]
+    dx_ref, dx_bound = 0, 0
+    for i in range(3):
+        dy = cpu(dys[i]) * (0 if unused_v and i == 2 else 1)
+        ref = _fused_reference(cpu(x), [wds[i]], [ref_loras[i]], biases[i], dy, False)
+        bounds = _fused_bounds(device, dtype, lambda ls, i=i, dy=dy: _fused_reference(
+            cpu(x).abs(), [wds[i].abs()], ls, None if biases[i] is None else biases[i].abs(), dy.abs(), False),
+            [ref_loras[i]])
+        assert_close(got[i], ref[0], bounds[0], f"lora_nf4_linears output {i}")
+        dx_ref, dx_bound = dx_ref + ref[1], dx_bound + bounds[1]
+        grads = {0: [got[4], got[5], got[8]], 1: [got[6], got[7]], 2: []}[i]
+        for j, (g, r, bound) in enumerate(zip(grads, ref[2:], bounds[2:])):
+            assert g.dtype == (dtype if j == 2 else torch.float32)
+            assert_close(g, r, bound, f"lora_nf4_linears projection {i} gradient {j}")
+    assert_close(got[3], dx_ref, dx_bound, "lora_nf4_linears dx")
+    if qmm.compile_ops.AVAILABLE:
+        torch._dynamo.reset()
+        compiled = run(torch.compile(qmm.lora_nf4_linears, backend="aot_eager", fullgraph=True))
+        for i, (c, e) in enumerate(zip(compiled, got)):
+            assert torch.equal(c, e), f"compiled result {i}"
+
+
+def test_lora_nf4_linears_checks_its_arguments():
+    """lora_nf4_linears names what is wrong with its lists before anything runs."""
+    x = randn((3, 64), 2, "cpu")
+    w4, w_other = (qmm.Nf4Weight.quantize(randn(shape, 1, "cpu")) for shape in ((32, 64), (32, 128)))
+    cases = ((lambda: qmm.lora_nf4_linears(x, []), "InvalidArgument", "'weights' must be a non-empty list"),
+             (lambda: qmm.lora_nf4_linears(x, [w4, w_other]), "ShapeMismatch", "share their input width"),
+             (lambda: qmm.lora_nf4_linears(x, [w4, w4], [None]), "InvalidArgument", "'loras' has 1 entries for 2"),
+             (lambda: qmm.lora_nf4_linears(x, [w4], biases=[None, None]), "InvalidArgument", "'biases' has 2"),
+             (lambda: qmm.lora_nf4_linears(x, [w4, "w"]), "InvalidArgument", "weights[1]"),
+             (lambda: qmm.lora_nf4_linears(x, [w4], [qmm.Lora(torch.zeros(4, 64), torch.zeros(16, 4), 1.0)]),
+              "ShapeMismatch", "loras[0]"))
+    for call, code, words in cases:
+        with pytest.raises(qmm.Error) as e:
+            call()
+        assert e.value.code == code and words in str(e.value), str(e.value)
+
+
 def test_fused_ops_check_their_adapters():
     """A wrong adapter is reported by the fused op, naming it, before anything runs."""
     w4 = qmm.Nf4Weight.quantize(randn((32, 64), 1, "cpu"))
