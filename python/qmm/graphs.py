@@ -3,7 +3,7 @@
 A patched QLoRA step of a small model spends most of its wall time on the host (Python, autograd, one launch per
 kernel) while the GPU waits. Captured once, the step replays with one launch:
 
-    opt = torch.optim.AdamW(params, lr=1e-4, capturable=True)   # or fused=True: the optimizer must be capturable
+    opt = torch.optim.AdamW(params, lr=1e-4, capturable=True)   # fused=True too if wanted: capturable is what counts
 
     def step(input_ids, labels):
         loss = model(input_ids=input_ids, labels=labels).loss
@@ -110,7 +110,7 @@ class _Capture:
             raise _error("Unsupported", f"graph_step: the step could not be captured into a CUDA graph: {e}. A "
                                         "captured step may not synchronize with the host (.item(), printing a "
                                         "tensor, data-dependent shapes), needs a capturable optimizer "
-                                        "(capturable=True or fused=True), and no loss of an eager step run on "
+                                        "(capturable=True, fused or not), and no loss of an eager step run on "
                                         "another stream may still be referenced (see qmm.graphs)") from e
         self.graph = graph
 

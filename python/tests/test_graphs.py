@@ -30,10 +30,10 @@ def qlora_mlp(device, hidden=64, inter=96):
 
 def trainer(device, fused=False):
     """A fresh block, its optimizer and its training step (forward, backward, AdamW, gradients cleared): AdamW
-    capturable on a GPU, or fused (PyTorch's one-kernel AdamW, transformers' Trainer's default, capturable too)."""
+    capturable on a GPU (a capture needs that), fused (PyTorch's one-kernel AdamW, transformers' Trainer's default) or
+    not."""
     mlp = qlora_mlp(device)
-    opt = torch.optim.AdamW(mlp.parameters(), lr=1e-2, fused=True) if fused else \
-        torch.optim.AdamW(mlp.parameters(), lr=1e-2, capturable=device == "cuda")
+    opt = torch.optim.AdamW(mlp.parameters(), lr=1e-2, fused=fused, capturable=device == "cuda")
 
     def step(x, target):
         loss = torch.nn.functional.mse_loss(mlp(x), target)
