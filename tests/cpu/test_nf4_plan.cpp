@@ -74,20 +74,20 @@ std::string auto_table(const Nf4Device& d) {
 const char* const kH100 = R"(
 nf4_gemm qwen-gate_up f32: P1p P1p P1p P2p P2p T4 T4 D D D D D D D D
 nf4_gemm qwen-gate_up f32 dq: P1p P1p P1p P2p P2p T4 T4 D D D D D D D D
-nf4_gemm qwen-gate_up bf16: P1d P1d P1d P2d P2d T4 T4 D D D D D D D D
-nf4_gemm qwen-gate_up bf16 dq: P1d P1d P1d P2d P2d T4 T4 D D D D D D D D
+nf4_gemm qwen-gate_up bf16: L1 L1 L1 L2 L2 T4 T4 D D D D D D D D
+nf4_gemm qwen-gate_up bf16 dq: L1 L1 L1 L2 L2 T4 T4 D D D D D D D D
 nf4_gemm qwen-down f32: P1p P1p P1p P2p P2p T4 T4 F11 F11 F11 F5 D D D D
 nf4_gemm qwen-down f32 dq: P1p P1p P1p P2p P2p T4 T4 F11 F11 F11 F5 D D D D
-nf4_gemm qwen-down bf16: P1d P1d P1d P2p P2p T4 T4 F11 F11 F11 F5 D D D D
-nf4_gemm qwen-down bf16 dq: P1d P1d P1d P2p P2p T4 T4 F11 F11 F11 F5 D D D D
+nf4_gemm qwen-down bf16: P1d L1 L1 L2 L2 T4 T4 F11 F11 F11 F5 D D D D
+nf4_gemm qwen-down bf16 dq: P1d L1 L1 L2 L2 T4 T4 F11 F11 F11 F5 D D D D
 nf4_gemm llama-gate_up f32: P1p P1p P1p P2p P2p T4 T4 F1 F1 F1 F1 D D D D
 nf4_gemm llama-gate_up f32 dq: P1p P1p P1p P2p P2p T4 T4 F1 F1 F1 F1 D D D D
-nf4_gemm llama-gate_up bf16: P1d P1d P1d P2p P2p T4 T4 F1 F1 F1 F1 D D D D
-nf4_gemm llama-gate_up bf16 dq: P1d P1d P1d P2p P2p T4 T4 F1 F1 F1 F1 D D D D
+nf4_gemm llama-gate_up bf16: L1 L1 L1 L2 L2 T4 T4 F1 F1 F1 F1 D D D D
+nf4_gemm llama-gate_up bf16 dq: L1 L1 L1 L2 L2 T4 T4 F1 F1 F1 F1 D D D D
 nf4_gemm llama-down f32: P1p P1p P1p P2p P2p T4 T4 F4 F4 F4 F2 D D D D
 nf4_gemm llama-down f32 dq: P1p P1p P1p P2p P2p T4 T4 F4 F4 F4 F2 D D D D
-nf4_gemm llama-down bf16: P1d P1d P1d P2p P2p T4 T4 F4 F4 F4 F2 D D D D
-nf4_gemm llama-down bf16 dq: P1d P1d P1d P2p P2p T4 T4 F4 F4 F4 F2 D D D D
+nf4_gemm llama-down bf16: P1d L1 L1 L2 L2 T4 T4 F4 F4 F4 F2 D D D D
+nf4_gemm llama-down bf16 dq: P1d L1 L1 L2 L2 T4 T4 F4 F4 F4 F2 D D D D
 nf4_gemm k1088 f32: G T1 T1 T2 T2 T4 T4 F4 F4 F4 F2 D D D D
 nf4_gemm k1088 f32 dq: G T1 T1 T2 T2 T4 T4 F4 F4 F4 F2 D D D D
 nf4_gemm k1088 bf16: G T1 T1 T2 T2 T4 T4 F4 F4 F4 F2 D D D D
@@ -122,20 +122,20 @@ nf4_gemm_backward_a k1056 bf16: D D D D D D D D D D D D D D D
 nf4_gemm_backward_a k1056 bf16 dq: D D D D D D D D D D D D D D D
 nf4_gate_up qwen-gate_up f32: P1p P1p P1p P2p P2p T4 T4 D D D D D D D D
 nf4_gate_up qwen-gate_up f32 dq: P1p P1p P1p P2p P2p T4 T4 D D D D D D D D
-nf4_gate_up qwen-gate_up bf16: P1d P1d P1d P2d P2d T4 T4 D D D D D D D D
-nf4_gate_up qwen-gate_up bf16 dq: P1d P1d P1d P2d P2d T4 T4 D D D D D D D D
+nf4_gate_up qwen-gate_up bf16: L1 L1 L1 L2 L2 T4 T4 D D D D D D D D
+nf4_gate_up qwen-gate_up bf16 dq: L1 L1 L1 L2 L2 T4 T4 D D D D D D D D
 nf4_gate_up qwen-down f32: P1p P1p P1p P2p P2p T4 T4 F11 F11 F11 F5 D D D D
 nf4_gate_up qwen-down f32 dq: P1p P1p P1p P2p P2p T4 T4 F11 F11 F11 F5 D D D D
-nf4_gate_up qwen-down bf16: P1d P1d P1d P2p P2p T4 T4 F11 F11 F11 F5 D D D D
-nf4_gate_up qwen-down bf16 dq: P1d P1d P1d P2p P2p T4 T4 F11 F11 F11 F5 D D D D
+nf4_gate_up qwen-down bf16: L1 L1 L1 L2 L2 T4 T4 F11 F11 F11 F5 D D D D
+nf4_gate_up qwen-down bf16 dq: L1 L1 L1 L2 L2 T4 T4 F11 F11 F11 F5 D D D D
 nf4_gate_up llama-gate_up f32: P1p P1p P1p P2p P2p T4 T4 F1 F1 F1 F1 D D D D
 nf4_gate_up llama-gate_up f32 dq: P1p P1p P1p P2p P2p T4 T4 F1 F1 F1 F1 D D D D
-nf4_gate_up llama-gate_up bf16: P1d P1d P1d P2p P2p T4 T4 F1 F1 F1 F1 D D D D
-nf4_gate_up llama-gate_up bf16 dq: P1d P1d P1d P2p P2p T4 T4 F1 F1 F1 F1 D D D D
+nf4_gate_up llama-gate_up bf16: L1 L1 L1 L2 L2 T4 T4 F1 F1 F1 F1 D D D D
+nf4_gate_up llama-gate_up bf16 dq: L1 L1 L1 L2 L2 T4 T4 F1 F1 F1 F1 D D D D
 nf4_gate_up llama-down f32: P1p P1p P1p P2p P2p T4 T4 F4 F4 F4 F2 D D D D
 nf4_gate_up llama-down f32 dq: P1p P1p P1p P2p P2p T4 T4 F4 F4 F4 F2 D D D D
-nf4_gate_up llama-down bf16: P1d P1d P1d P2p P2p T4 T4 F4 F4 F4 F2 D D D D
-nf4_gate_up llama-down bf16 dq: P1d P1d P1d P2p P2p T4 T4 F4 F4 F4 F2 D D D D
+nf4_gate_up llama-down bf16: L1 L1 L1 L2 L2 T4 T4 F4 F4 F4 F2 D D D D
+nf4_gate_up llama-down bf16 dq: L1 L1 L1 L2 L2 T4 T4 F4 F4 F4 F2 D D D D
 nf4_gate_up k1088 f32: G T1 T1 T2 T2 T4 T4 F4 F4 F4 F2 D D D D
 nf4_gate_up k1088 f32 dq: G T1 T1 T2 T2 T4 T4 F4 F4 F4 F2 D D D D
 nf4_gate_up k1088 bf16: G T1 T1 T2 T2 T4 T4 F4 F4 F4 F2 D D D D
@@ -287,8 +287,7 @@ TEST(Nf4Plan, ForcedPaths) {
 // builds with the development kernels; otherwise Unsupported, saying what is missing.
 TEST(Nf4Plan, ForcedSlice) {
   const Shape llama_up = kShapes[2], k1088 = kShapes[4];
-  Nf4Device h100_dev = h100(), a100_dev = a100();
-  h100_dev.dev_kernels = a100_dev.dev_kernels = true;
+  const Nf4Device h100_dev = h100(), a100_dev = a100();
   auto plan = [&](Nf4Op op, std::int64_t m, const Shape& s, const Nf4Device& d, DType act = DType::BF16) {
     return plan_nf4(problem(op, m, s, act, true, 0.0f, nf4_forced::kSmallMSlice), d);
   };
@@ -304,14 +303,32 @@ TEST(Nf4Plan, ForcedSlice) {
   EXPECT_STREQ(plan(Nf4Op::Forward, 4, llama_up, a100_dev).why, needs);  // 163 KB of shared memory per block
   EXPECT_STREQ(plan(Nf4Op::BackwardA, 4, llama_up, h100_dev).why,
                "the forward or gate_up: the slice kernel has no input gradient");
-  EXPECT_STREQ(plan(Nf4Op::Forward, 4, llama_up, h100()).why,
-               "a build with the development kernels (-DQMM_DEV_KERNELS=ON)");
+  EXPECT_EQ(code(plan(Nf4Op::Forward, 4, llama_up, h100())), "L1");  // not a development kernel: every build has it
   Nf4Problem mixed = problem(Nf4Op::GateUp, 4, llama_up, DType::BF16, true, 0.0f, nf4_forced::kSmallMSlice);
   mixed.w_up.double_quant = false;  // one kernel instance serves both weights
   EXPECT_STREQ(plan_nf4(mixed, h100_dev).why, needs);
   Nf4Problem misaligned = problem(Nf4Op::Forward, 4, llama_up, DType::BF16, true, 0.0f, nf4_forced::kSmallMSlice);
   misaligned.act_align = 8;
   EXPECT_EQ(plan_nf4(misaligned, h100_dev).kernel, Nf4Kernel::Unsupported);
+}
+
+// Auto's slice rule: bf16 rows from 2 to 16, and one row where N >= K or for gate_up; the pair kernel at one row
+// with N < K and for f32 rows; nothing where the slice kernel cannot run (A100's shared memory: the table kernel).
+TEST(Nf4Plan, AutoSliceRule) {
+  const Shape qwen_up = kShapes[0], qwen_down = kShapes[1], llama_down = kShapes[3];
+  auto plan = [](Nf4Op op, std::int64_t m, const Shape& s, DType act = DType::BF16, const Nf4Device& d = h100()) {
+    return code(plan_nf4(problem(op, m, s, act, true), d));
+  };
+  EXPECT_EQ(plan(Nf4Op::Forward, 1, qwen_up), "L1");
+  EXPECT_EQ(plan(Nf4Op::Forward, 1, llama_down), "P1d");
+  EXPECT_EQ(plan(Nf4Op::Forward, 2, llama_down), "L1");
+  EXPECT_EQ(plan(Nf4Op::Forward, 16, qwen_down), "L2");
+  EXPECT_EQ(plan(Nf4Op::Forward, 17, qwen_down), "T4");
+  EXPECT_EQ(plan(Nf4Op::GateUp, 1, qwen_down), "L1");
+  EXPECT_EQ(plan(Nf4Op::Forward, 8, qwen_up, DType::F32), "P1p");
+  EXPECT_EQ(plan(Nf4Op::Forward, 8, qwen_up, DType::BF16, a100()), "T1");
+  EXPECT_STREQ(plan_nf4(problem(Nf4Op::Forward, 8, qwen_up, DType::BF16, true), h100()).why,
+               "bf16 rows, up to 16: the slice kernel beats the pair kernel");
 }
 
 TEST(Nf4Plan, AlignmentAndFormatRules) {
@@ -331,7 +348,10 @@ TEST(Nf4Plan, AlignmentAndFormatRules) {
   EXPECT_EQ(plan_nf4(p, h100()).kernel, Nf4Kernel::SmallMTable);
   p.w.double_quant = true;
   p.w_up = p.w;
+  EXPECT_EQ(plan_nf4(p, h100()).kernel, Nf4Kernel::SmallMSlice);  // bf16 rows: the slice kernel, the pair's conditions
+  p.act = DType::F32;
   EXPECT_EQ(plan_nf4(p, h100()).kernel, Nf4Kernel::SmallMPair);
+  p.act = DType::BF16;
   // The GEMV reads code2 as 16-byte vectors.
   p = problem(Nf4Op::Forward, 1, qwen_up, DType::BF16, true);
   EXPECT_EQ(plan_nf4(p, a100()).kernel, Nf4Kernel::SmallMGemv);

@@ -9,8 +9,8 @@
 
 #include "common/test_util.h"
 #include "core/nf4_forced.h"
-#ifdef QMM_DEV_KERNELS
-#include "cuda/dev/nf4_slice.h"
+#ifdef QMM_WITH_CUDA
+#include "cuda/nf4/nf4_slice.h"
 #endif
 
 namespace qmm {
@@ -126,7 +126,7 @@ INSTANTIATE_TEST_SUITE_P(Gemv, SmallMForward,
                                            Shape3{1, 130, 18432}, Shape3{1, 10560, 64}, Shape3{1, 2050, 4096},
                                            Shape3{1, 40000, 256}));
 
-#ifdef QMM_DEV_KERNELS
+#ifdef QMM_WITH_CUDA  // the slice kernel's own entry points
 // The scale formats and A and C dtypes a slice-kernel case runs: all eight, or on the large shapes (there for
 // their schedule: several passes per block), two that between them take each once, to keep the fp64 reference
 // to seconds.
@@ -148,9 +148,8 @@ Tensor slice_sums(const TensorView& a, const Nf4Weight& w) {
   return test::nf4_scale_after_reference(a, w, Tensor(DType::F32, {a.dim(0), w.rows}), 1.0f, 0.0f);
 }
 
-// The slice kernel (a development kernel: Auto does not take it), launched through its entry point, against the
-// scale-after reference to fp32 accumulation precision, every scale format, A and C dtype (slice_configs) and
-// beta in {0, 1} (C poisoned when beta is 0).
+// The slice kernel, launched through its entry point, against the scale-after reference to fp32 accumulation
+// precision, every scale format, A and C dtype (slice_configs) and beta in {0, 1} (C poisoned when beta is 0).
 class SmallMSlice : public ::testing::TestWithParam<Shape3> {};
 
 TEST_P(SmallMSlice, MatchesScaleAfterReference) {
@@ -193,7 +192,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SmallMSlice,
                                            Shape3{1, 8960, 1536}, Shape3{4, 2300, 4096}, Shape3{9, 65, 1024},
                                            Shape3{13, 300, 4352}, Shape3{16, 5000, 4096}));
 
-// gate_up through the slice kernel (forced; Auto does not take it): gate and up against the scale-after reference,
+// gate_up through the slice kernel (its direct launch): gate and up against the scale-after reference,
 // h against silu(gate) * up of those, with every output, gate and up only accumulating (beta 1; C not poisoned),
 // and h alone; the scale formats and dtypes of slice_configs (its C dtype for gate).
 class SmallMSliceGateUp : public ::testing::TestWithParam<Shape3> {};
@@ -311,6 +310,37 @@ TEST(SmallMSliceArgs, ForcedPathIsTheDirectLaunch) {
     const Tensor dc = to_device(test::random_tensor(DType::BF16, {m, 300}, ++seed), gpu.device());
     Tensor da(DType::BF16, {m, 1024}, gpu.device());
     EXPECT_THROW(nf4_gemm_backward_a(gpu, dc, wg.w_dev, da, slice), Error);
+  }
+}
+
+// Auto takes the slice kernel for bf16 rows where it fits: from 2 rows to 16, and at one row where N >= K (gate and
+// up) or for gate_up; one row of a weight with N < K (down) stays with the pair kernel. Bit for bit against the
+// direct launches.
+TEST(SmallMSliceArgs, AutoTakesItForBf16Rows) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  std::uint64_t seed = 41;
+  for (const auto& [n, k] : {std::pair<std::int64_t, std::int64_t>{1024, 512}, {300, 1024}}) {
+    Problem wg = make_weight(n, k, true, ++seed), wu = make_weight(n, k, true, ++seed);
+    for (std::int64_t m : {1, 2, 16}) {
+      const Tensor a = to_device(test::random_tensor(DType::BF16, {m, k}, ++seed), gpu.device());
+      if (!cuda::nf4_small_m_slice_supported(gpu, a, wg.w_dev))
+        GTEST_SKIP() << "the slice kernel needs sm_90's shared memory per block";
+      const bool slice = m >= 2 || n >= k;
+      Tensor c(DType::BF16, {m, n}, gpu.device()), c_want(DType::BF16, {m, n}, gpu.device());
+      test::poison(c);
+      nf4_gemm(gpu, a, wg.w_dev, c);
+      if (slice) cuda::launch_nf4_gemm_small_m_slice(gpu, a, wg.w_dev, c_want, 1.0f, 0.0f);
+      else nf4_gemm(gpu, a, wg.w_dev, c_want, {1.0f, 0.0f, nf4_forced::kSmallM});
+      Tensor h(DType::BF16, {m, n}, gpu.device()), h_want(DType::BF16, {m, n}, gpu.device());
+      test::poison(h);
+      nf4_gate_up(gpu, a, wg.w_dev, wu.w_dev, {TensorView(), TensorView(), h});
+      cuda::launch_nf4_gate_up_small_m_slice(gpu, a, wg.w_dev, wu.w_dev, {TensorView(), TensorView(), h_want}, 1.0f,
+                                             0.0f);
+      gpu.synchronize();
+      EXPECT_TRUE(test::bytes_equal(test::host_copy(c), test::host_copy(c_want))) << "N=" << n << " M=" << m;
+      EXPECT_TRUE(test::bytes_equal(test::host_copy(h), test::host_copy(h_want))) << "N=" << n << " M=" << m;
+    }
   }
 }
 #endif

@@ -1,7 +1,7 @@
 // NF4 GEMMs on the GPU: validate (core), plan (nf4_plan.h: which kernel, why), launch the planned kernel.
 //  DequantGemm: dequantize W to bf16 into scratch, round an f32 A to bf16 (nearest even) into the same scratch
 //  allocation, then the dense bf16 GEMM (cuBLASLt, fp32 accumulation).
-//  Small-M kernels: nf4_small_m.cu (and dev/nf4_slice.cu). Fused kernels: nf4_fused.cu (sm_90a wgmma),
+//  Small-M kernels: nf4_small_m.cu and nf4_slice.cu. Fused kernels: nf4_fused.cu (sm_90a wgmma),
 //  dev/nf4_fused_mma.cu (mma.sync). The dev/ kernels are in QMM_DEV_KERNELS builds only.
 // The plan is made again on every call rather than kept in the context's PlanCache: it is a handful of
 // comparisons, cheaper than a PlanCache lookup (a string key, a lock, a hash); the cache serves cuBLASLt's
@@ -19,9 +19,7 @@
 #include "cuda/nf4/nf4_fused.h"
 #include "cuda/nf4/nf4_plan.h"
 #include "cuda/nf4/nf4_small_m.h"
-#ifdef QMM_DEV_KERNELS
-#include "cuda/dev/nf4_slice.h"
-#endif
+#include "cuda/nf4/nf4_slice.h"
 #include "cuda/swiglu/swiglu.cuh"
 #include "qmm/error.h"
 
@@ -48,16 +46,11 @@ bool is_fused(Nf4Kernel k) {
   return k == Nf4Kernel::FusedInLoop || k == Nf4Kernel::FusedShared || k == Nf4Kernel::FusedMma;
 }
 
-// The forced slice kernel: the planner plans it only where the build has it (Nf4Device::dev_kernels).
+// The slice kernel: one weight, or gate and up (w1).
 void launch_slice(const Context& ctx, const TensorView& a, const Nf4Weight& w0, const Nf4Weight* w1,
                   const TensorView& c, const GateUpOutputs* gate_up, const Nf4GemmOptions& opts) {
-#ifdef QMM_DEV_KERNELS
   if (w1) return launch_nf4_gate_up_small_m_slice(ctx, a, w0, *w1, *gate_up, opts.alpha, opts.beta);
   return launch_nf4_gemm_small_m_slice(ctx, a, w0, c, opts.alpha, opts.beta);
-#else
-  (void)ctx, (void)a, (void)w0, (void)w1, (void)c, (void)gate_up, (void)opts;
-  throw Error(ErrorCode::Internal, "the small-M slice kernel was planned in a build without it");
-#endif
 }
 
 // ---- kernels --------------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 //
 // Auto, in order:
 //  1. the small-M kernels for few rows, where they can run (forward and gate_up up to kAutoSmallMRows; the input
-//     gradient only on large weights, up to kAutoSmallMBackwardRowsLarge), and among them the pair kernel where
-//     it fits, the GEMV at one row, the table kernel otherwise;
+//     gradient only on large weights, up to kAutoSmallMBackwardRowsLarge), and among them the slice kernel where
+//     it fits and wins (bf16 activations, up to 16 rows: slice_wins), then the pair kernel where it fits, the GEMV
+//     at one row, the table kernel otherwise;
 //  2. the fused wgmma kernel (sm_90a) for tens to hundreds of rows where it can run: on large weights from just
 //     above the small-M range, on smaller ones from kAutoFusedMinRows and only when its grid fills the GPU;
 //  3. dequantize + cuBLASLt otherwise.
@@ -37,9 +38,11 @@ constexpr double kMinWaveFill = 0.9;
 // packing pays back with two n8 tiles (9+ rows) and a long reduction (K of 4096 or more).
 constexpr std::int64_t kPairPackMinRows = 9;
 constexpr std::int64_t kPairPackMinK = 4096;
-// Auto never takes FusedShared (slower than dequantize + cuBLASLt under sustained load), FusedMma (not yet timed
-// against the others), nor the small-M slice kernel (forced path small_m_slice, which `qmm bench` times against
-// Auto's pair kernel in builds with the development kernels, until it has won there).
+// Among the small-M kernels the slice kernel wins for bf16 activations from 2 to 16 rows on every model shape, and
+// at one row on weights with N >= K (gate, up) and for gate_up; at one row with N < K (down) the pair kernel is as
+// fast or faster. f32 activations (the pair kernel packs them) stay with the pair kernel: not timed.
+// Auto never takes FusedShared (slower than dequantize + cuBLASLt under sustained load) nor FusedMma (not yet timed
+// against the others).
 
 // ---- what each kernel needs (the kernels' own constants; their .cu files static_assert these) -----------------
 
@@ -94,6 +97,10 @@ bool gemv_fits(const Nf4WeightFacts& w, const Nf4Device& d) {
 bool slice_fits(const Nf4Problem& p, const Nf4WeightFacts& w0, const Nf4WeightFacts& w1, const Nf4Device& d) {
   return p.m <= kSliceMaxRows && small_m_fits(p, w0) && small_m_fits(p, w1) && w0.rows == w1.rows &&
          pair_fits(p, w0, d) && pair_fits(p, w1, d) && w0.double_quant == w1.double_quant;
+}
+// Auto's slice rule (the measurements above kAutoSmallMRows); slice_fits is checked apart.
+bool slice_wins(const Nf4Problem& p, bool gate_up) {
+  return p.act == DType::BF16 && (p.m >= 2 || gate_up || p.w.rows >= p.w.cols);
 }
 constexpr const char* kSliceNeeds =
     "M <= 16, blocks of 64, K a multiple of 256, one scale format, aligned A, codes and absmax, and sm_90's shared "
@@ -267,7 +274,6 @@ Nf4Plan plan_nf4(const Nf4Problem& p, const Nf4Device& d) {
   const bool large = p.w.rows * p.w.cols >= kLargeWeightElements;
   if (p.path == nf4_forced::kReference) return unsupported("runs on the CPU backend only (use a CPU context)");
   if (p.path == nf4_forced::kSmallMSlice) {
-    if (!d.dev_kernels) return unsupported(kDevKernelsNeeded);
     if (backward) return unsupported("the forward or gate_up: the slice kernel has no input gradient");
     if (!slice_fits(p, p.w, w_up, d)) return unsupported(kSliceNeeds);
     Nf4Plan plan;
@@ -286,6 +292,13 @@ Nf4Plan plan_nf4(const Nf4Problem& p, const Nf4Device& d) {
     const char* why = p.path == nf4_forced::kSmallM ? "forced (path small_m)"
                       : backward ? "M <= 8 on a large weight: the small-M input gradient beats dequantize + GEMM"
                                  : "M <= 32: the small-M kernels beat dequantize + GEMM";
+    if (!backward && p.path == Nf4Path::Auto && slice_wins(p, gate_up) && slice_fits(p, p.w, w_up, d)) {
+      Nf4Plan plan;
+      plan.kernel = Nf4Kernel::SmallMSlice;
+      plan.n8_tiles = p.m <= 8 ? 1 : 2;
+      plan.why = "bf16 rows, up to 16: the slice kernel beats the pair kernel";
+      return plan;
+    }
     if (!backward) return small_m_forward(p, p.w, w_up, d, why);
     Nf4Plan plan;
     plan.kernel = Nf4Kernel::SmallMBackward;

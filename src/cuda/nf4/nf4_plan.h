@@ -69,8 +69,8 @@ enum class Nf4Kernel {
   FusedInLoop,     // nf4_fused.cu: wgmma, dequantization in the main loop (sm_90a)
   FusedShared,     // nf4_fused.cu: wgmma, each weight tile dequantized once per call (forced only)
   FusedMma,        // dev/nf4_fused_mma.cu: mma.sync, any GPU from sm_80 (forced only, QMM_DEV_KERNELS builds)
-  SmallMSlice,     // dev/nf4_slice.cu: the pair kernel's contract, a K slice of A per warp, M <= 16 (forced only,
-                   // QMM_DEV_KERNELS builds; forward and gate_up)
+  SmallMSlice,     // nf4_slice.cu: the pair kernel's contract, a K slice of A per warp, M <= 16 (forward and
+                   // gate_up)
 };
 const char* nf4_kernel_name(Nf4Kernel k);
 

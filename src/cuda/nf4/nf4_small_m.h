@@ -3,8 +3,8 @@
 // multiple of 256, up to 16 rows take the pair kernel on sm_90 (one table of code-byte pairs, the block scale
 // applied after the product: the scale-after contract in ops.h; f32 A rounded to bf16 by a packing kernel);
 // otherwise per-lane tables of the block's 16 scaled values, on the tensor cores, or at M = 1 a GEMV kernel (same
-// tables, FMAs). Device code: nf4_small_m.cuh (one header per kernel). The slice kernel, which no plan takes, is in
-// src/cuda/dev/nf4_slice.h.
+// tables, FMAs). Device code: nf4_small_m.cuh (one header per kernel). The slice kernel (Auto's choice for bf16
+// activations where it fits, up to 16 rows) is in nf4_slice.h.
 #pragma once
 
 #include "cuda/nf4/nf4_plan.h"

@@ -1,5 +1,5 @@
-// Host helpers of the small-M forward launches (nf4_small_m.cu), shared with the development slice kernel's
-// launches (src/cuda/dev/nf4_slice.cu). For .cu files: the kernels' argument types come from device headers.
+// Host helpers of the small-M forward launches (nf4_small_m.cu), shared with the slice kernel's launches
+// (nf4_slice.cu). For .cu files: the kernels' argument types come from device headers.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""CPU model of the small-M slice kernel (nf4_small_m_slice_kernel in src/cuda/dev/nf4_slice_kernel.cuh, host side
-slice_launch in src/cuda/dev/nf4_slice.cu): runs the kernel's schedule and per-lane arithmetic over a byte model of
+"""CPU model of the small-M slice kernel (nf4_small_m_slice_kernel in src/cuda/nf4/nf4_slice_kernel.cuh, host side
+slice_launch in src/cuda/nf4/nf4_slice.cu): runs the kernel's schedule and per-lane arithmetic over a byte model of
 its ring stages (the copies PairIssue makes, pair_piece's swizzle, the lanes' code and scale reads), the pair
 table's lookups, mma.m16n8k16 from the PTX ISA's fragment layouts, the scale after each block, the sums in shared
 memory and each pass's reduction, and compares the outputs (C, or gate, up and h; split-K partials through the

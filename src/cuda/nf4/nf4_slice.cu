@@ -1,6 +1,6 @@
 // Host side of the small-M slice kernel (nf4_slice.h): preconditions, grid and pass sizing, launches. Shares the
 // small-M launches' helpers (nf4_small_m_host.h).
-#include "cuda/dev/nf4_slice.h"
+#include "cuda/nf4/nf4_slice.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -10,7 +10,7 @@
 
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
-#include "cuda/dev/nf4_slice_kernel.cuh"
+#include "cuda/nf4/nf4_slice_kernel.cuh"
 #include "cuda/nf4/nf4_small_m.h"
 #include "cuda/nf4/nf4_small_m_host.h"
 #include "qmm/error.h"
