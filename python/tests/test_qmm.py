@@ -1196,6 +1196,75 @@ def test_patch_bnb_with_several_adapters_or_a_biased_lora_b(device):
     assert all(b.calls == 1 for b in bases), "a 4-bit product ran in the layer's own forward, not in qmm"
 
 
+class LlamaAttention(torch.nn.Module):
+    """A Hugging Face attention as patch_bnb sees one (the class name it recognizes; q_proj, k_proj, v_proj and
+    o_proj on 4-bit layers): q, k and v of the hidden states (GQA: k and v narrower), a stand-in for the attention
+    itself, o_proj. `reproject` makes the forward call k_proj on a copy of the hidden states instead."""
+
+    def __init__(self, device, hidden=64, kv=32, bias=False):
+        super().__init__()
+        shapes = {"q_proj": (hidden, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, hidden)}
+        for i, (name, shape) in enumerate(shapes.items()):
+            w4 = qmm.Nf4Weight.quantize(randn(shape, 30 + i, device) * 0.2)
+            b = randn((shape[0],), 40 + i, device) if bias and name != "o_proj" else None
+            setattr(self, name, FakeLora(FakeLinear4bit(w4, bias=b), 4, 50 + 2 * i))
+        self.reproject = False
+
+    def forward(self, hidden_states, position_embeddings=None):
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states * 1 if self.reproject else hidden_states)
+        v = self.v_proj(hidden_states)
+        mixed = q * torch.cat([k, v], dim=-1).tanh()
+        return self.o_proj(mixed), None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_patch_bnb_computes_an_attentions_q_k_v_as_one_op(device, bias, monkeypatch):
+    """patch_bnb on a Llama-style attention over PEFT-style 4-bit layers: q, k and v run as one lora_nf4_linears call
+    handed to the projections, with the outputs and gradients of the unpatched module (to
+    test_patch_bnb_runs_a_peft_model_with_qmm's tolerances) and no 4-bit product left to the layers. Where the grouped
+    op does not cover the projections (two adapters on k_proj) or the forward calls one on another tensor, each
+    projection computes for itself, with the same results; fuse_qkv=False leaves the attention alone."""
+    attn = LlamaAttention(device, bias=bias)
+    x, dy = randn((2, 5, 64), 6, device), randn((2, 5, 64), 7, device)
+
+    def run(module):
+        return _forward_backward(lambda t: module(t)[0], x, dy, params_of=module)
+    ref = run(attn)
+    grouped, single, linears, linear = [], [], qmm.patch.lora_nf4_linears, qmm.patch.lora_nf4_linear
+    monkeypatch.setattr(qmm.patch, "lora_nf4_linears", lambda *a, **k: grouped.append(1) or linears(*a, **k))
+    monkeypatch.setattr(qmm.patch, "lora_nf4_linear", lambda *a, **k: single.append(1) or linear(*a, **k))
+    assert "" in qmm.patch_bnb(attn)
+    bases = [getattr(attn, p).base_layer for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    calls = [b.calls for b in bases]
+    rel = 1e-6 if device == "cpu" else 2.0 ** -6
+    _assert_near(run(attn), ref, rel, "q, k, v as one op")
+    assert len(grouped) == 1 and [b.calls for b in bases] == calls, "not one grouped op, or a 4-bit product in a layer"
+    assert len(single) == 1, "q, k or v computed again by its own projection (o_proj's is the one single call)"
+    assert not qmm.patch._precomputed  # nothing handed over is left behind
+
+    attn.reproject = True  # k_proj called on another tensor: it computes for itself
+    _assert_near(run(attn), ref, rel, "k_proj on another tensor")
+    assert len(grouped) == 2 and len(single) == 3 and not qmm.patch._precomputed  # o_proj's and k_proj's own
+    attn.reproject = False
+    k = attn.k_proj
+    k.lora_A["second"] = torch.nn.Linear(64, 2, bias=False, device=device)
+    k.lora_B["second"] = torch.nn.Linear(2, 32, bias=False, device=device)
+    k.lora_dropout["second"], k.scaling["second"] = torch.nn.Identity(), 0.5
+    torch.nn.init.zeros_(k.lora_B["second"].weight)  # a second adapter adding nothing: the same results
+    k.active_adapters = ["default", "second"]
+    _assert_near(run(attn)[:2], ref[:2], rel, "two adapters on k_proj")  # (its parameters' list is longer)
+    assert len(grouped) == 2, "the grouped op took a projection with two adapters"
+    k.active_adapters = ["default"]
+    del k.lora_A["second"], k.lora_B["second"]
+    qmm.unpatch_bnb(attn)
+    qmm.patch_bnb(attn, fuse_qkv=False)
+    _assert_near(run(attn), ref, rel, "fuse_qkv=False")
+    assert len(grouped) == 2 and "_qmm_patch" not in attn.__dict__
+    qmm.unpatch_bnb(attn)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_patch_bnb_follows_a_replaced_weight_and_keeps_hooks(device):
     """A patched layer reads its weight as it is at the call (bitsandbytes quantizes on .to(device), PEFT's merge
