@@ -1203,7 +1203,8 @@ class LlamaAttention(torch.nn.Module):
 
     def __init__(self, device, hidden=64, kv=32, bias=False):
         super().__init__()
-        shapes = {"q_proj": (hidden, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, hidden)}
+        shapes = {"q_proj": (hidden, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
+                  "o_proj": (hidden, hidden)}
         for i, (name, shape) in enumerate(shapes.items()):
             w4 = qmm.Nf4Weight.quantize(randn(shape, 30 + i, device) * 0.2)
             b = randn((shape[0],), 40 + i, device) if bias and name != "o_proj" else None
