@@ -41,9 +41,17 @@ def worker(args):
     ids = ids.to(args.device)
     kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                   attention_mask=torch.ones_like(ids), pad_token_id=2)
+    cache = None
     if args.worker == "qmm-static":
-        kwargs["cache_implementation"] = "static"
+        import inspect
+
+        from transformers import StaticCache
         base = model.get_base_model()
+        # One static cache for every call, reset in place before each: a new one per call (transformers' own
+        # cache_implementation="static") would give the replayed graphs new tensor addresses, so each call would
+        # record them again. Its tensors are made in the first (eager) prefill.
+        cache = StaticCache(config=base.config, max_cache_len=args.prompt + args.new_tokens)
+        kwargs["cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"] = cache
         mode = dict(mode="reduce-overhead") if args.device == "cuda" else dict(backend="aot_eager")
         # The decode steps (one new token) replay; the prefill runs eagerly, as transformers' own compiled
         # generation does: the static cache allocates its tensors in its first call, which inside a CUDA graph
@@ -58,6 +66,8 @@ def worker(args):
     times, out = [], None
     with torch.no_grad():
         for i in range(1 + args.repeats):
+            if cache is not None:
+                cache.reset()
             sync()
             start = time.perf_counter()
             out = model.generate(input_ids=ids, **kwargs)
