@@ -33,7 +33,8 @@ def trainer(device, fused=False):
     capturable on a GPU (a capture needs that), fused (PyTorch's one-kernel AdamW, transformers' Trainer's default) or
     not."""
     mlp = qlora_mlp(device)
-    opt = torch.optim.AdamW(mlp.parameters(), lr=1e-2, fused=fused, capturable=device == "cuda")
+    fused_arg = dict(fused=True) if fused else {}  # (older PyTorch has no fused AdamW)
+    opt = torch.optim.AdamW(mlp.parameters(), lr=1e-2, capturable=device == "cuda", **fused_arg)
 
     def step(x, target):
         loss = torch.nn.functional.mse_loss(mlp(x), target)
