@@ -39,6 +39,16 @@ def _shape(w):
     return w.shape if isinstance(w, Nf4Weight) else (w[5], w[6])
 
 
+def _check_bias(op, name, bias, out_features):
+    """A bias must be a 1-D floating tensor of the output width (it is added in x's dtype)."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (out_features,):
+        what = f"{list(bias.shape)} {bias.dtype}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise _error("ShapeMismatch", f"{op}: argument '{name}' is {what}; it must be a floating tensor "
+                                      f"[{out_features}]")
+
+
 def _check_lora(op, name, lora, x, out_features, in_features):
     """Checks an adapter against x and the weight [out_features, in_features]; returns the _impl tuple or None."""
     if lora is None:
@@ -85,6 +95,7 @@ def lora_nf4_linear(x, w, lora=None, bias=None, path="auto"):
     op = "lora_nf4_linear"
     out_features, in_features = _shape(w) if isinstance(w, tuple) else _nf4(op, "w", w)
     lora_args = _check_lora(op, "lora", lora, x, out_features, in_features)
+    _check_bias(op, "bias", bias, out_features)
     if _compiling():
         return compile_ops.lora_nf4_linear(x, w, lora_args, bias, path)
     w = _weight(op, "w", w)
@@ -156,6 +167,8 @@ def lora_nf4_linears(x, weights, loras=None, biases=None, path="auto"):
         raise _error("ShapeMismatch", f"{op}: the weights are {[list(s) for s in shapes]}; they must share their "
                                       f"input width")
     lora_args = [_check_lora(op, f"loras[{i}]", lora, x, *shape) for i, (lora, shape) in enumerate(zip(loras, shapes))]
+    for i, (bias, (out_features, _)) in enumerate(zip(biases, shapes)):
+        _check_bias(op, f"biases[{i}]", bias, out_features)
     if _compiling():  # three (q, k, v) as one custom op, as eager; other counts one op per projection
         if n == 3:
             return compile_ops.lora_nf4_qkv(x, weights, lora_args, biases, path)

@@ -746,7 +746,8 @@ def test_lora_nf4_linears_matches_reference(device, dtype, m, k, ns, unused_v):
 
 
 def test_lora_nf4_linears_checks_its_arguments():
-    """lora_nf4_linears names what is wrong with its lists before anything runs."""
+    """lora_nf4_linears (and lora_nf4_linear, for its bias) names what is wrong with its arguments before anything
+    runs."""
     x = randn((3, 64), 2, "cpu")
     w4, w_other = (qmm.Nf4Weight.quantize(randn(shape, 1, "cpu")) for shape in ((32, 64), (32, 128)))
     cases = ((lambda: qmm.lora_nf4_linears(x, []), "InvalidArgument", "'weights' must be a non-empty list"),
@@ -755,7 +756,12 @@ def test_lora_nf4_linears_checks_its_arguments():
              (lambda: qmm.lora_nf4_linears(x, [w4], biases=[None, None]), "InvalidArgument", "'biases' has 2"),
              (lambda: qmm.lora_nf4_linears(x, [w4, "w"]), "InvalidArgument", "weights[1]"),
              (lambda: qmm.lora_nf4_linears(x, [w4], [qmm.Lora(torch.zeros(4, 64), torch.zeros(16, 4), 1.0)]),
-              "ShapeMismatch", "loras[0]"))
+              "ShapeMismatch", "loras[0]"),
+             (lambda: qmm.lora_nf4_linears(x, [w4, w4], biases=[None, torch.zeros(31)]), "ShapeMismatch",
+              "'biases[1]' is [31]"),
+             (lambda: qmm.lora_nf4_linear(x, w4, bias=torch.zeros(2, 32)), "ShapeMismatch", "'bias' is [2, 32]"),
+             (lambda: qmm.lora_nf4_linear(x, w4, bias=torch.zeros(32, dtype=torch.int32)), "ShapeMismatch",
+              "floating tensor [32]"))
     for call, code, words in cases:
         with pytest.raises(qmm.Error) as e:
             call()
