@@ -39,6 +39,13 @@ def _shape(w):
     return w.shape if isinstance(w, Nf4Weight) else (w[5], w[6])
 
 
+def _check_x(op, x):
+    """The activations: a float32 or bfloat16 tensor (qmm's products take no other dtype)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16):
+        what = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise _error("DTypeMismatch", f"{op}: argument 'x' is {what}; it must be torch.float32 or torch.bfloat16")
+
+
 def _check_bias(op, name, bias, out_features):
     """A bias must be a 1-D floating tensor of the output width (it is added in x's dtype)."""
     if bias is None:
@@ -93,6 +100,7 @@ def lora_nf4_linear(x, w, lora=None, bias=None, path="auto"):
     in its second GEMM's epilogue) as one op. Differentiable in x, the bias and the adapter's a, b and x_dropped;
     the backward reads the output gradient once for both of the adapter's products."""
     op = "lora_nf4_linear"
+    _check_x(op, x)
     out_features, in_features = _shape(w) if isinstance(w, tuple) else _nf4(op, "w", w)
     lora_args = _check_lora(op, "lora", lora, x, out_features, in_features)
     _check_bias(op, "bias", bias, out_features)
@@ -155,6 +163,7 @@ def lora_nf4_linears(x, weights, loras=None, biases=None, path="auto"):
     separate sum (each projection's product adds into the one dx). loras and biases are lists as long as weights
     (None entries: no adapter, no bias) or None. Returns a tuple of outputs."""
     op = "lora_nf4_linears"
+    _check_x(op, x)
     if not isinstance(weights, (list, tuple)) or not weights:
         raise _error("InvalidArgument", f"{op}: argument 'weights' must be a non-empty list of NF4 weights")
     n = len(weights)
@@ -216,6 +225,7 @@ def lora_nf4_swiglu(x, w_gate, w_up, gate_lora=None, up_lora=None, path="auto"):
     the adapters' sums in their GEMMs' epilogues, then the SwiGLU. Differentiable in x and the adapters; keeps gate
     and up for the backward. Without adapters the SwiGLU runs in the gate/up kernel's epilogue."""
     op = "lora_nf4_swiglu"
+    _check_x(op, x)
     shape = _shape(w_gate) if isinstance(w_gate, tuple) else _nf4(op, "w_gate", w_gate)
     if (_shape(w_up) if isinstance(w_up, tuple) else _nf4(op, "w_up", w_up)) != shape:
         raise _error("ShapeMismatch", f"{op}: w_gate is {list(shape)} but w_up is {list(_shape(w_up))}; they must "

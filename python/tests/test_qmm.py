@@ -761,7 +761,10 @@ def test_lora_nf4_linears_checks_its_arguments():
               "'biases[1]' is [31]"),
              (lambda: qmm.lora_nf4_linear(x, w4, bias=torch.zeros(2, 32)), "ShapeMismatch", "'bias' is [2, 32]"),
              (lambda: qmm.lora_nf4_linear(x, w4, bias=torch.zeros(32, dtype=torch.int32)), "ShapeMismatch",
-              "floating tensor [32]"))
+              "floating tensor [32]"),
+             (lambda: qmm.lora_nf4_linears(x.half(), [w4]), "DTypeMismatch", "lora_nf4_linears: argument 'x' is "
+              "torch.float16"),
+             (lambda: qmm.lora_nf4_swiglu(x.half(), w4, w4), "DTypeMismatch", "lora_nf4_swiglu: argument 'x'"))
     for call, code, words in cases:
         with pytest.raises(qmm.Error) as e:
             call()
