@@ -2,12 +2,15 @@
 
 patch_bnb leaves a model as it is (its modules, parameters and state-dict names, PEFT's LoRA adapters, accelerate's
 hooks) and changes only how the patched modules compute: with qmm wherever the case is one qmm covers, with the
-module's own forward everywhere else, decided per call. Three kinds of module are patched:
+module's own forward everywhere else, decided per call. Four kinds of module are patched (and, on request, a causal
+LM's loss, its RMSNorms and its rotary embedding: patch_bnb's options):
 - a bitsandbytes NF4 layer: base product and bias as one qmm op (lora_nf4_linear without adapter);
 - a PEFT LoRA layer around one: base, bias and its active plain adapter as one op (lora_nf4_linear), PEFT's own
   lora_A/lora_B parameters trained (their products in x's dtype with fp32 sums), its dropout applied by PyTorch;
 - a Llama/Qwen/Mistral-style MLP on such layers: gate and up (with their adapters) and the SwiGLU as one op
-  (lora_nf4_swiglu), then its down_proj (patched as above).
+  (lora_nf4_swiglu), then its down_proj (patched as above);
+- a Llama/Qwen2/Qwen3/Mistral attention on such layers: q, k and v as one op (lora_nf4_linears), handed to the
+  projections' calls inside the attention's own forward.
 
 Every forward traces under torch.compile without a graph break: while compiling, a layer's NF4 weight reaches qmm's
 custom ops as its tensors read from the layer at the call (compile_ops.py), never through a Python-side cache; the
