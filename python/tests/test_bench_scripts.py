@@ -59,9 +59,10 @@ def test_train_step_nf4_path_reaches_the_patch():
 
 
 def test_decode_tiny_generates_bitsandbytes_tokens():
-    """bench/decode.py: the patched variants generate bnb's greedy tokens."""
-    out, err = run_script("decode.py", "--variants", "bnb,qmm", "--new-tokens", "4", "--repeats", "1")
+    """bench/decode.py: the patched variants generate bnb's greedy tokens, qmm-static (the decode steps compiled,
+    one static cache reset for every call) over two timed calls too."""
+    out, err = run_script("decode.py", "--variants", "bnb,qmm,qmm-static", "--new-tokens", "4", "--repeats", "2")
     table = rows(out)
-    assert set(table) == {"bnb", "qmm"}, out
-    assert table["qmm"][-1] == "yes", table
-    assert "tiny qmm: exit 0" in err, err
+    assert set(table) == {"bnb", "qmm", "qmm-static"}, out
+    assert table["qmm"][-1] == "yes" and table["qmm-static"][-1] == "yes", table
+    assert "tiny qmm: exit 0" in err and "tiny qmm-static: exit 0" in err, err
