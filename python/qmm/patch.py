@@ -264,6 +264,9 @@ def _swiglu_mlp_forward(mlp, x, *args, **kwargs):
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
+# The attention classes whose forward calls q_proj, k_proj and v_proj on its hidden states and applies the rotary
+# embedding through its modeling module's apply_rotary_pos_emb.
+_ATTENTIONS = ("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention")
 
 
 def _attention_forward(attn, *args, **kwargs):
@@ -296,7 +299,7 @@ def _attention_forward(attn, *args, **kwargs):
 def _is_qkv_attention(module):
     """A Llama/Qwen2/Qwen3/Mistral attention (whose forward calls q_proj, k_proj and v_proj on its hidden states)
     with bitsandbytes NF4 bases under all three."""
-    return type(module).__name__ in _ROPE_ATTENTIONS and \
+    return type(module).__name__ in _ATTENTIONS and \
         all(_bnb_nf4_base(getattr(module, p, None)) is not None for p in _QKV)
 
 
@@ -451,12 +454,11 @@ def _rms_norm_forward(norm, x, *args, **kwargs):
     return rms_norm_autograd(x, norm.weight, norm.variance_epsilon)
 
 
-_ROPE_ATTENTIONS = ("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention")
 
 
 def _rope_module_of(module):
     """The transformers modeling module whose apply_rotary_pos_emb a Llama/Qwen2/Qwen3/Mistral attention calls."""
-    if type(module).__name__ not in _ROPE_ATTENTIONS:
+    if type(module).__name__ not in _ATTENTIONS:
         return None
     owner = sys.modules.get(type(module).__module__)
     return owner if callable(getattr(owner, "apply_rotary_pos_emb", None)) else None
