@@ -97,7 +97,7 @@ def nf4_gemm(a, w, *, out=None, alpha=1.0, beta=0.0, path="auto", out_dtype=None
     """out[..., N] = alpha * a[..., K] @ dequant(W)^T + beta * out for W [N, K]: bf16 products, fp32 sums (the one
     numerical contract of every path: include/qmm/ops.h). path: "auto" (the planner chooses), "dequant_gemm",
     "fused", or a kernel forced for tests and benchmarks: "small_m", "small_m_slice", "fused_shared" and
-    "fused_mma" (these three only in builds with the development kernels, -DQMM_DEV_KERNELS=ON), "reference"
+    "fused_mma" (these two only in builds with the development kernels, -DQMM_DEV_KERNELS=ON), "reference"
     (CPU)."""
     n, k = _nf4("nf4_gemm", "w", w)
     return _nf4_gemm(_qmm.nf4_gemm, "nf4_gemm", a, "a", "c", k, n, w, out, alpha, beta, path, out_dtype)

@@ -281,8 +281,9 @@ def _attention_forward(attn, *args, **kwargs):
     projections = [getattr(attn, name) for name in _QKV]
     bases = [_bnb_nf4_base(p) if _PATCH in p.__dict__ else None for p in projections]
     plans = [_lora_plan(p) for p in projections]
-    weights = [None] if None in bases or any(plan is None or plan == "add" for plan in plans) else \
-        [_weight_now(b) for b in bases]
+    if None in bases or any(plan is None or plan == "add" for plan in plans):
+        return _unpatched(attn, *args, **kwargs)
+    weights = [_weight_now(b) for b in bases]
     if None in weights:
         return _unpatched(attn, *args, **kwargs)
     loras = [_adapter(p, plan, x) for p, plan in zip(projections, plans)]

@@ -1,5 +1,5 @@
 """The Python benchmarks' own checks (--tiny: a small Llama on the CPU), so that a script broken by a change is found
-before a GPU session spends its time on it. They need transformers, PEFT and bitsandbytes (skipped without them,
+before the GPU machine spends its time on it. They need transformers, PEFT and bitsandbytes (skipped without them,
 as on CI's Debian PyTorch; scripts/test-peers runs them)."""
 import os
 import re
@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
-if torch.cuda.is_available():  # CPU checks of the scripts, about 90 s: CI runs them; a GPU session's time is dearer
+if torch.cuda.is_available():  # CPU checks of the scripts, about 90 s: CI runs them; GPU time is dearer
     pytest.skip("the scripts' CPU checks run in CI, not on the GPU machine", allow_module_level=True)
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")

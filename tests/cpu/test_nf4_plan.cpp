@@ -283,33 +283,32 @@ TEST(Nf4Plan, ForcedPaths) {
                "a GPU of compute capability 8.0 or newer");
 }
 
-// The slice kernel, forced (Auto never takes it): forward and gate_up up to 16 rows where the pair kernel fits, in
-// builds with the development kernels; otherwise Unsupported, saying what is missing.
+// The slice kernel, forced: forward and gate_up up to 16 rows where the pair kernel fits, f32 A too, in every
+// build; otherwise Unsupported, saying what is missing.
 TEST(Nf4Plan, ForcedSlice) {
   const Shape llama_up = kShapes[2], k1088 = kShapes[4];
-  const Nf4Device h100_dev = h100(), a100_dev = a100();
   auto plan = [&](Nf4Op op, std::int64_t m, const Shape& s, const Nf4Device& d, DType act = DType::BF16) {
     return plan_nf4(problem(op, m, s, act, true, 0.0f, nf4_forced::kSmallMSlice), d);
   };
-  EXPECT_EQ(code(plan(Nf4Op::Forward, 1, llama_up, h100_dev)), "L1");
-  EXPECT_EQ(code(plan(Nf4Op::Forward, 8, llama_up, h100_dev)), "L1");
-  EXPECT_EQ(code(plan(Nf4Op::Forward, 9, llama_up, h100_dev, DType::F32)), "L2");
-  EXPECT_EQ(code(plan(Nf4Op::GateUp, 16, kShapes[0], h100_dev)), "L2");
-  EXPECT_STREQ(plan(Nf4Op::Forward, 16, llama_up, h100_dev).why, "forced (path small_m_slice)");
+  EXPECT_EQ(code(plan(Nf4Op::Forward, 1, llama_up, h100())), "L1");
+  EXPECT_EQ(code(plan(Nf4Op::Forward, 8, llama_up, h100())), "L1");
+  EXPECT_EQ(code(plan(Nf4Op::Forward, 9, llama_up, h100(), DType::F32)), "L2");
+  EXPECT_EQ(code(plan(Nf4Op::GateUp, 16, kShapes[0], h100())), "L2");
+  EXPECT_STREQ(plan(Nf4Op::Forward, 16, llama_up, h100()).why, "forced (path small_m_slice)");
   const char* needs = "M <= 16, blocks of 64, K a multiple of 256, one scale format, aligned A, codes and absmax, "
                       "and sm_90's shared memory";
-  EXPECT_STREQ(plan(Nf4Op::Forward, 17, llama_up, h100_dev).why, needs);
-  EXPECT_STREQ(plan(Nf4Op::Forward, 4, k1088, h100_dev).why, needs);
-  EXPECT_STREQ(plan(Nf4Op::Forward, 4, llama_up, a100_dev).why, needs);  // 163 KB of shared memory per block
-  EXPECT_STREQ(plan(Nf4Op::BackwardA, 4, llama_up, h100_dev).why,
+  EXPECT_STREQ(plan(Nf4Op::Forward, 17, llama_up, h100()).why, needs);
+  EXPECT_STREQ(plan(Nf4Op::Forward, 4, k1088, h100()).why, needs);
+  EXPECT_STREQ(plan(Nf4Op::Forward, 4, llama_up, a100()).why, needs);  // 163 KB of shared memory per block
+  EXPECT_STREQ(plan(Nf4Op::BackwardA, 4, llama_up, h100()).why,
                "the forward or gate_up: the slice kernel has no input gradient");
   EXPECT_EQ(code(plan(Nf4Op::Forward, 4, llama_up, h100())), "L1");  // not a development kernel: every build has it
   Nf4Problem mixed = problem(Nf4Op::GateUp, 4, llama_up, DType::BF16, true, 0.0f, nf4_forced::kSmallMSlice);
   mixed.w_up.double_quant = false;  // one kernel instance serves both weights
-  EXPECT_STREQ(plan_nf4(mixed, h100_dev).why, needs);
+  EXPECT_STREQ(plan_nf4(mixed, h100()).why, needs);
   Nf4Problem misaligned = problem(Nf4Op::Forward, 4, llama_up, DType::BF16, true, 0.0f, nf4_forced::kSmallMSlice);
   misaligned.act_align = 8;
-  EXPECT_EQ(plan_nf4(misaligned, h100_dev).kernel, Nf4Kernel::Unsupported);
+  EXPECT_EQ(plan_nf4(misaligned, h100()).kernel, Nf4Kernel::Unsupported);
 }
 
 // Auto's slice rule: bf16 rows from 2 to 16, and one row where N >= K or for gate_up; the pair kernel at one row

@@ -1,8 +1,8 @@
 // The small-M slice kernel (M <= 16, blocks of 64, K a multiple of 256, a GPU that gives a block its shared
 // memory: sm_90): the pair kernel's table and contract in another order, each warp holding a slice of K of A in
 // registers and streaming weight row groups past it (nf4_slice_kernel.cuh). Auto takes it for bf16 activations
-// where it fits (nf4_plan.cpp: it beat the pair kernel there on an H100), the forced path small_m_slice anywhere it
-// fits; the GPU tests also launch it here. Where it does not fit, the launches throw Unsupported.
+// where it fits and beat the pair kernel (nf4_plan.cpp's rule), the forced path small_m_slice anywhere it fits;
+// the GPU tests also launch it here. Where it does not fit, the launches throw Unsupported.
 #pragma once
 
 #include "qmm/context.h"
