@@ -39,7 +39,8 @@ void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target,
               const TensorView& dy, float scale = 1.0f);
 
 // A causal LM's head and loss in one: the mean cross-entropy of the logits z = h·Wᵀ against labels, without
-// the [T, V] logits ever held whole (tokens go through in chunks of opts.chunk_tokens; 0 lets the op choose).
+// the [T, V] logits ever held whole (they go through in chunks of tokens and of the vocabulary:
+// linear_cross_entropy_chunks).
 //   loss[0] = Σ_{t: labels[t] != ignore_index} (logsumexp(z_t) − z_t[labels[t]]) / n,  n = the count of such t
 // h [T,H] f32 or bf16; w [V,H] of h's dtype (a separate head or the tied embedding); labels [T] i32, each in
 // [0, V) or ignore_index; loss [1] f32, written. With all tokens ignored (n = 0) the loss is 0 and the gradients
@@ -47,7 +48,9 @@ void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target,
 // bf16 model's head writes them); the log-sum-exp is fp32 (fp64 on the CPU backend). Gradients of the mean loss:
 // dh [T,H] of h's dtype, written, where given (empty: none); dw [V,H] f32, where given: accumulated
 // (dw += ∂loss/∂W), or with opts.accumulate_dw false written without its old contents being read (a fresh buffer
-// needs no zeroing). On a GPU the gradient rows are rounded to h's dtype before their GEMMs.
+// needs no zeroing). On a GPU the products that make the gradients take their left operand rounded to h's dtype:
+// the gradient rows (softmax − onehot) / n where the vocabulary is whole, or exp(z − running maximum) without the
+// label's term where it is split (the label's term and the normalization then join in fp32).
 // Labels out of range: with opts.check_labels (the default) the labels are read on the host first (a GPU's are
 // copied: the call waits for the device) and the first one out of range is InvalidArgument, nothing written;
 // without, nothing waits (a CUDA graph can capture the call) and a label out of range makes the loss NaN and its
@@ -56,20 +59,31 @@ void mse_loss(const Context& ctx, const TensorView& y, const TensorView& target,
 // token's dh row NaN (dw where given); the other tokens' dh rows stay finite.
 struct CrossEntropyOptions {
   std::int32_t ignore_index = -100;
-  std::int64_t chunk_tokens = 0;
+  std::int64_t chunk_tokens = 0;  // rows of h per chunk (0: linear_cross_entropy_chunks chooses)
   bool check_labels = true;
   bool accumulate_dw = true;
+  std::int64_t chunk_vocab = 0;  // columns of the logits per chunk (0: chosen; >= V: the vocabulary is not split)
 };
 void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorView& w, const TensorView& labels,
                           const TensorView& loss, const TensorView& dh = {}, const TensorView& dw = {},
                           const CrossEntropyOptions& opts = {});
-// The chunk of tokens linear_cross_entropy's GPU path takes when opts.chunk_tokens is 0, for T tokens, vocabulary V
-// and h's dtype: as many tokens as 256 MiB of logits hold (each chunk reads the whole head again), at least 512,
-// at most T; with dw wanted, as many as 1 GiB holds (each chunk also reads and writes the f32 dw [V, H] once, which
-// costs more than rereading the head). Its extra device memory is one chunk's logits (h's dtype; the gradient rows
-// overwrite them) plus 8 bytes per token.
-std::int64_t linear_cross_entropy_chunk_tokens(std::int64_t tokens, std::int64_t vocab, DType dtype,
-                                               bool with_dw = false);
+// How linear_cross_entropy's GPU path splits T tokens, hidden size H and vocabulary V (h's dtype), and the device
+// memory it takes beyond its inputs and outputs. Without dw the chunks fit in 5% of the fp32 logits' bytes (at
+// least 32 MiB): whole rows where min(T, 1024) tokens' rows fit; otherwise a chunk of tokens whose f32
+// accumulator for dh [tokens, H] takes a quarter of that, and vocabulary chunks of the rest, over which each row
+// keeps a running maximum and sum (the log-sum-exp comes out at the end) and dh accumulates exp(z − maximum)·W,
+// rescaled when the maximum grows. With dw the vocabulary stays whole (dw's rows need the row's final log-sum-exp),
+// and a chunk holds as many tokens as 1 GiB of logits does (each chunk reads and writes the f32 dw once, which
+// costs more than rereading the head). opts.chunk_tokens and opts.chunk_vocab, where positive, override the
+// choice (chunk_vocab >= V: whole rows).
+struct CrossEntropyChunks {
+  std::int64_t tokens = 0;       // rows of h per chunk
+  std::int64_t vocab = 0;        // logits' columns per chunk; V where the vocabulary is not split
+  std::int64_t extra_bytes = 0;  // device scratch: one chunk's logits in h's dtype, and the running state
+};
+CrossEntropyChunks linear_cross_entropy_chunks(std::int64_t tokens, std::int64_t hidden, std::int64_t vocab,
+                                               DType dtype, bool with_dh, bool with_dw,
+                                               const CrossEntropyOptions& opts = {});
 
 // RMSNorm over the last dimension, as Hugging Face's LlamaRMSNorm and Qwen2RMSNorm compute it: per row
 // rstd = 1 / sqrt(mean(x²) + eps) in fp32, then y = w · x̂ with x̂ = x · rstd rounded to x's dtype first (the

@@ -368,15 +368,50 @@ void rope(const Context& ctx, const TensorView& q, const TensorView& k, const Te
   QMM_TRAIN_ROUTE(ctx, op, rope, q, k, cos, sin, q_out, k_out, inverse);
 }
 
-std::int64_t linear_cross_entropy_chunk_tokens(std::int64_t tokens, std::int64_t vocab, DType dtype, bool with_dw) {
-  const char* op = "linear_cross_entropy_chunk_tokens";
+CrossEntropyChunks linear_cross_entropy_chunks(std::int64_t tokens, std::int64_t hidden, std::int64_t vocab,
+                                               DType dtype, bool with_dh, bool with_dw,
+                                               const CrossEntropyOptions& opts) {
+  const char* op = "linear_cross_entropy_chunks";
   QMM_REQUIRE(tokens >= 0, ErrorCode::InvalidArgument, op, "tokens is " + std::to_string(tokens) + ", below 0");
+  QMM_REQUIRE(hidden >= 1, ErrorCode::InvalidArgument, op, "hidden is " + std::to_string(hidden) + ", below 1");
   QMM_REQUIRE(vocab >= 1, ErrorCode::InvalidArgument, op, "vocab is " + std::to_string(vocab) + ", below 1");
   QMM_REQUIRE(dtype == DType::F32 || dtype == DType::BF16, ErrorCode::DTypeMismatch, op,
               std::string("dtype is ") + dtype_name(dtype) + " but must be f32 or bf16");
-  const std::int64_t chunk_bytes = std::int64_t{with_dw ? 1024 : 256} << 20;
-  const std::int64_t row_bytes = vocab * static_cast<std::int64_t>(dtype_size(dtype));
-  return std::min(tokens, std::max<std::int64_t>(512, chunk_bytes / row_bytes / 128 * 128));
+  QMM_REQUIRE(opts.chunk_tokens >= 0 && opts.chunk_vocab >= 0, ErrorCode::InvalidArgument, op,
+              "chunk_tokens is " + std::to_string(opts.chunk_tokens) + " and chunk_vocab " +
+                  std::to_string(opts.chunk_vocab) + " but both must be >= 0");
+  const std::int64_t es = static_cast<std::int64_t>(dtype_size(dtype)), t = std::max<std::int64_t>(tokens, 1);
+  const auto padded = [](std::int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  const auto round_down = [](std::int64_t v, std::int64_t step) { return std::max(step, v / step * step); };
+  CrossEntropyChunks c;
+  if (with_dw) {  // the vocabulary whole: dw's rows need each token's final log-sum-exp
+    c.vocab = vocab;
+    c.tokens = opts.chunk_tokens > 0 ? opts.chunk_tokens
+                                     : std::max<std::int64_t>(512, (std::int64_t{1} << 30) / (vocab * es) / 128 * 128);
+  } else {
+    // 5% of the fp32 logits, at least 32 MiB: whole rows where enough tokens' rows fit for the GEMMs to run near
+    // their peak; otherwise a quarter for dh's f32 accumulator and the rest for a chunk's logits
+    const std::int64_t budget = std::max<std::int64_t>(std::int64_t{32} << 20, t * vocab * 4 / 20);
+    const std::int64_t whole = budget / (vocab * es);  // tokens whose whole rows fit
+    if (opts.chunk_vocab >= vocab || (opts.chunk_vocab == 0 && whole >= std::min<std::int64_t>(t, 1024))) {
+      c.vocab = vocab;
+      c.tokens = opts.chunk_tokens > 0 ? opts.chunk_tokens : round_down(whole, 128);
+    } else {
+      c.tokens = opts.chunk_tokens > 0 ? opts.chunk_tokens : round_down(budget / 4 / (hidden * 4), 128);
+      c.tokens = std::min(c.tokens, t);
+      const std::int64_t state = (with_dh ? c.tokens * hidden * 4 : 0) + c.tokens * 16;
+      c.vocab = opts.chunk_vocab > 0 ? opts.chunk_vocab
+                                     : round_down(std::max<std::int64_t>(budget - state, 0) / (c.tokens * es), 128);
+    }
+  }
+  c.tokens = std::min(c.tokens, t);
+  c.vocab = std::min(c.vocab, vocab);
+  // The pieces linear_cross_entropy carves from one scratch buffer, each on a 256-byte boundary: the chunk's logits,
+  // every token's fp64 loss term, where the vocabulary is split the running state (dh's f32 accumulator, 16 bytes a
+  // row), and 16 bytes of label counts.
+  c.extra_bytes = padded(c.tokens * c.vocab * es) + padded(t * 8) + 16;
+  if (c.vocab < vocab) c.extra_bytes += (with_dh ? padded(c.tokens * hidden * 4) : 0) + padded(c.tokens * 16);
+  return c;
 }
 
 void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorView& w, const TensorView& labels,
@@ -397,8 +432,9 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
   QMM_REQUIRE(labels.rank() == 1 && labels.dim(0) == t, ErrorCode::ShapeMismatch, op,
               "labels is " + labels.shape().str() + " but must be [" + std::to_string(t) + "] (one per row of h)");
   require_scalar_output(ctx, op, "loss", loss);
-  QMM_REQUIRE(opts.chunk_tokens >= 0, ErrorCode::InvalidArgument, op,
-              "chunk_tokens is " + std::to_string(opts.chunk_tokens) + " but must be >= 0");
+  QMM_REQUIRE(opts.chunk_tokens >= 0 && opts.chunk_vocab >= 0, ErrorCode::InvalidArgument, op,
+              "chunk_tokens is " + std::to_string(opts.chunk_tokens) + " and chunk_vocab " +
+                  std::to_string(opts.chunk_vocab) + " but both must be >= 0");
   if (!dh.empty()) require_like(ctx, op, "dh", dh, "h", h);
   if (!dw.empty()) {
     detail::require_tensor(ctx, op, "dw", dw);

@@ -1011,24 +1011,78 @@ TEST(TrainLinearCrossEntropy, DwWrittenWithoutAccumulating) {
     }
 }
 
-// The GPU path's default chunk: 256 MiB of logits in h's dtype (1 GiB with dw), at least 512 tokens, at most T; bad
-// arguments raise.
-TEST(TrainLinearCrossEntropy, DefaultChunkTokens) {
-  EXPECT_EQ(linear_cross_entropy_chunk_tokens(4096, 128256, DType::BF16), 1024);  // 1046 rows, in 128s
-  EXPECT_EQ(linear_cross_entropy_chunk_tokens(4096, 128256, DType::F32), 512);    // 523 rows
-  EXPECT_EQ(linear_cross_entropy_chunk_tokens(2048, 151936, DType::BF16), 768);
-  EXPECT_EQ(linear_cross_entropy_chunk_tokens(100000, 1000, DType::BF16), 100000);  // every token in one chunk
-  EXPECT_EQ(linear_cross_entropy_chunk_tokens(7, 1 << 30, DType::F32), 7);
-  EXPECT_EQ(linear_cross_entropy_chunk_tokens(0, 10, DType::F32), 0);
-  EXPECT_EQ(linear_cross_entropy_chunk_tokens(4096, 128256, DType::BF16, true), 4096);   // 4186 rows
-  EXPECT_EQ(linear_cross_entropy_chunk_tokens(100000, 128256, DType::F32, true), 2048);  // 2093 rows
-  EXPECT_EQ(linear_cross_entropy_chunk_tokens(2048, 151936, DType::BF16, true), 2048);
-  EXPECT_TRUE(test::throws_error([] { linear_cross_entropy_chunk_tokens(-1, 10, DType::F32); }, kInvalid,
-                                 {"linear_cross_entropy_chunk_tokens", "tokens is -1"}));
-  EXPECT_TRUE(
-      test::throws_error([] { linear_cross_entropy_chunk_tokens(8, 0, DType::F32); }, kInvalid, {"vocab is 0"}));
-  EXPECT_TRUE(
-      test::throws_error([] { linear_cross_entropy_chunk_tokens(8, 8, DType::I32); }, kDType, {"dtype is i32"}));
+// The GPU path's chunks: without dw within 5% of the fp32 logits' bytes (at least 32 MiB), whole rows where 1024
+// tokens' rows fit (or all T's), else vocabulary chunks with a token chunk whose f32 dh accumulator takes a quarter;
+// with dw whole rows, 1 GiB of logits, at least 512 tokens; at most T tokens and V columns; explicit chunks
+// override; bad arguments raise.
+TEST(TrainLinearCrossEntropy, Chunks) {
+  const auto fraction = [](const CrossEntropyChunks& c, double t, double v) { return c.extra_bytes / (t * v * 4); };
+  struct Case {
+    std::int64_t t, hidden, vocab;
+    DType dt;
+    bool dh, dw;
+    std::int64_t tokens, cols;
+  };
+  for (const Case& k : {Case{4096, 4096, 128256, DType::BF16, true, false, 1536, 25984},  // Llama-3-8B's head
+                        Case{4096, 4096, 128256, DType::F32, true, false, 1536, 12928},
+                        Case{4096, 4096, 128256, DType::BF16, false, false, 1536, 34176},  // no accumulator
+                        Case{2048, 1536, 151936, DType::BF16, true, false, 2048, 12032},   // Qwen2.5-1.5B's
+                        Case{7, 64, std::int64_t{1} << 30, DType::F32, true, false, 7, 53686912}}) {
+    SCOPED_TRACE(std::to_string(k.t) + " x " + std::to_string(k.vocab) + " " + dtype_name(k.dt));
+    const CrossEntropyChunks c = linear_cross_entropy_chunks(k.t, k.hidden, k.vocab, k.dt, k.dh, k.dw);
+    EXPECT_EQ(c.tokens, k.tokens);
+    EXPECT_EQ(c.vocab, k.cols);
+    EXPECT_LE(fraction(c, k.t, k.vocab), 0.05);
+    EXPECT_GE(fraction(c, k.t, k.vocab), 0.049);  // the budget used, not wasted
+  }
+  // Whole rows: 1024 tokens' rows fit in 32 MiB; every token fits
+  CrossEntropyChunks c = linear_cross_entropy_chunks(100000, 64, 1000, DType::BF16, true, false);
+  EXPECT_EQ(c.tokens, 16768);  // 16777 rows, in 128s
+  EXPECT_EQ(c.vocab, 1000);
+  EXPECT_EQ(c.extra_bytes, 16768 * 1000 * 2 + 100000 * 8 + 16);
+  c = linear_cross_entropy_chunks(256, 128, 32003, DType::F32, true, false);
+  EXPECT_EQ(c.tokens, 256);  // 262 rows fit, all 256 tokens'
+  EXPECT_EQ(c.vocab, 32003);
+  c = linear_cross_entropy_chunks(300, 128, 32003, DType::F32, true, false);
+  EXPECT_EQ(c.tokens, 300);  // 262 rows fit, not 300: vocabulary chunks
+  EXPECT_EQ(c.vocab, 27776);
+  c = linear_cross_entropy_chunks(0, 64, 10, DType::F32, true, false);
+  EXPECT_EQ(c.tokens, 1);
+  EXPECT_EQ(c.vocab, 10);
+  // With dw: whole rows of 1 GiB
+  for (auto [t, dt, tokens] : {std::tuple<std::int64_t, DType, std::int64_t>{4096, DType::BF16, 4096},  // 4186 rows
+                               {100000, DType::F32, 2048}}) {                                             // 2093 rows
+    c = linear_cross_entropy_chunks(t, 4096, 128256, dt, true, true);
+    EXPECT_EQ(c.tokens, tokens);
+    EXPECT_EQ(c.vocab, 128256);
+  }
+  // Explicit chunks, clamped to T and V
+  CrossEntropyOptions opts;
+  opts.chunk_tokens = 64;
+  opts.chunk_vocab = 7;
+  c = linear_cross_entropy_chunks(300, 128, 32003, DType::F32, true, false, opts);
+  EXPECT_EQ(c.tokens, 64);
+  EXPECT_EQ(c.vocab, 7);
+  EXPECT_EQ(c.extra_bytes, 1792 + 2560 + 16 + 64 * 128 * 4 + 1024);  // logits, loss terms, counts, acc, states
+  opts.chunk_tokens = 1000;
+  opts.chunk_vocab = 100000;
+  c = linear_cross_entropy_chunks(300, 128, 32003, DType::F32, true, false, opts);
+  EXPECT_EQ(c.tokens, 300);
+  EXPECT_EQ(c.vocab, 32003);
+  opts.chunk_vocab = 1000;  // dw keeps the vocabulary whole
+  c = linear_cross_entropy_chunks(300, 128, 32003, DType::F32, true, true, opts);
+  EXPECT_EQ(c.vocab, 32003);
+  EXPECT_TRUE(test::throws_error([] { linear_cross_entropy_chunks(-1, 8, 10, DType::F32, true, false); }, kInvalid,
+                                 {"linear_cross_entropy_chunks", "tokens is -1"}));
+  EXPECT_TRUE(test::throws_error([] { linear_cross_entropy_chunks(8, 8, 0, DType::F32, true, false); }, kInvalid,
+                                 {"vocab is 0"}));
+  EXPECT_TRUE(test::throws_error([] { linear_cross_entropy_chunks(8, 0, 8, DType::F32, true, false); }, kInvalid,
+                                 {"hidden is 0"}));
+  EXPECT_TRUE(test::throws_error([] { linear_cross_entropy_chunks(8, 8, 8, DType::I32, true, false); }, kDType,
+                                 {"dtype is i32"}));
+  opts.chunk_vocab = -1;
+  EXPECT_TRUE(test::throws_error([&] { linear_cross_entropy_chunks(8, 8, 8, DType::F32, true, false, opts); },
+                                 kInvalid, {"chunk_vocab -1"}));
 }
 
 TEST(TrainLinearCrossEntropy, LossAloneAllIgnoredAndTheIgnoreIndex) {

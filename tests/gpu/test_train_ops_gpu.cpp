@@ -625,5 +625,65 @@ TEST(TrainOpsGpu, LinearCrossEntropyMatchesCpu) {
       }
 }
 
+// linear_cross_entropy over vocabulary chunks (dh without dw: each row's running maximum and sum, dh's f32
+// accumulator, the finishing step) against the CPU oracle: ragged chunks of tokens and of the vocabulary (down to
+// one column, and a last chunk of one), ignored tokens (all of them in one case), the loss alone, and rows whose
+// maximum jumps in the last chunk by far more than the rescaling slack (a planted logit near 40 in the last column
+// against random ones within about +-10), with the label in that chunk and in the first. Tolerances as in
+// LinearCrossEntropyMatchesCpu: the products' left operands exp(z - m) are rounded to h's dtype as the gradient
+// rows are there.
+TEST(TrainOpsGpu, LinearCrossEntropyVocabularyChunksMatchCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Device dev = gpu.device();
+  std::uint64_t seed = 800;
+  struct Case {
+    std::int64_t t, hidden, vocab, chunk_tokens, chunk_vocab;
+    bool planted;
+  };
+  for (DType dt : {DType::F32, DType::BF16})
+    for (const Case& k : {Case{1, 64, 2, 0, 1, false}, Case{7, 64, 130, 0, 7, false}, Case{65, 64, 1000, 7, 100, true},
+                          Case{300, 128, 32003, 64, 1000, true}, Case{5, 64, 100, 0, 10, false},
+                          Case{63, 64, 4097, 0, 4096, true}, Case{1000, 64, 4096, 384, 1024, false}})
+      for (const bool with_dh : {true, false}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " T=" + std::to_string(k.t) + " V=" + std::to_string(k.vocab) +
+                     " chunks " + std::to_string(k.chunk_tokens) + " x " + std::to_string(k.chunk_vocab) +
+                     (with_dh ? " dh" : " loss alone"));
+        Tensor h = test::random_tensor(dt, {k.t, k.hidden}, ++seed);
+        Tensor w = test::random_tensor(dt, {k.vocab, k.hidden}, ++seed);
+        Tensor labels(DType::I32, {k.t});
+        for (std::int64_t i = 0; i < k.t; ++i)  // T = 5: every token ignored
+          labels.data_as<std::int32_t>()[i] =
+              i % 4 == 3 || k.t == 5 ? -100 : static_cast<std::int32_t>((i * 7919 + 13) % k.vocab);
+        if (k.planted) {  // the last column's logit near 40 for tokens 0 and 1 (the same h), labels there and at 0
+          for (std::int64_t j = 0; j < k.hidden; ++j) test::set_value(h, k.hidden + j, test::get_value(h, j));
+          double norm = 0;
+          for (std::int64_t j = 0; j < k.hidden; ++j) norm += test::get_value(h, j) * test::get_value(h, j);
+          for (std::int64_t j = 0; j < k.hidden; ++j)
+            test::set_value(w, (k.vocab - 1) * k.hidden + j, 40.0 * test::get_value(h, j) / norm);
+          labels.data_as<std::int32_t>()[0] = static_cast<std::int32_t>(k.vocab - 1);
+          labels.data_as<std::int32_t>()[1] = 0;
+        }
+        CrossEntropyOptions opts;
+        opts.chunk_tokens = k.chunk_tokens;
+        opts.chunk_vocab = k.chunk_vocab;
+        ASSERT_LT(linear_cross_entropy_chunks(k.t, k.hidden, k.vocab, dt, with_dh, false, opts).vocab, k.vocab);
+        Tensor loss(DType::F32, {1}), dh(dt, {k.t, k.hidden});
+        linear_cross_entropy(Context::cpu(), h, w, labels, loss, with_dh ? dh.view() : TensorView(), {}, opts);
+        const Tensor loss_d = to_device(test::filled(DType::F32, {1}, NAN), dev);
+        const Tensor dh_d = to_device(test::filled(dt, {k.t, k.hidden}, NAN), dev);
+        linear_cross_entropy(gpu, to_device(h, dev), to_device(w, dev), to_device(labels, dev), loss_d,
+                             with_dh ? dh_d.view() : TensorView(), {}, opts);
+        gpu.synchronize();
+        EXPECT_NEAR(test::host_copy(loss_d).data_as<float>()[0], loss.data_as<float>()[0],
+                    (dt == DType::BF16 ? 1e-4 : 1e-5) * std::abs(loss.data_as<float>()[0]));
+        if (!with_dh) continue;
+        const double rel = dt == DType::BF16 ? 1e-2 : 1e-4;
+        double largest = 0;
+        for (std::int64_t i = 0; i < dh.numel(); ++i) largest = std::max(largest, std::abs(test::get_value(dh, i)));
+        EXPECT_TRUE(test::all_close(test::host_copy(dh_d), dh, {1e-6 + rel * largest, 8 * rel, rel})) << "dh";
+      }
+}
+
 }  // namespace
 }  // namespace qmm
