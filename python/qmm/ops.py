@@ -144,7 +144,7 @@ def lora_backward_dy(dy, b, t, grad_b, *, scale=1.0, beta=1.0, out=None, math="f
 
 
 def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, chunk_tokens=0, check_labels=True,
-                         accumulate_dw=True):
+                         accumulate_dw=True, chunk_vocab=0):
     """The mean cross-entropy of the logits h @ w^T against labels, for h [T, H] (float32 or bfloat16), w [V, H] of
     h's dtype and labels [T] (int32, or int64 converted), each in [0, V) or ignore_index; the [T, V] logits are never
     held whole; they are rounded to h's dtype (as a bf16 model's head writes them) and their log-sum-exp taken in
@@ -153,7 +153,8 @@ def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, 
     with accumulate_dw=False takes it without its old contents being read (a fresh torch.empty will do).
     check_labels=True reads the labels first (on a GPU the call waits for it) and raises qmm.Error naming the first
     out of range; check_labels=False waits for nothing (a CUDA graph can capture it), and a label out of range then
-    makes the loss NaN and its token's dh row NaN."""
+    makes the loss NaN and its token's dh row NaN. chunk_tokens and chunk_vocab (0: qmm's choice, within 5% of the
+    fp32 logits' bytes without dw) split the logits on a GPU as the C++ linear_cross_entropy_chunks says."""
     _flag("linear_cross_entropy", "check_labels", check_labels)
     _flag("linear_cross_entropy", "accumulate_dw", accumulate_dw)
     h, w = _in(h), _in(w)
@@ -164,7 +165,7 @@ def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, 
     dh_out = torch.empty_like(h) if dh else None
     _call(_qmm.linear_cross_entropy, h, h, w, labels, loss, None if dh_out is None else dh_out,
           None if dw is None else dw.detach(), ignore_index=ignore_index, chunk_tokens=chunk_tokens,
-          check_labels=check_labels, accumulate_dw=accumulate_dw)
+          check_labels=check_labels, accumulate_dw=accumulate_dw, chunk_vocab=chunk_vocab)
     return loss.reshape(()), dh_out
 
 

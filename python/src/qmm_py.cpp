@@ -414,18 +414,18 @@ NB_MODULE(_qmm, m) {
       "linear_cross_entropy",
       [](const In& h, const In& w, const In& labels, const Out& loss, const nb::object& dh, const nb::object& dw,
          std::int32_t ignore_index, std::int64_t chunk_tokens, bool check_labels, bool accumulate_dw,
-         std::uintptr_t stream) {
+         std::int64_t chunk_vocab, std::uintptr_t stream) {
         const char* op = "linear_cross_entropy";
         const qmm::TensorView hv = view_of(h, op, "h"), wv = view_of(w, op, "w"), lv = view_of(labels, op, "labels"),
                               lossv = view_of(loss, op, "loss"), dhv = view_or_empty<Out>(dh, op, "dh"),
                               dwv = view_or_empty<Out>(dw, op, "dw");
-        const qmm::CrossEntropyOptions opts{ignore_index, chunk_tokens, check_labels, accumulate_dw};
+        const qmm::CrossEntropyOptions opts{ignore_index, chunk_tokens, check_labels, accumulate_dw, chunk_vocab};
         const qmm::Context ctx = context_for(hv, stream);
         run([&] { qmm::linear_cross_entropy(ctx, hv, wv, lv, lossv, dhv, dwv, opts); });
       },
       nb::arg("h"), nb::arg("w"), nb::arg("labels"), nb::arg("loss"), nb::arg("dh").none(), nb::arg("dw").none(),
       nb::arg("ignore_index") = -100, nb::arg("chunk_tokens") = 0, nb::arg("check_labels") = true,
-      nb::arg("accumulate_dw") = true, nb::arg("stream") = 0,
+      nb::arg("accumulate_dw") = true, nb::arg("chunk_vocab") = 0, nb::arg("stream") = 0,
       "loss = mean cross-entropy of h @ w^T against labels; dh written, dw accumulated (or written) where given");
 
   m.def(
