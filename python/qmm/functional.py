@@ -323,8 +323,9 @@ def linear_cross_entropy_loss(h, w, labels, ignore_index=-100, chunk_tokens=0, c
     """A causal LM's loss from its hidden states: the mean cross-entropy of h @ w^T against labels (ignore_index
     skipped; 0 when every token is), for h [..., H] (float32 or bfloat16), w [V, H] (the head or the tied embedding)
     and labels [...] (int32 or int64), without the [tokens, V] logits ever held whole; the gradients are computed in
-    the same pass and kept for the backward. Differentiable in h and w. On a GPU the tokens go through in chunks of
-    chunk_tokens (0: qmm's choice, 256 MiB of logits; smaller chunks hold less memory and reread the head more).
+    the same pass and kept for the backward. Differentiable in h and w. On a GPU the logits go through in chunks of
+    tokens and of the vocabulary (qmm's choice: within 5% of the fp32 logits' bytes where w takes no gradient, 1 GiB
+    of whole rows where it does; chunk_tokens, where positive, sets the tokens per chunk).
     check_labels as linear_cross_entropy takes it (True: a label out of range is a qmm.Error, and on a GPU the call
     waits for the device to read them; False: nothing waits, and such a label makes the loss NaN)."""
     _flag("linear_cross_entropy_loss", "check_labels", check_labels)
