@@ -68,14 +68,14 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
                           const TensorView& loss, const TensorView& dh = {}, const TensorView& dw = {},
                           const CrossEntropyOptions& opts = {});
 // How linear_cross_entropy's GPU path splits T tokens, hidden size H and vocabulary V (h's dtype), and the device
-// memory it takes beyond its inputs and outputs. Without dw, a budget of 5% of the fp32 logits' bytes (at least
-// 32 MiB): whole rows of as many tokens as fit where min(T, 1024) tokens' rows do; else, where the tokens whose
-// f32 accumulator for dh [tokens, H] takes a quarter of the budget are all T, vocabulary chunks of the rest, over
-// which each row keeps a running maximum and sum (the log-sum-exp comes out at the end) and dh accumulates
-// exp(z − maximum)·W, rescaled when the maximum grows; else whole rows of 256 MiB (more than the budget). With dw
-// the vocabulary stays whole (dw's rows need the row's final log-sum-exp), and a chunk holds as many tokens as
-// 1 GiB of logits does (each chunk reads and writes the f32 dw once, which costs more than rereading the head).
-// opts.chunk_tokens and opts.chunk_vocab, where positive, override the choice (chunk_vocab >= V: whole rows).
+// memory it takes beyond its inputs and outputs. Without dw the chunks fit in 5% of the fp32 logits' bytes (at
+// least 32 MiB): whole rows where min(T, 1024) tokens' rows fit; otherwise a chunk of tokens whose f32
+// accumulator for dh [tokens, H] takes a quarter of that, and vocabulary chunks of the rest, over which each row
+// keeps a running maximum and sum (the log-sum-exp comes out at the end) and dh accumulates exp(z − maximum)·W,
+// rescaled when the maximum grows. With dw the vocabulary stays whole (dw's rows need the row's final log-sum-exp),
+// and a chunk holds as many tokens as 1 GiB of logits does (each chunk reads and writes the f32 dw once, which
+// costs more than rereading the head). opts.chunk_tokens and opts.chunk_vocab, where positive, override the
+// choice (chunk_vocab >= V: whole rows).
 struct CrossEntropyChunks {
   std::int64_t tokens = 0;       // rows of h per chunk
   std::int64_t vocab = 0;        // logits' columns per chunk; V where the vocabulary is not split

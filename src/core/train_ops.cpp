@@ -390,21 +390,15 @@ CrossEntropyChunks linear_cross_entropy_chunks(std::int64_t tokens, std::int64_t
                                      : std::max<std::int64_t>(512, (std::int64_t{1} << 30) / (vocab * es) / 128 * 128);
   } else {
     // 5% of the fp32 logits, at least 32 MiB: whole rows where enough tokens' rows fit for the GEMMs to run near
-    // their peak; otherwise vocabulary chunks, with a chunk of tokens whose f32 dh accumulator takes a quarter of
-    // it, where that chunk holds every token (with several, the split measured slower than whole rows: there a
-    // chunk holds 256 MiB of whole rows, beyond the budget; docs/BENCHMARKS.md)
+    // their peak; otherwise a quarter for dh's f32 accumulator and the rest for a chunk's logits
     const std::int64_t budget = std::max<std::int64_t>(std::int64_t{32} << 20, t * vocab * 4 / 20);
     const std::int64_t whole = budget / (vocab * es);  // tokens whose whole rows fit
-    const std::int64_t split_tokens =
-        opts.chunk_tokens > 0 ? opts.chunk_tokens : round_down(budget / 4 / (hidden * 4), 128);
-    const bool whole_fits = whole >= std::min<std::int64_t>(t, 1024);
-    if (opts.chunk_vocab >= vocab || (opts.chunk_vocab == 0 && (whole_fits || split_tokens < t))) {
+    if (opts.chunk_vocab >= vocab || (opts.chunk_vocab == 0 && whole >= std::min<std::int64_t>(t, 1024))) {
       c.vocab = vocab;
-      c.tokens = opts.chunk_tokens > 0 ? opts.chunk_tokens
-                 : whole_fits          ? round_down(whole, 128)
-                                       : std::max<std::int64_t>(512, (std::int64_t{256} << 20) / (vocab * es) / 128 * 128);
+      c.tokens = opts.chunk_tokens > 0 ? opts.chunk_tokens : round_down(whole, 128);
     } else {
-      c.tokens = std::min(split_tokens, t);
+      c.tokens = opts.chunk_tokens > 0 ? opts.chunk_tokens : round_down(budget / 4 / (hidden * 4), 128);
+      c.tokens = std::min(c.tokens, t);
       const std::int64_t state = (with_dh ? c.tokens * hidden * 4 : 0) + c.tokens * 16;
       c.vocab = opts.chunk_vocab > 0 ? opts.chunk_vocab
                                      : round_down(std::max<std::int64_t>(budget - state, 0) / (c.tokens * es), 128);
