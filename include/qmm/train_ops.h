@@ -79,7 +79,7 @@ void linear_cross_entropy(const Context& ctx, const TensorView& h, const TensorV
 struct CrossEntropyChunks {
   std::int64_t tokens = 0;       // rows of h per chunk
   std::int64_t vocab = 0;        // logits' columns per chunk; V where the vocabulary is not split
-  std::int64_t extra_bytes = 0;  // device scratch: one chunk's logits in h's dtype, and the running state
+  std::int64_t extra_bytes = 0;  // device scratch: a chunk's logits in h's dtype, the loss terms, the running state
 };
 CrossEntropyChunks linear_cross_entropy_chunks(std::int64_t tokens, std::int64_t hidden, std::int64_t vocab,
                                                DType dtype, bool with_dh, bool with_dw,
