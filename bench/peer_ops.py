@@ -15,9 +15,10 @@ sees qmm's pool), and each result's largest difference from an fp32 (fp64 on the
 Liger is skipped where it is not installed or on the CPU (Triton).
 
     PYTHONPATH=build/python python3 bench/peer_ops.py [--models llama,qwen] [--ops rms_norm,rope,cross_entropy]
-        [--ce-chunks 256,512,1024] [--json out/peer_ops.json]
+        [--ce-chunks 256,512,1536x25984] [--json out/peer_ops.json]
 --tiny runs small shapes on any device (the CPU too): a check of the script, not a benchmark. --ce-chunks adds qmm's
-loss with those chunk sizes (tokens per chunk: memory against rereads of the head) beside its default.
+loss with those chunks beside its default: tokens per chunk (whole rows of the vocabulary where the memory budget
+allows), or TOKENSxCOLUMNS (that many of the vocabulary's columns too; the split applies where w takes no gradient).
 """
 import argparse
 import functools
@@ -156,8 +157,9 @@ def loss_cases(m, device, dtype, lk, head_grad, chunks=()):
     labels = torch.randint(0, vocab, (t,), generator=g).to(device)
     labels[::7] = -100
     impls = {"torch": hf_loss, "qmm": qmm.linear_cross_entropy_loss}
-    for c in chunks:
-        impls[f"qmm, chunks of {c}"] = functools.partial(qmm.linear_cross_entropy_loss, chunk_tokens=c)
+    for c, cols in chunks:
+        impls[f"qmm, chunks of {c}" + (f" x {cols}" if cols else "")] = functools.partial(
+            qmm.linear_cross_entropy_loss, chunk_tokens=c, chunk_vocab=cols)
     if lk is not None and device == "cuda":
         flce = lk.LigerFusedLinearCrossEntropyLoss()
 
@@ -221,13 +223,14 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="small shapes on any device: a check of the script")
-    ap.add_argument("--ce-chunks", default="", help="qmm's loss also with these chunk sizes (tokens, comma-separated)")
+    ap.add_argument("--ce-chunks", default="",
+                    help="qmm's loss also with these chunks (TOKENS or TOKENSxCOLUMNS, comma-separated)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    fields = [c.strip() for c in args.ce_chunks.split(",") if c.strip()]
-    if not all(c.isdigit() and int(c) > 0 for c in fields):
-        ap.error(f"--ce-chunks takes positive integers, got {args.ce_chunks!r}")
-    chunks = [int(c) for c in fields]
+    fields = [c.strip().split("x") for c in args.ce_chunks.split(",") if c.strip()]
+    if not all(1 <= len(f) <= 2 and all(p.isdigit() and int(p) > 0 for p in f) for f in fields):
+        ap.error(f"--ce-chunks takes positive TOKENS or TOKENSxCOLUMNS, got {args.ce_chunks!r}")
+    chunks = [(int(f[0]), int(f[1]) if len(f) == 2 else 0) for f in fields]
     device, dtype = args.device, torch.bfloat16
     models = ["tiny"] if args.tiny else args.models.split(",")
     lk = liger() if device == "cuda" else None

@@ -364,12 +364,14 @@ if AVAILABLE:
 
     @op("qmm::linear_cross_entropy", mutates_args=())
     def linear_cross_entropy_op(h: Tensor, w: Tensor, labels: Tensor, ignore_index: int, want_dh: bool,
-                                want_dw: bool, chunk_tokens: int, check_labels: bool) -> Tuple[Tensor, Tensor, Tensor]:
-        loss, dh, dw = _impl.cross_entropy(h, w, labels, ignore_index, want_dh, want_dw, chunk_tokens, check_labels)
+                                want_dw: bool, chunk_tokens: int, check_labels: bool,
+                                chunk_vocab: int) -> Tuple[Tensor, Tensor, Tensor]:
+        loss, dh, dw = _impl.cross_entropy(h, w, labels, ignore_index, want_dh, want_dw, chunk_tokens, check_labels,
+                                           chunk_vocab)
         return loss, _or_empty(dh, h), _or_empty(dw, h)
 
     @linear_cross_entropy_op.register_fake
-    def _(h, w, labels, ignore_index, want_dh, want_dw, chunk_tokens, check_labels):
+    def _(h, w, labels, ignore_index, want_dh, want_dw, chunk_tokens, check_labels, chunk_vocab):
         return (h.new_empty((), dtype=torch.float32), h.new_empty(h.shape) if want_dh else h.new_empty(0),
                 w.new_empty(w.shape, dtype=torch.float32) if want_dw else h.new_empty(0))
 
@@ -382,9 +384,9 @@ if AVAILABLE:
     def _cross_entropy_grad(ctx, grad, *_):
         dh, dw = ctx.saved_tensors
         if grad is None:
-            return (None,) * 8
+            return (None,) * 9
         return (dh * grad.to(dh.dtype) if ctx.want[0] else None,
-                (dw * grad).to(ctx.w_dtype) if ctx.want[1] else None, None, None, None, None, None, None)
+                (dw * grad).to(ctx.w_dtype) if ctx.want[1] else None) + (None,) * 7
 
     linear_cross_entropy_op.register_autograd(_cross_entropy_grad, setup_context=_setup_cross_entropy)
 
@@ -546,10 +548,10 @@ def lora_nf4_swiglu(x, w_gate, w_up, loras, path):
     return lora_nf4_swiglu_op(x, *args, *_op_args(w_gate), *_op_args(w_up), *scales, path, keep)[0]
 
 
-def linear_cross_entropy(h, w, labels, ignore_index, chunk_tokens=0, check_labels=True):
+def linear_cross_entropy(h, w, labels, ignore_index, chunk_tokens=0, check_labels=True, chunk_vocab=0):
     want = torch.is_grad_enabled()
     return linear_cross_entropy_op(h, w, labels, ignore_index, want and h.requires_grad,
-                                   want and w.requires_grad, chunk_tokens, check_labels)[0]
+                                   want and w.requires_grad, chunk_tokens, check_labels, chunk_vocab)[0]
 
 
 def rms_norm(x, w, eps):

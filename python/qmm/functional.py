@@ -305,9 +305,9 @@ def nf4_gate_up_linear(x, w_gate, w_up, path="auto"):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, labels, ignore_index, chunk_tokens, check_labels):
+    def forward(ctx, h, w, labels, ignore_index, chunk_tokens, check_labels, chunk_vocab):
         loss, dh, dw = _impl.cross_entropy(h, w, labels, ignore_index, ctx.needs_input_grad[0],
-                                           ctx.needs_input_grad[1], chunk_tokens, check_labels)
+                                           ctx.needs_input_grad[1], chunk_tokens, check_labels, chunk_vocab)
         ctx.save_for_backward(dh, dw)
         ctx.w_dtype = w.dtype
         return loss
@@ -316,26 +316,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         dh, dw = ctx.saved_tensors
         return (None if dh is None else dh * grad.to(dh.dtype), None if dw is None else (dw * grad).to(ctx.w_dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
-def linear_cross_entropy_loss(h, w, labels, ignore_index=-100, chunk_tokens=0, check_labels=True):
+def linear_cross_entropy_loss(h, w, labels, ignore_index=-100, chunk_tokens=0, check_labels=True, chunk_vocab=0):
     """A causal LM's loss from its hidden states: the mean cross-entropy of h @ w^T against labels (ignore_index
     skipped; 0 when every token is), for h [..., H] (float32 or bfloat16), w [V, H] (the head or the tied embedding)
     and labels [...] (int32 or int64), without the [tokens, V] logits ever held whole; the gradients are computed in
     the same pass and kept for the backward. Differentiable in h and w. On a GPU the logits go through in chunks of
     tokens and of the vocabulary (qmm's choice: within 5% of the fp32 logits' bytes where w takes no gradient, 1 GiB
-    of whole rows where it does; chunk_tokens, where positive, sets the tokens per chunk).
+    of whole rows where it does; chunk_tokens and chunk_vocab, where positive, set the tokens and the vocabulary
+    columns per chunk, as ops.linear_cross_entropy takes them).
     check_labels as linear_cross_entropy takes it (True: a label out of range is a qmm.Error, and on a GPU the call
     waits for the device to read them; False: nothing waits, and such a label makes the loss NaN)."""
     _flag("linear_cross_entropy_loss", "check_labels", check_labels)
     hidden = h.shape[-1]
     h2, labels = h.reshape(-1, hidden), labels.reshape(-1)
     if _compiling():
-        return compile_ops.linear_cross_entropy(h2, w, labels, ignore_index, chunk_tokens, check_labels)
+        return compile_ops.linear_cross_entropy(h2, w, labels, ignore_index, chunk_tokens, check_labels, chunk_vocab)
     if not _grad_wanted(h, w):
-        return _impl.cross_entropy(h2, w, labels, ignore_index, False, False, chunk_tokens, check_labels)[0]
-    return _LinearCrossEntropy.apply(h2, w, labels, ignore_index, chunk_tokens, check_labels)
+        return _impl.cross_entropy(h2, w, labels, ignore_index, False, False, chunk_tokens, check_labels,
+                                   chunk_vocab)[0]
+    return _LinearCrossEntropy.apply(h2, w, labels, ignore_index, chunk_tokens, check_labels, chunk_vocab)
 
 
 class _RmsNorm(torch.autograd.Function):
