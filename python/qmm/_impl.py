@@ -177,9 +177,9 @@ def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd
 def cross_entropy(h, w, labels, ignore_index, want_dh, want_dw, chunk_tokens=0, check_labels=True, chunk_vocab=0):
     """The mean cross-entropy of h [T, H] @ w^T against labels [T], with its gradients computed in the same pass
     (the logits are never held whole; chunk_tokens and chunk_vocab as ops.linear_cross_entropy takes them): (loss,
-    dh or None, dw float32 or None). With check_labels the labels are range-checked (a qmm.Error names the first out of range)
-    except while a CUDA graph is being captured, where the check's wait for the device is not allowed; unchecked, a
-    label out of range gives a NaN loss."""
+    dh or None, dw float32 or None). With check_labels the labels are range-checked (a qmm.Error names the first
+    out of range) except while a CUDA graph is being captured, where the check's wait for the device is not
+    allowed; unchecked, a label out of range gives a NaN loss."""
     dw = torch.empty(w.shape, dtype=torch.float32, device=w.device) if want_dw else None  # written, not added to
     check = check_labels and not (h.is_cuda and torch.cuda.is_current_stream_capturing())
     loss, dh = linear_cross_entropy(h, w, labels, ignore_index=ignore_index, dh=want_dh, dw=dw,
