@@ -1600,7 +1600,8 @@ def test_linear_cross_entropy_in_vocabulary_chunks(device):
     """dh without dw, the vocabulary in chunks (a GPU keeps each row's running maximum and sum and dh's f32
     accumulator over them; the CPU backend takes the whole at once), against PyTorch's cross_entropy of the fp64
     logits: chunks of 7 columns and 5 tokens (both ragged), one column, and qmm's own choice; a planted logit near 40
-    in the last column makes two rows' maximum jump there (one's label there, the other's in the first chunk). f32: 1e-5 relative on the loss, 1e-4 of the largest
+    in the last column makes two rows' maximum jump there (one's label there, the other's in the first chunk); the
+    differentiable loss with a frozen head, eager and compiled. f32: 1e-5 relative on the loss, 1e-4 of the largest
     gradient. A negative chunk_vocab is a qmm.Error."""
     g = gen(12)
     h = torch.randn((21, 16), generator=g)
