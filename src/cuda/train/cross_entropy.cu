@@ -86,6 +86,46 @@ __device__ __forceinline__ void push(float& m, float& s, float x) {
   }
 }
 
+// Pack i of a row: kVec values 16 bytes at a time where kPacked, else one value.
+template <class Z, bool kPacked, int kVec = kPacked ? Elem<Z>::kVec : 1>
+__device__ __forceinline__ void load_pack(const Z* z, std::int64_t i, float (&v)[kVec]) {
+  if constexpr (kPacked) Elem<Z>::load_vec(z, i, v);
+  else v[0] = Elem<Z>::load(z, i);
+}
+template <class Z, bool kPacked, int kVec = kPacked ? Elem<Z>::kVec : 1>
+__device__ __forceinline__ void store_pack(Z* z, std::int64_t i, const float (&v)[kVec]) {
+  if constexpr (kPacked) Elem<Z>::store_vec(z, i, v);
+  else Elem<Z>::store(z, i, v[0]);
+}
+
+// The block's (maximum, sum of exp(x - maximum)) over a row's packs, in thread 0's m and s (the other threads'
+// are partial); one pass, one expf per value.
+template <class Z, bool kPacked>
+__device__ __forceinline__ void block_max_sum(const Z* z, std::int64_t packs, float& m, float& s) {
+  constexpr int kVec = kPacked ? Elem<Z>::kVec : 1;
+  m = -INFINITY;
+  s = 0.0f;
+  for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
+    float v[kVec];
+    load_pack<Z, kPacked>(z, i, v);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) push(m, s, v[j]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_down_sync(0xFFFFFFFFu, m, o), s2 = __shfl_down_sync(0xFFFFFFFFu, s, o);
+    combine(m, s, m2, s2);
+  }
+  __shared__ float warp_m[kThreads / 32], warp_s[kThreads / 32];
+  if ((threadIdx.x & 31) == 0) {
+    warp_m[threadIdx.x >> 5] = m;
+    warp_s[threadIdx.x >> 5] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int w = 1; w < kThreads / 32; ++w) combine(m, s, warp_m[w], warp_s[w]);
+}
+
 // One block per row of a chunk's logits z [rows, V] (Z = f32 or bf16): the row's loss term logsumexp(z) - z[label]
 // into row_loss[row] and, with want_g, the gradient row (softmax(z) - onehot(label)) / n written over z in place.
 // kPacked (16-byte accesses) needs V * sizeof(Z) a multiple of 16 and z 16-byte aligned.
@@ -106,31 +146,11 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   const std::int64_t packs = vocab / kVec;
-  float m = -INFINITY, s = 0.0f;
-  for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
-    float v[kVec];
-    if constexpr (kPacked) E::load_vec(z, i, v);
-    else v[0] = E::load(z, i);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) push(m, s, v[j]);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float m2 = __shfl_down_sync(0xFFFFFFFFu, m, o), s2 = __shfl_down_sync(0xFFFFFFFFu, s, o);
-    combine(m, s, m2, s2);
-  }
-  __shared__ float warp_m[kThreads / 32], warp_s[kThreads / 32];
+  float m, s;
+  block_max_sum<Z, kPacked>(z, packs, m, s);
   __shared__ float lse_shared;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) {
-    warp_m[warp] = m;
-    warp_s[warp] = s;
-  }
-  __syncthreads();
   if (threadIdx.x == 0) {
-    float bm = warp_m[0], bs = warp_s[0];
-    for (int w = 1; w < kThreads / 32; ++w) combine(bm, bs, warp_m[w], warp_s[w]);
-    const float lse = bm + logf(bs);
+    const float lse = m + logf(s);
     lse_shared = lse;
     row_loss[row] = static_cast<double>(lse) - static_cast<double>(E::load(z, label));
   }
@@ -140,12 +160,10 @@ __global__ void __launch_bounds__(kThreads)
   const float inv_n = 1.0f / static_cast<float>(stats[0]);  // n >= 1: this row counts
   for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
     float v[kVec];
-    if constexpr (kPacked) E::load_vec(z, i, v);
-    else v[0] = E::load(z, i);
+    load_pack<Z, kPacked>(z, i, v);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) v[j] = (expf(v[j] - lse) - (i * kVec + j == label ? 1.0f : 0.0f)) * inv_n;
-    if constexpr (kPacked) E::store_vec(z, i, v);
-    else E::store(z, i, v[0]);
+    store_pack<Z, kPacked>(z, i, v);
   }
 }
 
@@ -203,28 +221,10 @@ __global__ void __launch_bounds__(kThreads)
   const std::int64_t packs = cols / kVec, label_col = label - first_col;  // in this chunk where in [0, cols)
   __shared__ RowState st;
   __shared__ float scale_s;
-  if (!want_p) {  // the loss alone: (maximum, sum) in one pass, as the whole-row kernel's first
-    float m = -INFINITY, s = 0.0f;
-    for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
-      float v[kVec];
-      if constexpr (kPacked) E::load_vec(z, i, v);
-      else v[0] = E::load(z, i);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) push(m, s, v[j]);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float m2 = __shfl_down_sync(0xFFFFFFFFu, m, o), s2 = __shfl_down_sync(0xFFFFFFFFu, s, o);
-      combine(m, s, m2, s2);
-    }
-    __shared__ float warp_m[kThreads / 32], warp_s[kThreads / 32];
-    if ((threadIdx.x & 31) == 0) {
-      warp_m[threadIdx.x >> 5] = m;
-      warp_s[threadIdx.x >> 5] = s;
-    }
-    __syncthreads();
+  if (!want_p) {  // the loss alone: the chunk's (maximum, sum) in one pass, joined to the row's
+    float m, s;
+    block_max_sum<Z, kPacked>(z, packs, m, s);
     if (threadIdx.x != 0) return;
-    for (int w = 1; w < kThreads / 32; ++w) combine(m, s, warp_m[w], warp_s[w]);
     RowState r = first_chunk ? RowState{-INFINITY, 0.0f, 0.0f, 0.0f} : states[row];
     combine(r.m, r.l, m, s);
     if (0 <= label_col && label_col < cols) r.z_label = E::load(z, label_col);
@@ -234,8 +234,7 @@ __global__ void __launch_bounds__(kThreads)
   float cm = -INFINITY;
   for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
     float v[kVec];
-    if constexpr (kPacked) E::load_vec(z, i, v);
-    else v[0] = E::load(z, i);
+    load_pack<Z, kPacked>(z, i, v);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) cm = fmaxf(cm, v[j]);
   }
@@ -259,8 +258,7 @@ __global__ void __launch_bounds__(kThreads)
   float sum = 0.0f;
   for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
     float v[kVec];
-    if constexpr (kPacked) E::load_vec(z, i, v);
-    else v[0] = E::load(z, i);
+    load_pack<Z, kPacked>(z, i, v);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const float p = expf(v[j] - m);  // a NaN logit makes l NaN, and with it the loss and the dh row
@@ -273,8 +271,7 @@ __global__ void __launch_bounds__(kThreads)
         v[j] = p;
       }
     }
-    if constexpr (kPacked) E::store_vec(z, i, v);
-    else E::store(z, i, v[0]);
+    store_pack<Z, kPacked>(z, i, v);
   }
   sum = block_sum(sum);  // its barrier also orders the label's st writes before thread 0's read
   if (threadIdx.x != 0) return;
