@@ -3,6 +3,8 @@
 // Calls on a CUDA context are asynchronous with respect to the host (ordered on the context's stream).
 #pragma once
 
+#include <span>
+
 #include "qmm/context.h"
 #include "qmm/nf4.h"
 #include "qmm/tensor.h"
@@ -112,5 +114,42 @@ struct GateUpOutputs {
 };
 void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
                  const GateUpOutputs& out, const Nf4GemmOptions& opts = {});
+
+// Several LoRA projections of one input x [M,K] on NF4 bases (an attention's q, k and v), their adapters' first
+// products stacked: t = x·aᵀ [M,R] once for every adapter, a [R,K] their A matrices one above another in the
+// order of the projections that have one (R = Σ r_i), t_i the r_i columns of t that are projection i's. Then
+//   y_i = x·dequant(W_i)ᵀ + beta_i·y_i + scale_i·t_i·b_iᵀ
+// (beta_i = 1 adds onto a bias written into y_i first). x, y_i, a, b_i and t share x's dtype (f32 or bf16); every
+// product accumulates in fp32 (opts.path picks the NF4 path as for nf4_gemm; opts.alpha and opts.beta must be 1
+// and 0). On a GPU one dequantize launch serves every base product that dequantizes, and one GEMM every adapter's
+// first product. A projection without an adapter has an empty b; a and t are empty where none has one.
+struct Nf4Projection {
+  Nf4Weight w;         // [N_i, K]
+  TensorView y;        // [M, N_i], written (or accumulated onto, beta 1)
+  float beta = 0.0f;   // 0 or 1
+  TensorView b;        // the adapter's B [N_i, r_i] in x's dtype, or empty
+  float scale = 1.0f;  // the adapter's scale (alpha / r)
+};
+void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const Nf4Projection> ps,
+                      const TensorView& a, const TensorView& t, const Nf4GemmOptions& opts = {});
+
+// The gradients of lora_nf4_linears for the gradients dy_i of its outputs, with its x, a and t:
+//   dt [M,R]: dt_i = scale_i·dy_i·b_i (written);  grad_b_i [N_i,r_i] f32 = scale_i·dy_iᵀ·t_i (written);
+//   grad_a [R,K] f32 = dtᵀ·x (written; may be empty);  dx [M,K] = Σ dy_i·dequant(W_i) + dt·a + dx_beta·dx (may be
+//   empty: no input gradient).
+// An empty dy_i (its output had no gradient) adds nothing; a projection with an adapter needs its dy. On a GPU one
+// dequantize launch serves every input-gradient product that dequantizes, one GEMM grad_a and one the adapters'
+// share of dx; each adapter's dt_i and grad_b_i come from one read of dy_i (lora_backward_dy).
+struct Nf4ProjectionGrad {
+  Nf4Weight w;          // [N_i, K]
+  TensorView dy;        // [M, N_i] in x's dtype, or empty
+  TensorView b;         // as in the forward
+  float scale = 1.0f;
+  TensorView grad_b;    // f32 [N_i, r_i], written (empty without an adapter)
+};
+void lora_nf4_linears_backward(const Context& ctx, const TensorView& x, std::span<const Nf4ProjectionGrad> ps,
+                               const TensorView& a, const TensorView& t, const TensorView& dt,
+                               const TensorView& grad_a, const TensorView& dx, float dx_beta = 0.0f,
+                               const Nf4GemmOptions& opts = {});
 
 }  // namespace qmm

@@ -24,7 +24,8 @@ std::string GemmProblem::key() const {
   auto s = [](std::int64_t v) { return std::to_string(v); };
   return std::string("gemm|") + dtype_name(ab_dtype) + "->" + dtype_name(c_dtype) + "|" + math_mode_name(math) +
          "|b" + s(batch) + "|m" + s(m) + "|n" + s(n) + "|k" + s(k) + "|" + (trans_a ? "T" : "N") +
-         (trans_b ? "T" : "N") + "|s" + s(stride_a) + "," + s(stride_b) + "," + s(stride_c);
+         (trans_b ? "T" : "N") + "|s" + s(stride_a) + "," + s(stride_b) + "," + s(stride_c) + "|ld" + s(lda()) + "," +
+         s(ldb()) + "," + s(ldc());
 }
 
 namespace {
@@ -77,8 +78,14 @@ GemmProblem make_problem(const TensorView& a, const TensorView& b, const TensorV
   return p;
 }
 
+void run(const Context& ctx, const char* op, const GemmProblem& p) { detail::run_gemm(ctx, op, p); }
+
+}  // namespace
+
+namespace detail {
+
 // Empty M or N: nothing to write. Empty K still runs: C = beta * C (zeros for beta = 0).
-void run(const Context& ctx, [[maybe_unused]] const char* op, const GemmProblem& p) {
+void run_gemm(const Context& ctx, const char* op, const GemmProblem& p) {
   if (p.batch == 0 || p.m == 0 || p.n == 0) return;
   if (ctx.device().is_cpu()) {
     reference_backend().gemm(p);
@@ -87,7 +94,29 @@ void run(const Context& ctx, [[maybe_unused]] const char* op, const GemmProblem&
   require_gpu_backend(op).gemm(ctx, p);
 }
 
-}  // namespace
+void lora_backward_dy_pitched(const Context& ctx, const char* op, const TensorView& dy, const TensorView& b,
+                              const TensorView& t, std::int64_t ld_t, const TensorView& dt, std::int64_t ld_dt,
+                              const TensorView& grad_b, float scale, MathMode math, float beta) {
+  if (ctx.device().is_cuda() &&
+      require_gpu_backend(op).lora_backward_dy(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta))
+    return;
+  const std::int64_t m = dy.dim(0), n = dy.dim(1), r = b.dim(1);
+  GemmProblem p = make_problem(dy, b, dt, {scale, 0.0f, math});  // dt = scale·dy·b
+  p.m = m;
+  p.n = r;
+  p.k = n;
+  p.pitch_c = ld_dt == r ? 0 : ld_dt;
+  run_gemm(ctx, op, p);
+  GemmProblem q = make_problem(dy, t, grad_b, {scale, beta, math});  // grad_b = scale·dyᵀ·t + beta·grad_b
+  q.m = n;
+  q.n = r;
+  q.k = m;
+  q.trans_a = true;
+  q.pitch_b = ld_t == r ? 0 : ld_t;
+  run_gemm(ctx, op, q);
+}
+
+}  // namespace detail
 
 void gemm(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,
           const GemmOptions& opts) {
@@ -185,10 +214,7 @@ void lora_backward_dy(const Context& ctx, const TensorView& dy, const TensorView
   for (const Arg* out : {&DT, &GB})
     for (const Arg* in : {&DY, &B, &T}) detail::require_no_overlap(op, out->name, out->t, in->name, in->t);
   detail::require_no_overlap(op, "dt", dt, "grad_b", grad_b);
-  if (ctx.device().is_cuda() && require_gpu_backend(op).lora_backward_dy(ctx, dy, b, t, dt, grad_b, scale, beta))
-    return;
-  gemm(ctx, dy, b, dt, {scale, 0.0f, math});
-  gemm_backward_b(ctx, dy, t, grad_b, {scale, beta, math});
+  detail::lora_backward_dy_pitched(ctx, op, dy, b, t, r, dt, r, grad_b, scale, math, beta);
 }
 
 void batched_gemm(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,

@@ -20,13 +20,29 @@ struct GemmProblem {
   DType ab_dtype = DType::F32;  // A and B
   DType c_dtype = DType::F32;
   std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;  // elements between consecutive batches
+  // Row pitches (elements between consecutive stored rows) where a matrix is a block of columns of a wider one
+  // (the library's grouped LoRA ops); 0: dense. Only bf16 operands without conversion take them, batch 1.
+  std::int64_t pitch_a = 0, pitch_b = 0, pitch_c = 0;
   float alpha = 1.0f, beta = 0.0f;
   MathMode math = MathMode::FP32;
 
-  std::int64_t lda() const { return trans_a ? m : k; }  // row-major leading dimensions
-  std::int64_t ldb() const { return trans_b ? k : n; }
-  std::int64_t ldc() const { return n; }
+  std::int64_t lda() const { return pitch_a ? pitch_a : trans_a ? m : k; }  // row-major leading dimensions
+  std::int64_t ldb() const { return pitch_b ? pitch_b : trans_b ? k : n; }
+  std::int64_t ldc() const { return pitch_c ? pitch_c : n; }
+  bool dense() const { return pitch_a == 0 && pitch_b == 0 && pitch_c == 0; }
   std::string key() const;  // everything that selects a plan, without pointers or scalars
 };
+
+namespace detail {
+
+// p on the context's device (CPU reference or GPU backend), arguments already validated.
+void run_gemm(const Context& ctx, const char* op, const GemmProblem& p);
+// lora_backward_dy (ops.h) after validation, for t and dt whose rows lie ld_t and ld_dt elements apart (column
+// blocks of wider matrices; r where dense).
+void lora_backward_dy_pitched(const Context& ctx, const char* op, const TensorView& dy, const TensorView& b,
+                              const TensorView& t, std::int64_t ld_t, const TensorView& dt, std::int64_t ld_dt,
+                              const TensorView& grad_b, float scale, MathMode math, float beta);
+
+}  // namespace detail
 
 }  // namespace qmm

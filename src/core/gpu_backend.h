@@ -45,8 +45,10 @@ class GpuBackend {
   // GEMMs, SwiGLU and NF4 (ops.h, nf4.h).
   virtual void gemm(const Context& ctx, const GemmProblem& p) const = 0;
   // lora_backward_dy's one-pass kernel where it applies (see ops.h); false, having done nothing, where it does not.
+  // t's and dt's rows lie ld_t and ld_dt elements apart (r where dense).
   virtual bool lora_backward_dy(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
-                                const TensorView& dt, const TensorView& grad_b, float scale, float beta) const = 0;
+                                std::int64_t ld_t, const TensorView& dt, std::int64_t ld_dt,
+                                const TensorView& grad_b, float scale, float beta) const = 0;
   virtual void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up,
                       const TensorView& h) const = 0;
   virtual void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up,
@@ -59,6 +61,14 @@ class GpuBackend {
                                    const TensorView& da, const Nf4GemmOptions& opts) const = 0;
   virtual void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
                            const GateUpOutputs& out, const Nf4GemmOptions& opts) const = 0;
+  // Several NF4 products of one input, or several input gradients summed into one (ops.h, lora_nf4_linears_*):
+  // c_i = alpha·a·dequant(W_i)ᵀ + betas[i]·c_i;  da = alpha·Σ dc_i·dequant(W_i) + beta·da (empty dc_i skipped).
+  virtual void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weight> ws,
+                         std::span<const TensorView> cs, std::span<const float> betas,
+                         const Nf4GemmOptions& opts) const = 0;
+  virtual void nf4_gemms_backward_a(const Context& ctx, std::span<const TensorView> dcs,
+                                    std::span<const Nf4Weight> ws, const TensorView& da,
+                                    const Nf4GemmOptions& opts) const = 0;
 
   // Train ops (train_ops.h).
   virtual void cast(const Context& ctx, std::span<const TensorView> src, std::span<const TensorView> dst) const = 0;

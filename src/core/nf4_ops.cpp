@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "core/gemm_problem.h"
 #include "core/gpu_backend.h"
 #include "core/nf4_forced.h"
 #include "core/reference_backend.h"
@@ -325,6 +327,274 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
     return cpu_gate_up(a, w_gate, w_up, out, opts.alpha, opts.beta);
   }
   require_gpu_backend(op).nf4_gate_up(ctx, a, w_gate, w_up, out, opts);
+}
+
+namespace {
+
+// The checks lora_nf4_linears and its backward share: x, the weights against x, the adapters' b_i (r_i each,
+// summed into R), a [R,K] and t [M,R], the options. Returns R.
+template <class P>
+std::int64_t check_linears(const Context& ctx, const char* op, const TensorView& x, std::span<const P> ps,
+                           const TensorView& a, const TensorView& t, const Nf4GemmOptions& opts,
+                           std::vector<Part>& inputs) {
+  require_matrix(ctx, op, "x", x);
+  if (ps.empty()) fail(ErrorCode::InvalidArgument, op, "no projections given");
+  require_options(op, opts);
+  if (opts.alpha != 1.0f || opts.beta != 0.0f)
+    fail(ErrorCode::InvalidArgument, op,
+         "alpha " + std::to_string(opts.alpha) + " and beta " + std::to_string(opts.beta) +
+             " must be 1 and 0 (each projection's beta says whether it accumulates)");
+  const std::int64_t m = x.dim(0), k = x.dim(1);
+  std::int64_t rank = 0;
+  inputs.push_back({"x", x});
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    const std::string at = "projection " + std::to_string(i);
+    detail::require_nf4_weight(ctx, op, (at + " w").c_str(), ps[i].w);
+    if (ps[i].w.cols != k)
+      fail(ErrorCode::ShapeMismatch, op,
+           "x is " + x.shape().str() + " but " + at + "'s w is " + dims(ps[i].w.rows, ps[i].w.cols) +
+               ": inner dimensions differ (x is [M,K], every w [N,K])");
+    for (Part& p : weight_parts(at + " w", ps[i].w)) inputs.push_back(std::move(p));
+    if (!std::isfinite(ps[i].scale))
+      fail(ErrorCode::InvalidArgument, op, at + "'s scale is " + std::to_string(ps[i].scale) + " but must be finite");
+    if (ps[i].b.empty()) continue;
+    const std::string name = at + " b";
+    require_matrix(ctx, op, name.c_str(), ps[i].b);
+    detail::require_same_dtype(op, name.c_str(), ps[i].b, "x", x);
+    if (ps[i].b.dim(0) != ps[i].w.rows || ps[i].b.dim(1) < 1)
+      fail(ErrorCode::ShapeMismatch, op,
+           name + " is " + ps[i].b.shape().str() + " but must be [N,r] with r >= 1 for w " +
+               dims(ps[i].w.rows, ps[i].w.cols));
+    inputs.push_back({name, ps[i].b});
+    rank += ps[i].b.dim(1);
+  }
+  if (rank > 0 || !a.empty()) {
+    require_matrix(ctx, op, "a", a);
+    detail::require_same_dtype(op, "a", a, "x", x);
+    require_shape(op, "a", a, rank, k, "[R,K]: the adapters' A stacked, R their ranks summed");
+  }
+  if (rank > 0 || !t.empty()) {
+    require_matrix(ctx, op, "t", t);
+    detail::require_same_dtype(op, "t", t, "x", x);
+    require_shape(op, "t", t, m, rank, "[M,R] for x [M,K] and R the adapters' ranks summed");
+  }
+  if (rank > 0) inputs.push_back({"a", a});
+  return rank;
+}
+
+// c = 0, as a GEMM with an empty sum writes it (c is a valid output matrix with at least one element or none).
+void write_zeros(const Context& ctx, const char* op, const TensorView& c) {
+  GemmProblem z;
+  z.m = c.dim(0);
+  z.n = c.dim(1);
+  z.a = z.b = z.c = c.data();
+  z.ab_dtype = z.c_dtype = c.dtype();
+  detail::run_gemm(ctx, op, z);
+}
+
+// t_i (projection i's columns of t [M,R], rows R apart) as a GEMM operand.
+GemmProblem adapter_problem(const TensorView& t, std::int64_t col, std::int64_t r, const TensorView& other,
+                            const TensorView& c, float alpha, float beta) {
+  GemmProblem p;
+  p.a = static_cast<const char*>(t.data()) + col * dtype_size(t.dtype());
+  p.b = other.data();
+  p.c = c.data();
+  p.ab_dtype = t.dtype();
+  p.c_dtype = c.dtype();
+  p.alpha = alpha;
+  p.beta = beta;
+  p.pitch_a = t.dim(1) == r ? 0 : t.dim(1);
+  return p;
+}
+
+}  // namespace
+
+void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const Nf4Projection> ps,
+                      const TensorView& a, const TensorView& t, const Nf4GemmOptions& opts) {
+  const char* op = "lora_nf4_linears";
+  std::vector<Part> inputs;
+  const std::int64_t rank = check_linears(ctx, op, x, ps, a, t, opts, inputs);
+  const std::int64_t m = x.dim(0), k = x.dim(1);
+  std::vector<Part> outs;
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    const std::string name = "projection " + std::to_string(i) + " y";
+    require_matrix(ctx, op, name.c_str(), ps[i].y);
+    detail::require_same_dtype(op, name.c_str(), ps[i].y, "x", x);
+    require_shape(op, name.c_str(), ps[i].y, m, ps[i].w.rows, "[M,N] for x [M,K] and w [N,K]");
+    if (ps[i].beta != 0.0f && ps[i].beta != 1.0f)
+      fail(ErrorCode::InvalidArgument, op, name + "'s beta is " + std::to_string(ps[i].beta) + " but must be 0 or 1");
+    outs.push_back({name, ps[i].y});
+  }
+  if (rank > 0) outs.push_back({"t", t});
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    require_disjoint(op, outs[i], inputs);
+    require_disjoint(op, outs[i], std::vector<Part>(outs.begin() + static_cast<std::ptrdiff_t>(i) + 1, outs.end()));
+  }
+  if (ctx.device().is_cpu()) require_cpu_path(op, opts.path);
+  if (m == 0) return;
+
+  if (ctx.device().is_cpu()) {
+    for (const Nf4Projection& p : ps) reference_backend().nf4_gemm(x, p.w, p.y, 1.0f, p.beta);
+  } else {
+    std::vector<Nf4Weight> ws;
+    std::vector<TensorView> ys;
+    std::vector<float> betas;
+    for (const Nf4Projection& p : ps) ws.push_back(p.w), ys.push_back(p.y), betas.push_back(p.beta);
+    require_gpu_backend(op).nf4_gemms(ctx, x, ws, ys, betas, opts);
+  }
+  if (rank == 0) return;
+  GemmProblem first;  // t = x·aᵀ
+  first.m = m;
+  first.n = rank;
+  first.k = k;
+  first.trans_b = true;
+  first.a = x.data();
+  first.b = a.data();
+  first.c = t.data();
+  first.ab_dtype = first.c_dtype = x.dtype();
+  detail::run_gemm(ctx, op, first);
+  std::int64_t col = 0;
+  for (const Nf4Projection& p : ps) {  // y_i += scale_i·t_i·b_iᵀ
+    if (p.b.empty()) continue;
+    const std::int64_t r = p.b.dim(1);
+    GemmProblem q = adapter_problem(t, col, r, p.b, p.y, p.scale, 1.0f);
+    q.m = m;
+    q.n = p.w.rows;
+    q.k = r;
+    q.trans_b = true;
+    detail::run_gemm(ctx, op, q);
+    col += r;
+  }
+}
+
+void lora_nf4_linears_backward(const Context& ctx, const TensorView& x, std::span<const Nf4ProjectionGrad> ps,
+                               const TensorView& a, const TensorView& t, const TensorView& dt,
+                               const TensorView& grad_a, const TensorView& dx, float dx_beta,
+                               const Nf4GemmOptions& opts) {
+  const char* op = "lora_nf4_linears_backward";
+  std::vector<Part> inputs;
+  const std::int64_t rank = check_linears(ctx, op, x, ps, a, t, opts, inputs);
+  const std::int64_t m = x.dim(0), k = x.dim(1);
+  if (rank > 0) inputs.push_back({"t", t});
+  std::vector<Part> outs;
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    const std::string at = "projection " + std::to_string(i);
+    const Nf4ProjectionGrad& p = ps[i];
+    if (p.dy.empty()) {
+      if (!p.b.empty())
+        fail(ErrorCode::InvalidArgument, op, at + " has an adapter but no dy (its gradients need one)");
+    } else {
+      const std::string name = at + " dy";
+      require_matrix(ctx, op, name.c_str(), p.dy);
+      detail::require_same_dtype(op, name.c_str(), p.dy, "x", x);
+      require_shape(op, name.c_str(), p.dy, m, p.w.rows, "[M,N] for x [M,K] and w [N,K]");
+      inputs.push_back({name, p.dy});
+    }
+    if (p.b.empty()) continue;
+    const std::string name = at + " grad_b";
+    require_matrix(ctx, op, name.c_str(), p.grad_b);
+    detail::require_dtype(op, name.c_str(), p.grad_b, {DType::F32});
+    require_shape(op, name.c_str(), p.grad_b, p.b.dim(0), p.b.dim(1), "b's shape");
+    outs.push_back({name, p.grad_b});
+  }
+  if (rank > 0) {
+    require_matrix(ctx, op, "dt", dt);
+    detail::require_same_dtype(op, "dt", dt, "x", x);
+    require_shape(op, "dt", dt, m, rank, "t's shape");
+    outs.push_back({"dt", dt});
+    if (!grad_a.empty()) {
+      require_matrix(ctx, op, "grad_a", grad_a);
+      detail::require_dtype(op, "grad_a", grad_a, {DType::F32});
+      require_shape(op, "grad_a", grad_a, rank, k, "a's shape");
+      outs.push_back({"grad_a", grad_a});
+    }
+  }
+  if (!dx.empty()) {
+    require_matrix(ctx, op, "dx", dx);
+    detail::require_same_dtype(op, "dx", dx, "x", x);
+    require_shape(op, "dx", dx, m, k, "x's shape");
+    outs.push_back({"dx", dx});
+  }
+  if (!std::isfinite(dx_beta))
+    fail(ErrorCode::InvalidArgument, op, "dx_beta is " + std::to_string(dx_beta) + " but must be finite");
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    require_disjoint(op, outs[i], inputs);
+    require_disjoint(op, outs[i], std::vector<Part>(outs.begin() + static_cast<std::ptrdiff_t>(i) + 1, outs.end()));
+  }
+  if (ctx.device().is_cpu()) require_cpu_path(op, opts.path);
+  if (m == 0) {  // empty sums: grad_a and every grad_b are zeros (dx and dt have no rows)
+    for (const Nf4ProjectionGrad& p : ps)
+      if (!p.b.empty()) write_zeros(ctx, op, p.grad_b);
+    if (rank > 0 && !grad_a.empty()) write_zeros(ctx, op, grad_a);
+    return;
+  }
+
+  // dx = Σ dy_i·dequant(W_i) + dx_beta·dx: written by the first product present.
+  bool dx_written = false;
+  if (!dx.empty()) {
+    std::vector<Nf4Weight> ws;
+    std::vector<TensorView> dys;
+    for (const Nf4ProjectionGrad& p : ps) ws.push_back(p.w), dys.push_back(p.dy);
+    if (ctx.device().is_cpu()) {
+      float beta = dx_beta;
+      for (const Nf4ProjectionGrad& p : ps) {
+        if (p.dy.empty()) continue;
+        reference_backend().nf4_gemm_backward_a(p.dy, p.w, dx, 1.0f, beta);
+        beta = 1.0f;
+      }
+    } else {
+      require_gpu_backend(op).nf4_gemms_backward_a(ctx, dys, ws, dx, {1.0f, dx_beta, opts.path});
+    }
+    for (const Nf4ProjectionGrad& p : ps) dx_written = dx_written || !p.dy.empty();
+  }
+  if (rank == 0) {
+    if (!dx.empty() && !dx_written) {  // no gradient reached any projection: dx = dx_beta·dx
+      GemmProblem z;
+      z.m = m;
+      z.n = k;
+      z.a = z.b = z.c = dx.data();
+      z.ab_dtype = z.c_dtype = x.dtype();
+      z.beta = dx_beta;
+      detail::run_gemm(ctx, op, z);
+    }
+    return;
+  }
+  const std::size_t elem = dtype_size(x.dtype());
+  std::int64_t col = 0;
+  for (const Nf4ProjectionGrad& p : ps) {  // dt_i and grad_b_i from one read of dy_i
+    if (p.b.empty()) continue;
+    const std::int64_t r = p.b.dim(1);
+    const TensorView ti(static_cast<char*>(t.data()) + col * elem, t.dtype(), {m, r}, t.device());
+    const TensorView dti(static_cast<char*>(dt.data()) + col * elem, dt.dtype(), {m, r}, dt.device());
+    detail::lora_backward_dy_pitched(ctx, op, p.dy, p.b, ti, rank, dti, rank, p.grad_b, p.scale, MathMode::FP32,
+                                     0.0f);
+    col += r;
+  }
+  if (!grad_a.empty()) {  // grad_a = dtᵀ·x
+    GemmProblem g;
+    g.m = rank;
+    g.n = k;
+    g.k = m;
+    g.trans_a = true;
+    g.a = dt.data();
+    g.b = x.data();
+    g.c = grad_a.data();
+    g.ab_dtype = x.dtype();
+    g.c_dtype = DType::F32;
+    detail::run_gemm(ctx, op, g);
+  }
+  if (!dx.empty()) {  // dx += dt·a (or = dt·a + dx_beta·dx where no NF4 product wrote it)
+    GemmProblem d;
+    d.m = m;
+    d.n = k;
+    d.k = rank;
+    d.a = dt.data();
+    d.b = a.data();
+    d.c = dx.data();
+    d.ab_dtype = d.c_dtype = x.dtype();
+    d.beta = dx_written ? 1.0f : dx_beta;
+    detail::run_gemm(ctx, op, d);
+  }
 }
 
 }  // namespace qmm

@@ -36,8 +36,9 @@ class CudaBackend final : public GpuBackend {
 
   void gemm(const Context& ctx, const GemmProblem& p) const override { cuda::gemm(ctx, p); }
   bool lora_backward_dy(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
-                        const TensorView& dt, const TensorView& grad_b, float scale, float beta) const override {
-    return cuda::lora_backward_dy_fused(ctx, dy, b, t, dt, grad_b, scale, beta);
+                        std::int64_t ld_t, const TensorView& dt, std::int64_t ld_dt, const TensorView& grad_b,
+                        float scale, float beta) const override {
+    return cuda::lora_backward_dy_fused(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta);
   }
   void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h) const override {
     cuda::swiglu(ctx, gate, up, h);
@@ -63,6 +64,15 @@ class CudaBackend final : public GpuBackend {
   void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
                    const GateUpOutputs& out, const Nf4GemmOptions& opts) const override {
     cuda::nf4_gate_up(ctx, a, w_gate, w_up, out, opts);
+  }
+  void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weight> ws,
+                 std::span<const TensorView> cs, std::span<const float> betas,
+                 const Nf4GemmOptions& opts) const override {
+    cuda::nf4_gemms(ctx, a, ws, cs, betas, opts);
+  }
+  void nf4_gemms_backward_a(const Context& ctx, std::span<const TensorView> dcs, std::span<const Nf4Weight> ws,
+                            const TensorView& da, const Nf4GemmOptions& opts) const override {
+    cuda::nf4_gemms_backward_a(ctx, dcs, ws, da, opts);
   }
 
   void cast(const Context& ctx, std::span<const TensorView> src, std::span<const TensorView> dst) const override {

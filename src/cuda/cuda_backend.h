@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -35,7 +36,8 @@ void* create_owned_stream(Context::Impl& impl);
 void gemm(const Context& ctx, const GemmProblem& p);                       // gemm/
 // lora_backward_dy's one-pass kernel where it applies (see ops.h); false, having done nothing, where it does not.
 bool lora_backward_dy_fused(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
-                            const TensorView& dt, const TensorView& grad_b, float scale, float beta);
+                            std::int64_t ld_t, const TensorView& dt, std::int64_t ld_dt, const TensorView& grad_b,
+                            float scale, float beta);
 void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h);  // swiglu/
 void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
                      const TensorView& dgate, const TensorView& dup);
@@ -47,6 +49,13 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
                          const Nf4GemmOptions& opts);
 void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
                  const GateUpOutputs& out, const Nf4GemmOptions& opts);
+// Several NF4 products of one input (c_i = alpha·a·dequant(W_i)ᵀ + betas[i]·c_i), or several input gradients
+// summed into one (da = alpha·Σ dc_i·dequant(W_i) + beta·da; empty dc_i skipped): one dequantize launch for all
+// where every product takes DequantGemm, otherwise one call each.
+void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weight> ws, std::span<const TensorView> cs,
+               std::span<const float> betas, const Nf4GemmOptions& opts);
+void nf4_gemms_backward_a(const Context& ctx, std::span<const TensorView> dcs, std::span<const Nf4Weight> ws,
+                          const TensorView& da, const Nf4GemmOptions& opts);
 
 // Train ops (train/). Reductions write per-block fp64 partials into stream-ordered scratch and sum them in one
 // block in a fixed order; adamw_step reads its clip coefficient from device memory (no host round trip).

@@ -951,5 +951,135 @@ TEST(Nf4Tensor, AllocateSizesEveryField) {
   EXPECT_EQ(d.view().num_groups(), 3);
 }
 
+// ---- lora_nf4_linears: several projections of one input, adapters stacked -------------------------------------------
+// Against the same products composed from the per-projection ops (nf4_gemm, gemm_bt, lora_backward_dy, ...): the
+// grouped op sums the same terms, the adapters' in one GEMM over all ranks, so fp32 sums may differ in order.
+struct LinearsCase {
+  std::int64_t m, k;
+  std::vector<std::int64_t> n, r;  // r 0: no adapter
+};
+
+void expect_linears_match_composition(const LinearsCase& c, std::uint64_t seed) {
+  const Context& cpu = cpu_ctx();
+  const std::size_t np = c.n.size();
+  const Tensor x = test::random_tensor(DType::F32, {c.m, c.k}, seed);
+  std::int64_t rank = 0;
+  for (std::int64_t r : c.r) rank += r;
+  const Tensor a = test::random_tensor(DType::F32, {rank, c.k}, seed + 1);
+  std::vector<Nf4Tensor> ws;
+  std::vector<Tensor> bs, y0s, dys;
+  for (std::size_t i = 0; i < np; ++i) {
+    ws.push_back(nf4_quantize(cpu, test::random_tensor(DType::F32, {c.n[i], c.k}, seed + 10 + i), i % 2 == 0));
+    bs.push_back(c.r[i] ? test::random_tensor(DType::F32, {c.n[i], c.r[i]}, seed + 20 + i) : Tensor());
+    y0s.push_back(test::random_tensor(DType::F32, {c.m, c.n[i]}, seed + 30 + i));
+    dys.push_back(test::random_tensor(DType::F32, {c.m, c.n[i]}, seed + 40 + i));
+  }
+  const float scales[] = {0.5f, 2.0f, 0.125f, 1.0f};
+  // The composition.
+  std::vector<Tensor> y_ref, gb_ref;
+  Tensor dx_ref = test::random_tensor(DType::F32, {c.m, c.k}, seed + 50);
+  const Tensor dx0 = test::host_copy(dx_ref);
+  Tensor ga_ref(DType::F32, {rank, c.k});
+  std::int64_t row = 0;
+  float dx_beta = 0.5f;
+  for (std::size_t i = 0; i < np; ++i) {
+    Tensor y = test::host_copy(y0s[i]);
+    const float beta = i == 1 ? 1.0f : 0.0f;
+    nf4_gemm(cpu, x, ws[i].view(), y, {1.0f, beta});
+    nf4_gemm_backward_a(cpu, dys[i], ws[i].view(), dx_ref, {1.0f, i == 0 ? dx_beta : 1.0f});
+    if (c.r[i]) {
+      const TensorView ai(static_cast<float*>(a.data()) + row * c.k, DType::F32, {c.r[i], c.k});
+      Tensor t(DType::F32, {c.m, c.r[i]}), dt(DType::F32, {c.m, c.r[i]}), gb(DType::F32, {c.n[i], c.r[i]});
+      gemm_bt(cpu, x, ai, t);
+      gemm_bt(cpu, t, bs[i], y, {scales[i], 1.0f});
+      lora_backward_dy(cpu, dys[i], bs[i], t, dt, gb, scales[i], MathMode::FP32, 0.0f);
+      const TensorView gai(static_cast<float*>(ga_ref.data()) + row * c.k, DType::F32, {c.r[i], c.k});
+      gemm_backward_b(cpu, dt, x, gai);
+      Tensor extra(DType::F32, {c.m, c.k});
+      gemm(cpu, dt, ai, extra);
+      add(cpu, dx_ref, extra, dx_ref);
+      gb_ref.push_back(std::move(gb));
+      row += c.r[i];
+    } else {
+      gb_ref.push_back(Tensor());
+    }
+    y_ref.push_back(std::move(y));
+  }
+  // The grouped op.
+  std::vector<Tensor> ys;
+  std::vector<Nf4Projection> ps;
+  for (std::size_t i = 0; i < np; ++i) {
+    ys.push_back(test::host_copy(y0s[i]));
+    ps.push_back({ws[i].view(), ys[i], i == 1 ? 1.0f : 0.0f, bs[i], scales[i]});
+  }
+  Tensor t(DType::F32, {c.m, rank}), dt(DType::F32, {c.m, rank}), ga(DType::F32, {rank, c.k});
+  Tensor dx = test::host_copy(dx0);
+  test::poison(t);
+  test::poison(dt);
+  test::poison(ga);
+  lora_nf4_linears(cpu, x, ps, rank ? a.view() : TensorView(), rank ? t.view() : TensorView());
+  std::vector<Tensor> gbs;
+  std::vector<Nf4ProjectionGrad> gs;
+  for (std::size_t i = 0; i < np; ++i) {
+    gbs.push_back(c.r[i] ? Tensor(DType::F32, {c.n[i], c.r[i]}) : Tensor());
+    if (c.r[i]) test::poison(gbs[i]);
+    gs.push_back({ws[i].view(), dys[i], bs[i], scales[i], gbs[i]});
+  }
+  lora_nf4_linears_backward(cpu, x, gs, rank ? a.view() : TensorView(), rank ? t.view() : TensorView(),
+                            rank ? dt.view() : TensorView(), rank ? ga.view() : TensorView(), dx, dx_beta);
+  const std::string what = "m " + std::to_string(c.m) + " k " + std::to_string(c.k) + " projections " +
+                           std::to_string(np) + " rank " + std::to_string(rank);
+  const test::Tolerance tol = test::fp32_accum_tolerance(c.k + rank);
+  for (std::size_t i = 0; i < np; ++i) {
+    EXPECT_TRUE(test::all_close(ys[i], y_ref[i], tol)) << what << ": y " << i;
+    if (c.r[i]) EXPECT_TRUE(test::all_close(gbs[i], gb_ref[i], test::fp32_accum_tolerance(c.m))) << what << ": grad_b " << i;
+  }
+  if (rank) EXPECT_TRUE(test::all_close(ga, ga_ref, test::fp32_accum_tolerance(c.m))) << what << ": grad_a";
+  EXPECT_TRUE(test::all_close(dx, dx_ref, test::fp32_accum_tolerance(c.k + rank))) << what << ": dx";
+}
+
+TEST(Nf4Linears, MatchThePerProjectionOpsOnRaggedShapes) {
+  std::uint64_t seed = 9100;
+  for (const LinearsCase& c : {LinearsCase{1, 64, {64, 128, 64}, {8, 16, 8}}, LinearsCase{7, 128, {192, 64, 64}, {4, 4, 4}},
+                               LinearsCase{65, 64, {64, 128}, {16, 0}}, LinearsCase{63, 192, {128, 64, 64}, {0, 0, 0}},
+                               LinearsCase{33, 64, {64, 64, 64, 128}, {8, 0, 16, 12}}})
+    expect_linears_match_composition(c, seed += 100);
+}
+
+TEST(Nf4Linears, RefuseBadArgumentsBeforeWriting) {
+  const Context& cpu = cpu_ctx();
+  const Nf4Tensor w = nf4_quantize(cpu, test::random_tensor(DType::F32, {64, 64}, 1), true);
+  const Tensor x = test::random_tensor(DType::F32, {5, 64}, 2), b = test::random_tensor(DType::F32, {64, 8}, 3);
+  const Tensor a = test::random_tensor(DType::F32, {8, 64}, 4);
+  Tensor y(DType::F32, {5, 64}), t(DType::F32, {5, 8}), y_bad(DType::F32, {5, 63});
+  test::poison(y);
+  const Tensor y_before = test::host_copy(y);
+  const Nf4Projection good{w.view(), y, 0.0f, b, 2.0f};
+  auto call = [&](std::vector<Nf4Projection> ps, const TensorView& av, const TensorView& tv) {
+    return [=, &cpu] { lora_nf4_linears(cpu, x, ps, av, tv); };
+  };
+  EXPECT_TRUE(test::throws_error(call({}, a, t), ErrorCode::InvalidArgument, {"lora_nf4_linears", "no projections"}));
+  EXPECT_TRUE(test::throws_error(call({{w.view(), y_bad, 0.0f, b, 2.0f}}, a, t), ErrorCode::ShapeMismatch,
+                                 {"projection 0 y", "[5,64]"}));
+  EXPECT_TRUE(test::throws_error(call({good}, test::random_tensor(DType::F32, {16, 64}, 5), t), ErrorCode::ShapeMismatch,
+                                 {"a is", "[8,64]"}));
+  EXPECT_TRUE(test::throws_error(call({{w.view(), y, 0.5f, b, 2.0f}}, a, t), ErrorCode::InvalidArgument, {"beta"}));
+  EXPECT_TRUE(test::throws_error(call({good}, a, TensorView()), ErrorCode::InvalidArgument, {"t has null data"}));
+  EXPECT_TRUE(test::throws_error(call({{w.view(), x, 0.0f, b, 2.0f}}, a, t), ErrorCode::InvalidArgument,
+                                 {"projection 0 y and x overlap"}));
+  // Two outputs in one buffer.
+  EXPECT_TRUE(test::throws_error(call({good, good}, test::random_tensor(DType::F32, {16, 64}, 6), Tensor(DType::F32, {5, 16})),
+                                 ErrorCode::InvalidArgument, {"overlap"}));
+  EXPECT_TRUE(test::bytes_equal(y, y_before));
+  // The backward: a projection with an adapter needs its dy.
+  Tensor dt(DType::F32, {5, 8}), gb(DType::F32, {64, 8}), dx(DType::F32, {5, 64});
+  const std::vector<Nf4ProjectionGrad> no_dy{{w.view(), TensorView(), b, 2.0f, gb}};
+  EXPECT_TRUE(test::throws_error([&] { lora_nf4_linears_backward(cpu, x, no_dy, a, t, dt, TensorView(), dx); },
+                                 ErrorCode::InvalidArgument, {"lora_nf4_linears_backward", "no dy"}));
+  const std::vector<Nf4ProjectionGrad> gb_f32_wrong{{w.view(), y, b, 2.0f, Tensor(DType::BF16, {64, 8})}};
+  EXPECT_TRUE(test::throws_error([&] { lora_nf4_linears_backward(cpu, x, gb_f32_wrong, a, t, dt, TensorView(), dx); },
+                                 ErrorCode::DTypeMismatch, {"grad_b"}));
+}
+
 }  // namespace
 }  // namespace qmm

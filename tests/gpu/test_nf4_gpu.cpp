@@ -578,5 +578,95 @@ TEST(Nf4GemmGpu, UnavailablePathsRaiseUnsupported) {
                                  ErrorCode::Unsupported, {"nf4_gemm", "path reference"}));
 }
 
+// ---- lora_nf4_linears ---------------------------------------------------------------------------------------------
+// The GPU's grouped projections (one dequantize launch at M > 32, the adapters' first products as one GEMM, their
+// second products and lora_backward_dy on column blocks of t and dt) against the CPU's. The backward takes the
+// CPU's t on both devices, so each output differs only by its own sums: bf16 outputs by one rounding of an fp32
+// sum (bf16_output_tolerance over the sum's length), f32 gradients by fp32 sums of products of bf16 dt, which the
+// two devices may round an ulp apart (so the bf16 tolerance again).
+void expect_linears_gpu_matches_cpu(DType dtype, std::int64_t m, std::int64_t k, const std::vector<std::int64_t>& ns,
+                                    const std::vector<std::int64_t>& rs, std::uint64_t seed) {
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  const Device d = gpu.device();
+  const std::size_t np = ns.size();
+  std::int64_t rank = 0, n_all = 0;
+  for (std::size_t i = 0; i < np; ++i) rank += rs[i], n_all += ns[i];
+  const Tensor x = test::random_tensor(dtype, {m, k}, seed), a = test::random_tensor(dtype, {rank, k}, seed + 1);
+  const Tensor x_d = to_device(x, d), a_d = to_device(a, d);
+  std::vector<Nf4Tensor> ws, ws_d;
+  std::vector<Tensor> bs, bs_d, y_cpu, y_gpu, dys, dys_d, gb_cpu, gb_gpu;
+  std::vector<Nf4Projection> pc, pg;
+  const float scales[] = {2.0f, 0.5f, 1.0f};
+  for (std::size_t i = 0; i < np; ++i) {
+    ws.push_back(nf4_quantize(cpu, test::random_tensor(DType::F32, {ns[i], k}, seed + 10 + i), true));
+    ws_d.push_back(nf4_to(ws[i], d));
+    bs.push_back(rs[i] ? test::random_tensor(dtype, {ns[i], rs[i]}, seed + 20 + i) : Tensor());
+    bs_d.push_back(rs[i] ? to_device(bs[i], d) : Tensor());
+    const Tensor y0 = test::random_tensor(dtype, {m, ns[i]}, seed + 30 + i);
+    y_cpu.push_back(test::host_copy(y0));
+    y_gpu.push_back(to_device(y0, d));
+    if (i != 1) test::poison(y_gpu[i]);  // projection 1 accumulates onto its "bias"
+    dys.push_back(test::random_tensor(dtype, {m, ns[i]}, seed + 40 + i));
+    dys_d.push_back(to_device(dys[i], d));
+  }
+  for (std::size_t i = 0; i < np; ++i) {
+    pc.push_back({ws[i].view(), y_cpu[i], i == 1 ? 1.0f : 0.0f, bs[i], scales[i % 3]});
+    pg.push_back({ws_d[i].view(), y_gpu[i], i == 1 ? 1.0f : 0.0f, bs_d[i], scales[i % 3]});
+  }
+  Tensor t(dtype, {m, rank}), t_d(dtype, {m, rank}, d);
+  test::poison(t_d);
+  lora_nf4_linears(cpu, x, pc, a, t);
+  lora_nf4_linears(gpu, x_d, pg, a_d, t_d);
+  gpu.synchronize();
+  const std::string what = std::string(dtype_name(dtype)) + " m " + std::to_string(m) + " k " + std::to_string(k) +
+                           " n_all " + std::to_string(n_all) + " rank " + std::to_string(rank);
+  const auto out_tol = [&](std::int64_t len) {
+    return dtype == DType::BF16 ? test::bf16_output_tolerance(len) : test::fp32_accum_tolerance(len);
+  };
+  EXPECT_TRUE(test::all_close(test::host_copy(t_d), t, out_tol(k))) << what << ": t";
+  for (std::size_t i = 0; i < np; ++i)
+    EXPECT_TRUE(test::all_close(test::host_copy(y_gpu[i]), y_cpu[i], out_tol(k + rank))) << what << ": y " << i;
+
+  // The backward from the CPU's t.
+  const Tensor t_in = to_device(t, d);
+  Tensor dt(dtype, {m, rank}), dt_d(dtype, {m, rank}, d), ga(DType::F32, {rank, k}), ga_d(DType::F32, {rank, k}, d);
+  const Tensor dx0 = test::random_tensor(dtype, {m, k}, seed + 50);
+  Tensor dx = test::host_copy(dx0), dx_d = to_device(dx0, d);
+  test::poison(dt_d);
+  test::poison(ga_d);
+  std::vector<Nf4ProjectionGrad> gc, gg;
+  for (std::size_t i = 0; i < np; ++i) {
+    gb_cpu.push_back(rs[i] ? Tensor(DType::F32, {ns[i], rs[i]}) : Tensor());
+    gb_gpu.push_back(rs[i] ? Tensor(DType::F32, {ns[i], rs[i]}, d) : Tensor());
+    if (rs[i]) test::poison(gb_gpu[i]);
+  }
+  for (std::size_t i = 0; i < np; ++i) {
+    gc.push_back({ws[i].view(), dys[i], bs[i], scales[i % 3], gb_cpu[i]});
+    gg.push_back({ws_d[i].view(), dys_d[i], bs_d[i], scales[i % 3], gb_gpu[i]});
+  }
+  lora_nf4_linears_backward(cpu, x, gc, a, t, dt, ga, dx, 0.5f);
+  lora_nf4_linears_backward(gpu, x_d, gg, a_d, t_in, dt_d, ga_d, dx_d, 0.5f);
+  gpu.synchronize();
+  for (std::size_t i = 0; i < np; ++i)
+    if (rs[i])
+      EXPECT_TRUE(test::all_close(test::host_copy(gb_gpu[i]), gb_cpu[i], out_tol(m))) << what << ": grad_b " << i;
+  EXPECT_TRUE(test::all_close(test::host_copy(dt_d), dt, out_tol(n_all))) << what << ": dt";
+  EXPECT_TRUE(test::all_close(test::host_copy(ga_d), ga, test::bf16_output_tolerance(m))) << what << ": grad_a";
+  EXPECT_TRUE(test::all_close(test::host_copy(dx_d), dx, test::bf16_output_tolerance(n_all + rank))) << what << ": dx";
+}
+
+TEST(GpuNf4Linears, MatchCpuOnRaggedShapes) {
+  QMM_REQUIRE_GPU();
+  std::uint64_t seed = 9500;
+  // M 1 and 7 take the small-M kernels one projection at a time; 65 and 1000 one dequantize launch for all.
+  // Ranks 16/8/8 take the one-pass lora_backward_dy on column blocks; 4 the two-GEMM fallback.
+  for (DType dtype : {DType::BF16, DType::F32})
+    for (std::int64_t m : {1, 7, 65, 1000}) {
+      expect_linears_gpu_matches_cpu(dtype, m, 256, {256, 64, 64}, {16, 8, 8}, seed += 10);
+      expect_linears_gpu_matches_cpu(dtype, m, 192, {136, 64}, {4, 0}, seed += 10);
+    }
+}
+
 }  // namespace
 }  // namespace qmm

@@ -257,6 +257,8 @@ void gemm(const Context& ctx, const GemmProblem& p) {
     throw Error(ErrorCode::Unsupported, "gemm: C batch stride " + std::to_string(p.stride_c) +
                                             " is below m*n = " + std::to_string(p.m * p.n) + " for " +
                                             shape_text(p) + ": batches of C would overlap");
+  if (!p.dense() && (p.batch > 1 || p.k == 0 || route_of(p).convert))
+    throw Error(ErrorCode::Unsupported, "gemm: row pitches need one bf16 product with k > 0 (" + shape_text(p) + ")");
   if (p.k == 0) {  // an empty product: C = beta * C, which cuBLASLt does not take (k must be positive)
     launch_scale_c(st, p);
     return;
@@ -278,6 +280,13 @@ void gemm(const Context& ctx, const GemmProblem& p) {
     al.b = alignment_class(p.b, p.batch, p.stride_b, ab_elem);
   }
   al.c = alignment_class(p.c, p.batch, p.stride_c, c_elem);
+  // A row pitch moves every row start: the alignment is also the pitch's (a dense matrix's rows are its own).
+  const auto pitched = [](std::uint32_t a, std::int64_t pitch, std::size_t elem) {
+    return pitch ? std::min(a, alignment_class(nullptr, 2, pitch, elem)) : a;
+  };
+  al.a = pitched(al.a, p.pitch_a, ab_elem);
+  al.b = pitched(al.b, p.pitch_b, ab_elem);
+  al.c = pitched(al.c, p.pitch_c, c_elem);
 
   const std::string key = "cublaslt|" + p.key() + "|align" + std::to_string(al.a) + "," + std::to_string(al.b) +
                           "," + std::to_string(al.c);

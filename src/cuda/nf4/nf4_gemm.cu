@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
@@ -20,6 +22,7 @@
 #include "cuda/nf4/nf4_plan.h"
 #include "cuda/nf4/nf4_small_m.h"
 #include "cuda/nf4/nf4_slice.h"
+#include "cuda/nf4/quantize.h"
 #include "cuda/swiglu/swiglu.cuh"
 #include "qmm/error.h"
 
@@ -228,6 +231,74 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
 
   // dA[M,K] = dC[M,N] * W, W stored [N,K] = B [k=N, n=K], not transposed.
   dequantize_then_gemm(ctx, dc, w, false, da, M, K, N, opts.alpha, opts.beta);
+}
+
+void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weight> ws,
+               std::span<const TensorView> cs, std::span<const float> betas, const Nf4GemmOptions& opts) {
+  auto one = [&](std::size_t i) { return Nf4GemmOptions{opts.alpha, betas[i], opts.path}; };
+  bool grouped = ws.size() > 1 && a.dim(0) > 0;
+  for (std::size_t i = 0; i < ws.size() && grouped; ++i)
+    grouped = plan_or_throw(ctx, nf4_problem(Nf4Op::Forward, a, ws[i], nullptr, cs[i].dtype(), one(i))).kernel ==
+              Nf4Kernel::DequantGemm;
+  if (!grouped) {
+    for (std::size_t i = 0; i < ws.size(); ++i) cuda::nf4_gemm(ctx, a, ws[i], cs[i], one(i));
+    return;
+  }
+  set_device(ctx);
+  const std::int64_t M = a.dim(0), K = a.dim(1);
+  ScratchPlan scratch;
+  const std::size_t a_at = a.dtype() == DType::F32 ? scratch.reserve(static_cast<std::size_t>(M * K) * 2) : 0;
+  std::size_t elems = 0;
+  for (const Nf4Weight& w : ws) elems += static_cast<std::size_t>(w.numel());
+  const std::size_t w_at = scratch.reserve(elems * 2);
+  scratch.commit(ctx);
+  const void* a16 = bf16_operand(ctx, a, scratch, a_at);
+  auto* w16 = scratch.at<__nv_bfloat16>(w_at);
+  nf4_dequantize_many(ctx, ws, w16);
+  for (std::size_t i = 0; i < ws.size(); ++i) {
+    bf16_gemm(ctx, a16, w16, true, cs[i], M, ws[i].rows, K, opts.alpha, betas[i]);
+    w16 += ws[i].numel();
+  }
+}
+
+void nf4_gemms_backward_a(const Context& ctx, std::span<const TensorView> dcs, std::span<const Nf4Weight> ws,
+                          const TensorView& da, const Nf4GemmOptions& opts) {
+  // The first product present writes da with opts.beta, the others add to it.
+  std::vector<Nf4GemmOptions> each;
+  float beta = opts.beta;
+  bool grouped = true;
+  std::size_t present = 0;
+  for (std::size_t i = 0; i < ws.size(); ++i) {
+    each.push_back({opts.alpha, beta, opts.path});
+    if (dcs[i].empty()) continue;
+    ++present;
+    beta = 1.0f;
+    grouped = grouped && dcs[i].dtype() == DType::BF16 &&
+              plan_or_throw(ctx, nf4_problem(Nf4Op::BackwardA, dcs[i], ws[i], nullptr, da.dtype(), each[i])).kernel ==
+                  Nf4Kernel::DequantGemm;
+  }
+  if (!grouped || present < 2 || da.dim(0) == 0) {
+    for (std::size_t i = 0; i < ws.size(); ++i)
+      if (!dcs[i].empty()) cuda::nf4_gemm_backward_a(ctx, dcs[i], ws[i], da, each[i]);
+    return;
+  }
+  set_device(ctx);
+  std::vector<Nf4Weight> used;
+  for (std::size_t i = 0; i < ws.size(); ++i)
+    if (!dcs[i].empty()) used.push_back(ws[i]);
+  std::size_t elems = 0;
+  for (const Nf4Weight& w : used) elems += static_cast<std::size_t>(w.numel());
+  ScratchPlan scratch;
+  const std::size_t w_at = scratch.reserve(elems * 2);
+  scratch.commit(ctx);
+  auto* w16 = scratch.at<__nv_bfloat16>(w_at);
+  nf4_dequantize_many(ctx, used, w16);
+  const std::int64_t M = da.dim(0), K = da.dim(1);
+  for (std::size_t i = 0; i < ws.size(); ++i) {
+    if (dcs[i].empty()) continue;
+    bf16_gemm(ctx, dcs[i].data(), w16, false, da, M, K, ws[i].rows, opts.alpha, each[i].beta);
+    w16 += ws[i].numel();
+  }
 }
 
 void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,

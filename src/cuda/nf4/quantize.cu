@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "cuda/common/check.h"
@@ -132,6 +133,27 @@ void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& ou
   set_device(ctx);
   if (out.dtype() == DType::BF16) launch_dequantize(ctx, w, out.data_as<__nv_bfloat16>());
   else launch_dequantize(ctx, w, out.data_as<float>());
+}
+
+void nf4_dequantize_many(const Context& ctx, std::span<const Nf4Weight> ws, void* dst) {
+  set_device(ctx);
+  auto* out = static_cast<__nv_bfloat16*>(dst);
+  for (std::size_t first = 0; first < ws.size(); first += kDequantManyMax) {
+    DequantParts parts{};
+    std::int64_t most = 0;
+    const std::size_t count = std::min<std::size_t>(kDequantManyMax, ws.size() - first);
+    for (std::size_t i = 0; i < count; ++i) {
+      const Nf4Weight& w = ws[first + i];
+      parts.part[i] = {w.codes.data_as<const std::uint8_t>(), scales_of(w), log2_exact(w.block_size), w.numel(),
+                       aligned(w.codes.data(), 4) && aligned(out, 16), out};
+      most = std::max(most, (w.numel() + kDequantChunk - 1) / kDequantChunk);
+      out += w.numel();
+    }
+    if (most == 0) continue;
+    const unsigned grid = grid_for(ctx, nf4_dequantize_many_kernel, kThreads, most);
+    nf4_dequantize_many_kernel<<<dim3(grid, static_cast<unsigned>(count)), kThreads, 0, stream_of(ctx)>>>(parts);
+    QMM_CUDA_CHECK_LAUNCH("nf4_dequantize_many_kernel");
+  }
 }
 
 }  // namespace qmm::cuda

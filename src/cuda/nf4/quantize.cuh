@@ -326,27 +326,18 @@ __device__ __forceinline__ void dequantize_chunk(const std::uint8_t* __restrict_
   }
 }
 
-// Warp-tiled grid-stride rounds: a warp takes 4 x 32 consecutive chunks, issues their four coalesced 128-byte
-// code loads and their scales before the first store, and each store instruction writes 512 contiguous bytes
-// (bf16). Chunks past the last whole round go one per thread. The 16-entry codebook in shared memory makes every
-// lookup conflict-free (16 words in 16 banks). (Measured against one chunk per thread and step with four steps a
-// grid stride apart: docs/BENCHMARKS.md, NF4 conversion.)
+// One weight's dequantization by the blocks `block` of `blocks` (the grid, or its share of it): see the kernels
+// below. codebook and code2_s are the block's shared tables, filled (code2_s only for double quantization).
 template <class T>
-__global__ void __launch_bounds__(kThreads) nf4_dequantize_kernel(const std::uint8_t* __restrict__ codes, Scales s,
-                                                                  int block_shift, std::int64_t n, bool vec,
-                                                                  T* __restrict__ out) {
-  __shared__ float codebook[16];
-  __shared__ float code2_s[kCode2Size];
-  if (threadIdx.x < 16) codebook[threadIdx.x] = nf4_code_value(static_cast<int>(threadIdx.x));
-  for (int i = threadIdx.x; i < kCode2Size; i += blockDim.x)
-    if (!s.absmax) code2_s[i] = s.code2[i];
-  __syncthreads();
-
+__device__ __forceinline__ void dequantize_blocks(const std::uint8_t* __restrict__ codes, const Scales& s,
+                                                  const float* code2_s, const float* codebook, int block_shift,
+                                                  std::int64_t n, bool vec, T* __restrict__ out, unsigned block,
+                                                  unsigned blocks) {
   constexpr int kRound = 4;
   const std::int64_t nchunks = (n + kDequantChunk - 1) / kDequantChunk;
   const int lane = static_cast<int>(threadIdx.x & 31);
-  const std::int64_t warp = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const std::int64_t nwarps = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const std::int64_t warp = (static_cast<std::int64_t>(block) * blockDim.x + threadIdx.x) >> 5;
+  const std::int64_t nwarps = (static_cast<std::int64_t>(blocks) * blockDim.x) >> 5;
   const std::int64_t groups = vec ? n / (kDequantChunk * 32 * kRound) : 0;  // rounds wholly inside n
   const auto* words = reinterpret_cast<const std::uint32_t*>(codes);
   for (std::int64_t g = warp; g < groups; g += nwarps) {
@@ -365,10 +356,54 @@ __global__ void __launch_bounds__(kThreads) nf4_dequantize_kernel(const std::uin
       Out<T>::store8(out + (c0 + 32 * u) * kDequantChunk, v);
     }
   }
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t c = groups * (32 * kRound) + static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t stride = static_cast<std::int64_t>(blocks) * blockDim.x;
+  for (std::int64_t c = groups * (32 * kRound) + static_cast<std::int64_t>(block) * blockDim.x + threadIdx.x;
        c < nchunks; c += stride)
     dequantize_chunk(codes, s, code2_s, codebook, block_shift, n, vec, c, out);
+}
+
+__device__ __forceinline__ void load_dequantize_tables(const Scales& s, float* codebook, float* code2_s) {
+  if (threadIdx.x < 16) codebook[threadIdx.x] = nf4_code_value(static_cast<int>(threadIdx.x));
+  for (int i = threadIdx.x; i < kCode2Size; i += blockDim.x)
+    if (!s.absmax) code2_s[i] = s.code2[i];
+  __syncthreads();
+}
+
+// Warp-tiled grid-stride rounds: a warp takes 4 x 32 consecutive chunks, issues their four coalesced 128-byte
+// code loads and their scales before the first store, and each store instruction writes 512 contiguous bytes
+// (bf16). Chunks past the last whole round go one per thread. The 16-entry codebook in shared memory makes every
+// lookup conflict-free (16 words in 16 banks). (Measured against one chunk per thread and step with four steps a
+// grid stride apart: docs/BENCHMARKS.md, NF4 conversion.)
+template <class T>
+__global__ void __launch_bounds__(kThreads) nf4_dequantize_kernel(const std::uint8_t* __restrict__ codes, Scales s,
+                                                                  int block_shift, std::int64_t n, bool vec,
+                                                                  T* __restrict__ out) {
+  __shared__ float codebook[16];
+  __shared__ float code2_s[kCode2Size];
+  load_dequantize_tables(s, codebook, code2_s);
+  dequantize_blocks(codes, s, code2_s, codebook, block_shift, n, vec, out, blockIdx.x, gridDim.x);
+}
+
+// Several weights in one launch (a layer's q, k and v before their GEMMs): grid row y takes weight y.
+constexpr int kDequantManyMax = 8;
+struct DequantPart {
+  const std::uint8_t* codes;
+  Scales s;
+  int block_shift;
+  std::int64_t n;
+  bool vec;
+  __nv_bfloat16* out;
+};
+struct DequantParts {
+  DequantPart part[kDequantManyMax];
+};
+
+__global__ void __launch_bounds__(kThreads) nf4_dequantize_many_kernel(const DequantParts parts) {
+  __shared__ float codebook[16];
+  __shared__ float code2_s[kCode2Size];
+  const DequantPart& p = parts.part[blockIdx.y];
+  load_dequantize_tables(p.s, codebook, code2_s);
+  dequantize_blocks(p.codes, p.s, code2_s, codebook, p.block_shift, p.n, p.vec, p.out, blockIdx.x, gridDim.x);
 }
 
 }  // namespace qmm::cuda::nf4_detail
