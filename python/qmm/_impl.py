@@ -10,7 +10,7 @@ bases. The backward reads dy once for dt = scale * dy @ b_w and grad_b (lora_bac
 import torch
 
 from . import _qmm
-from ._base import _call, _in, _rows
+from ._base import _call, _in, _rows, _to_dlpack
 from .ops import (cast, gemm, gemm_backward_b, gemm_bt, linear_cross_entropy, lora_backward_dy, nf4_gate_up,
                   nf4_gemm_backward_a, swiglu)
 from .ops import swiglu_backward as _swiglu_backward
@@ -117,20 +117,85 @@ def linear_backward(dy, w, path, saved, scale, dropped, xd_shape, want, dx=None)
     return dx, dxd, grad_a, grad_b if want_b else None
 
 
+class Grouped(tuple):
+    """What the backward of projections computed as one lora_nf4_linears op takes: (x as rows, t [M, R], a stacked
+    [R, K], then each projection's b in x's dtype, None without an adapter)."""
+
+
+def _grouped(x, loras):
+    """Whether lora_nf4_linears takes these projections as one op: some have an adapter and every adapter reads x
+    itself (no dropout: a dropped-out input differs per projection)."""
+    return any(lora is not None for lora in loras) and all(lora is None or lora[0] is x for lora in loras)
+
+
 def linears_forward(x, ws, biases, loras, path):
-    """linear_forward for several projections of one input (an attention's q, k and v): every adapter's working
-    copies made in one launch, then each projection as linear_forward computes it. Returns the outputs and each
-    projection's saved tensors."""
+    """linear_forward for several projections of one input (an attention's q, k and v). Where every adapter reads x
+    itself, one lora_nf4_linears call: the adapters' working copies in one launch, a's stacked, their first
+    products as one GEMM, and every base product's dequantization in one launch; the saved tensors a Grouped.
+    Otherwise every adapter's working copies in one launch, then each projection as linear_forward computes it,
+    and a list of each projection's saved tensors. Returns the outputs and the saved tensors."""
+    if _grouped(x, loras):
+        return _grouped_forward(x, ws, biases, loras, path)
     working = working_copies([None if lora is None else lora[1:3] for lora in loras], x.dtype)
     done = [linear_forward(x, w, bias, None if lora is None else (lora[0], *copies, lora[3]), path)
             for w, bias, lora, copies in zip(ws, biases, loras, working)]
     return [y for y, _ in done], [saved for _, saved in done]
 
 
+def _grouped_forward(x, ws, biases, loras, path):
+    op = "lora_nf4_linears"
+    k = ws[0].shape[1]
+    x2 = _rows(op, "x", x, k)
+    ys, betas = [], []
+    for w, bias in zip(ws, biases):
+        y = torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype, device=x.device)
+        if bias is not None:
+            y.copy_(bias.to(x.dtype).expand_as(y))
+        ys.append(y)
+        betas.append(0.0 if bias is None else 1.0)
+    as_ = [None if lora is None else _in(lora[1]) for lora in loras]
+    bs = [None if lora is None else _in(lora[2]) for lora in loras]
+    b_ws = [None if b is None or b.dtype == x.dtype else torch.empty(b.shape, dtype=x.dtype, device=x.device)
+            for b in bs]
+    rank = sum(a.shape[0] for a in as_ if a is not None)
+    a_all = torch.empty((rank, k), dtype=x.dtype, device=x.device)
+    t = torch.empty((x2.shape[0], rank), dtype=x.dtype, device=x.device)
+    scales = [1.0 if lora is None else float(lora[3]) for lora in loras]
+    _call(_qmm.lora_nf4_linears_forward, x2, x2, [w._native for w in ws], [y.view(-1, y.shape[-1]) for y in ys],
+          betas, as_, bs, b_ws, scales, a_all, t, path)
+    return ys, Grouped((x2, t, a_all, *(b if bw is None else bw for b, bw in zip(bs, b_ws))))
+
+
+def regrouped(x2, t, pairs, dtype):
+    """The Grouped saved tensors of a grouped forward from its x rows, its t and the adapters' (a, b) pairs (None:
+    no adapter): the working copies made again as the forward made them, every one in one launch."""
+    srcs, dsts, bs = [], [], []
+    rank = sum(p[0].shape[0] for p in pairs if p is not None)
+    a_all = torch.empty((rank, x2.shape[1]), dtype=dtype, device=x2.device)
+    row = 0
+    for p in pairs:
+        if p is None:
+            bs.append(None)
+            continue
+        a, b = _in(p[0]), _in(p[1])
+        srcs.append(a)
+        dsts.append(a_all[row:row + a.shape[0]])
+        row += a.shape[0]
+        if b.dtype != dtype:
+            srcs.append(b)
+            dsts.append(torch.empty(b.shape, dtype=dtype, device=b.device))
+            b = dsts[-1]
+        bs.append(b)
+    _call(_qmm.cast, x2, [_to_dlpack(m) for m in srcs], [_to_dlpack(m) for m in dsts])
+    return Grouped((x2, t, a_all, *bs))
+
+
 def linears_backward(dys, ws, path, saved, scales, dropped, x_shape, wants, want_dx):
     """Gradients of linears_forward: dx (the projections' input gradients summed into one tensor, each added by its
     own NF4 product: no separate sum), then per projection (dxd, da, db) for its wants = (dxd, da, db) flags. A
     projection whose output has no gradient (dy None) adds nothing."""
+    if isinstance(saved, Grouped):
+        return _grouped_backward(dys, ws, path, saved, scales, x_shape, wants, want_dx)
     dx, grads = None, []
     for dy, w, s, scale, drop, want in zip(dys, ws, saved, scales, dropped, wants):
         if dy is None:
@@ -138,6 +203,33 @@ def linears_backward(dys, ws, path, saved, scales, dropped, x_shape, wants, want
             continue
         dx, dxd, da, db = linear_backward(dy, w, path, s, scale, drop, x_shape, (want_dx, *want), dx)
         grads.append((dxd, da, db))
+    return dx, grads
+
+
+def _grouped_backward(dys, ws, path, saved, scales, x_shape, wants, want_dx):
+    x2, t, a_all, *bs = saved
+    like = next(dy for dy in dys if dy is not None)
+    adapters = [b is not None for b in bs]
+    if any(have and dy is None for have, dy in zip(adapters, dys)):  # an adapter without a gradient: zeros for it
+        dys = [torch.zeros((*like.shape[:-1], w.shape[0]), dtype=like.dtype, device=like.device)
+               if dy is None and have else dy for dy, w, have in zip(dys, ws, adapters)]
+    dys = [None if dy is None else _flat(dy if dy.is_contiguous() else dy.contiguous()) for dy in dys]
+    dev = like.device
+    dx = torch.empty(x_shape, dtype=like.dtype, device=dev) if want_dx else None
+    dt = torch.empty(t.shape, dtype=t.dtype, device=dev)
+    want_a = any(want[1] for want, have in zip(wants, adapters) if have)
+    grad_a = torch.empty(a_all.shape, dtype=torch.float32, device=dev) if want_a else None
+    grad_bs = [torch.empty(b.shape, dtype=torch.float32, device=dev) if b is not None else None for b in bs]
+    _call(_qmm.lora_nf4_linears_backward, x2, x2, [w._native for w in ws], dys, bs, [float(s) for s in scales],
+          grad_bs, a_all, t, dt, grad_a, None if dx is None else dx.view(-1, x_shape[-1]), 0.0, path)
+    grads, row = [], 0
+    for b, gb, (_, want_da, want_db) in zip(bs, grad_bs, wants):
+        if b is None:
+            grads.append((None, None, None))
+            continue
+        r = b.shape[1]
+        grads.append((None, grad_a[row:row + r] if want_da else None, gb if want_db else None))
+        row += r
     return dx, grads
 
 

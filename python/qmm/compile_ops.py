@@ -105,6 +105,12 @@ def _saved(*adapters, dtype):
                  for (xs, t, _, _), w in zip(adapters, working))
 
 
+def _grouped(adapters):
+    """Whether _impl.linears_forward computes these (xd, a) adapters as one lora_nf4_linears op (its _grouped):
+    some a given, and no xd (every adapter reads x)."""
+    return any(a is not None for _, a in adapters) and all(xd is None for xd, a in adapters if a is not None)
+
+
 _WEIGHT_ARGS = ("codes", "absmax", "absmax2", "code2", "offset", "rows", "cols", "block_size")
 
 
@@ -193,13 +199,18 @@ if AVAILABLE:
         ws = [weight_of(*(args[f"{p}_{n}"] for n in _WEIGHT_ARGS)) for p in "qkv"]
         loras = [_lora(x, args[f"xd_{p}"], args[f"a_{p}"], args[f"b_{p}"], args[f"scale_{p}"]) for p in "qkv"]
         ys, saved = _impl.linears_forward(x, ws, [args[f"bias_{p}"] for p in "qkv"], loras, path)
+        if isinstance(saved, _impl.Grouped):  # one t for all three (the backward casts the working copies again)
+            return (*ys, saved[1], x.new_empty(0), x.new_empty(0))
         return (*ys, *(_or_empty(s and s[1], x) for s in saved))
 
     @lora_nf4_qkv_op.register_fake
     def _(x, *args):
         ys = [x.new_empty((*x.shape[:-1], args[17 + 8 * p])) for p in range(3)]
-        ts = [x.new_empty(0) if args[1 + 4 * p] is None else x.new_empty((_rows_of(x), args[1 + 4 * p].shape[0]))
-              for p in range(3)]
+        adapters = [(args[4 * p], args[1 + 4 * p]) for p in range(3)]  # (xd, a)
+        if _grouped(adapters):
+            rank = sum(a.shape[0] for _, a in adapters if a is not None)
+            return (*ys, x.new_empty((_rows_of(x), rank)), x.new_empty(0), x.new_empty(0))
+        ts = [x.new_empty(0) if a is None else x.new_empty((_rows_of(x), a.shape[0])) for _, a in adapters]
         return (*ys, *ts)
 
     @op("qmm::lora_nf4_qkv_backward", mutates_args=())
@@ -219,14 +230,22 @@ if AVAILABLE:
                                                             Tensor, Tensor, Tensor]:
         args = locals()
         ws = [saved_weight_of(*(args[f"{p}_{n}"] for n in _WEIGHT_ARGS if n != "offset")) for p in "qkv"]
-        saved = _saved(*((args[f"xs_{p}"], args[f"t_{p}"], args[f"a_{p}"], args[f"b_{p}"]) for p in "qkv"),
-                       dtype=next(d for d in (dq, dk, dv) if d is not None).dtype)
+        dtype = next(d for d in (dq, dk, dv) if d is not None).dtype
+        if _grouped([(dropped[i] or None, args[f"a_{p}"]) for i, p in enumerate("qkv")]):
+            xs = next(args[f"xs_{p}"] for p in "qkv" if args[f"xs_{p}"] is not None)
+            saved = _impl.regrouped(xs.reshape(-1, xs.shape[-1]), t_q, [
+                None if args[f"a_{p}"] is None else (args[f"a_{p}"], args[f"b_{p}"]) for p in "qkv"], dtype)
+        else:
+            saved = _saved(*((args[f"xs_{p}"], args[f"t_{p}"], args[f"a_{p}"], args[f"b_{p}"]) for p in "qkv"),
+                           dtype=dtype)
         dys = (dq, dk, dv)
         like = next(d for d in dys if d is not None)
         dx, grads = _impl.linears_backward(dys, ws, path, saved, (scale_q, scale_k, scale_v), dropped,
                                            (*like.shape[:-1], q_cols), [want[1 + 3 * p:4 + 3 * p] for p in range(3)],
                                            want[0])
-        return (_or_empty(dx, like), *(_or_empty(g, like) for projection in grads for g in projection))
+        # A custom op's outputs may not alias each other: the grouped backward's da are row blocks of one tensor.
+        return (_or_empty(dx, like), *(_or_empty(g if g is None or g._base is None else g.clone(), like)
+                                        for projection in grads for g in projection))
 
     @lora_nf4_qkv_backward_op.register_fake
     def _(dq, dk, dv, xs_q, xs_k, xs_v, t_q, t_k, t_v, a_q, b_q, a_k, b_k, a_v, b_v, *args):

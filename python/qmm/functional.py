@@ -130,8 +130,10 @@ class _LoraNf4Linears(torch.autograd.Function):
         loras = [None if a is None else (x if xd is None else xd, a, b, scale)
                  for xd, a, b, scale in zip(xds, as_, bs, scales)]
         ys, saved = _impl.linears_forward(x, ws, biases, loras, path)
-        ctx.counts = [len(s or ()) for s in saved]
-        ctx.save_for_backward(*(t for s in saved for t in (s or ())), *as_, *bs, *biases)
+        ctx.grouped = isinstance(saved, _impl.Grouped)
+        ctx.counts = [len(saved)] if ctx.grouped else [len(s or ()) for s in saved]
+        flat = saved if ctx.grouped else [t for s in saved for t in (s or ())]
+        ctx.save_for_backward(*flat, *as_, *bs, *biases)
         ctx.ws, ctx.path, ctx.scales, ctx.x_shape = ws, path, scales, x.shape
         ctx.dropped = [xd is not None for xd in xds]
         ctx.set_materialize_grads(False)  # an unused output (v in a KV-free attention...) costs no product
@@ -144,6 +146,8 @@ class _LoraNf4Linears(torch.autograd.Function):
         for c in ctx.counts:
             saved.append(tuple(tensors[at:at + c]) or None)
             at += c
+        if ctx.grouped:
+            saved = _impl.Grouped(saved[0])
         as_, bs, biases = tensors[at:at + n], tensors[at + n:at + 2 * n], tensors[at + 2 * n:]
         need = ctx.needs_input_grad  # x, scales, path, then 5 per projection
         wants = [(need[3 + 5 * i], need[4 + 5 * i], need[5 + 5 * i]) for i in range(n)]

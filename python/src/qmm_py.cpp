@@ -562,6 +562,94 @@ NB_MODULE(_qmm, m) {
       "dx = dy @ dequant(W) + dx_beta * dx (+ dt @ a_w, or dxd = dt @ a_w where the adapter's input was dropped out), "
       "dt = scale * dy @ b_w, grad_b = scale * dy^T @ t, grad_a = dt^T @ xs");
 
+  // ---- several projections of one input as one op (qmm/_impl.py: an attention's q, k and v) --------------------
+  // The adapters' working copies in one cast launch (each a into its rows of a_all, each b into its b_w where one
+  // is given: b is not in x's dtype), then lora_nf4_linears; every shape checked before anything is written.
+  m.def(
+      "lora_nf4_linears_forward",
+      [](const In& x, const std::vector<const Nf4Handle*>& ws, const std::vector<Out>& ys,
+         const std::vector<float>& betas, const std::vector<nb::object>& as, const std::vector<nb::object>& bs,
+         const std::vector<nb::object>& b_ws, const std::vector<float>& scales, const nb::object& a_all,
+         const nb::object& t, const std::string& path, std::uintptr_t stream) {
+        const char* op = "lora_nf4_linears_forward";
+        const std::size_t n = ws.size();
+        if (ys.size() != n || betas.size() != n || as.size() != n || bs.size() != n || b_ws.size() != n ||
+            scales.size() != n)
+          fail(qmm::ErrorCode::InvalidArgument, op, "every per-projection list must have one entry per weight");
+        const qmm::TensorView xv = view_of(x, op, "x"), av = view_or_empty<Out>(a_all, op, "a_all"),
+                              tv = view_or_empty<Out>(t, op, "t");
+        if (xv.rank() != 2) fail(qmm::ErrorCode::ShapeMismatch, op, "x is " + xv.shape().str() + ": [M, K]");
+        std::vector<qmm::Nf4Projection> ps(n);
+        std::vector<qmm::TensorView> from, to;
+        std::int64_t row = 0;
+        for (std::size_t i = 0; i < n; ++i) {
+          const qmm::TensorView ai = view_or_empty<In>(as[i], op, "a"), bi = view_or_empty<In>(bs[i], op, "b"),
+                                bwi = view_or_empty<Out>(b_ws[i], op, "b_w");
+          ps[i] = {ws[i]->view, view_of(ys[i], op, "y"), betas[i], {}, scales[i]};
+          if (ai.empty()) continue;
+          const std::int64_t r = ai.rank() == 2 ? ai.dim(0) : 0, k = xv.dim(1);
+          if (r < 1) fail(qmm::ErrorCode::ShapeMismatch, op, "a is " + ai.shape().str() + " but must be [r, K]");
+          if (av.rank() != 2 || av.dim(0) < row + r || av.dim(1) != k)
+            fail(qmm::ErrorCode::ShapeMismatch, op,
+                 "a_all is " + av.shape().str() + " but must hold every adapter's a, stacked: [R, K]");
+          require_matrix(op, "a", ai, r, k, ai.dtype(), xv.device());
+          require_matrix(op, "b", bi, ws[i]->view.rows, r, ai.dtype(), xv.device());
+          from.push_back(ai);
+          to.emplace_back(static_cast<char*>(av.data()) + row * k * qmm::dtype_size(av.dtype()), av.dtype(),
+                          qmm::Shape{r, k}, av.device());
+          if (!bwi.empty()) {
+            require_matrix(op, "b_w", bwi, ws[i]->view.rows, r, xv.dtype(), xv.device());
+            from.push_back(bi);
+            to.push_back(bwi);
+          }
+          ps[i].b = bwi.empty() ? bi : bwi;
+          row += r;
+        }
+        const qmm::Context ctx = context_for(xv, stream);
+        const qmm::Nf4GemmOptions opts = nf4_options(1.0f, 0.0f, path, op);
+        for (std::size_t i = 0; i < n; ++i)  // what the op checks of the outputs, before the cast writes
+          require_matrix(op, "y", ps[i].y, xv.dim(0), ws[i]->view.rows, xv.dtype(), xv.device());
+        if (row > 0) {
+          require_matrix(op, "a_all", av, row, xv.dim(1), xv.dtype(), xv.device());
+          require_matrix(op, "t", tv, xv.dim(0), row, xv.dtype(), xv.device());
+        }
+        run([&] {
+          if (!from.empty()) qmm::cast(ctx, from, to);
+          qmm::lora_nf4_linears(ctx, xv, ps, row > 0 ? av : qmm::TensorView(), row > 0 ? tv : qmm::TensorView(), opts);
+        });
+      },
+      nb::arg("x"), nb::arg("ws"), nb::arg("ys"), nb::arg("betas"), nb::arg("as"), nb::arg("bs"), nb::arg("b_ws"),
+      nb::arg("scales"), nb::arg("a_all").none(), nb::arg("t").none(), nb::arg("path"), nb::arg("stream") = 0,
+      "y_i = x @ dequant(W_i)^T + beta_i * y_i + scale_i * t_i @ b_i^T, t = x @ a_all^T (a_all: every a cast and "
+      "stacked; b_w: b's working copy where given)");
+  m.def(
+      "lora_nf4_linears_backward",
+      [](const In& x, const std::vector<const Nf4Handle*>& ws, const std::vector<nb::object>& dys,
+         const std::vector<nb::object>& bs, const std::vector<float>& scales, const std::vector<nb::object>& grad_bs,
+         const nb::object& a_all, const nb::object& t, const nb::object& dt, const nb::object& grad_a,
+         const nb::object& dx, float dx_beta, const std::string& path, std::uintptr_t stream) {
+        const char* op = "lora_nf4_linears_backward";
+        const std::size_t n = ws.size();
+        if (dys.size() != n || bs.size() != n || scales.size() != n || grad_bs.size() != n)
+          fail(qmm::ErrorCode::InvalidArgument, op, "every per-projection list must have one entry per weight");
+        const qmm::TensorView xv = view_of(x, op, "x");
+        std::vector<qmm::Nf4ProjectionGrad> ps(n);
+        for (std::size_t i = 0; i < n; ++i)
+          ps[i] = {ws[i]->view, view_or_empty<In>(dys[i], op, "dy"), view_or_empty<In>(bs[i], op, "b"), scales[i],
+                   view_or_empty<Out>(grad_bs[i], op, "grad_b")};
+        const qmm::Context ctx = context_for(xv, stream);
+        const qmm::Nf4GemmOptions opts = nf4_options(1.0f, 0.0f, path, op);
+        const qmm::TensorView av = view_or_empty<In>(a_all, op, "a_all"), tv = view_or_empty<In>(t, op, "t"),
+                              dtv = view_or_empty<Out>(dt, op, "dt"), gav = view_or_empty<Out>(grad_a, op, "grad_a"),
+                              dxv = view_or_empty<Out>(dx, op, "dx");
+        run([&] { qmm::lora_nf4_linears_backward(ctx, xv, ps, av, tv, dtv, gav, dxv, dx_beta, opts); });
+      },
+      nb::arg("x"), nb::arg("ws"), nb::arg("dys"), nb::arg("bs"), nb::arg("scales"), nb::arg("grad_bs"),
+      nb::arg("a_all").none(), nb::arg("t").none(), nb::arg("dt").none(), nb::arg("grad_a").none(),
+      nb::arg("dx").none(), nb::arg("dx_beta"), nb::arg("path"), nb::arg("stream") = 0,
+      "lora_nf4_linears' gradients: dt, grad_b_i, grad_a = dt^T @ x, dx = sum dy_i @ dequant(W_i) + dt @ a_all + "
+      "dx_beta * dx");
+
   def_nf4_gemm<qmm::nf4_gemm>(m, "nf4_gemm", "a", "c", "c = alpha * a @ dequant(W)^T + beta * c");
   def_nf4_gemm<qmm::nf4_gemm_backward_a>(m, "nf4_gemm_backward_a", "dc", "da",
                                          "da = alpha * dc @ dequant(W) + beta * da");

@@ -694,16 +694,20 @@ def test_lora_nf4_swiglu_matches_reference(device, dtype, m, k, n, adapters, dro
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,k,ns", [(1, 64, (64, 16, 16)), (7, 128, (63, 65, 7)), (65, 192, (96, 32, 32))])
 @pytest.mark.parametrize("unused_v", [False, True])
-def test_lora_nf4_linears_matches_reference(device, dtype, m, k, ns, unused_v):
+@pytest.mark.parametrize("dropout", [True, False])
+def test_lora_nf4_linears_matches_reference(device, dtype, m, k, ns, unused_v, dropout):
     """lora_nf4_linears (an attention's q, k and v: three NF4 projections of one x, of GQA's unequal widths, as one
     op) and its gradients against PyTorch's autograd in fp64, projection by projection: q with an adapter and a
-    bias, k with an adapter on dropout(x), v with neither (or, unused_v, its output given no gradient). x's gradient
-    is the sum of the three projections' (each within its own bound); under torch.compile (aot_eager, fullgraph)
-    the op gives the eager op's outputs and gradients bit for bit."""
+    bias, k with an adapter on dropout(x) (or, without dropout, on x: the adapters then run stacked, as one
+    lora_nf4_linears op), v with neither (or, unused_v, its output given no gradient). x's gradient is the sum of
+    the three projections' (each within its own bound); under torch.compile (aot_eager, fullgraph) the op gives
+    the eager op's outputs and gradients bit for bit."""
     seed = m * 100 + k + sum(ns)
     ws = [qmm.Nf4Weight.quantize(randn((n, k), seed + i, device) * 0.5) for i, n in enumerate(ns)]
     x = randn((2, m, k), seed + 3, device, dtype)
     mask = (torch.rand((2, m, k), generator=gen(seed + 4)) > 0.25).to(dtype).to(device) / 0.75
+    if not dropout:
+        mask = None
     loras = [(randn((4, k), seed + 5, device) * 0.2, randn((ns[0], 4), seed + 6, device) * 0.2, 2.0, None),
              (randn((8, k), seed + 7, device) * 0.2, randn((ns[1], 8), seed + 8, device) * 0.2, 0.5, mask), None]
     bias = randn((ns[0],), seed + 9, device, dtype)
@@ -713,7 +717,8 @@ def test_lora_nf4_linears_matches_reference(device, dtype, m, k, ns, unused_v):
         xr = x.clone().requires_grad_()
         params = [t.detach().clone().requires_grad_() for lora in loras[:2] for t in lora[:2]] + \
             [bias.detach().clone().requires_grad_()]
-        terms = [qmm.Lora(params[0], params[1], 2.0), qmm.Lora(params[2], params[3], 0.5, xr * mask), None]
+        terms = [qmm.Lora(params[0], params[1], 2.0),
+                 qmm.Lora(params[2], params[3], 0.5, None if mask is None else xr * mask), None]
         ys = fn(xr, ws, terms, [params[4], None, None])
         assert [tuple(y.shape) for y in ys] == [(2, m, n) for n in ns] and all(y.dtype == dtype for y in ys)
         used = 2 if unused_v else 3
