@@ -51,6 +51,32 @@ void gemm_backward_b(const Context& ctx, const TensorView& a, const TensorView& 
 void lora_backward_dy(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
                       const TensorView& dt, const TensorView& grad_b, float scale,
                       MathMode math = MathMode::FP32, float beta = 1.0f);
+// LoRA adapters of one input x [M,K], their first products stacked: t = x·aᵀ [M,R] for a [R,K], the adapters'
+// A matrices one above another in the order of `terms` (R = Σ r_i), t_i projection i's r_i columns of t. Then
+//   y_i += scale_i·t_i·b_iᵀ   for b_i [N_i, r_i]
+// (the LoRA term added onto a base product already in y_i). x, a, t, b_i and y_i share one dtype (f32 or bf16),
+// fp32 sums. One GEMM for t on any number of adapters: an attention's q, k and v, an MLP's gate and up.
+struct LoraTerm {
+  TensorView y;        // [M, N_i], accumulated onto
+  TensorView b;        // [N_i, r_i]
+  float scale = 1.0f;  // alpha / r
+};
+void lora_adapters(const Context& ctx, const TensorView& x, std::span<const LoraTerm> terms, const TensorView& a,
+                   const TensorView& t);
+// The gradients of lora_adapters for its outputs' gradients dy_i, with its x, a and t:
+//   dt [M,R]: dt_i = scale_i·dy_i·b_i;  grad_b_i [N_i,r_i] f32 = scale_i·dy_iᵀ·t_i;  grad_a [R,K] f32 = dtᵀ·x
+//   (may be empty);  dx [M,K] = dt·a + dx_beta·dx (may be empty).
+// dt, grad_b_i and grad_a are written; each dt_i and grad_b_i come from one read of dy_i (lora_backward_dy), grad_a
+// and dx from one GEMM each over every adapter.
+struct LoraTermGrad {
+  TensorView dy;       // [M, N_i]
+  TensorView b;        // [N_i, r_i]
+  float scale = 1.0f;
+  TensorView grad_b;   // f32 [N_i, r_i]
+};
+void lora_adapters_backward(const Context& ctx, const TensorView& x, std::span<const LoraTermGrad> terms,
+                            const TensorView& a, const TensorView& t, const TensorView& dt, const TensorView& grad_a,
+                            const TensorView& dx, float dx_beta = 0.0f);
 // Batched 4-D GEMM over [batch, heads]: C[b,h] = A[b,h] * op(B[b,h]).
 // A [b,h,m,k]; B [b,h,k,n], or [b,h,n,k] with transpose_b (attention's Q*K^T); C [b,h,m,n].
 void batched_gemm(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,
@@ -115,14 +141,14 @@ struct GateUpOutputs {
 void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
                  const GateUpOutputs& out, const Nf4GemmOptions& opts = {});
 
-// Several LoRA projections of one input x [M,K] on NF4 bases (an attention's q, k and v), their adapters' first
-// products stacked: t = x·aᵀ [M,R] once for every adapter, a [R,K] their A matrices one above another in the
-// order of the projections that have one (R = Σ r_i), t_i the r_i columns of t that are projection i's. Then
+// Several LoRA projections of one input x [M,K] on NF4 bases (an attention's q, k and v), their adapters stacked
+// as lora_adapters stacks them (a [R,K] and t [M,R] over the projections that have one, in order):
 //   y_i = x·dequant(W_i)ᵀ + beta_i·y_i + scale_i·t_i·b_iᵀ
 // (beta_i = 1 adds onto a bias written into y_i first). x, y_i, a, b_i and t share x's dtype (f32 or bf16); every
 // product accumulates in fp32 (opts.path picks the NF4 path as for nf4_gemm; opts.alpha and opts.beta must be 1
 // and 0). On a GPU one dequantize launch serves every base product that dequantizes, and one GEMM every adapter's
-// first product. A projection without an adapter has an empty b; a and t are empty where none has one.
+// first product (lora_adapters). A projection without an adapter has an empty b; a and t are empty where none has
+// one.
 struct Nf4Projection {
   Nf4Weight w;         // [N_i, K]
   TensorView y;        // [M, N_i], written (or accumulated onto, beta 1)

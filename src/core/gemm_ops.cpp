@@ -1,7 +1,9 @@
 // Public dense GEMM entry points: validate everything, map the variant onto one GemmProblem, route to the backend
 // of the context's device.
 #include <cmath>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "core/gemm_problem.h"
 #include "core/gpu_backend.h"
@@ -116,7 +118,118 @@ void lora_backward_dy_pitched(const Context& ctx, const char* op, const TensorVi
   run_gemm(ctx, op, q);
 }
 
+namespace {
+
+// c = 0, as a GEMM with an empty sum writes it.
+void write_zeros(const Context& ctx, const char* op, const TensorView& c) {
+  GemmProblem z;
+  z.m = c.dim(0);
+  z.n = c.dim(1);
+  z.a = z.b = z.c = c.data();
+  z.ab_dtype = z.c_dtype = c.dtype();
+  run_gemm(ctx, op, z);
+}
+
+// Columns col.. (r of them) of m [rows, R] as a [rows, r] view whose rows lie R apart (the pitch goes with it).
+TensorView columns(const TensorView& m, std::int64_t col, std::int64_t r) {
+  return TensorView(static_cast<char*>(m.data()) + col * static_cast<std::int64_t>(dtype_size(m.dtype())), m.dtype(),
+                    {m.dim(0), r}, m.device());
+}
+
+}  // namespace
+
+void lora_adapters_unchecked(const Context& ctx, const char* op, const TensorView& x, std::span<const LoraTerm> terms,
+                             const TensorView& a, const TensorView& t) {
+  const std::int64_t m = x.dim(0), rank = a.dim(0);
+  if (m == 0) return;
+  GemmProblem first = make_problem(x, a, t, {});  // t = x·aᵀ
+  first.m = m;
+  first.n = rank;
+  first.k = x.dim(1);
+  first.trans_b = true;
+  run_gemm(ctx, op, first);
+  std::int64_t col = 0;
+  for (const LoraTerm& term : terms) {  // y_i += scale_i·t_i·b_iᵀ
+    const std::int64_t r = term.b.dim(1);
+    GemmProblem p = make_problem(columns(t, col, r), term.b, term.y, {term.scale, 1.0f});
+    p.m = m;
+    p.n = term.b.dim(0);
+    p.k = r;
+    p.trans_b = true;
+    p.pitch_a = r == rank ? 0 : rank;
+    run_gemm(ctx, op, p);
+    col += r;
+  }
+}
+
+void lora_adapters_backward_unchecked(const Context& ctx, const char* op, const TensorView& x,
+                                      std::span<const LoraTermGrad> terms, const TensorView& a, const TensorView& t,
+                                      const TensorView& dt, const TensorView& grad_a, const TensorView& dx,
+                                      float dx_beta) {
+  const std::int64_t m = x.dim(0), k = x.dim(1), rank = a.dim(0);
+  if (m == 0) {  // empty sums over M
+    for (const LoraTermGrad& term : terms) write_zeros(ctx, op, term.grad_b);
+    if (!grad_a.empty()) write_zeros(ctx, op, grad_a);
+    return;
+  }
+  std::int64_t col = 0;
+  for (const LoraTermGrad& term : terms) {  // dt_i and grad_b_i from one read of dy_i
+    const std::int64_t r = term.b.dim(1);
+    lora_backward_dy_pitched(ctx, op, term.dy, term.b, columns(t, col, r), rank, columns(dt, col, r), rank,
+                             term.grad_b, term.scale, MathMode::FP32, 0.0f);
+    col += r;
+  }
+  if (!grad_a.empty()) {  // grad_a = dtᵀ·x
+    GemmProblem g = make_problem(dt, x, grad_a, {});
+    g.m = rank;
+    g.n = k;
+    g.k = m;
+    g.trans_a = true;
+    run_gemm(ctx, op, g);
+  }
+  if (!dx.empty()) {  // dx = dt·a + dx_beta·dx
+    GemmProblem d = make_problem(dt, a, dx, {1.0f, dx_beta});
+    d.m = m;
+    d.n = k;
+    d.k = rank;
+    run_gemm(ctx, op, d);
+  }
+}
+
 }  // namespace detail
+
+namespace {
+
+// What lora_adapters and its backward check of x, the adapters' b (R = their ranks summed), a and t; returns R.
+template <class Term>
+std::int64_t check_adapters(const Context& ctx, const char* op, const TensorView& x, std::span<const Term> terms,
+                            const TensorView& a, const TensorView& t) {
+  const Arg X{"x", x}, A{"a", a}, T{"t", t};
+  for (const Arg* v : {&X, &A, &T}) {
+    detail::require_tensor(ctx, op, v->name, v->t);
+    detail::require_rank(op, v->name, v->t, 2);
+  }
+  detail::require_dtype(op, "x", x, {DType::F32, DType::BF16});
+  detail::require_same_dtype(op, "a", a, "x", x);
+  detail::require_same_dtype(op, "t", t, "x", x);
+  QMM_REQUIRE(!terms.empty(), ErrorCode::InvalidArgument, op, "no adapters given");
+  std::int64_t rank = 0;
+  for (std::size_t i = 0; i < terms.size(); ++i) {
+    const std::string name = "b[" + std::to_string(i) + "]";
+    detail::require_tensor(ctx, op, name.c_str(), terms[i].b);
+    detail::require_rank(op, name.c_str(), terms[i].b, 2);
+    detail::require_same_dtype(op, name.c_str(), terms[i].b, "x", x);
+    QMM_REQUIRE(terms[i].b.dim(1) >= 1, ErrorCode::ShapeMismatch, op,
+                name + " is " + terms[i].b.shape().str() + " but must be [N,r] with r >= 1");
+    QMM_REQUIRE(std::isfinite(terms[i].scale), ErrorCode::InvalidArgument, op,
+                "scale[" + std::to_string(i) + "] is " + std::to_string(terms[i].scale) + " but must be finite");
+    rank += terms[i].b.dim(1);
+  }
+  check_output_shape(op, A, {rank, x.dim(1)});
+  return rank;
+}
+
+}  // namespace
 
 void gemm(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,
           const GemmOptions& opts) {
@@ -215,6 +328,87 @@ void lora_backward_dy(const Context& ctx, const TensorView& dy, const TensorView
     for (const Arg* in : {&DY, &B, &T}) detail::require_no_overlap(op, out->name, out->t, in->name, in->t);
   detail::require_no_overlap(op, "dt", dt, "grad_b", grad_b);
   detail::lora_backward_dy_pitched(ctx, op, dy, b, t, r, dt, r, grad_b, scale, math, beta);
+}
+
+void lora_adapters(const Context& ctx, const TensorView& x, std::span<const LoraTerm> terms, const TensorView& a,
+                   const TensorView& t) {
+  const char* op = "lora_adapters";
+  const std::int64_t rank = check_adapters(ctx, op, x, terms, a, t);
+  check_output_shape(op, {"t", t}, {x.dim(0), rank});
+  std::vector<Arg> outs{{"t", t}};
+  std::vector<std::string> names;
+  for (std::size_t i = 0; i < terms.size(); ++i) names.push_back("y[" + std::to_string(i) + "]");
+  for (std::size_t i = 0; i < terms.size(); ++i) {
+    const Arg Y{names[i].c_str(), terms[i].y};
+    detail::require_tensor(ctx, op, Y.name, Y.t);
+    detail::require_rank(op, Y.name, Y.t, 2);
+    detail::require_same_dtype(op, Y.name, Y.t, "x", x);
+    check_output_shape(op, Y, {x.dim(0), terms[i].b.dim(0)});
+    outs.push_back(Y);
+  }
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    for (const Arg& in : {Arg{"x", x}, Arg{"a", a}}) detail::require_no_overlap(op, outs[i].name, outs[i].t, in.name, in.t);
+    for (std::size_t j = 0; j < terms.size(); ++j)
+      detail::require_no_overlap(op, outs[i].name, outs[i].t, "b", terms[j].b);
+    for (std::size_t j = i + 1; j < outs.size(); ++j)
+      detail::require_no_overlap(op, outs[i].name, outs[i].t, outs[j].name, outs[j].t);
+  }
+  detail::lora_adapters_unchecked(ctx, op, x, terms, a, t);
+}
+
+void lora_adapters_backward(const Context& ctx, const TensorView& x, std::span<const LoraTermGrad> terms,
+                            const TensorView& a, const TensorView& t, const TensorView& dt, const TensorView& grad_a,
+                            const TensorView& dx, float dx_beta) {
+  const char* op = "lora_adapters_backward";
+  const std::int64_t rank = check_adapters(ctx, op, x, terms, a, t);
+  const std::int64_t m = x.dim(0), k = x.dim(1);
+  check_output_shape(op, {"t", t}, {m, rank});
+  QMM_REQUIRE(std::isfinite(dx_beta), ErrorCode::InvalidArgument, op,
+              "dx_beta is " + std::to_string(dx_beta) + " but must be finite");
+  std::vector<Arg> ins{{"x", x}, {"a", a}, {"t", t}}, outs{{"dt", dt}};
+  std::vector<std::string> dy_names, gb_names;  // kept alive for the Args that point at them
+  for (std::size_t i = 0; i < terms.size(); ++i) {
+    dy_names.push_back("dy[" + std::to_string(i) + "]");
+    gb_names.push_back("grad_b[" + std::to_string(i) + "]");
+  }
+  for (std::size_t i = 0; i < terms.size(); ++i) {
+    const Arg DY{dy_names[i].c_str(), terms[i].dy}, GB{gb_names[i].c_str(), terms[i].grad_b};
+    for (const Arg* v : {&DY, &GB}) {
+      detail::require_tensor(ctx, op, v->name, v->t);
+      detail::require_rank(op, v->name, v->t, 2);
+    }
+    detail::require_same_dtype(op, DY.name, DY.t, "x", x);
+    detail::require_dtype(op, GB.name, GB.t, {DType::F32});
+    check_output_shape(op, DY, {m, terms[i].b.dim(0)});
+    check_output_shape(op, GB, {terms[i].b.dim(0), terms[i].b.dim(1)});
+    ins.push_back(DY);
+    ins.push_back({"b", terms[i].b});
+    outs.push_back(GB);
+  }
+  detail::require_tensor(ctx, op, "dt", dt);
+  detail::require_rank(op, "dt", dt, 2);
+  detail::require_same_dtype(op, "dt", dt, "x", x);
+  check_output_shape(op, {"dt", dt}, {m, rank});
+  if (!grad_a.empty()) {
+    detail::require_tensor(ctx, op, "grad_a", grad_a);
+    detail::require_rank(op, "grad_a", grad_a, 2);
+    detail::require_dtype(op, "grad_a", grad_a, {DType::F32});
+    check_output_shape(op, {"grad_a", grad_a}, {rank, k});
+    outs.push_back({"grad_a", grad_a});
+  }
+  if (!dx.empty()) {
+    detail::require_tensor(ctx, op, "dx", dx);
+    detail::require_rank(op, "dx", dx, 2);
+    detail::require_same_dtype(op, "dx", dx, "x", x);
+    check_output_shape(op, {"dx", dx}, {m, k});
+    outs.push_back({"dx", dx});
+  }
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    for (const Arg& in : ins) detail::require_no_overlap(op, outs[i].name, outs[i].t, in.name, in.t);
+    for (std::size_t j = i + 1; j < outs.size(); ++j)
+      detail::require_no_overlap(op, outs[i].name, outs[i].t, outs[j].name, outs[j].t);
+  }
+  detail::lora_adapters_backward_unchecked(ctx, op, x, terms, a, t, dt, grad_a, dx, dx_beta);
 }
 
 void batched_gemm(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,

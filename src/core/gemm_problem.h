@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "qmm/ops.h"
@@ -42,6 +43,15 @@ void run_gemm(const Context& ctx, const char* op, const GemmProblem& p);
 void lora_backward_dy_pitched(const Context& ctx, const char* op, const TensorView& dy, const TensorView& b,
                               const TensorView& t, std::int64_t ld_t, const TensorView& dt, std::int64_t ld_dt,
                               const TensorView& grad_b, float scale, MathMode math, float beta);
+
+// lora_adapters and its backward (ops.h) after validation (`op` names the caller in errors). The backward's M = 0
+// writes zeros into grad_a and every grad_b (empty sums).
+void lora_adapters_unchecked(const Context& ctx, const char* op, const TensorView& x, std::span<const LoraTerm> terms,
+                             const TensorView& a, const TensorView& t);
+void lora_adapters_backward_unchecked(const Context& ctx, const char* op, const TensorView& x,
+                                      std::span<const LoraTermGrad> terms, const TensorView& a, const TensorView& t,
+                                      const TensorView& dt, const TensorView& grad_a, const TensorView& dx,
+                                      float dx_beta);
 
 }  // namespace detail
 

@@ -382,31 +382,6 @@ std::int64_t check_linears(const Context& ctx, const char* op, const TensorView&
   return rank;
 }
 
-// c = 0, as a GEMM with an empty sum writes it (c is a valid output matrix with at least one element or none).
-void write_zeros(const Context& ctx, const char* op, const TensorView& c) {
-  GemmProblem z;
-  z.m = c.dim(0);
-  z.n = c.dim(1);
-  z.a = z.b = z.c = c.data();
-  z.ab_dtype = z.c_dtype = c.dtype();
-  detail::run_gemm(ctx, op, z);
-}
-
-// t_i (projection i's columns of t [M,R], rows R apart) as a GEMM operand.
-GemmProblem adapter_problem(const TensorView& t, std::int64_t col, std::int64_t r, const TensorView& other,
-                            const TensorView& c, float alpha, float beta) {
-  GemmProblem p;
-  p.a = static_cast<const char*>(t.data()) + col * dtype_size(t.dtype());
-  p.b = other.data();
-  p.c = c.data();
-  p.ab_dtype = t.dtype();
-  p.c_dtype = c.dtype();
-  p.alpha = alpha;
-  p.beta = beta;
-  p.pitch_a = t.dim(1) == r ? 0 : t.dim(1);
-  return p;
-}
-
 }  // namespace
 
 void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const Nf4Projection> ps,
@@ -443,28 +418,10 @@ void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const N
     require_gpu_backend(op).nf4_gemms(ctx, x, ws, ys, betas, opts);
   }
   if (rank == 0) return;
-  GemmProblem first;  // t = x·aᵀ
-  first.m = m;
-  first.n = rank;
-  first.k = k;
-  first.trans_b = true;
-  first.a = x.data();
-  first.b = a.data();
-  first.c = t.data();
-  first.ab_dtype = first.c_dtype = x.dtype();
-  detail::run_gemm(ctx, op, first);
-  std::int64_t col = 0;
-  for (const Nf4Projection& p : ps) {  // y_i += scale_i·t_i·b_iᵀ
-    if (p.b.empty()) continue;
-    const std::int64_t r = p.b.dim(1);
-    GemmProblem q = adapter_problem(t, col, r, p.b, p.y, p.scale, 1.0f);
-    q.m = m;
-    q.n = p.w.rows;
-    q.k = r;
-    q.trans_b = true;
-    detail::run_gemm(ctx, op, q);
-    col += r;
-  }
+  std::vector<LoraTerm> terms;
+  for (const Nf4Projection& p : ps)
+    if (!p.b.empty()) terms.push_back({p.y, p.b, p.scale});
+  detail::lora_adapters_unchecked(ctx, op, x, terms, a, t);
 }
 
 void lora_nf4_linears_backward(const Context& ctx, const TensorView& x, std::span<const Nf4ProjectionGrad> ps,
@@ -522,10 +479,11 @@ void lora_nf4_linears_backward(const Context& ctx, const TensorView& x, std::spa
     require_disjoint(op, outs[i], std::vector<Part>(outs.begin() + static_cast<std::ptrdiff_t>(i) + 1, outs.end()));
   }
   if (ctx.device().is_cpu()) require_cpu_path(op, opts.path);
+  std::vector<LoraTermGrad> terms;
+  for (const Nf4ProjectionGrad& p : ps)
+    if (!p.b.empty()) terms.push_back({p.dy, p.b, p.scale, p.grad_b});
   if (m == 0) {  // empty sums: grad_a and every grad_b are zeros (dx and dt have no rows)
-    for (const Nf4ProjectionGrad& p : ps)
-      if (!p.b.empty()) write_zeros(ctx, op, p.grad_b);
-    if (rank > 0 && !grad_a.empty()) write_zeros(ctx, op, grad_a);
+    if (rank > 0) detail::lora_adapters_backward_unchecked(ctx, op, x, terms, a, t, dt, grad_a, dx, dx_beta);
     return;
   }
 
@@ -559,42 +517,7 @@ void lora_nf4_linears_backward(const Context& ctx, const TensorView& x, std::spa
     }
     return;
   }
-  const std::size_t elem = dtype_size(x.dtype());
-  std::int64_t col = 0;
-  for (const Nf4ProjectionGrad& p : ps) {  // dt_i and grad_b_i from one read of dy_i
-    if (p.b.empty()) continue;
-    const std::int64_t r = p.b.dim(1);
-    const TensorView ti(static_cast<char*>(t.data()) + col * elem, t.dtype(), {m, r}, t.device());
-    const TensorView dti(static_cast<char*>(dt.data()) + col * elem, dt.dtype(), {m, r}, dt.device());
-    detail::lora_backward_dy_pitched(ctx, op, p.dy, p.b, ti, rank, dti, rank, p.grad_b, p.scale, MathMode::FP32,
-                                     0.0f);
-    col += r;
-  }
-  if (!grad_a.empty()) {  // grad_a = dtᵀ·x
-    GemmProblem g;
-    g.m = rank;
-    g.n = k;
-    g.k = m;
-    g.trans_a = true;
-    g.a = dt.data();
-    g.b = x.data();
-    g.c = grad_a.data();
-    g.ab_dtype = x.dtype();
-    g.c_dtype = DType::F32;
-    detail::run_gemm(ctx, op, g);
-  }
-  if (!dx.empty()) {  // dx += dt·a (or = dt·a + dx_beta·dx where no NF4 product wrote it)
-    GemmProblem d;
-    d.m = m;
-    d.n = k;
-    d.k = rank;
-    d.a = dt.data();
-    d.b = a.data();
-    d.c = dx.data();
-    d.ab_dtype = d.c_dtype = x.dtype();
-    d.beta = dx_written ? 1.0f : dx_beta;
-    detail::run_gemm(ctx, op, d);
-  }
+  detail::lora_adapters_backward_unchecked(ctx, op, x, terms, a, t, dt, grad_a, dx, dx_written ? 1.0f : dx_beta);
 }
 
 }  // namespace qmm
