@@ -142,10 +142,29 @@ def linears_forward(x, ws, biases, loras, path):
     return [y for y, _ in done], [saved for _, saved in done]
 
 
+def _stacking(x, loras):
+    """The binding arguments that stack these adapters of x (lora_nf4_linears_forward, lora_adapters_forward): each
+    a and b as qmm takes them, b's working copy where b is not in x's dtype (else None), a_all [R, K] and t [M, R]
+    to be written. Returns (as_, bs, b_ws, a_all, t, scales)."""
+    as_ = [None if lora is None else _in(lora[1]) for lora in loras]
+    bs = [None if lora is None else _in(lora[2]) for lora in loras]
+    b_ws = [None if b is None or b.dtype == x.dtype else torch.empty(b.shape, dtype=x.dtype, device=x.device)
+            for b in bs]
+    rank = sum(a.shape[0] for a in as_ if a is not None)
+    a_all = torch.empty((rank, x.shape[-1]), dtype=x.dtype, device=x.device)
+    t = torch.empty((x.numel() // x.shape[-1], rank), dtype=x.dtype, device=x.device)
+    scales = [1.0 if lora is None else float(lora[3]) for lora in loras]
+    return as_, bs, b_ws, a_all, t, scales
+
+
+def _grouped_saved(x2, stacking):
+    as_, bs, b_ws, a_all, t, _ = stacking
+    return Grouped((x2, t, a_all, *(b if bw is None else bw for b, bw in zip(bs, b_ws))))
+
+
 def _grouped_forward(x, ws, biases, loras, path):
     op = "lora_nf4_linears"
-    k = ws[0].shape[1]
-    x2 = _rows(op, "x", x, k)
+    x2 = _rows(op, "x", x, ws[0].shape[1])
     ys, betas = [], []
     for w, bias in zip(ws, biases):
         y = torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype, device=x.device)
@@ -153,17 +172,31 @@ def _grouped_forward(x, ws, biases, loras, path):
             y.copy_(bias.to(x.dtype).expand_as(y))
         ys.append(y)
         betas.append(0.0 if bias is None else 1.0)
-    as_ = [None if lora is None else _in(lora[1]) for lora in loras]
-    bs = [None if lora is None else _in(lora[2]) for lora in loras]
-    b_ws = [None if b is None or b.dtype == x.dtype else torch.empty(b.shape, dtype=x.dtype, device=x.device)
-            for b in bs]
-    rank = sum(a.shape[0] for a in as_ if a is not None)
-    a_all = torch.empty((rank, k), dtype=x.dtype, device=x.device)
-    t = torch.empty((x2.shape[0], rank), dtype=x.dtype, device=x.device)
-    scales = [1.0 if lora is None else float(lora[3]) for lora in loras]
+    stacking = _stacking(x, loras)
     _call(_qmm.lora_nf4_linears_forward, x2, x2, [w._native for w in ws], [y.view(-1, y.shape[-1]) for y in ys],
-          betas, as_, bs, b_ws, scales, a_all, t, path)
-    return ys, Grouped((x2, t, a_all, *(b if bw is None else bw for b, bw in zip(bs, b_ws))))
+          betas, *stacking[:3], stacking[5], *stacking[3:5], path)
+    return ys, _grouped_saved(x2, stacking)
+
+
+def _adapters_backward(dys, saved, scales, dx, wants):
+    """lora_adapters' gradients for the Grouped saved tensors of a gate/up pair: dt, every grad_b, grad_a (one GEMM
+    over both) and dx += dt @ a_all; returns (da, db) per adapter (None where none or not wanted)."""
+    x2, t, a_all, *bs = saved
+    dev = t.device
+    dt = torch.empty(t.shape, dtype=t.dtype, device=dev)
+    want_a = any(want[0] for want, b in zip(wants, bs) if b is not None)
+    grad_a = torch.empty(a_all.shape, dtype=torch.float32, device=dev) if want_a else None
+    grad_bs = [None if b is None else torch.empty(b.shape, dtype=torch.float32, device=dev) for b in bs]
+    _call(_qmm.lora_adapters_backward, x2, x2, list(dys), bs, [float(s) for s in scales], grad_bs, a_all, t, dt,
+          grad_a, None if dx is None else _flat(dx), 1.0)
+    out, row = [], 0
+    for b, gb, (want_da, want_db) in zip(bs, grad_bs, wants):
+        if b is None:
+            out += [None, None]
+            continue
+        out += [grad_a[row:row + b.shape[1]] if want_da else None, gb if want_db else None]
+        row += b.shape[1]
+    return out
 
 
 def regrouped(x2, t, pairs, dtype):
@@ -236,11 +269,19 @@ def _grouped_backward(dys, ws, path, saved, scales, x_shape, wants, want_dx):
 def swiglu_forward(x, w_gate, w_up, loras, path, keep):
     """h = silu(gate) * up, gate = x @ dequant(Wg)^T (+ its adapter), up likewise, both base products from one read
     of x (nf4_gate_up). Returns h, gate and up (kept for the backward: None unless `keep` or an adapter needs
-    them) and each adapter's saved tensors. Without adapters the SwiGLU runs in the gate/up kernel's epilogue."""
+    them) and the adapters' saved tensors: a Grouped where every adapter reads x (their first products then run as
+    one GEMM, lora_adapters), else each adapter's. Without adapters the SwiGLU runs in the gate/up kernel's
+    epilogue."""
     if loras[0] is None and loras[1] is None:
         gate, up, h = nf4_gate_up(x, w_gate, w_up, gate=keep, up=keep, path=path)
         return h, gate, up, (None, None)
     gate, up, _ = nf4_gate_up(x, w_gate, w_up, h=False, path=path)
+    if _grouped(x, loras):  # both adapters' first products as one GEMM (lora_adapters)
+        x2 = _flat(x)
+        stacking = _stacking(x, loras)
+        _call(_qmm.lora_adapters_forward, x2, x2, [_flat(gate), _flat(up)], *stacking[:3], stacking[5],
+              *stacking[3:5])
+        return swiglu(gate, up), gate, up, _grouped_saved(x2, stacking)
     working = working_copies([None if lora is None else lora[1:3] for lora in loras], x.dtype)
     saved = tuple(None if lora is None else _adapter_into(y, lora, *w)
                   for y, lora, w in zip((gate, up), loras, working))
@@ -252,6 +293,14 @@ def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd
     seven flags."""
     want_dx = want[0]
     dgate, dup = _swiglu_backward(gate, up, dh)
+    if isinstance(saved, Grouped):
+        dx = None
+        if want_dx:
+            dx = nf4_gemm_backward_a(dgate, w_gate, path=path)
+            nf4_gemm_backward_a(dup, w_up, out=dx, beta=1.0, path=path)
+        da_g, db_g, da_u, db_u = _adapters_backward((_flat(dgate), _flat(dup)), saved, scales, dx,
+                                                    (want[3:5], want[5:7]))
+        return dx, None, None, da_g, db_g, da_u, db_u
     dts, grads = [], []
     for d, s, scale, (want_a, want_b) in zip((dgate, dup), saved, scales, (want[3:5], want[5:7])):
         dt, grad_a, grad_b = (None, None, None) if s is None else _adapter_grads(_flat(d), s, scale, want_a, want_b)

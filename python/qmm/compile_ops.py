@@ -311,6 +311,8 @@ if AVAILABLE:
         w_up = weight_of(u_codes, u_absmax, u_absmax2, u_code2, u_offset, u_rows, u_cols, u_block_size)
         loras = (_lora(x, xd_g, a_g, b_g, scale_g), _lora(x, xd_u, a_u, b_u, scale_u))
         h, gate, up, saved = _impl.swiglu_forward(x, w_gate, w_up, loras, path, keep)
+        if isinstance(saved, _impl.Grouped):  # one t for both (the backward casts the working copies again)
+            return h, _or_empty(gate, x), _or_empty(up, x), saved[1], x.new_empty(0)
         return (h, _or_empty(gate, x), _or_empty(up, x)) + tuple(_or_empty(s and s[1], x) for s in saved)
 
     @lora_nf4_swiglu_op.register_fake
@@ -318,7 +320,11 @@ if AVAILABLE:
         rows, keep = args[5], args[-1]
         h = x.new_empty((*x.shape[:-1], rows))
         kept = [x.new_empty(h.shape) if keep or a_g is not None or a_u is not None else x.new_empty(0)] * 2
-        ts = [x.new_empty(0) if a is None else x.new_empty((_rows_of(x), a.shape[0])) for a in (a_g, a_u)]
+        if _grouped(((xd_g, a_g), (xd_u, a_u))):
+            rank = sum(a.shape[0] for a in (a_g, a_u) if a is not None)
+            ts = [x.new_empty((_rows_of(x), rank)), x.new_empty(0)]
+        else:
+            ts = [x.new_empty(0) if a is None else x.new_empty((_rows_of(x), a.shape[0])) for a in (a_g, a_u)]
         return (h, x.new_empty(kept[0].shape), x.new_empty(kept[1].shape), *ts)
 
     @op("qmm::lora_nf4_swiglu_backward", mutates_args=())
@@ -335,10 +341,15 @@ if AVAILABLE:
                                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         w_gate = saved_weight_of(g_codes, g_absmax, g_absmax2, g_code2, g_rows, g_cols, g_block_size)
         w_up = saved_weight_of(u_codes, u_absmax, u_absmax2, u_code2, u_rows, u_cols, u_block_size)
-        saved = _saved((xs_g, t_g, a_g, b_g), (xs_u, t_u, a_u, b_u), dtype=dh.dtype)
+        if _grouped(((dropped_g or None, a_g), (dropped_u or None, a_u))):
+            xs = xs_g if xs_g is not None else xs_u
+            saved = _impl.regrouped(xs.reshape(-1, xs.shape[-1]), t_g, [
+                None if a is None else (a, b) for a, b in ((a_g, b_g), (a_u, b_u))], dh.dtype)
+        else:
+            saved = _saved((xs_g, t_g, a_g, b_g), (xs_u, t_u, a_u, b_u), dtype=dh.dtype)
         grads = _impl.swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, (scale_g, scale_u),
                                 (dropped_g, dropped_u), (*dh.shape[:-1], g_cols), tuple(want))
-        return tuple(_or_empty(g, dh) for g in grads)
+        return tuple(_or_empty(g if g is None or g._base is None else g.clone(), dh) for g in grads)
 
     @lora_nf4_swiglu_backward_op.register_fake
     def _(dh, gate, up, xs_g, xs_u, t_g, t_u, a_g, b_g, a_u, b_u, *args):

@@ -205,7 +205,9 @@ class _LoraNf4SwiGlu(torch.autograd.Function):
         loras = tuple(None if a is None else (x if xd is None else xd, a, b, s)
                       for xd, a, b, s in ((xd_g, a_g, b_g, scales[0]), (xd_u, a_u, b_u, scales[1])))
         h, gate, up, saved = _impl.swiglu_forward(x, w_gate, w_up, loras, path, keep=True)
-        ctx.save_for_backward(gate, up, *(t for s in saved for t in (s or (None,) * 4)), a_g, b_g, a_u, b_u)
+        ctx.grouped = isinstance(saved, _impl.Grouped)
+        flat = saved if ctx.grouped else [t for s in saved for t in (s or (None,) * 4)]
+        ctx.save_for_backward(gate, up, *flat, a_g, b_g, a_u, b_u)
         ctx.weights, ctx.path, ctx.scales, ctx.x_shape = (w_gate, w_up), path, scales, x.shape
         ctx.has, ctx.dropped = tuple(lora is not None for lora in loras), (xd_g is not None, xd_u is not None)
         return h
@@ -213,8 +215,11 @@ class _LoraNf4SwiGlu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh):
         gate, up, *rest = ctx.saved_tensors
-        saved = tuple(tuple(rest[4 * i:4 * i + 4]) if ctx.has[i] else None for i in range(2))
-        params = rest[8:]
+        if ctx.grouped:
+            saved, params = _impl.Grouped(rest[:5]), rest[5:]
+        else:
+            saved = tuple(tuple(rest[4 * i:4 * i + 4]) if ctx.has[i] else None for i in range(2))
+            params = rest[8:]
         n = ctx.needs_input_grad  # x, xd_g, a_g, b_g, xd_u, a_u, b_u
         dx, dxd_g, dxd_u, da_g, db_g, da_u, db_u = _impl.swiglu_backward(
             dh, gate, up, *ctx.weights, ctx.path, saved, ctx.scales, ctx.dropped, ctx.x_shape,

@@ -237,6 +237,62 @@ void check_adapter(const char* op, const AdapterViews& ad, const qmm::TensorView
   require_matrix(op, "t", ad.t, m, r, x.dtype(), x.device());
 }
 
+// Several adapters of one input x, stacked (lora_nf4_linears, lora_adapters): each a cast into its rows of a_all
+// (x's dtype), each b used as it is (in x's dtype) or cast into its b_w; the casts as one (from, to) list. Checks
+// the shapes before anything is written: a_i [r_i, K] and b_i [N_i, r_i] (N_i = ys[i]'s columns) in one dtype,
+// a_all [R, K] and t [M, R] in x's dtype (R = Σ r_i; both may be None where no entry has an adapter).
+struct StackedAdapters {
+  std::vector<qmm::TensorView> from, to, b_used;  // b_used[i]: b_i or its working copy; empty without an adapter
+  qmm::TensorView a_all, t;
+};
+
+StackedAdapters stack_adapters(const char* op, const qmm::TensorView& x, const std::vector<qmm::TensorView>& ys,
+                               const std::vector<nb::object>& as, const std::vector<nb::object>& bs,
+                               const std::vector<nb::object>& b_ws, const std::vector<float>& scales,
+                               const nb::object& a_all, const nb::object& t) {
+  const std::size_t n = ys.size();
+  if (as.size() != n || bs.size() != n || b_ws.size() != n || scales.size() != n)
+    fail(qmm::ErrorCode::InvalidArgument, op, "every per-projection list must have one entry per output");
+  if (x.rank() != 2) fail(qmm::ErrorCode::ShapeMismatch, op, "x is " + x.shape().str() + ": [M, K]");
+  StackedAdapters st;
+  st.a_all = view_or_empty<Out>(a_all, op, "a_all");
+  st.t = view_or_empty<Out>(t, op, "t");
+  const std::int64_t m = x.dim(0), k = x.dim(1);
+  std::int64_t row = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const qmm::TensorView ai = view_or_empty<In>(as[i], op, "a"), bi = view_or_empty<In>(bs[i], op, "b"),
+                          bwi = view_or_empty<Out>(b_ws[i], op, "b_w");
+    st.b_used.emplace_back();
+    if (ai.empty()) continue;
+    const std::int64_t r = ai.rank() == 2 ? ai.dim(0) : 0;
+    if (r < 1) fail(qmm::ErrorCode::ShapeMismatch, op, "a is " + ai.shape().str() + " but must be [r, K]");
+    require_matrix(op, "a", ai, r, k, ai.dtype(), x.device());
+    require_matrix(op, "b", bi, ys[i].rank() == 2 ? ys[i].dim(1) : 0, r, ai.dtype(), x.device());
+    if (bwi.empty() && bi.dtype() != x.dtype())
+      fail(qmm::ErrorCode::InvalidArgument, op, "b_w is needed where b is not in x's dtype");
+    if (st.a_all.rank() != 2 || st.a_all.dim(0) < row + r)
+      fail(qmm::ErrorCode::ShapeMismatch, op,
+           "a_all is " + st.a_all.shape().str() + " but must hold every adapter's a, stacked: [R, K]");
+    st.from.push_back(ai);
+    st.to.emplace_back(static_cast<char*>(st.a_all.data()) + row * k * static_cast<std::int64_t>(qmm::dtype_size(st.a_all.dtype())),
+                       st.a_all.dtype(), qmm::Shape{r, k}, st.a_all.device());
+    if (!bwi.empty()) {
+      require_matrix(op, "b_w", bwi, bi.dim(0), r, x.dtype(), x.device());
+      st.from.push_back(bi);
+      st.to.push_back(bwi);
+    }
+    st.b_used.back() = bwi.empty() ? bi : bwi;
+    row += r;
+  }
+  if (row > 0) {
+    require_matrix(op, "a_all", st.a_all, row, k, x.dtype(), x.device());
+    require_matrix(op, "t", st.t, m, row, x.dtype(), x.device());
+  } else {
+    st.a_all = st.t = qmm::TensorView();
+  }
+  return st;
+}
+
 using GemmFn = void (*)(const qmm::Context&, const qmm::TensorView&, const qmm::TensorView&,
                         const qmm::TensorView&, const qmm::GemmOptions&);
 
@@ -573,55 +629,76 @@ NB_MODULE(_qmm, m) {
          const nb::object& t, const std::string& path, std::uintptr_t stream) {
         const char* op = "lora_nf4_linears_forward";
         const std::size_t n = ws.size();
-        if (ys.size() != n || betas.size() != n || as.size() != n || bs.size() != n || b_ws.size() != n ||
-            scales.size() != n)
+        if (ys.size() != n || betas.size() != n)
           fail(qmm::ErrorCode::InvalidArgument, op, "every per-projection list must have one entry per weight");
-        const qmm::TensorView xv = view_of(x, op, "x"), av = view_or_empty<Out>(a_all, op, "a_all"),
-                              tv = view_or_empty<Out>(t, op, "t");
-        if (xv.rank() != 2) fail(qmm::ErrorCode::ShapeMismatch, op, "x is " + xv.shape().str() + ": [M, K]");
-        std::vector<qmm::Nf4Projection> ps(n);
-        std::vector<qmm::TensorView> from, to;
-        std::int64_t row = 0;
+        const qmm::TensorView xv = view_of(x, op, "x");
+        std::vector<qmm::TensorView> yv;
         for (std::size_t i = 0; i < n; ++i) {
-          const qmm::TensorView ai = view_or_empty<In>(as[i], op, "a"), bi = view_or_empty<In>(bs[i], op, "b"),
-                                bwi = view_or_empty<Out>(b_ws[i], op, "b_w");
-          ps[i] = {ws[i]->view, view_of(ys[i], op, "y"), betas[i], {}, scales[i]};
-          if (ai.empty()) continue;
-          const std::int64_t r = ai.rank() == 2 ? ai.dim(0) : 0, k = xv.dim(1);
-          if (r < 1) fail(qmm::ErrorCode::ShapeMismatch, op, "a is " + ai.shape().str() + " but must be [r, K]");
-          if (av.rank() != 2 || av.dim(0) < row + r || av.dim(1) != k)
-            fail(qmm::ErrorCode::ShapeMismatch, op,
-                 "a_all is " + av.shape().str() + " but must hold every adapter's a, stacked: [R, K]");
-          require_matrix(op, "a", ai, r, k, ai.dtype(), xv.device());
-          require_matrix(op, "b", bi, ws[i]->view.rows, r, ai.dtype(), xv.device());
-          from.push_back(ai);
-          to.emplace_back(static_cast<char*>(av.data()) + row * k * qmm::dtype_size(av.dtype()), av.dtype(),
-                          qmm::Shape{r, k}, av.device());
-          if (!bwi.empty()) {
-            require_matrix(op, "b_w", bwi, ws[i]->view.rows, r, xv.dtype(), xv.device());
-            from.push_back(bi);
-            to.push_back(bwi);
-          }
-          ps[i].b = bwi.empty() ? bi : bwi;
-          row += r;
+          yv.push_back(view_of(ys[i], op, "y"));
+          require_matrix(op, "y", yv[i], xv.rank() == 2 ? xv.dim(0) : 0, ws[i]->view.rows, xv.dtype(), xv.device());
         }
+        const StackedAdapters st = stack_adapters(op, xv, yv, as, bs, b_ws, scales, a_all, t);
+        std::vector<qmm::Nf4Projection> ps(n);
+        for (std::size_t i = 0; i < n; ++i) ps[i] = {ws[i]->view, yv[i], betas[i], st.b_used[i], scales[i]};
         const qmm::Context ctx = context_for(xv, stream);
         const qmm::Nf4GemmOptions opts = nf4_options(1.0f, 0.0f, path, op);
-        for (std::size_t i = 0; i < n; ++i)  // what the op checks of the outputs, before the cast writes
-          require_matrix(op, "y", ps[i].y, xv.dim(0), ws[i]->view.rows, xv.dtype(), xv.device());
-        if (row > 0) {
-          require_matrix(op, "a_all", av, row, xv.dim(1), xv.dtype(), xv.device());
-          require_matrix(op, "t", tv, xv.dim(0), row, xv.dtype(), xv.device());
-        }
         run([&] {
-          if (!from.empty()) qmm::cast(ctx, from, to);
-          qmm::lora_nf4_linears(ctx, xv, ps, row > 0 ? av : qmm::TensorView(), row > 0 ? tv : qmm::TensorView(), opts);
+          if (!st.from.empty()) qmm::cast(ctx, st.from, st.to);
+          qmm::lora_nf4_linears(ctx, xv, ps, st.a_all, st.t, opts);
         });
       },
       nb::arg("x"), nb::arg("ws"), nb::arg("ys"), nb::arg("betas"), nb::arg("as"), nb::arg("bs"), nb::arg("b_ws"),
       nb::arg("scales"), nb::arg("a_all").none(), nb::arg("t").none(), nb::arg("path"), nb::arg("stream") = 0,
       "y_i = x @ dequant(W_i)^T + beta_i * y_i + scale_i * t_i @ b_i^T, t = x @ a_all^T (a_all: every a cast and "
       "stacked; b_w: b's working copy where given)");
+  m.def(
+      "lora_adapters_forward",
+      [](const In& x, const std::vector<Out>& ys, const std::vector<nb::object>& as, const std::vector<nb::object>& bs,
+         const std::vector<nb::object>& b_ws, const std::vector<float>& scales, const nb::object& a_all,
+         const nb::object& t, std::uintptr_t stream) {
+        const char* op = "lora_adapters_forward";
+        const qmm::TensorView xv = view_of(x, op, "x");
+        std::vector<qmm::TensorView> yv;
+        for (const Out& y : ys) yv.push_back(view_of(y, op, "y"));
+        const StackedAdapters st = stack_adapters(op, xv, yv, as, bs, b_ws, scales, a_all, t);
+        std::vector<qmm::LoraTerm> terms;
+        for (std::size_t i = 0; i < yv.size(); ++i)
+          if (!st.b_used[i].empty()) terms.push_back({yv[i], st.b_used[i], scales[i]});
+        const qmm::Context ctx = context_for(xv, stream);
+        run([&] {
+          if (!st.from.empty()) qmm::cast(ctx, st.from, st.to);
+          qmm::lora_adapters(ctx, xv, terms, st.a_all, st.t);
+        });
+      },
+      nb::arg("x"), nb::arg("ys"), nb::arg("as"), nb::arg("bs"), nb::arg("b_ws"), nb::arg("scales"),
+      nb::arg("a_all").none(), nb::arg("t").none(), nb::arg("stream") = 0,
+      "y_i += scale_i * t_i @ b_i^T, t = x @ a_all^T (a_all: every a cast and stacked; b_w: b's working copy where "
+      "given)");
+  m.def(
+      "lora_adapters_backward",
+      [](const In& x, const std::vector<nb::object>& dys, const std::vector<nb::object>& bs,
+         const std::vector<float>& scales, const std::vector<nb::object>& grad_bs, const In& a_all, const In& t,
+         const Out& dt, const nb::object& grad_a, const nb::object& dx, float dx_beta, std::uintptr_t stream) {
+        const char* op = "lora_adapters_backward";
+        const std::size_t n = dys.size();
+        if (bs.size() != n || scales.size() != n || grad_bs.size() != n)
+          fail(qmm::ErrorCode::InvalidArgument, op, "every per-adapter list must have one entry per adapter");
+        const qmm::TensorView xv = view_of(x, op, "x");
+        std::vector<qmm::LoraTermGrad> terms;
+        for (std::size_t i = 0; i < n; ++i)
+          if (!bs[i].is_none())
+            terms.push_back({view_or_empty<In>(dys[i], op, "dy"), view_or_empty<In>(bs[i], op, "b"), scales[i],
+                             view_or_empty<Out>(grad_bs[i], op, "grad_b")});
+        const qmm::TensorView av = view_of(a_all, op, "a_all"), tv = view_of(t, op, "t"), dtv = view_of(dt, op, "dt"),
+                              gav = view_or_empty<Out>(grad_a, op, "grad_a"), dxv = view_or_empty<Out>(dx, op, "dx");
+        const qmm::Context ctx = context_for(xv, stream);
+        run([&] { qmm::lora_adapters_backward(ctx, xv, terms, av, tv, dtv, gav, dxv, dx_beta); });
+      },
+      nb::arg("x"), nb::arg("dys"), nb::arg("bs"), nb::arg("scales"), nb::arg("grad_bs"), nb::arg("a_all"),
+      nb::arg("t"), nb::arg("dt"), nb::arg("grad_a").none(), nb::arg("dx").none(), nb::arg("dx_beta"),
+      nb::arg("stream") = 0,
+      "lora_adapters' gradients: dt, grad_b_i, grad_a = dt^T @ x, dx = dt @ a_all + dx_beta * dx (entries of b None: "
+      "no adapter there)");
   m.def(
       "lora_nf4_linears_backward",
       [](const In& x, const std::vector<const Nf4Handle*>& ws, const std::vector<nb::object>& dys,

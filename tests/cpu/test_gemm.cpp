@@ -642,5 +642,76 @@ TEST(Gemm, NamesOfMathModesAndPlanKeys) {
     for (std::size_t j = i + 1; j < keys.size(); ++j) EXPECT_NE(keys[i], keys[j]) << i << " vs " << j;
 }
 
+// ---- lora_adapters: adapters of one input, their first products stacked -----------------------------------------
+// Against the per-adapter ops (gemm_bt twice, lora_backward_dy, gemm_backward_b, gemm): the same terms, the first
+// products and grad_a and dx over every rank at once, so fp32 sums may differ in order.
+TEST(LoraAdapters, MatchThePerAdapterOpsAndCheckArguments) {
+  const Context cpu = Context::cpu();
+  const std::int64_t m = 7, k = 40;
+  const std::int64_t ns[] = {24, 9}, rs[] = {4, 12};
+  const float scales[] = {2.0f, 0.25f};
+  const Tensor x = test::random_tensor(DType::F32, {m, k}, 1), a = test::random_tensor(DType::F32, {16, k}, 2);
+  std::vector<Tensor> y0, y, b, dy, gb;
+  for (int i = 0; i < 2; ++i) {
+    y0.push_back(test::random_tensor(DType::F32, {m, ns[i]}, 10 + i));
+    y.push_back(test::host_copy(y0[i]));
+    b.push_back(test::random_tensor(DType::F32, {ns[i], rs[i]}, 20 + i));
+    dy.push_back(test::random_tensor(DType::F32, {m, ns[i]}, 30 + i));
+    gb.push_back(Tensor(DType::F32, {ns[i], rs[i]}));
+    test::poison(gb[i]);
+  }
+  Tensor t(DType::F32, {m, 16}), dt(DType::F32, {m, 16}), ga(DType::F32, {16, k});
+  const Tensor dx0 = test::random_tensor(DType::F32, {m, k}, 40);
+  Tensor dx = test::host_copy(dx0);
+  const std::vector<LoraTerm> terms{{y[0], b[0], scales[0]}, {y[1], b[1], scales[1]}};
+  lora_adapters(cpu, x, terms, a, t);
+  const std::vector<LoraTermGrad> grads{{dy[0], b[0], scales[0], gb[0]}, {dy[1], b[1], scales[1], gb[1]}};
+  lora_adapters_backward(cpu, x, grads, a, t, dt, ga, dx, 0.5f);
+  Tensor dx_ref = test::host_copy(dx0);
+  for (std::int64_t i = 0; i < dx_ref.numel(); ++i) test::set_value(dx_ref, i, 0.5 * test::get_value(dx0, i));
+  std::int64_t row = 0;
+  for (int i = 0; i < 2; ++i) {
+    const TensorView ai(static_cast<float*>(a.data()) + row * k, DType::F32, {rs[i], k});
+    Tensor ti(DType::F32, {m, rs[i]}), dti(DType::F32, {m, rs[i]}), gbi(DType::F32, {ns[i], rs[i]});
+    Tensor yi = test::host_copy(y0[i]), gai(DType::F32, {rs[i], k});
+    gemm_bt(cpu, x, ai, ti);
+    gemm_bt(cpu, ti, b[i], yi, {scales[i], 1.0f});
+    lora_backward_dy(cpu, dy[i], b[i], ti, dti, gbi, scales[i], MathMode::FP32, 0.0f);
+    gemm_backward_b(cpu, dti, x, gai);
+    gemm(cpu, dti, ai, dx_ref, {1.0f, 1.0f});
+    const test::Tolerance tol = test::fp32_accum_tolerance(k + rs[i]);
+    EXPECT_TRUE(test::all_close(y[i], yi, tol)) << "y " << i;
+    EXPECT_TRUE(test::all_close(gb[i], gbi, test::fp32_accum_tolerance(m))) << "grad_b " << i;
+    const TensorView ga_i(static_cast<float*>(ga.data()) + row * k, DType::F32, {rs[i], k});
+    EXPECT_TRUE(test::all_close(test::host_copy(ga_i), gai, test::fp32_accum_tolerance(m))) << "grad_a " << i;
+    row += rs[i];
+  }
+  EXPECT_TRUE(test::all_close(dx, dx_ref, test::fp32_accum_tolerance(16))) << "dx";
+
+  // Bad arguments: named, nothing written.
+  const Tensor y_before = test::host_copy(y[0]);
+  EXPECT_TRUE(test::throws_error([&] { lora_adapters(cpu, x, std::vector<LoraTerm>{}, a, t); },
+                                 ErrorCode::InvalidArgument, {"lora_adapters", "no adapters"}));
+  EXPECT_TRUE(test::throws_error([&] { lora_adapters(cpu, x, std::vector<LoraTerm>{terms[0]}, a, t); },
+                                 ErrorCode::ShapeMismatch, {"lora_adapters", "a is"}));
+  EXPECT_TRUE(test::throws_error(
+      [&] { lora_adapters(cpu, x, std::vector<LoraTerm>{{y[1], b[0], 1.0f}, terms[1]}, a, t); },
+      ErrorCode::ShapeMismatch, {"y[0] is [7,9]"}));
+  EXPECT_TRUE(test::throws_error(
+      [&] { lora_adapters(cpu, x, std::vector<LoraTerm>{{x, b[0], 1.0f}, terms[1]}, a, t); },
+      ErrorCode::ShapeMismatch, {"y[0]"}));
+  EXPECT_TRUE(test::bytes_equal(y[0], y_before));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        const Tensor gb_bf16(DType::BF16, {24, 4});
+        lora_adapters_backward(cpu, x, std::vector<LoraTermGrad>{{dy[0], b[0], 1.0f, gb_bf16}, grads[1]}, a, t, dt,
+                               ga, dx);
+      },
+      ErrorCode::DTypeMismatch, {"lora_adapters_backward", "grad_b[0]"}));
+  EXPECT_TRUE(test::throws_error(
+      [&] { lora_adapters_backward(cpu, x, grads, a, t, dt, ga, x); }, ErrorCode::InvalidArgument,
+      {"lora_adapters_backward", "dx and x overlap"}));
+}
+
 }  // namespace
 }  // namespace qmm

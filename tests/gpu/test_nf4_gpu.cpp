@@ -580,10 +580,27 @@ TEST(Nf4GemmGpu, UnavailablePathsRaiseUnsupported) {
 
 // ---- lora_nf4_linears ---------------------------------------------------------------------------------------------
 // The GPU's grouped projections (one dequantize launch at M > 32, the adapters' first products as one GEMM, their
-// second products and lora_backward_dy on column blocks of t and dt) against the CPU's. The backward takes the
-// CPU's t on both devices, so each output differs only by its own sums: bf16 outputs by one rounding of an fp32
-// sum (bf16_output_tolerance over the sum's length), f32 gradients by fp32 sums of products of bf16 dt, which the
-// two devices may round an ulp apart (so the bf16 tolerance again).
+// second products and lora_backward_dy on column blocks of t and dt) against references built on the CPU from the
+// GPU's own intermediates, so that each output is checked for one rounding of its own sum: t against the CPU's t
+// (bf16: one rounding of an fp32 sum over K); y against the CPU's base product plus scale·t_i·b_iᵀ from the GPU's
+// t, in fp32, rounded once (the NF4 base by either of its contracts: at M <= 16 the small-M kernels scale after
+// the sum); dt against the CPU's dt from the same t; grad_b (f32) likewise; grad_a and dx from the GPU's dt.
+// Inputs are scaled so that t and the adapters' terms stay near unit size.
+
+// Columns col.. (r of them) of a host matrix [rows, R], dense.
+Tensor host_columns(const Tensor& m, std::int64_t col, std::int64_t r) {
+  Tensor out(m.dtype(), {m.dim(0), r});
+  for (std::int64_t i = 0; i < m.dim(0); ++i)
+    for (std::int64_t j = 0; j < r; ++j) test::set_value(out, i * r + j, test::get_value(m, i * m.dim(1) + col + j));
+  return out;
+}
+
+Tensor f32_copy(const Context& cpu, const Tensor& t) {
+  Tensor out(DType::F32, t.shape());
+  cast(cpu, t, out);
+  return out;
+}
+
 void expect_linears_gpu_matches_cpu(DType dtype, std::int64_t m, std::int64_t k, const std::vector<std::int64_t>& ns,
                                     const std::vector<std::int64_t>& rs, std::uint64_t seed) {
   Context& gpu = *test::gpu_context();
@@ -592,31 +609,29 @@ void expect_linears_gpu_matches_cpu(DType dtype, std::int64_t m, std::int64_t k,
   const std::size_t np = ns.size();
   std::int64_t rank = 0, n_all = 0;
   for (std::size_t i = 0; i < np; ++i) rank += rs[i], n_all += ns[i];
-  const Tensor x = test::random_tensor(dtype, {m, k}, seed), a = test::random_tensor(dtype, {rank, k}, seed + 1);
+  const float a_range = 2.0f / std::sqrt(static_cast<float>(k));
+  const Tensor x = test::random_tensor(dtype, {m, k}, seed);
+  const Tensor a = test::random_tensor(dtype, {rank, k}, seed + 1, -a_range, a_range);
   const Tensor x_d = to_device(x, d), a_d = to_device(a, d);
   std::vector<Nf4Tensor> ws, ws_d;
-  std::vector<Tensor> bs, bs_d, y_cpu, y_gpu, dys, dys_d, gb_cpu, gb_gpu;
-  std::vector<Nf4Projection> pc, pg;
+  std::vector<Tensor> bs, bs_d, y0s, y_gpu, dys, dys_d, gb_gpu;
+  std::vector<Nf4Projection> pg;
   const float scales[] = {2.0f, 0.5f, 1.0f};
   for (std::size_t i = 0; i < np; ++i) {
     ws.push_back(nf4_quantize(cpu, test::random_tensor(DType::F32, {ns[i], k}, seed + 10 + i), true));
     ws_d.push_back(nf4_to(ws[i], d));
-    bs.push_back(rs[i] ? test::random_tensor(dtype, {ns[i], rs[i]}, seed + 20 + i) : Tensor());
+    bs.push_back(rs[i] ? test::random_tensor(dtype, {ns[i], rs[i]}, seed + 20 + i, -0.5f, 0.5f) : Tensor());
     bs_d.push_back(rs[i] ? to_device(bs[i], d) : Tensor());
-    const Tensor y0 = test::random_tensor(dtype, {m, ns[i]}, seed + 30 + i);
-    y_cpu.push_back(test::host_copy(y0));
-    y_gpu.push_back(to_device(y0, d));
+    y0s.push_back(test::random_tensor(dtype, {m, ns[i]}, seed + 30 + i));
+    y_gpu.push_back(to_device(y0s[i], d));
     if (i != 1) test::poison(y_gpu[i]);  // projection 1 accumulates onto its "bias"
     dys.push_back(test::random_tensor(dtype, {m, ns[i]}, seed + 40 + i));
     dys_d.push_back(to_device(dys[i], d));
-  }
-  for (std::size_t i = 0; i < np; ++i) {
-    pc.push_back({ws[i].view(), y_cpu[i], i == 1 ? 1.0f : 0.0f, bs[i], scales[i % 3]});
     pg.push_back({ws_d[i].view(), y_gpu[i], i == 1 ? 1.0f : 0.0f, bs_d[i], scales[i % 3]});
   }
   Tensor t(dtype, {m, rank}), t_d(dtype, {m, rank}, d);
   test::poison(t_d);
-  lora_nf4_linears(cpu, x, pc, a, t);
+  gemm_bt(cpu, x, a, t);
   lora_nf4_linears(gpu, x_d, pg, a_d, t_d);
   gpu.synchronize();
   const std::string what = std::string(dtype_name(dtype)) + " m " + std::to_string(m) + " k " + std::to_string(k) +
@@ -624,36 +639,57 @@ void expect_linears_gpu_matches_cpu(DType dtype, std::int64_t m, std::int64_t k,
   const auto out_tol = [&](std::int64_t len) {
     return dtype == DType::BF16 ? test::bf16_output_tolerance(len) : test::fp32_accum_tolerance(len);
   };
-  EXPECT_TRUE(test::all_close(test::host_copy(t_d), t, out_tol(k))) << what << ": t";
-  for (std::size_t i = 0; i < np; ++i)
-    EXPECT_TRUE(test::all_close(test::host_copy(y_gpu[i]), y_cpu[i], out_tol(k + rank))) << what << ": y " << i;
+  const Tensor t_got = test::host_copy(t_d);
+  EXPECT_TRUE(test::all_close(t_got, t, out_tol(k))) << what << ": t";
+  std::int64_t col = 0;
+  for (std::size_t i = 0; i < np; ++i) {
+    const float beta = i == 1 ? 1.0f : 0.0f;
+    Tensor exact = f32_copy(cpu, y0s[i]);
+    nf4_gemm(cpu, x, ws[i].view(), exact, {1.0f, beta});
+    Tensor after = test::nf4_scale_after_reference(x, ws[i].view(), f32_copy(cpu, y0s[i]), 1.0f, beta);
+    if (rs[i]) {
+      const Tensor ti = host_columns(t_got, col, rs[i]);
+      gemm_bt(cpu, ti, bs[i], exact, {scales[i % 3], 1.0f});
+      gemm_bt(cpu, ti, bs[i], after, {scales[i % 3], 1.0f});
+      col += rs[i];
+    }
+    EXPECT_TRUE(test::nf4_forward_close(test::host_copy(y_gpu[i]), exact, after, out_tol(k + rs[i])))
+        << what << ": y " << i;
+  }
 
-  // The backward from the CPU's t.
+  // The backward, from the CPU's t on both devices.
   const Tensor t_in = to_device(t, d);
-  Tensor dt(dtype, {m, rank}), dt_d(dtype, {m, rank}, d), ga(DType::F32, {rank, k}), ga_d(DType::F32, {rank, k}, d);
+  Tensor dt(dtype, {m, rank}), dt_d(dtype, {m, rank}, d), ga_d(DType::F32, {rank, k}, d);
   const Tensor dx0 = test::random_tensor(dtype, {m, k}, seed + 50);
-  Tensor dx = test::host_copy(dx0), dx_d = to_device(dx0, d);
+  Tensor dx_d = to_device(dx0, d);
   test::poison(dt_d);
   test::poison(ga_d);
-  std::vector<Nf4ProjectionGrad> gc, gg;
+  std::vector<Nf4ProjectionGrad> gg;
   for (std::size_t i = 0; i < np; ++i) {
-    gb_cpu.push_back(rs[i] ? Tensor(DType::F32, {ns[i], rs[i]}) : Tensor());
     gb_gpu.push_back(rs[i] ? Tensor(DType::F32, {ns[i], rs[i]}, d) : Tensor());
     if (rs[i]) test::poison(gb_gpu[i]);
-  }
-  for (std::size_t i = 0; i < np; ++i) {
-    gc.push_back({ws[i].view(), dys[i], bs[i], scales[i % 3], gb_cpu[i]});
     gg.push_back({ws_d[i].view(), dys_d[i], bs_d[i], scales[i % 3], gb_gpu[i]});
   }
-  lora_nf4_linears_backward(cpu, x, gc, a, t, dt, ga, dx, 0.5f);
   lora_nf4_linears_backward(gpu, x_d, gg, a_d, t_in, dt_d, ga_d, dx_d, 0.5f);
   gpu.synchronize();
-  for (std::size_t i = 0; i < np; ++i)
-    if (rs[i])
-      EXPECT_TRUE(test::all_close(test::host_copy(gb_gpu[i]), gb_cpu[i], out_tol(m))) << what << ": grad_b " << i;
-  EXPECT_TRUE(test::all_close(test::host_copy(dt_d), dt, out_tol(n_all))) << what << ": dt";
-  EXPECT_TRUE(test::all_close(test::host_copy(ga_d), ga, test::bf16_output_tolerance(m))) << what << ": grad_a";
-  EXPECT_TRUE(test::all_close(test::host_copy(dx_d), dx, test::bf16_output_tolerance(n_all + rank))) << what << ": dx";
+  const Tensor dt_got = test::host_copy(dt_d);
+  Tensor dx_ref = f32_copy(cpu, dx0);
+  col = 0;
+  for (std::size_t i = 0; i < np; ++i) {
+    nf4_gemm_backward_a(cpu, dys[i], ws[i].view(), dx_ref, {1.0f, i == 0 ? 0.5f : 1.0f});
+    if (!rs[i]) continue;
+    Tensor dti(dtype, {m, rs[i]}), gb(DType::F32, {ns[i], rs[i]});
+    lora_backward_dy(cpu, dys[i], bs[i], host_columns(t, col, rs[i]), dti, gb, scales[i % 3], MathMode::FP32, 0.0f);
+    EXPECT_TRUE(test::all_close(host_columns(dt_got, col, rs[i]), dti, out_tol(ns[i]))) << what << ": dt " << i;
+    EXPECT_TRUE(test::all_close(test::host_copy(gb_gpu[i]), gb, test::fp32_accum_tolerance(m)))
+        << what << ": grad_b " << i;
+    col += rs[i];
+  }
+  Tensor ga_ref(DType::F32, {rank, k});
+  gemm_backward_b(cpu, dt_got, x, ga_ref);
+  gemm(cpu, dt_got, a, dx_ref, {1.0f, 1.0f});
+  EXPECT_TRUE(test::all_close(test::host_copy(ga_d), ga_ref, test::fp32_accum_tolerance(m))) << what << ": grad_a";
+  EXPECT_TRUE(test::all_close(test::host_copy(dx_d), dx_ref, out_tol(n_all + rank))) << what << ": dx";
 }
 
 TEST(GpuNf4Linears, MatchCpuOnRaggedShapes) {
