@@ -243,9 +243,12 @@ def _grouped_backward(dys, ws, path, saved, scales, x_shape, wants, want_dx):
     x2, t, a_all, *bs = saved
     like = next(dy for dy in dys if dy is not None)
     adapters = [b is not None for b in bs]
-    if any(have and dy is None for have, dy in zip(adapters, dys)):  # an adapter without a gradient: zeros for it
-        dys = [torch.zeros((*like.shape[:-1], w.shape[0]), dtype=like.dtype, device=like.device)
-               if dy is None and have else dy for dy, w, have in zip(dys, ws, adapters)]
+    # An adapter whose output had no gradient: zeros for the stacked products, and no gradient for its parameters
+    # (None, as the per-projection path returns: an optimizer then leaves them alone).
+    unused = [have and dy is None for have, dy in zip(adapters, dys)]
+    if any(unused):
+        dys = [torch.zeros((*like.shape[:-1], w.shape[0]), dtype=like.dtype, device=like.device) if skip else dy
+               for dy, w, skip in zip(dys, ws, unused)]
     dys = [None if dy is None else _flat(dy if dy.is_contiguous() else dy.contiguous()) for dy in dys]
     dev = like.device
     dx = torch.empty(x_shape, dtype=like.dtype, device=dev) if want_dx else None
@@ -256,12 +259,13 @@ def _grouped_backward(dys, ws, path, saved, scales, x_shape, wants, want_dx):
     _call(_qmm.lora_nf4_linears_backward, x2, x2, [w._native for w in ws], dys, bs, [float(s) for s in scales],
           grad_bs, a_all, t, dt, grad_a, None if dx is None else dx.view(-1, x_shape[-1]), 0.0, path)
     grads, row = [], 0
-    for b, gb, (_, want_da, want_db) in zip(bs, grad_bs, wants):
+    for b, gb, (_, want_da, want_db), skip in zip(bs, grad_bs, wants, unused):
         if b is None:
             grads.append((None, None, None))
             continue
         r = b.shape[1]
-        grads.append((None, grad_a[row:row + r] if want_da else None, gb if want_db else None))
+        grads.append((None, grad_a[row:row + r] if want_da and not skip else None,
+                      gb if want_db and not skip else None))
         row += r
     return dx, grads
 

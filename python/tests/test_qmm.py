@@ -750,6 +750,24 @@ def test_lora_nf4_linears_matches_reference(device, dtype, m, k, ns, unused_v, d
             assert torch.equal(c, e), f"compiled result {i}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_lora_nf4_linears_leaves_an_unused_outputs_adapter_without_gradient(device):
+    """Stacked adapters (no dropout) whose one output gets no gradient: that adapter's parameters get none (None, as
+    unstacked ones: an optimizer leaves them alone), the others theirs, as when each projection runs alone."""
+    ws = [qmm.Nf4Weight.quantize(randn((n, 64), 70 + i, device) * 0.5) for i, n in enumerate((64, 32, 32))]
+    x = randn((5, 64), 73, device, torch.bfloat16)
+    params = [(randn((8, 64), 80 + i, device) * 0.2).requires_grad_() for i in range(3)] + \
+        [(randn((n, 8), 90 + i, device) * 0.2).requires_grad_() for i, n in enumerate((64, 32, 32))]
+    ys = qmm.lora_nf4_linears(x, ws, [qmm.Lora(params[i], params[3 + i], 2.0) for i in range(3)])
+    (ys[0].float().sum() + ys[1].float().sum()).backward()
+    assert params[2].grad is None and params[5].grad is None
+    for i in (0, 1):
+        a, b = params[i].detach().clone().requires_grad_(), params[3 + i].detach().clone().requires_grad_()
+        qmm.lora_nf4_linears(x, [ws[i]], [qmm.Lora(a, b, 2.0)])[0].float().sum().backward()
+        assert_close(params[i].grad, a.grad, 1e-2 * a.grad.abs().max().item() + 1e-6, f"a {i}")
+        assert_close(params[3 + i].grad, b.grad, 1e-2 * b.grad.abs().max().item() + 1e-6, f"b {i}")
+
+
 def test_lora_nf4_linears_checks_its_arguments():
     """lora_nf4_linears (and lora_nf4_linear, for its bias) names what is wrong with its arguments before anything
     runs."""

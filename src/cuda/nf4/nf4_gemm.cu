@@ -237,9 +237,10 @@ void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weigh
                std::span<const TensorView> cs, std::span<const float> betas, const Nf4GemmOptions& opts) {
   auto one = [&](std::size_t i) { return Nf4GemmOptions{opts.alpha, betas[i], opts.path}; };
   bool grouped = ws.size() > 1 && a.dim(0) > 0;
-  for (std::size_t i = 0; i < ws.size() && grouped; ++i)
+  for (std::size_t i = 0; i < ws.size(); ++i)  // every plan first: a forced path that cannot serve one throws here
     grouped = plan_or_throw(ctx, nf4_problem(Nf4Op::Forward, a, ws[i], nullptr, cs[i].dtype(), one(i))).kernel ==
-              Nf4Kernel::DequantGemm;
+                  Nf4Kernel::DequantGemm &&
+              grouped;
   if (!grouped) {
     for (std::size_t i = 0; i < ws.size(); ++i) cuda::nf4_gemm(ctx, a, ws[i], cs[i], one(i));
     return;
@@ -273,9 +274,9 @@ void nf4_gemms_backward_a(const Context& ctx, std::span<const TensorView> dcs, s
     if (dcs[i].empty()) continue;
     ++present;
     beta = 1.0f;
-    grouped = grouped && dcs[i].dtype() == DType::BF16 &&
-              plan_or_throw(ctx, nf4_problem(Nf4Op::BackwardA, dcs[i], ws[i], nullptr, da.dtype(), each[i])).kernel ==
-                  Nf4Kernel::DequantGemm;
+    grouped = plan_or_throw(ctx, nf4_problem(Nf4Op::BackwardA, dcs[i], ws[i], nullptr, da.dtype(), each[i])).kernel ==
+                  Nf4Kernel::DequantGemm &&
+              dcs[i].dtype() == DType::BF16 && grouped;
   }
   if (!grouped || present < 2 || da.dim(0) == 0) {
     for (std::size_t i = 0; i < ws.size(); ++i)
