@@ -66,3 +66,11 @@ def test_decode_tiny_generates_bitsandbytes_tokens():
     assert set(table) == {"bnb", "qmm", "qmm-static"}, out
     assert table["qmm"][-1] == "yes" and table["qmm-static"][-1] == "yes", table
     assert "tiny qmm: exit 0" in err and "tiny qmm-static: exit 0" in err, err
+
+
+def test_layer_kernels_tiny_counts_a_layer():
+    """bench/layer_kernels.py: the tiny model with one and two layers, the difference reported per layer (on the
+    CPU, profiled CPU events: a check of the script)."""
+    out, _ = run_script("layer_kernels.py", "--variant", "qmm-all")
+    found = re.search(r"with 1 layer\(s\), (\d+) with 2: (-?\d+) per layer", out)
+    assert found and int(found.group(2)) > 0, out[-2000:]
