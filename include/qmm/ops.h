@@ -69,10 +69,10 @@ void lora_adapters(const Context& ctx, const TensorView& x, std::span<const Lora
 // dt, grad_b_i and grad_a are written; each dt_i and grad_b_i come from one read of dy_i (lora_backward_dy), grad_a
 // and dx from one GEMM each over every adapter.
 struct LoraTermGrad {
-  TensorView dy;       // [M, N_i]
-  TensorView b;        // [N_i, r_i]
+  TensorView dy;  // [M, N_i]
+  TensorView b;   // [N_i, r_i]
   float scale = 1.0f;
-  TensorView grad_b;   // f32 [N_i, r_i]
+  TensorView grad_b;  // f32 [N_i, r_i]
 };
 void lora_adapters_backward(const Context& ctx, const TensorView& x, std::span<const LoraTermGrad> terms,
                             const TensorView& a, const TensorView& t, const TensorView& dt, const TensorView& grad_a,
@@ -156,8 +156,8 @@ struct Nf4Projection {
   TensorView b;        // the adapter's B [N_i, r_i] in x's dtype, or empty
   float scale = 1.0f;  // the adapter's scale (alpha / r)
 };
-void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const Nf4Projection> ps,
-                      const TensorView& a, const TensorView& t, const Nf4GemmOptions& opts = {});
+void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const Nf4Projection> ps, const TensorView& a,
+                      const TensorView& t, const Nf4GemmOptions& opts = {});
 
 // The gradients of lora_nf4_linears for the gradients dy_i of its outputs, with its x, a and t:
 //   dt [M,R]: dt_i = scale_i·dy_i·b_i (written);  grad_b_i [N_i,r_i] f32 = scale_i·dy_iᵀ·t_i (written);
@@ -167,15 +167,14 @@ void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const N
 // dequantize launch serves every input-gradient product that dequantizes, one GEMM grad_a and one the adapters'
 // share of dx; each adapter's dt_i and grad_b_i come from one read of dy_i (lora_backward_dy).
 struct Nf4ProjectionGrad {
-  Nf4Weight w;          // [N_i, K]
-  TensorView dy;        // [M, N_i] in x's dtype, or empty
-  TensorView b;         // as in the forward
+  Nf4Weight w;    // [N_i, K]
+  TensorView dy;  // [M, N_i] in x's dtype, or empty
+  TensorView b;   // as in the forward
   float scale = 1.0f;
-  TensorView grad_b;    // f32 [N_i, r_i], written (empty without an adapter)
+  TensorView grad_b;  // f32 [N_i, r_i], written (empty without an adapter)
 };
 void lora_nf4_linears_backward(const Context& ctx, const TensorView& x, std::span<const Nf4ProjectionGrad> ps,
-                               const TensorView& a, const TensorView& t, const TensorView& dt,
-                               const TensorView& grad_a, const TensorView& dx, float dx_beta = 0.0f,
-                               const Nf4GemmOptions& opts = {});
+                               const TensorView& a, const TensorView& t, const TensorView& dt, const TensorView& grad_a,
+                               const TensorView& dx, float dx_beta = 0.0f, const Nf4GemmOptions& opts = {});
 
 }  // namespace qmm

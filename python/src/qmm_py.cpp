@@ -274,8 +274,9 @@ StackedAdapters stack_adapters(const char* op, const qmm::TensorView& x, const s
       fail(qmm::ErrorCode::ShapeMismatch, op,
            "a_all is " + st.a_all.shape().str() + " but must hold every adapter's a, stacked: [R, K]");
     st.from.push_back(ai);
-    st.to.emplace_back(static_cast<char*>(st.a_all.data()) + row * k * static_cast<std::int64_t>(qmm::dtype_size(st.a_all.dtype())),
-                       st.a_all.dtype(), qmm::Shape{r, k}, st.a_all.device());
+    const auto elem = static_cast<std::int64_t>(qmm::dtype_size(st.a_all.dtype()));
+    st.to.emplace_back(static_cast<char*>(st.a_all.data()) + row * k * elem, st.a_all.dtype(), qmm::Shape{r, k},
+                       st.a_all.device());
     if (!bwi.empty()) {
       require_matrix(op, "b_w", bwi, bi.dim(0), r, x.dtype(), x.device());
       st.from.push_back(bi);

@@ -24,10 +24,10 @@ const char* math_mode_name(MathMode mode) {
 
 std::string GemmProblem::key() const {
   auto s = [](std::int64_t v) { return std::to_string(v); };
-  return std::string("gemm|") + dtype_name(ab_dtype) + "->" + dtype_name(c_dtype) + "|" + math_mode_name(math) +
-         "|b" + s(batch) + "|m" + s(m) + "|n" + s(n) + "|k" + s(k) + "|" + (trans_a ? "T" : "N") +
-         (trans_b ? "T" : "N") + "|s" + s(stride_a) + "," + s(stride_b) + "," + s(stride_c) + "|ld" + s(lda()) + "," +
-         s(ldb()) + "," + s(ldc());
+  return std::string("gemm|") + dtype_name(ab_dtype) + "->" + dtype_name(c_dtype) + "|" + math_mode_name(math) + "|b" +
+         s(batch) + "|m" + s(m) + "|n" + s(n) + "|k" + s(k) + "|" + (trans_a ? "T" : "N") + (trans_b ? "T" : "N") +
+         "|s" + s(stride_a) + "," + s(stride_b) + "," + s(stride_c) + "|ld" + s(lda()) + "," + s(ldb()) + "," +
+         s(ldc());
 }
 
 namespace {
@@ -130,7 +130,7 @@ void write_zeros(const Context& ctx, const char* op, const TensorView& c) {
   run_gemm(ctx, op, z);
 }
 
-// Columns col.. (r of them) of m [rows, R] as a [rows, r] view whose rows lie R apart (the pitch goes with it).
+// Columns col.. (r of them) of m [rows, R] as a [rows, r] view; its rows lie R apart, which callers pass as the pitch.
 TensorView columns(const TensorView& m, std::int64_t col, std::int64_t r) {
   return TensorView(static_cast<char*>(m.data()) + col * static_cast<std::int64_t>(dtype_size(m.dtype())), m.dtype(),
                     {m.dim(0), r}, m.device());
@@ -175,8 +175,8 @@ void lora_adapters_backward_unchecked(const Context& ctx, const char* op, const 
   std::int64_t col = 0;
   for (const LoraTermGrad& term : terms) {  // dt_i and grad_b_i from one read of dy_i
     const std::int64_t r = term.b.dim(1);
-    lora_backward_dy_pitched(ctx, op, term.dy, term.b, columns(t, col, r), rank, columns(dt, col, r), rank,
-                             term.grad_b, term.scale, MathMode::FP32, 0.0f);
+    lora_backward_dy_pitched(ctx, op, term.dy, term.b, columns(t, col, r), rank, columns(dt, col, r), rank, term.grad_b,
+                             term.scale, MathMode::FP32, 0.0f);
     col += r;
   }
   if (!grad_a.empty()) {  // grad_a = dtᵀ·x
@@ -347,7 +347,8 @@ void lora_adapters(const Context& ctx, const TensorView& x, std::span<const Lora
     outs.push_back(Y);
   }
   for (std::size_t i = 0; i < outs.size(); ++i) {
-    for (const Arg& in : {Arg{"x", x}, Arg{"a", a}}) detail::require_no_overlap(op, outs[i].name, outs[i].t, in.name, in.t);
+    for (const Arg& in : {Arg{"x", x}, Arg{"a", a}})
+      detail::require_no_overlap(op, outs[i].name, outs[i].t, in.name, in.t);
     for (std::size_t j = 0; j < terms.size(); ++j)
       detail::require_no_overlap(op, outs[i].name, outs[i].t, "b", terms[j].b);
     for (std::size_t j = i + 1; j < outs.size(); ++j)

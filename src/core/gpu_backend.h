@@ -47,8 +47,8 @@ class GpuBackend {
   // lora_backward_dy's one-pass kernel where it applies (see ops.h); false, having done nothing, where it does not.
   // t's and dt's rows lie ld_t and ld_dt elements apart (r where dense).
   virtual bool lora_backward_dy(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
-                                std::int64_t ld_t, const TensorView& dt, std::int64_t ld_dt,
-                                const TensorView& grad_b, float scale, float beta) const = 0;
+                                std::int64_t ld_t, const TensorView& dt, std::int64_t ld_dt, const TensorView& grad_b,
+                                float scale, float beta) const = 0;
   virtual void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up,
                       const TensorView& h) const = 0;
   virtual void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up,
@@ -66,9 +66,8 @@ class GpuBackend {
   virtual void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weight> ws,
                          std::span<const TensorView> cs, std::span<const float> betas,
                          const Nf4GemmOptions& opts) const = 0;
-  virtual void nf4_gemms_backward_a(const Context& ctx, std::span<const TensorView> dcs,
-                                    std::span<const Nf4Weight> ws, const TensorView& da,
-                                    const Nf4GemmOptions& opts) const = 0;
+  virtual void nf4_gemms_backward_a(const Context& ctx, std::span<const TensorView> dcs, std::span<const Nf4Weight> ws,
+                                    const TensorView& da, const Nf4GemmOptions& opts) const = 0;
 
   // Train ops (train_ops.h).
   virtual void cast(const Context& ctx, std::span<const TensorView> src, std::span<const TensorView> dst) const = 0;

@@ -384,8 +384,8 @@ std::int64_t check_linears(const Context& ctx, const char* op, const TensorView&
 
 }  // namespace
 
-void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const Nf4Projection> ps,
-                      const TensorView& a, const TensorView& t, const Nf4GemmOptions& opts) {
+void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const Nf4Projection> ps, const TensorView& a,
+                      const TensorView& t, const Nf4GemmOptions& opts) {
   const char* op = "lora_nf4_linears";
   std::vector<Part> inputs;
   const std::int64_t rank = check_linears(ctx, op, x, ps, a, t, opts, inputs);
@@ -425,9 +425,8 @@ void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const N
 }
 
 void lora_nf4_linears_backward(const Context& ctx, const TensorView& x, std::span<const Nf4ProjectionGrad> ps,
-                               const TensorView& a, const TensorView& t, const TensorView& dt,
-                               const TensorView& grad_a, const TensorView& dx, float dx_beta,
-                               const Nf4GemmOptions& opts) {
+                               const TensorView& a, const TensorView& t, const TensorView& dt, const TensorView& grad_a,
+                               const TensorView& dx, float dx_beta, const Nf4GemmOptions& opts) {
   const char* op = "lora_nf4_linears_backward";
   std::vector<Part> inputs;
   const std::int64_t rank = check_linears(ctx, op, x, ps, a, t, opts, inputs);
@@ -438,8 +437,7 @@ void lora_nf4_linears_backward(const Context& ctx, const TensorView& x, std::spa
     const std::string at = "projection " + std::to_string(i);
     const Nf4ProjectionGrad& p = ps[i];
     if (p.dy.empty()) {
-      if (!p.b.empty())
-        fail(ErrorCode::InvalidArgument, op, at + " has an adapter but no dy (its gradients need one)");
+      if (!p.b.empty()) fail(ErrorCode::InvalidArgument, op, at + " has an adapter but no dy (its gradients need one)");
     } else {
       const std::string name = at + " dy";
       require_matrix(ctx, op, name.c_str(), p.dy);

@@ -65,9 +65,8 @@ class CudaBackend final : public GpuBackend {
                    const GateUpOutputs& out, const Nf4GemmOptions& opts) const override {
     cuda::nf4_gate_up(ctx, a, w_gate, w_up, out, opts);
   }
-  void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weight> ws,
-                 std::span<const TensorView> cs, std::span<const float> betas,
-                 const Nf4GemmOptions& opts) const override {
+  void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weight> ws, std::span<const TensorView> cs,
+                 std::span<const float> betas, const Nf4GemmOptions& opts) const override {
     cuda::nf4_gemms(ctx, a, ws, cs, betas, opts);
   }
   void nf4_gemms_backward_a(const Context& ctx, std::span<const TensorView> dcs, std::span<const Nf4Weight> ws,

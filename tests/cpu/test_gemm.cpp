@@ -695,22 +695,25 @@ TEST(LoraAdapters, MatchThePerAdapterOpsAndCheckArguments) {
   EXPECT_TRUE(test::throws_error([&] { lora_adapters(cpu, x, std::vector<LoraTerm>{terms[0]}, a, t); },
                                  ErrorCode::ShapeMismatch, {"lora_adapters", "a is"}));
   EXPECT_TRUE(test::throws_error(
-      [&] { lora_adapters(cpu, x, std::vector<LoraTerm>{{y[1], b[0], 1.0f}, terms[1]}, a, t); },
+      [&] {
+        lora_adapters(cpu, x, std::vector<LoraTerm>{{y[1], b[0], 1.0f}, terms[1]}, a, t);
+      },
       ErrorCode::ShapeMismatch, {"y[0] is [7,9]"}));
   EXPECT_TRUE(test::throws_error(
-      [&] { lora_adapters(cpu, x, std::vector<LoraTerm>{{x, b[0], 1.0f}, terms[1]}, a, t); },
+      [&] {
+        lora_adapters(cpu, x, std::vector<LoraTerm>{{x, b[0], 1.0f}, terms[1]}, a, t);
+      },
       ErrorCode::ShapeMismatch, {"y[0]"}));
   EXPECT_TRUE(test::bytes_equal(y[0], y_before));
   EXPECT_TRUE(test::throws_error(
       [&] {
         const Tensor gb_bf16(DType::BF16, {24, 4});
-        lora_adapters_backward(cpu, x, std::vector<LoraTermGrad>{{dy[0], b[0], 1.0f, gb_bf16}, grads[1]}, a, t, dt,
-                               ga, dx);
+        lora_adapters_backward(cpu, x, std::vector<LoraTermGrad>{{dy[0], b[0], 1.0f, gb_bf16}, grads[1]}, a, t, dt, ga,
+                               dx);
       },
       ErrorCode::DTypeMismatch, {"lora_adapters_backward", "grad_b[0]"}));
-  EXPECT_TRUE(test::throws_error(
-      [&] { lora_adapters_backward(cpu, x, grads, a, t, dt, ga, x); }, ErrorCode::InvalidArgument,
-      {"lora_adapters_backward", "dx and x overlap"}));
+  EXPECT_TRUE(test::throws_error([&] { lora_adapters_backward(cpu, x, grads, a, t, dt, ga, x); },
+                                 ErrorCode::InvalidArgument, {"lora_adapters_backward", "dx and x overlap"}));
 }
 
 }  // namespace

@@ -1032,7 +1032,8 @@ void expect_linears_match_composition(const LinearsCase& c, std::uint64_t seed) 
   const test::Tolerance tol = test::fp32_accum_tolerance(c.k + rank);
   for (std::size_t i = 0; i < np; ++i) {
     EXPECT_TRUE(test::all_close(ys[i], y_ref[i], tol)) << what << ": y " << i;
-    if (c.r[i]) EXPECT_TRUE(test::all_close(gbs[i], gb_ref[i], test::fp32_accum_tolerance(c.m))) << what << ": grad_b " << i;
+    if (c.r[i])
+      EXPECT_TRUE(test::all_close(gbs[i], gb_ref[i], test::fp32_accum_tolerance(c.m))) << what << ": grad_b " << i;
   }
   if (rank) EXPECT_TRUE(test::all_close(ga, ga_ref, test::fp32_accum_tolerance(c.m))) << what << ": grad_a";
   EXPECT_TRUE(test::all_close(dx, dx_ref, test::fp32_accum_tolerance(c.k + rank))) << what << ": dx";
@@ -1040,9 +1041,10 @@ void expect_linears_match_composition(const LinearsCase& c, std::uint64_t seed) 
 
 TEST(Nf4Linears, MatchThePerProjectionOpsOnRaggedShapes) {
   std::uint64_t seed = 9100;
-  for (const LinearsCase& c : {LinearsCase{1, 64, {64, 128, 64}, {8, 16, 8}}, LinearsCase{7, 128, {192, 64, 64}, {4, 4, 4}},
-                               LinearsCase{65, 64, {64, 128}, {16, 0}}, LinearsCase{63, 192, {128, 64, 64}, {0, 0, 0}},
-                               LinearsCase{33, 64, {64, 64, 64, 128}, {8, 0, 16, 12}}})
+  for (const LinearsCase& c :
+       {LinearsCase{1, 64, {64, 128, 64}, {8, 16, 8}}, LinearsCase{7, 128, {192, 64, 64}, {4, 4, 4}},
+        LinearsCase{65, 64, {64, 128}, {16, 0}}, LinearsCase{63, 192, {128, 64, 64}, {0, 0, 0}},
+        LinearsCase{33, 64, {64, 64, 64, 128}, {8, 0, 16, 12}}})
     expect_linears_match_composition(c, seed += 100);
 }
 
@@ -1061,15 +1063,16 @@ TEST(Nf4Linears, RefuseBadArgumentsBeforeWriting) {
   EXPECT_TRUE(test::throws_error(call({}, a, t), ErrorCode::InvalidArgument, {"lora_nf4_linears", "no projections"}));
   EXPECT_TRUE(test::throws_error(call({{w.view(), y_bad, 0.0f, b, 2.0f}}, a, t), ErrorCode::ShapeMismatch,
                                  {"projection 0 y", "[5,64]"}));
-  EXPECT_TRUE(test::throws_error(call({good}, test::random_tensor(DType::F32, {16, 64}, 5), t), ErrorCode::ShapeMismatch,
-                                 {"a is", "[8,64]"}));
+  EXPECT_TRUE(test::throws_error(call({good}, test::random_tensor(DType::F32, {16, 64}, 5), t),
+                                 ErrorCode::ShapeMismatch, {"a is", "[8,64]"}));
   EXPECT_TRUE(test::throws_error(call({{w.view(), y, 0.5f, b, 2.0f}}, a, t), ErrorCode::InvalidArgument, {"beta"}));
   EXPECT_TRUE(test::throws_error(call({good}, a, TensorView()), ErrorCode::InvalidArgument, {"t has null data"}));
   EXPECT_TRUE(test::throws_error(call({{w.view(), x, 0.0f, b, 2.0f}}, a, t), ErrorCode::InvalidArgument,
                                  {"projection 0 y and x overlap"}));
   // Two outputs in one buffer.
-  EXPECT_TRUE(test::throws_error(call({good, good}, test::random_tensor(DType::F32, {16, 64}, 6), Tensor(DType::F32, {5, 16})),
-                                 ErrorCode::InvalidArgument, {"overlap"}));
+  EXPECT_TRUE(
+      test::throws_error(call({good, good}, test::random_tensor(DType::F32, {16, 64}, 6), Tensor(DType::F32, {5, 16})),
+                         ErrorCode::InvalidArgument, {"overlap"}));
   EXPECT_TRUE(test::bytes_equal(y, y_before));
   // The backward: a projection with an adapter needs its dy.
   Tensor dt(DType::F32, {5, 8}), gb(DType::F32, {64, 8}), dx(DType::F32, {5, 64});

@@ -656,8 +656,8 @@ void expect_linears_gpu_matches_cpu(DType dtype, std::int64_t m, std::int64_t k,
       gemm_bt(cpu, ti, bs[i], after, {scales[i % 3], 1.0f});
       col += rs[i];
     }
-    EXPECT_TRUE(test::nf4_forward_close(test::host_copy(y_gpu[i]), exact, after,
-                                        roundings(out_tol(k + rs[i]), rs[i] ? 2 : 1)))
+    EXPECT_TRUE(
+        test::nf4_forward_close(test::host_copy(y_gpu[i]), exact, after, roundings(out_tol(k + rs[i]), rs[i] ? 2 : 1)))
         << what << ": y " << i;
   }
 
@@ -694,8 +694,8 @@ void expect_linears_gpu_matches_cpu(DType dtype, std::int64_t m, std::int64_t k,
   gemm(cpu, dt_got, a, dx_ref, {1.0f, 1.0f});
   EXPECT_TRUE(test::all_close(test::host_copy(ga_d), ga_ref, scaled_to(test::fp32_accum_tolerance(m), ga_ref)))
       << what << ": grad_a";
-  EXPECT_TRUE(test::all_close(test::host_copy(dx_d), dx_ref,
-                              roundings(out_tol(n_all + rank), static_cast<int>(np) + 1)))
+  EXPECT_TRUE(
+      test::all_close(test::host_copy(dx_d), dx_ref, roundings(out_tol(n_all + rank), static_cast<int>(np) + 1)))
       << what << ": dx";
 }
 

@@ -84,8 +84,7 @@ template <int kR>
 __global__ void __launch_bounds__(kThreads, 1)
     lora_backward_dy_kernel(const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ b,
                             const __nv_bfloat16* __restrict__ t, std::int64_t ld_t, std::int64_t M, std::int64_t N,
-                            int row_tiles,
-                            float* __restrict__ dt_part, float* __restrict__ gb_part) {
+                            int row_tiles, float* __restrict__ dt_part, float* __restrict__ gb_part) {
   using L = Layout<kR>;
   constexpr int kNt = L::kNt;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -114,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int row = c / kNt, chunk = c % kNt;
       const bool ok = m0 + row < M;
       cp_async_16_or_zero(shared_address(st + L::kDyBytes + row * L::kRPitch + 16 * chunk),
-                  ok ? t + (m0 + row) * ld_t + 8 * chunk : t, ok);
+                          ok ? t + (m0 + row) * ld_t + 8 * chunk : t, ok);
     }
   };
 
@@ -214,10 +213,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 // dt[m][c] = bf16(scale·Σ_s dt_part[s][i]) for i = m·r + c < mr (dt's rows ld_dt apart), then grad_b[j] =
 // scale·Σ_z gb_part[z][j] + beta·grad_b[j], sums in order; beta = 0 does not read grad_b (a GEMM's beta = 0).
 // One element per thread: a float4 version (a quarter of the threads) measured slower.
-__global__ void __launch_bounds__(kThreads) lora_backward_dy_reduce_kernel(
-    const float* __restrict__ dt_part, int strips, std::int64_t mr, int r, std::int64_t ld_dt,
-    __nv_bfloat16* __restrict__ dt, const float* __restrict__ gb_part, int splits, std::int64_t nr, float* __restrict__ grad_b, float scale,
-    float beta) {
+__global__ void __launch_bounds__(kThreads)
+    lora_backward_dy_reduce_kernel(const float* __restrict__ dt_part, int strips, std::int64_t mr, int r,
+                                   std::int64_t ld_dt, __nv_bfloat16* __restrict__ dt,
+                                   const float* __restrict__ gb_part, int splits, std::int64_t nr,
+                                   float* __restrict__ grad_b, float scale, float beta) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < mr + nr;
        i += stride) {
@@ -252,13 +252,13 @@ bool launch(const Context& ctx, const TensorView& dy, const TensorView& b, const
   const auto kernel = lora_backward_dy_kernel<kR>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), Layout<kR>::kBytes);
   kernel<<<dim3(strips, splits), kThreads, Layout<kR>::kBytes, stream_of(ctx)>>>(
-      dy.data_as<const __nv_bfloat16>(), b.data_as<const __nv_bfloat16>(), t.data_as<const __nv_bfloat16>(), ld_t,
-      M, N, row_tiles, dt_part, gb_part);
+      dy.data_as<const __nv_bfloat16>(), b.data_as<const __nv_bfloat16>(), t.data_as<const __nv_bfloat16>(), ld_t, M, N,
+      row_tiles, dt_part, gb_part);
   QMM_CUDA_CHECK_LAUNCH("lora_backward_dy_kernel");
   const unsigned grid = grid_for(ctx, lora_backward_dy_reduce_kernel, kThreads, mr + nr);
-  lora_backward_dy_reduce_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
-      dt_part, strips, mr, kR, ld_dt, dt.data_as<__nv_bfloat16>(), gb_part, splits, nr, grad_b.data_as<float>(),
-      scale, beta);
+  lora_backward_dy_reduce_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(dt_part, strips, mr, kR, ld_dt,
+                                                                        dt.data_as<__nv_bfloat16>(), gb_part, splits,
+                                                                        nr, grad_b.data_as<float>(), scale, beta);
   QMM_CUDA_CHECK_LAUNCH("lora_backward_dy_reduce_kernel");
   return true;
 }
@@ -272,9 +272,12 @@ bool lora_backward_dy_fused(const Context& ctx, const TensorView& dy, const Tens
   if (dy.dtype() != DType::BF16 || M == 0 || N == 0 || N % 8 != 0 || ld_t % 8 != 0) return false;
   if (!aligned16(dy.data()) || !aligned16(b.data()) || !aligned16(t.data())) return false;
   switch (r) {
-    case 8: return launch<8>(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta);
-    case 16: return launch<16>(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta);
-    case 32: return launch<32>(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta);
+    case 8:
+      return launch<8>(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta);
+    case 16:
+      return launch<16>(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta);
+    case 32:
+      return launch<32>(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta);
     default: return false;
   }
 }

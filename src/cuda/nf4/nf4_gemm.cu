@@ -20,8 +20,8 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/nf4/nf4_fused.h"
 #include "cuda/nf4/nf4_plan.h"
-#include "cuda/nf4/nf4_small_m.h"
 #include "cuda/nf4/nf4_slice.h"
+#include "cuda/nf4/nf4_small_m.h"
 #include "cuda/nf4/quantize.h"
 #include "cuda/swiglu/swiglu.cuh"
 #include "qmm/error.h"
@@ -233,8 +233,8 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
   dequantize_then_gemm(ctx, dc, w, false, da, M, K, N, opts.alpha, opts.beta);
 }
 
-void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weight> ws,
-               std::span<const TensorView> cs, std::span<const float> betas, const Nf4GemmOptions& opts) {
+void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weight> ws, std::span<const TensorView> cs,
+               std::span<const float> betas, const Nf4GemmOptions& opts) {
   auto one = [&](std::size_t i) { return Nf4GemmOptions{opts.alpha, betas[i], opts.path}; };
   bool grouped = ws.size() > 1 && a.dim(0) > 0;
   for (std::size_t i = 0; i < ws.size(); ++i)  // every plan first: a forced path that cannot serve one throws here

@@ -1,6 +1,4 @@
 // Host side of NF4 quantize and dequantize: alignment checks, grid sizing, the double-quantization offset.
-#include "cuda/nf4/quantize.cuh"
-
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -10,6 +8,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/nf4/quantize.cuh"
 #include "cuda/nf4/quantize.h"
 #include "qmm/error.h"
 
@@ -144,8 +143,9 @@ void nf4_dequantize_many(const Context& ctx, std::span<const Nf4Weight> ws, void
     const std::size_t count = std::min<std::size_t>(kDequantManyMax, ws.size() - first);
     for (std::size_t i = 0; i < count; ++i) {
       const Nf4Weight& w = ws[first + i];
-      parts.part[i] = {w.codes.data_as<const std::uint8_t>(), scales_of(w), log2_exact(w.block_size), w.numel(),
-                       aligned(w.codes.data(), 4) && aligned(out, 16), out};
+      parts.part[i] = {
+          w.codes.data_as<const std::uint8_t>(),          scales_of(w), log2_exact(w.block_size), w.numel(),
+          aligned(w.codes.data(), 4) && aligned(out, 16), out};
       most = std::max(most, (w.numel() + kDequantChunk - 1) / kDequantChunk);
       out += w.numel();
     }

@@ -375,9 +375,9 @@ __device__ __forceinline__ void load_dequantize_tables(const Scales& s, float* c
 // lookup conflict-free (16 words in 16 banks). (Measured against one chunk per thread and step with four steps a
 // grid stride apart: docs/BENCHMARKS.md, NF4 conversion.)
 template <class T>
-__global__ void __launch_bounds__(kThreads) nf4_dequantize_kernel(const std::uint8_t* __restrict__ codes, Scales s,
-                                                                  int block_shift, std::int64_t n, bool vec,
-                                                                  T* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads)
+    nf4_dequantize_kernel(const std::uint8_t* __restrict__ codes, Scales s, int block_shift, std::int64_t n, bool vec,
+                          T* __restrict__ out) {
   __shared__ float codebook[16];
   __shared__ float code2_s[kCode2Size];
   load_dequantize_tables(s, codebook, code2_s);
