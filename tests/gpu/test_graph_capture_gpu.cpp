@@ -18,8 +18,9 @@ namespace {
 #ifdef QMM_WITH_CUDA
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
-// The device tensors of one decoder layer's worth of ops: the QLoRA projections (NF4 base, bf16 adapter), gate+up
-// with SwiGLU, RMSNorm, RoPE and the head's cross-entropy, forward and backward.
+// The device tensors of one decoder layer's worth of ops: the QLoRA projections (NF4 base, bf16 adapter; two of one
+// input as one op, lora_nf4_linears), gate+up with SwiGLU, RMSNorm, RoPE and the head's cross-entropy, forward and
+// backward.
 struct StepBuffers {
   static constexpr std::int64_t kTokens = 130, kHidden = 256, kFfn = 512, kRank = 16, kVocab = 1000;
   static constexpr std::int64_t kHeads = 4, kHeadDim = 64, kBatch = 2, kSeq = kTokens / kBatch;
@@ -28,6 +29,7 @@ struct StepBuffers {
   Tensor x, a_master, b_master, norm_w, cos, sin, head_w, labels, dy;  // inputs
   Tensor a, b, y, t, h, h2, gate, up, xn, rstd, dx, dt, grad_a, grad_b;  // outputs
   Tensor dgate, dup, dxn, dnorm_w, q_rot, loss, dh_head, dw_head, y_small;
+  Tensor a2, dy2, y2a, y2b, t2, dt2, grad_a2, grad_b2a, grad_b2b, dx2;  // two projections of x, adapters stacked
 
   explicit StepBuffers(const Context& ctx) : dev(ctx.device()) {
     std::uint64_t seed = 4100;
@@ -76,12 +78,23 @@ struct StepBuffers {
     dh_head = out(DType::BF16, {kTokens, kHidden});
     dw_head = out(DType::F32, {kVocab, kHidden});
     y_small = out(DType::BF16, {7, kFfn});
+    a2 = in(DType::BF16, {2 * kRank, kHidden}, -0.1f, 0.1f);
+    dy2 = in(DType::BF16, {kTokens, kFfn});
+    y2a = out(DType::BF16, {kTokens, kFfn});
+    y2b = out(DType::BF16, {kTokens, kFfn});
+    t2 = out(DType::BF16, {kTokens, 2 * kRank});
+    dt2 = out(DType::BF16, {kTokens, 2 * kRank});
+    grad_a2 = out(DType::F32, {2 * kRank, kHidden});
+    grad_b2a = out(DType::F32, {kFfn, kRank});
+    grad_b2b = out(DType::F32, {kFfn, kRank});
+    dx2 = out(DType::BF16, {kTokens, kHidden});
   }
 
   // Every output, in a fixed order, for comparing runs.
   std::vector<const Tensor*> outputs() const {
-    return {&a, &b, &h2, &y, &t, &gate, &up, &h, &xn, &rstd, &q_rot, &dx, &dt, &grad_a, &grad_b, &dgate, &dup, &dxn, &dnorm_w,
-            &loss, &dh_head, &dw_head, &y_small};
+    return {&a, &b, &h2, &y, &t, &gate, &up, &h, &xn, &rstd, &q_rot, &dx, &dt, &grad_a, &grad_b, &dgate, &dup, &dxn,
+            &dnorm_w, &loss, &dh_head, &dw_head, &y_small, &y2a, &y2b, &t2, &dt2, &grad_a2, &grad_b2a, &grad_b2b,
+            &dx2};
   }
 
   void poison_outputs() const {
@@ -97,6 +110,9 @@ struct StepBuffers {
     gemm_bt(ctx, x, a, t);
     gemm_bt(ctx, t, b, y, {2.0f, 1.0f});
     nf4_gemm(ctx, TensorView(x.data(), DType::BF16, {7, kHidden}, dev), w_up, y_small);  // few tokens: small-M kernels
+    // Two projections of x as one op (an attention's q, k and v): one dequantize launch, the adapters stacked.
+    const std::vector<Nf4Projection> two{{w_gate, y2a, 0.0f, b, 2.0f}, {w_up, y2b, 0.0f, b, 0.5f}};
+    lora_nf4_linears(ctx, x, two, a2, t2);
     nf4_gate_up(ctx, x, w_gate, w_up, {gate, up, h});
     swiglu(ctx, gate, up, h2);
     rms_norm(ctx, x, norm_w, xn, rstd, 1e-6f);
@@ -112,6 +128,8 @@ struct StepBuffers {
     gemm_backward_b(ctx, dt, x, grad_a);
     nf4_gemm_backward_a(ctx, dy, w_up, dx);
     gemm(ctx, dt, a, dx, {1.0f, 1.0f});
+    const std::vector<Nf4ProjectionGrad> two_grads{{w_gate, dy, b, 2.0f, grad_b2a}, {w_up, dy2, b, 0.5f, grad_b2b}};
+    lora_nf4_linears_backward(ctx, x, two_grads, a2, t2, dt2, grad_a2, dx2);
     swiglu_backward(ctx, gate, up, dy, dgate, dup);
     zero(ctx, dnorm_w);
     rms_norm_backward(ctx, x, norm_w, rstd, dh_head, dxn, dnorm_w);
