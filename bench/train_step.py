@@ -21,11 +21,13 @@ by each variant in its own process (from_pretrained, with BitsAndBytesConfig for
 gradient zero), the same token batch, AdamW on the adapters (fused on a GPU, as transformers' Trainer's default).
 Per variant: median and min step time, tokens/s, torch's peak allocated memory and the device's used memory
 (torch.cuda.mem_get_info, which also sees qmm's pool), every step's loss, kernels per step and GPU busy time
-(torch.profiler over two steps), and the LoRA gradients of step 0 against bnb's (relative difference, norm-wise,
-per tensor: largest and median). Variants whose packages are missing are reported as skipped.
+(torch.profiler over two steps, --profile), kernels per decoder layer (--per-layer: a profiled step with and without
+the last decoder layer), and the LoRA gradients of step 0 against bnb's (relative difference, norm-wise, per tensor:
+largest and median). Variants whose packages are missing are reported as skipped.
 
     PYTHONPATH=build/python python3 bench/train_step.py [--models qwen,llama] [--variants ...] [--steps 10]
-        [--checkpointing] [--nf4-path auto] [--json out/train_step.json] [--unsloth-path DIR]
+        [--checkpointing] [--profile] [--per-layer] [--nf4-path auto] [--json out/train_step.json]
+        [--unsloth-path DIR]
 --tiny runs a small Llama config on any device (the CPU too): a check of the script, not a benchmark.
 """
 import argparse
@@ -114,6 +116,7 @@ def run_variant(variant, args, folder, out_json):
     worker_args = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     worker_args += ["--checkpointing"] if args.checkpointing else []
     worker_args += ["--profile"] if args.profile else []
+    worker_args += ["--per-layer"] if args.per_layer else []
     worker_args += ["--nf4-path", args.nf4_path]
     return run_worker(__file__, variant, args, folder, out_json, worker_args)
 
@@ -130,11 +133,12 @@ def table(model_label, results):
     bnb = by.get("bnb", {}).get("median_ms")
     lines = [f"### {model_label}", "",
              "| variant | median ms | min ms | vs bnb | tokens/s | torch peak GiB | device used GiB | kernels/step | "
-             "GPU busy ms | LoRA grad rel. diff vs bnb (max / median) | max loss diff vs bnb | first step s |",
-             "| --- " * 12 + "|"]
+             "kernels/layer | GPU busy ms | LoRA grad rel. diff vs bnb (max / median) | max loss diff vs bnb | "
+             "first step s |",
+             "| --- " * 13 + "|"]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['variant']} | skipped: {r['skipped'][:150]} |" + " |" * 10)
+            lines.append(f"| {r['variant']} | skipped: {r['skipped'][:150]} |" + " |" * 11)
             continue
         ratio = f"{r['median_ms'] / bnb:.2f}x" if bnb else "-"
         grads = f"{r['grad_rel_max']:.3f} / {r['grad_rel_median']:.3f}" if "grad_rel_max" in r else "-"
@@ -143,6 +147,7 @@ def table(model_label, results):
         lines.append(f"| {r['variant']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {ratio} | "
                      f"{r['tokens_per_s']:.0f} | "
                      f"{r['torch_peak_gib']:.2f} | {r['device_used_gib']:.2f} | {r.get('kernels_per_step', '-')} | "
+                     f"{r.get('kernels_per_layer', '-')} | "
                      f"{r.get('gpu_busy_ms', '-')} | {grads} | {loss_diff} | {r['first_step_s']:.1f} |")
     return "\n".join(lines)
 
@@ -259,6 +264,39 @@ def top_kernels(kernels, steps, count=25):
     return [[name, round(n / steps, 1), round(us / steps / 1e3, 3)] for name, (n, us) in ranked]
 
 
+def kernels_per_layer(model, train_step, ids, device):
+    """One decoder layer's kernels (CPU events on the CPU): a profiled training step, then the same without the
+    model's last decoder layer (removed for good: this runs last), the difference. The eager step serves every
+    variant but the compiled ones, which recompile for the shorter model."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    kind = "CUDA" if cuda else "CPU"
+
+    def counted():
+        for _ in range(2):  # plans, compiles and the optimizer's state before the profiled step
+            train_step(ids)
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            train_step(ids)
+            if cuda:
+                torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if str(e.device_type).endswith(kind))
+
+    config = model.config
+    n = config.num_hidden_layers
+    whole = counted()
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
+    layers = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    del layers[n - 1]
+    config.num_hidden_layers = n - 1
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:n - 1]
+    return whole - counted()
+
+
 def worker(args):
     import torch
     device = args.device
@@ -330,6 +368,8 @@ def worker(args):
         result["kernels_per_step"] = len(kernels) // 2
         result["gpu_busy_ms"] = round(busy_us / 2 / 1e3, 1)
         result["top_kernels"] = top_kernels(kernels, steps=2)
+    if args.per_layer:
+        result["kernels_per_layer"] = kernels_per_layer(model, train_step, ids, device)
     grads_path = args.out + ".grads.pt"
     torch.save(grads, grads_path)
     result["grads"] = grads_path
@@ -345,6 +385,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--checkpointing", action="store_true", help="transformers' gradient checkpointing")
     ap.add_argument("--profile", action="store_true", help="kernels per step and GPU busy time (torch.profiler)")
+    ap.add_argument("--per-layer", action="store_true",
+                    help="kernels per decoder layer: one profiled step, then one without the last decoder layer (the "
+                         "eager step for -graph variants; profiled CPU events on the CPU)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--nf4-path", default="auto",
                     help="the qmm variants' NF4 path (patch_bnb's path: auto, dequant_gemm, fused, ...), to time one "

@@ -49,6 +49,15 @@ def test_train_step_tiny_runs_and_compares_with_bnb():
         assert table[variant][-3] != "-", table[variant]  # the LoRA gradients against bnb's
 
 
+def test_train_step_counts_a_layer():
+    """--per-layer: a profiled step with and without the last decoder layer, the difference in the table (on the
+    CPU, CPU events: a check of the script)."""
+    out, _ = run_script("train_step.py", "--variants", "qmm-all", "--steps", "1", "--warmup", "1", "--per-layer")
+    header = next(line for line in out.splitlines() if line.startswith("| variant"))
+    column = [c.strip() for c in header.strip().strip("|").split("|")].index("kernels/layer") - 1
+    assert int(rows(out)["qmm-all"][column]) > 0, out
+
+
 def test_train_step_nf4_path_reaches_the_patch():
     """--nf4-path goes to qmm.patch_bnb: a path the CPU backend does not run makes the qmm variant a skipped row
     whose reason is qmm's error, naming the path."""
