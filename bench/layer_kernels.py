@@ -30,28 +30,17 @@ def step_events(model_name, variant, layers, device):
 
 def _profiled_step(model, config, batch, seq, device):
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     params = ts.lora_params(model)
     ts.init_adapters(params)
-    cuda = device == "cuda"
-    opt = torch.optim.AdamW(list(params.values()), lr=1e-4, fused=cuda)
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-4, fused=device == "cuda")
     ids = torch.randint(4, config["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
 
-    def step():
+    def step(ids):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    for _ in range(3):  # the optimizer's state and every lazily made plan exist before the profiled step
-        step()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        step()
-        sync()
-    kind = "CUDA" if cuda else "CPU"
-    events = sorted((e for e in prof.events() if str(e.device_type).endswith(kind)), key=lambda e: e.time_range.start)
-    return [e.name[:110] for e in events]
+    return ts.profiled_step_events(step, ids, device, warmup=3)
 
 
 def main():

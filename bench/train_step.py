@@ -264,37 +264,41 @@ def top_kernels(kernels, steps, count=25):
     return [[name, round(n / steps, 1), round(us / steps / 1e3, 3)] for name, (n, us) in ranked]
 
 
+def profiled_step_events(train_step, ids, device, warmup=2):
+    """The names of one profiled training step's kernels (CPU events on the CPU), in launch order, after `warmup`
+    steps (plans, compiles and the optimizer's state made before it)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup):
+        train_step(ids)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        train_step(ids)
+        sync()
+    kind = "CUDA" if cuda else "CPU"
+    events = sorted((e for e in prof.events() if str(e.device_type).endswith(kind)), key=lambda e: e.time_range.start)
+    return [e.name[:110] for e in events]
+
+
 def kernels_per_layer(model, train_step, ids, device):
     """One decoder layer's kernels (CPU events on the CPU): a profiled training step, then the same without the
     model's last decoder layer (removed for good: this runs last), the difference. The eager step serves every
     variant but the compiled ones, which recompile for the shorter model."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device == "cuda"
-    kind = "CUDA" if cuda else "CPU"
-
-    def counted():
-        for _ in range(2):  # plans, compiles and the optimizer's state before the profiled step
-            train_step(ids)
-        if cuda:
-            torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-            train_step(ids)
-            if cuda:
-                torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if str(e.device_type).endswith(kind))
 
     config = model.config
     n = config.num_hidden_layers
-    whole = counted()
+    whole = len(profiled_step_events(train_step, ids, device))
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
     layers = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
     del layers[n - 1]
     config.num_hidden_layers = n - 1
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:n - 1]
-    return whole - counted()
+    return whole - len(profiled_step_events(train_step, ids, device))
 
 
 def worker(args):

@@ -189,12 +189,18 @@ def _adapters_backward(dys, saved, scales, dx, wants):
     grad_bs = [None if b is None else torch.empty(b.shape, dtype=torch.float32, device=dev) for b in bs]
     _call(_qmm.lora_adapters_backward, x2, x2, list(dys), bs, [float(s) for s in scales], grad_bs, a_all, t, dt,
           grad_a, None if dx is None else _flat(dx), 1.0)
+    return [g for pair in _per_adapter(bs, grad_a, grad_bs, wants, [False] * len(bs)) for g in pair]
+
+
+def _per_adapter(bs, grad_a, grad_bs, wants, skip):
+    """Each adapter's (da, db) from the stacked grad_a (its rows, in order) and its grad_b; (None, None) without an
+    adapter, None where not wanted (wants: (want_da, want_db) each) or skipped."""
     out, row = [], 0
-    for b, gb, (want_da, want_db) in zip(bs, grad_bs, wants):
+    for b, gb, (want_da, want_db), s in zip(bs, grad_bs, wants, skip):
         if b is None:
-            out += [None, None]
+            out.append((None, None))
             continue
-        out += [grad_a[row:row + b.shape[1]] if want_da else None, gb if want_db else None]
+        out.append((grad_a[row:row + b.shape[1]] if want_da and not s else None, gb if want_db and not s else None))
         row += b.shape[1]
     return out
 
@@ -258,16 +264,8 @@ def _grouped_backward(dys, ws, path, saved, scales, x_shape, wants, want_dx):
     grad_bs = [torch.empty(b.shape, dtype=torch.float32, device=dev) if b is not None else None for b in bs]
     _call(_qmm.lora_nf4_linears_backward, x2, x2, [w._native for w in ws], dys, bs, [float(s) for s in scales],
           grad_bs, a_all, t, dt, grad_a, None if dx is None else dx.view(-1, x_shape[-1]), 0.0, path)
-    grads, row = [], 0
-    for b, gb, (_, want_da, want_db), skip in zip(bs, grad_bs, wants, unused):
-        if b is None:
-            grads.append((None, None, None))
-            continue
-        r = b.shape[1]
-        grads.append((None, grad_a[row:row + r] if want_da and not skip else None,
-                      gb if want_db and not skip else None))
-        row += r
-    return dx, grads
+    pairs = _per_adapter(bs, grad_a, grad_bs, [want[1:] for want in wants], unused)
+    return dx, [(None, da, db) for da, db in pairs]
 
 
 def swiglu_forward(x, w_gate, w_up, loras, path, keep):

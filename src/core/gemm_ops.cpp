@@ -10,6 +10,7 @@
 #include "core/reference_backend.h"
 #include "core/validate.h"
 #include "qmm/ops.h"
+#include "qmm/train_ops.h"
 
 namespace qmm {
 
@@ -120,16 +121,6 @@ void lora_backward_dy_pitched(const Context& ctx, const char* op, const TensorVi
 
 namespace {
 
-// c = 0, as a GEMM with an empty sum writes it.
-void write_zeros(const Context& ctx, const char* op, const TensorView& c) {
-  GemmProblem z;
-  z.m = c.dim(0);
-  z.n = c.dim(1);
-  z.a = z.b = z.c = c.data();
-  z.ab_dtype = z.c_dtype = c.dtype();
-  run_gemm(ctx, op, z);
-}
-
 // Columns col.. (r of them) of m [rows, R] as a [rows, r] view; its rows lie R apart, which callers pass as the pitch.
 TensorView columns(const TensorView& m, std::int64_t col, std::int64_t r) {
   return TensorView(static_cast<char*>(m.data()) + col * static_cast<std::int64_t>(dtype_size(m.dtype())), m.dtype(),
@@ -168,8 +159,8 @@ void lora_adapters_backward_unchecked(const Context& ctx, const char* op, const 
                                       float dx_beta) {
   const std::int64_t m = x.dim(0), k = x.dim(1), rank = a.dim(0);
   if (m == 0) {  // empty sums over M
-    for (const LoraTermGrad& term : terms) write_zeros(ctx, op, term.grad_b);
-    if (!grad_a.empty()) write_zeros(ctx, op, grad_a);
+    for (const LoraTermGrad& term : terms) zero(ctx, term.grad_b);
+    if (!grad_a.empty()) zero(ctx, grad_a);
     return;
   }
   std::int64_t col = 0;
