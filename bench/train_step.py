@@ -19,8 +19,9 @@ Models are built from real configs (random weights, no hub): saved once with a t
 by each variant in its own process (from_pretrained, with BitsAndBytesConfig for the 4-bit ones). LoRA r 16, alpha
 32 on all seven projections, the same nonzero adapter initialisation in every variant (PEFT's B = 0 would leave A's
 gradient zero), the same token batch, AdamW on the adapters (fused on a GPU, as transformers' Trainer's default).
-Per variant: median and min step time, tokens/s, torch's peak allocated memory and the device's used memory
-(torch.cuda.mem_get_info, which also sees qmm's pool), every step's loss, kernels per step and GPU busy time
+Per variant: median and min step time, tokens/s, torch's peak allocated memory (+ qmm's own in the patched
+variants: qmm.memory_stats' fixed memory and scratch peak) and the device's used memory (torch.cuda.mem_get_info,
+which also sees qmm's pool and CUDA graphs' memory), every step's loss, kernels per step and GPU busy time
 (torch.profiler over two steps, --profile), kernels per decoder layer (--per-layer: a profiled step with and without
 the last decoder layer), and the LoRA gradients of step 0 against bnb's (relative difference, norm-wise, per tensor:
 largest and median). Variants whose packages are missing are reported as skipped.
@@ -132,7 +133,7 @@ def table(model_label, results):
     by = {r["variant"]: r for r in results}
     bnb = by.get("bnb", {}).get("median_ms")
     lines = [f"### {model_label}", "",
-             "| variant | median ms | min ms | vs bnb | tokens/s | torch peak GiB | device used GiB | kernels/step | "
+             "| variant | median ms | min ms | vs bnb | tokens/s | torch peak (+ qmm) GiB | device used GiB | kernels/step | "
              "kernels/layer | GPU busy ms | LoRA grad rel. diff vs bnb (max / median) | max loss diff vs bnb | "
              "first step s |",
              "| --- " * 13 + "|"]
@@ -144,9 +145,10 @@ def table(model_label, results):
         grads = f"{r['grad_rel_max']:.3f} / {r['grad_rel_median']:.3f}" if "grad_rel_max" in r else "-"
         losses = by.get("bnb", {}).get("losses")
         loss_diff = f"{max(abs(a - b) for a, b in zip(r['losses'], losses)):.2e}" if losses else "-"
+        peak = f"{r['torch_peak_gib']:.2f}" + (f" + {r['qmm_peak_gib']:.2f}" if "qmm_peak_gib" in r else "")
         lines.append(f"| {r['variant']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {ratio} | "
                      f"{r['tokens_per_s']:.0f} | "
-                     f"{r['torch_peak_gib']:.2f} | {r['device_used_gib']:.2f} | {r.get('kernels_per_step', '-')} | "
+                     f"{peak} | {r['device_used_gib']:.2f} | {r.get('kernels_per_step', '-')} | "
                      f"{r.get('kernels_per_layer', '-')} | "
                      f"{r.get('gpu_busy_ms', '-')} | {grads} | {loss_diff} | {r['first_step_s']:.1f} |")
     return "\n".join(lines)
@@ -361,6 +363,10 @@ def worker(args):
               "tokens_per_s": batch * seq / (statistics.median(times) / 1e3), "losses": losses, "first_step_s": first,
               "torch_peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else 0.0,
               "device_used_gib": max(used) if used else 0.0}
+    qmm = sys.modules.get("qmm")
+    if qmm is not None and device == "cuda":  # the patched variants: qmm's own memory, which torch does not count
+        stats = qmm.memory_stats()
+        result["qmm_peak_gib"] = (stats["fixed"] + stats["scratch_reserved_peak"]) / 2 ** 30
     if args.profile and device == "cuda":
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

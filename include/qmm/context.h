@@ -20,6 +20,18 @@ struct DeviceInfo {
   std::size_t memory_bytes = 0;
 };
 
+// Device memory a context holds beyond its callers' tensors (all zero for a CPU context). Ops take their scratch
+// (an NF4 weight's bf16 copy, a loss's chunk of logits) from the context's own stream-ordered pool, which keeps
+// what it has reserved between calls (scratch sizes repeat from step to step) until release_cached_memory. Memory
+// that a CUDA graph captured with qmm ops holds belongs to the graph, not to the pool.
+struct MemoryStats {
+  std::size_t fixed_bytes = 0;                  // the cuBLASLt workspace and tables, for the context's life
+  std::size_t scratch_reserved_bytes = 0;       // the pool's device memory now
+  std::size_t scratch_reserved_peak_bytes = 0;  // its most since the context was made or the peaks were reset
+  std::size_t scratch_in_use_bytes = 0;         // of the reserved memory, what ops in flight hold now
+  std::size_t scratch_in_use_peak_bytes = 0;
+};
+
 class Context {
  public:
   // The CPU reference backend.
@@ -41,6 +53,13 @@ class Context {
   DeviceInfo info() const;
   // Blocks until all work enqueued by this context is done (no-op on the CPU).
   void synchronize() const;
+
+  MemoryStats memory_stats() const;
+  // The peaks start again from the current values.
+  void reset_peak_memory_stats() const;
+  // Waits for the context's stream, then gives the scratch pool's memory back to the device (the next op that
+  // needs scratch reserves it again).
+  void release_cached_memory() const;
 
   struct Impl;  // the backends' state, opaque here
 

@@ -6,7 +6,8 @@ outputs are allocated here unless passed as `out=`, which must be dense row-majo
 error is a `qmm.Error` (a RuntimeError) whose `code` names the kind ("ShapeMismatch", "Unsupported", ...); no
 output is written when an op fails. On the GPU, qmm keeps one context per (device, stream) with its own cuBLASLt
 workspace and a CUDA memory pool for scratch (the bf16 copy of the weight that the dequantize-then-GEMM path
-writes, for one): memory that PyTorch's allocator does not see.
+writes, for one): memory that PyTorch's allocator does not see (qmm.memory_stats reports it,
+qmm.release_cached_memory gives it back).
 
     import qmm, torch
     w4 = qmm.Nf4Weight.quantize(w.cuda())               # W [out, in] -> NF4, bitsandbytes' layout
@@ -26,15 +27,16 @@ from .graphs import graph_step
 from .layers import LoraAdapter, QLoraLinear, QLoraSwiGluMlp, replace_bnb_linears, replace_bnb_mlps
 from .nf4 import NF4_CODEBOOK, NF4_NESTED_BLOCK_SIZE, Nf4Weight
 from .ops import (batched_gemm, cuda_device_count, gemm, gemm_backward_a, gemm_backward_b, gemm_bt,
-                  linear_cross_entropy, lora_backward_dy, nf4_gate_up, nf4_gemm, nf4_gemm_backward_a, rms_norm,
-                  rms_norm_backward, rope, swiglu, swiglu_backward)
+                  linear_cross_entropy, lora_backward_dy, memory_stats, nf4_gate_up, nf4_gemm, nf4_gemm_backward_a,
+                  release_cached_memory, reset_peak_memory_stats, rms_norm, rms_norm_backward, rope, swiglu,
+                  swiglu_backward)
 from .patch import patch_bnb, unpatch_bnb
 
 __all__ = [
     "Error", "Lora", "LoraAdapter", "Nf4Weight", "QLoraLinear", "QLoraSwiGluMlp", "batched_gemm",
     "cuda_device_count", "gemm", "gemm_backward_a", "gemm_backward_b", "gemm_bt", "graph_step",
     "linear_cross_entropy", "linear_cross_entropy_loss", "lora_backward_dy", "lora_nf4_linear", "lora_nf4_linears",
-    "lora_nf4_swiglu", "nf4_gate_up", "nf4_gate_up_linear", "nf4_gemm", "nf4_gemm_backward_a", "nf4_linear",
-    "nf4_swiglu", "patch_bnb", "replace_bnb_linears", "replace_bnb_mlps", "rms_norm", "rms_norm_autograd",
-    "rms_norm_backward", "rope", "rope_autograd", "swiglu", "swiglu_autograd", "swiglu_backward", "unpatch_bnb",
+    "lora_nf4_swiglu", "memory_stats", "nf4_gate_up", "nf4_gate_up_linear", "nf4_gemm", "nf4_gemm_backward_a",
+    "nf4_linear", "nf4_swiglu", "patch_bnb", "release_cached_memory", "replace_bnb_linears", "replace_bnb_mlps",
+    "reset_peak_memory_stats", "rms_norm", "rms_norm_autograd", "rms_norm_backward", "rope", "rope_autograd", "swiglu", "swiglu_autograd", "swiglu_backward", "unpatch_bnb",
 ]

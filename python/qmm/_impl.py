@@ -331,6 +331,14 @@ def cross_entropy(h, w, labels, ignore_index, want_dh, want_dw, chunk_tokens=0, 
     return loss, dh, dw
 
 
+def cross_entropy_grads(dh, dw, grad, w_dtype):
+    """cross_entropy's saved gradients scaled by the loss's gradient `grad` (either may be None). dw is the size of
+    the head: it is cast first, then the copy scaled in place, without a float32 product of that size (with a bf16
+    head dw is rounded before the product, not after: no difference where grad is 1, as loss.backward() gives)."""
+    return (None if dh is None else dh * grad.to(dh.dtype),
+            None if dw is None else dw.to(w_dtype, copy=True).mul_(grad))
+
+
 class PendingLabelCheck:
     """A label range check without a wait in the middle of a step: made when the labels are (on a GPU, a copy to
     pinned host memory and an event, queued on the current stream), read by `first_bad` when the loss needs them,

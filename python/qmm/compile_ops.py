@@ -415,8 +415,8 @@ if AVAILABLE:
         dh, dw = ctx.saved_tensors
         if grad is None:
             return (None,) * 9
-        return (dh * grad.to(dh.dtype) if ctx.want[0] else None,
-                (dw * grad).to(ctx.w_dtype) if ctx.want[1] else None) + (None,) * 7
+        return _impl.cross_entropy_grads(dh if ctx.want[0] else None, dw if ctx.want[1] else None, grad,
+                                         ctx.w_dtype) + (None,) * 7
 
     linear_cross_entropy_op.register_autograd(_cross_entropy_grad, setup_context=_setup_cross_entropy)
 

@@ -323,9 +323,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        dh, dw = ctx.saved_tensors
-        return (None if dh is None else dh * grad.to(dh.dtype), None if dw is None else (dw * grad).to(ctx.w_dtype),
-                None, None, None, None, None)
+        return (*_impl.cross_entropy_grads(*ctx.saved_tensors, grad, ctx.w_dtype), None, None, None, None, None)
 
 
 def linear_cross_entropy_loss(h, w, labels, ignore_index=-100, chunk_tokens=0, check_labels=True, chunk_vocab=0):

@@ -13,6 +13,45 @@ def cuda_device_count():
     return _qmm.cuda_device_count()
 
 
+def _cuda_index(op, device):
+    """The CUDA device index that `device` (None: PyTorch's current one; an int, "cuda:1", a torch.device) names."""
+    if device is None:
+        return torch.cuda.current_device() if torch.cuda.is_available() else 0
+    try:
+        d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise _error("InvalidArgument", f"{op}: device {device!r} is not a device ({e})") from None
+    if d.type != "cuda":
+        raise _error("InvalidArgument", f"{op}: device {device!r} is not a CUDA device (qmm keeps no memory of its "
+                                        "own on the CPU)")
+    return torch.cuda.current_device() if d.index is None else d.index
+
+
+def memory_stats(device=None):
+    """The device memory qmm holds on a GPU beyond the tensors it is given, which PyTorch's allocator does not see
+    (torch.cuda.max_memory_allocated leaves it out): a dict of bytes, summed over this process's qmm contexts on
+    the device (one per stream that ran qmm ops there). "fixed": cuBLASLt workspaces and tables, for the process's
+    life; "scratch_reserved" (and "scratch_reserved_peak"): the scratch pools' memory, which ops take their
+    temporaries from (an NF4 weight's bf16 copy, a loss's chunk of logits) and which keeps what it reserved between
+    calls; "scratch_in_use" (and its peak): what ops in flight hold of it. Peaks count since the contexts were made
+    or reset_peak_memory_stats, each context's own, summed (where several streams ran qmm ops, an upper bound). Memory held by CUDA graphs captured with qmm ops is the graphs' own. Zeros where
+    qmm has run nothing on the device."""
+    values = _qmm.memory_stats(_cuda_index("memory_stats", device))
+    keys = ("fixed", "scratch_reserved", "scratch_reserved_peak", "scratch_in_use", "scratch_in_use_peak")
+    return dict(zip(keys, values))
+
+
+def reset_peak_memory_stats(device=None):
+    """Starts memory_stats' peaks again from the current values."""
+    _qmm.reset_peak_memory_stats(_cuda_index("reset_peak_memory_stats", device))
+
+
+def release_cached_memory(device=None):
+    """Gives qmm's unused scratch memory on the device back to CUDA (as torch.cuda.empty_cache does for PyTorch's
+    cache), after waiting for the streams qmm ran on there; the next op that needs scratch reserves it again."""
+    _qmm.release_cached_memory(_cuda_index("release_cached_memory", device))
+
+
 def cast(tensors, dtype):
     """Copies of `tensors` (float32 or bfloat16, on one device) in `dtype` (rounded to nearest even), float32 ->
     bfloat16 ones in one launch on a GPU: a layer's LoRA matrices cast for a bf16 product cost one launch."""

@@ -89,19 +89,37 @@ qmm::TensorView view_or_empty(const nb::object& a, const char* op, const char* n
 // One Context per (GPU, stream), kept for the life of the process: a CUDA context holds a cuBLASLt handle, its
 // workspace and the plan cache, too costly to make per call. The map is never destroyed on purpose: at exit the
 // CUDA runtime may already be gone when static destructors run.
+struct CudaContexts {
+  std::mutex mutex;
+  std::map<std::pair<int, std::uintptr_t>, qmm::Context> by_device_and_stream;
+};
+CudaContexts& cuda_contexts() {
+  static auto* contexts = new CudaContexts();
+  return *contexts;
+}
+
 qmm::Context context_for(const qmm::TensorView& first, std::uintptr_t stream) {
   if (first.device().is_cpu()) {
     static const qmm::Context cpu = qmm::Context::cpu();
     return cpu;
   }
-  static std::mutex mutex;
-  static auto* contexts = new std::map<std::pair<int, std::uintptr_t>, qmm::Context>();
-  std::lock_guard<std::mutex> lock(mutex);
+  CudaContexts& all = cuda_contexts();
+  std::lock_guard<std::mutex> lock(all.mutex);
   const auto key = std::make_pair(first.device().index, stream);
-  auto it = contexts->find(key);
-  if (it == contexts->end())
-    it = contexts->emplace(key, qmm::Context::cuda(key.first, reinterpret_cast<void*>(stream))).first;
+  auto it = all.by_device_and_stream.find(key);
+  if (it == all.by_device_and_stream.end())
+    it = all.by_device_and_stream.emplace(key, qmm::Context::cuda(key.first, reinterpret_cast<void*>(stream))).first;
   return it->second;
+}
+
+// The contexts this process made on `device` (one per stream that ran qmm ops there).
+std::vector<qmm::Context> contexts_on(int device) {
+  CudaContexts& all = cuda_contexts();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  std::vector<qmm::Context> out;
+  for (const auto& [key, ctx] : all.by_device_and_stream)
+    if (key.first == device) out.push_back(ctx);
+  return out;
 }
 
 // The enum value whose library name (math_mode_name, nf4_path_name) is `name`; the error lists the names.
@@ -382,6 +400,36 @@ NB_MODULE(_qmm, m) {
     return values;
   }, "The 16 NF4 values (float32), ascending: bitsandbytes' quant_map for nf4.");
   m.def("cuda_unavailable_reason", &qmm::Context::cuda_unavailable_reason);
+  m.def(
+      "memory_stats",
+      [](int device) {
+        qmm::MemoryStats sum;
+        for (const qmm::Context& ctx : contexts_on(device)) {
+          const qmm::MemoryStats m = ctx.memory_stats();
+          sum.fixed_bytes += m.fixed_bytes;
+          sum.scratch_reserved_bytes += m.scratch_reserved_bytes;
+          sum.scratch_reserved_peak_bytes += m.scratch_reserved_peak_bytes;
+          sum.scratch_in_use_bytes += m.scratch_in_use_bytes;
+          sum.scratch_in_use_peak_bytes += m.scratch_in_use_peak_bytes;
+        }
+        return nb::make_tuple(sum.fixed_bytes, sum.scratch_reserved_bytes, sum.scratch_reserved_peak_bytes,
+                              sum.scratch_in_use_bytes, sum.scratch_in_use_peak_bytes);
+      },
+      nb::arg("device"),
+      "Context::memory_stats summed over this process's contexts on a CUDA device: (fixed, "
+      "scratch reserved, its peak, scratch in use, its peak) in bytes; zeros where none was made.");
+  m.def(
+      "reset_peak_memory_stats",
+      [](int device) {
+        for (const qmm::Context& ctx : contexts_on(device)) ctx.reset_peak_memory_stats();
+      },
+      nb::arg("device"));
+  m.def(
+      "release_cached_memory",
+      [](int device) {
+        for (const qmm::Context& ctx : contexts_on(device)) ctx.release_cached_memory();
+      },
+      nb::arg("device"));
   m.def("check_nf4_path", [](const std::string& name, const std::string& op) { path_of(name, op.c_str()); },
         nb::arg("path"), nb::arg("op"), "Throws qmm.Error unless `path` names an NF4 path (for an argument kept).");
 

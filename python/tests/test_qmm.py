@@ -521,6 +521,40 @@ def test_nf4_weight_checks_its_parts_when_built():
         _expect_error(code, words, lambda: qmm.Nf4Weight(**dict(parts, **change)))
 
 
+def test_memory_stats_follow_the_scratch_pools():
+    """qmm.memory_stats reports the scratch that an op took (the dequantize-then-GEMM path's bf16 copy of the
+    weight, N x K x 2 bytes) and keeps, reset_peak_memory_stats restarts the peaks, release_cached_memory gives the
+    memory back; a device that is not a GPU is a qmm.Error."""
+    _expect_error("InvalidArgument", "not a CUDA device", lambda: qmm.memory_stats("cpu"))
+    _expect_error("InvalidArgument", "is not a device", lambda: qmm.memory_stats("nowhere"))
+    _expect_error("InvalidArgument", "reset_peak_memory_stats", lambda: qmm.reset_peak_memory_stats("cpu"))
+    keys = {"fixed", "scratch_reserved", "scratch_reserved_peak", "scratch_in_use", "scratch_in_use_peak"}
+    if "cuda" not in DEVICES:
+        stats = qmm.memory_stats(0)  # no context made on a GPU: nothing held
+        assert set(stats) == keys and set(stats.values()) == {0}
+        qmm.reset_peak_memory_stats(0)
+        qmm.release_cached_memory(0)
+        return
+    n, k = 1000, 1536
+    w4 = qmm.Nf4Weight.quantize(randn((n, k), 1, "cuda"), double_quant=False)
+    x = randn((65, k), 2, "cuda").bfloat16()
+    qmm.release_cached_memory()
+    qmm.reset_peak_memory_stats("cuda")
+    assert qmm.memory_stats()["scratch_reserved"] == 0 and qmm.memory_stats(0)["scratch_in_use_peak"] == 0
+    stream = torch.cuda.Stream()  # a context of its own
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        qmm.nf4_gemm(x, w4, path="dequant_gemm")
+    torch.cuda.synchronize()
+    stats = qmm.memory_stats(torch.device("cuda", 0))
+    assert stats["fixed"] > 0
+    assert stats["scratch_in_use_peak"] >= n * k * 2
+    assert stats["scratch_reserved"] >= stats["scratch_in_use_peak"]  # kept for the next call
+    assert stats["scratch_in_use"] == 0
+    qmm.release_cached_memory()
+    assert qmm.memory_stats()["scratch_reserved"] == 0
+
+
 # ---- autograd ---------------------------------------------------------------------------------------------------
 
 
@@ -1598,7 +1632,8 @@ def test_linear_cross_entropy_loss_autograd_in_any_chunking(device):
     """The differentiable loss (h [B, S, H] flattened, w a trained head) against PyTorch's cross_entropy of the fp64
     logits, loss and both gradients, with qmm's own chunking and chunks of 5 tokens (a GPU then runs 5 chunks, the
     last ragged; the CPU backend takes the whole at once): f32, so fp32 sums' reordering only (1e-5 relative on
-    the loss, 1e-4 of the largest gradient). A negative chunk is a qmm.Error."""
+    the loss, 1e-4 of the largest gradient); a loss scaled by 2.5 and backpropagated twice gives 2.5 times the
+    gradients both times. A negative chunk is a qmm.Error."""
     g = gen(11)
     h = (torch.randn((3, 7, 16), generator=g)).to(device)
     w = (torch.randn((40, 16), generator=g) * 0.25).to(device)
@@ -1614,6 +1649,16 @@ def test_linear_cross_entropy_loss_autograd_in_any_chunking(device):
         assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item()), chunk
         for got, want, name in ((hq.grad, hd.grad, "dh"), (wq.grad, wd.grad, "dw")):
             assert (got.cpu().double() - want).abs().max() <= 1e-4 * want.abs().max(), (name, chunk)
+    # A scaled loss, backpropagated twice through one graph: the saved gradients are scaled in copies
+    hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = 2.5 * qmm.linear_cross_entropy_loss(hq, wq, labels.to(device))
+    loss.backward(retain_graph=True)
+    first = (hq.grad.clone(), wq.grad.clone())
+    hq.grad, wq.grad = None, None
+    loss.backward()
+    assert torch.equal(hq.grad, first[0]) and torch.equal(wq.grad, first[1])
+    for got, want in ((hq.grad, hd.grad), (wq.grad, wd.grad)):
+        assert (got.cpu().double() - 2.5 * want).abs().max() <= 2.5e-4 * want.abs().max()
     _expect_error("InvalidArgument", "chunk_tokens is -1",
                   lambda: qmm.linear_cross_entropy_loss(h, w, labels.to(device), chunk_tokens=-1))
 

@@ -61,4 +61,17 @@ void Context::synchronize() const {
   if (impl_->device.is_cuda()) require_gpu_backend("Context::synchronize").synchronize(*this);
 }
 
+MemoryStats Context::memory_stats() const {
+  if (impl_->device.is_cuda()) return require_gpu_backend("Context::memory_stats").memory_stats(*this);
+  return {};
+}
+
+void Context::reset_peak_memory_stats() const {
+  if (impl_->device.is_cuda()) require_gpu_backend("Context::reset_peak_memory_stats").reset_peak_memory_stats(*this);
+}
+
+void Context::release_cached_memory() const {
+  if (impl_->device.is_cuda()) require_gpu_backend("Context::release_cached_memory").release_cached_memory(*this);
+}
+
 }  // namespace qmm

@@ -37,6 +37,9 @@ class GpuBackend {
   virtual void copy_bytes_async(const Context& ctx, void* dst, const void* src, std::size_t bytes) const = 0;
   virtual void synchronize(const Context& ctx) const = 0;
   virtual DeviceInfo device_info(const Context& ctx) const = 0;
+  virtual MemoryStats memory_stats(const Context& ctx) const = 0;
+  virtual void reset_peak_memory_stats(const Context& ctx) const = 0;
+  virtual void release_cached_memory(const Context& ctx) const = 0;
   virtual std::vector<double> time_calls(const Context& ctx, const std::function<void(int)>& fn, int warmup,
                                          int repeats) const = 0;
   virtual std::vector<double> time_graph(const Context& ctx, const std::function<void(int)>& fn, int calls,

@@ -25,6 +25,9 @@ class CudaBackend final : public GpuBackend {
   }
   void synchronize(const Context& ctx) const override { cuda::synchronize(ctx); }
   DeviceInfo device_info(const Context& ctx) const override { return cuda::device_info(ctx); }
+  MemoryStats memory_stats(const Context& ctx) const override { return cuda::memory_stats(ctx); }
+  void reset_peak_memory_stats(const Context& ctx) const override { cuda::reset_peak_memory_stats(ctx); }
+  void release_cached_memory(const Context& ctx) const override { cuda::release_cached_memory(ctx); }
   std::vector<double> time_calls(const Context& ctx, const std::function<void(int)>& fn, int warmup,
                                  int repeats) const override {
     return cuda::time_calls(ctx, fn, warmup, repeats);

@@ -28,6 +28,9 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
 void copy_bytes_async(const Context& ctx, void* dst, const void* src, std::size_t bytes);
 void synchronize(const Context& ctx);
 DeviceInfo device_info(const Context& ctx);
+MemoryStats memory_stats(const Context& ctx);
+void reset_peak_memory_stats(const Context& ctx);
+void release_cached_memory(const Context& ctx);
 std::vector<double> time_calls(const Context& ctx, const std::function<void(int)>& fn, int warmup, int repeats);
 std::vector<double> time_graph(const Context& ctx, const std::function<void(int)>& fn, int calls, int replays);
 // Creates a non-blocking stream for impl (destroyed with its state) and returns it.

@@ -57,6 +57,13 @@ TEST(Core, CpuContext) {
   EXPECT_TRUE(ctx.device().is_cpu());
   EXPECT_EQ(ctx.device_name(), "cpu");
   ctx.synchronize();
+  // The CPU backend keeps no device memory of its own.
+  const MemoryStats m = ctx.memory_stats();
+  EXPECT_EQ(m.fixed_bytes + m.scratch_reserved_bytes + m.scratch_reserved_peak_bytes + m.scratch_in_use_bytes +
+                m.scratch_in_use_peak_bytes,
+            0u);
+  ctx.reset_peak_memory_stats();
+  ctx.release_cached_memory();
 }
 
 TEST(Core, CudaContextWithoutGpuRaisesNoDevice) {

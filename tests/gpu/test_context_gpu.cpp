@@ -1,4 +1,4 @@
-// The CUDA context: creation, device memory, copies both ways, graph timing.
+// The CUDA context: creation, device memory and its statistics, copies both ways, graph timing.
 #include "common/test_util.h"
 #include "core/timing.h"
 
@@ -14,6 +14,49 @@ TEST(GpuContext, CreatesAndCopiesRoundTrip) {
   Tensor d = to_device(h, ctx.device());
   Tensor back = test::host_copy(d);
   EXPECT_TRUE(test::bytes_equal(back, h));
+}
+
+// A fresh context's scratch pool: empty, then holding what an op took (the DequantGemm path's bf16 copy of the
+// weight, N x K x 2 bytes at least) after the op is done, until release_cached_memory gives it back.
+TEST(GpuContext, MemoryStatsFollowTheScratchPool) {
+  QMM_REQUIRE_GPU();
+  const Context ctx = Context::cuda_with_new_stream(0);
+  MemoryStats m = ctx.memory_stats();
+  EXPECT_GT(m.fixed_bytes, 0u);
+  EXPECT_EQ(m.scratch_reserved_bytes, 0u);
+  EXPECT_EQ(m.scratch_in_use_peak_bytes, 0u);
+
+  const std::int64_t n = 1000, k = 1536;
+  const Nf4Tensor w = nf4_quantize(ctx, to_device(test::random_tensor(DType::F32, {n, k}, 11), ctx.device()), false);
+  ctx.release_cached_memory();  // whatever the quantization took
+  ctx.reset_peak_memory_stats();
+  m = ctx.memory_stats();
+  EXPECT_EQ(m.scratch_reserved_bytes, 0u);
+  EXPECT_EQ(m.scratch_reserved_peak_bytes, 0u);
+  EXPECT_EQ(m.scratch_in_use_peak_bytes, 0u);
+  const Tensor a = to_device(test::random_tensor(DType::BF16, {65, k}, 12), ctx.device());
+  const Tensor c(DType::F32, {65, n}, ctx.device());
+  nf4_gemm(ctx, a, w, c, {1.0f, 0.0f, Nf4Path::DequantGemm});
+  ctx.synchronize();
+  m = ctx.memory_stats();
+  const std::size_t copy_bytes = static_cast<std::size_t>(n * k) * 2;
+  EXPECT_GE(m.scratch_in_use_peak_bytes, copy_bytes);
+  EXPECT_GE(m.scratch_reserved_bytes, m.scratch_in_use_peak_bytes);  // kept for the next call
+  EXPECT_GE(m.scratch_reserved_peak_bytes, m.scratch_reserved_bytes);
+  EXPECT_EQ(m.scratch_in_use_bytes, 0u);  // freed on the stream, which has passed the free
+
+  ctx.reset_peak_memory_stats();
+  m = ctx.memory_stats();
+  EXPECT_EQ(m.scratch_in_use_peak_bytes, 0u);
+  EXPECT_EQ(m.scratch_reserved_peak_bytes, m.scratch_reserved_bytes);
+
+  ctx.release_cached_memory();
+  m = ctx.memory_stats();
+  EXPECT_EQ(m.scratch_reserved_bytes, 0u);
+  // The pool serves the next call again.
+  nf4_gemm(ctx, a, w, c, {1.0f, 0.0f, Nf4Path::DequantGemm});
+  ctx.synchronize();
+  EXPECT_GE(ctx.memory_stats().scratch_reserved_bytes, copy_bytes);
 }
 
 TEST(GpuContext, BadDeviceIndexRaisesNoDevice) {

@@ -156,6 +156,36 @@ DeviceInfo device_info(const Context& ctx) {
   return d;
 }
 
+namespace {
+std::size_t pool_attribute(cudaMemPool_t pool, cudaMemPoolAttr attr) {
+  std::uint64_t value = 0;
+  QMM_CUDA_CHECK(cudaMemPoolGetAttribute(pool, attr, &value));
+  return static_cast<std::size_t>(value);
+}
+}  // namespace
+
+MemoryStats memory_stats(const Context& ctx) {
+  const CudaState& s = state(ctx);
+  MemoryStats m;
+  m.fixed_bytes = s.workspace_bytes + kNf4Code2Size * sizeof(float);
+  m.scratch_reserved_bytes = pool_attribute(s.pool, cudaMemPoolAttrReservedMemCurrent);
+  m.scratch_reserved_peak_bytes = pool_attribute(s.pool, cudaMemPoolAttrReservedMemHigh);
+  m.scratch_in_use_bytes = pool_attribute(s.pool, cudaMemPoolAttrUsedMemCurrent);
+  m.scratch_in_use_peak_bytes = pool_attribute(s.pool, cudaMemPoolAttrUsedMemHigh);
+  return m;
+}
+
+void reset_peak_memory_stats(const Context& ctx) {
+  std::uint64_t zero = 0;  // the only value these attributes take: it resets the high mark to the current use
+  QMM_CUDA_CHECK(cudaMemPoolSetAttribute(state(ctx).pool, cudaMemPoolAttrReservedMemHigh, &zero));
+  QMM_CUDA_CHECK(cudaMemPoolSetAttribute(state(ctx).pool, cudaMemPoolAttrUsedMemHigh, &zero));
+}
+
+void release_cached_memory(const Context& ctx) {
+  synchronize(ctx);  // scratch freed on the stream returns to the pool only once the stream reaches the free
+  QMM_CUDA_CHECK(cudaMemPoolTrimTo(state(ctx).pool, 0));
+}
+
 std::vector<double> time_calls(const Context& ctx, const std::function<void(int)>& fn, int warmup, int repeats) {
   set_device(ctx);
   cudaStream_t s = stream_of(ctx);
