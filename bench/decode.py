@@ -11,9 +11,10 @@
 The models, adapters and processes are bench/train_step.py's (random weights from real configs, LoRA r 16 on all
 seven projections, the same nonzero adapters everywhere). Per variant: tokens/s over `--new-tokens` greedy tokens
 after the prompt (median of `--repeats` timed calls after one warm-up), and the first generated token that differs
-from bnb's: the qmm variants compute bnb's products, but keep each projection's sums in fp32 where bitsandbytes
-rounds them to bf16, and a random-weight model's logits are close enough to ties that greedy decoding parts after a
-few tokens (Unsloth's too).
+from bnb's, with the gap between bnb's two largest logits at that step (from one more, untimed call that keeps the
+scores) against the median gap: the qmm variants compute bnb's products, but keep each projection's sums in fp32
+where bitsandbytes rounds them to bf16, and a random-weight model's logits are close enough to ties that greedy
+decoding parts after a few tokens (Unsloth's too); a gap far below the median there says a near tie decided it.
 
     PYTHONPATH=build/python python3 bench/decode.py [--models qwen,llama] [--variants ...] [--json out/decode.json]
 --tiny runs a small Llama config on any device (the CPU too): a check of the script, not a benchmark.
@@ -74,9 +75,16 @@ def worker(args):
             sync()
             if i > 0:
                 times.append(time.perf_counter() - start)
+        # One more call, untimed, for the logits: how close each step's choice was (the top two logits' gap)
+        if cache is not None:
+            cache.reset()
+        scored = model.generate(input_ids=ids, output_scores=True, return_dict_in_generate=True, **kwargs)
     new = out[0, ids.shape[1]:].tolist()
+    top2 = torch.stack(scored.scores)[:, 0].float().topk(2, dim=-1).values
     result = {"variant": args.worker, "tokens_per_s": len(new) / statistics.median(times),
-              "median_s": statistics.median(times), "new_tokens": len(new), "ids": new}
+              "median_s": statistics.median(times), "new_tokens": len(new), "ids": new,
+              "rescored_ids_equal": scored.sequences[0, ids.shape[1]:].tolist() == new,
+              "top2_gaps": (top2[:, 0] - top2[:, 1]).tolist()}
     with open(args.out, "w") as f:
         json.dump(result, f)
 
@@ -91,9 +99,24 @@ def first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def agreement(r, ref):
+    """Whether r's greedy ids are bnb's (ref), and where they part, how close bnb's own choice was there: the gap
+    between bnb's two largest logits at that step (both models saw the same tokens up to it), against the median
+    gap of bnb's steps."""
+    if ref is None:
+        return "-"
+    if r["ids"] == ref["ids"]:
+        return "yes"
+    at = first_difference(r["ids"], ref["ids"])
+    gaps = ref.get("top2_gaps", [])
+    if at >= len(gaps):
+        return f"no (from token {at})"
+    return f"no (from token {at}; bnb's top-2 logit gap there {gaps[at]:.3g}, median {statistics.median(gaps):.3g})"
+
+
 def table(label, results):
     by = {r["variant"]: r for r in results}
-    ref = by.get("bnb", {}).get("ids")
+    ref = by.get("bnb")
     lines = [f"### {label}", "", "| variant | tokens/s | vs bnb | s per call | ids equal bnb's |", "| --- " * 5 + "|"]
     for r in results:
         if "skipped" in r:
@@ -101,7 +124,9 @@ def table(label, results):
             continue
         base = by.get("bnb", {}).get("tokens_per_s")
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        same = "-" if ref is None else "yes" if r["ids"] == ref else f"no (from token {first_difference(r['ids'], ref)})"
+        same = agreement(r, ref)
+        if not r.get("rescored_ids_equal", True):
+            same += "; its untimed call with scores gave other ids"
         lines.append(f"| {r['variant']} | {r['tokens_per_s']:.1f} | {ratio} | {r['median_s']:.3f} | {same} |")
     return "\n".join(lines)
 

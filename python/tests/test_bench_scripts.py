@@ -77,6 +77,24 @@ def test_decode_tiny_generates_bitsandbytes_tokens():
     assert "tiny qmm: exit 0" in err and "tiny qmm-static: exit 0" in err, err
 
 
+def test_decode_reports_how_close_bnbs_choice_was_where_ids_part():
+    """bench/decode.py's table: where a variant's greedy ids part from bnb's, the gap between bnb's two largest
+    logits at that token and the median gap; a variant whose untimed rescoring call gave other ids is flagged."""
+    sys.path.insert(0, BENCH)
+    try:
+        import decode
+    finally:
+        sys.path.remove(BENCH)
+    bnb = {"variant": "bnb", "tokens_per_s": 10.0, "median_s": 0.4, "ids": [5, 6, 7, 8], "top2_gaps": [2, 0.01, 3, 4]}
+    near = {"variant": "qmm", "tokens_per_s": 20.0, "median_s": 0.2, "ids": [5, 9, 7, 8], "top2_gaps": [1] * 4}
+    moved = dict(near, variant="qmm-static", ids=[5, 6, 7, 8], rescored_ids_equal=False)
+    table = rows(decode.table("tiny", [bnb, near, moved]))
+    assert table["bnb"][-1] == "yes"
+    assert table["qmm"][-1] == "no (from token 1; bnb's top-2 logit gap there 0.01, median 2.5)", table
+    assert table["qmm-static"][-1] == "yes; its untimed call with scores gave other ids", table
+    assert table["qmm"][1] == "2.00x"
+
+
 def test_layer_kernels_tiny_counts_a_layer():
     """bench/layer_kernels.py: the tiny model with one and two layers, the difference reported per layer (on the
     CPU, profiled CPU events: a check of the script)."""
