@@ -4,8 +4,8 @@
   bf16         bf16 weights + PEFT LoRA
   bnb          bitsandbytes NF4 (double quant, bf16 compute) + PEFT LoRA
   qmm          the same model after qmm.patch_bnb
-  qmm-static   the same with a static KV cache and the decode step compiled with mode="reduce-overhead" (CUDA
-               graphs replay each decode step; the prefill runs eagerly)
+  qmm-static   the same through qmm.static_decoder: a static KV cache and the decode step compiled with
+               mode="reduce-overhead" (CUDA graphs replay each decode step; the prefill runs eagerly)
   unsloth      Unsloth's FastLanguageModel in 4-bit with its LoRA, in its inference mode
 
 The models, adapters and processes are bench/train_step.py's (random weights from real configs, LoRA r 16 on all
@@ -42,43 +42,24 @@ def worker(args):
     ids = ids.to(args.device)
     kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                   attention_mask=torch.ones_like(ids), pad_token_id=2)
-    cache = None
+    generate = model.generate
     if args.worker == "qmm-static":
-        import inspect
-
-        from transformers import StaticCache
-        base = model.get_base_model()
-        # One static cache for every call, reset in place before each: a new one per call (transformers' own
-        # cache_implementation="static") would give the replayed graphs new tensor addresses, so each call would
-        # record them again. Its tensors are made in the first (eager) prefill.
-        cache = StaticCache(config=base.config, max_cache_len=args.prompt + args.new_tokens)
-        kwargs["cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"] = cache
-        mode = dict(mode="reduce-overhead") if args.device == "cuda" else dict(backend="aot_eager")
-        # The decode steps (one new token) replay; the prefill runs eagerly, as transformers' own compiled
-        # generation does: the static cache allocates its tensors in its first call, which inside a CUDA graph
-        # would put them in the graph's pool, overwritten by the next replay.
-        eager, compiled = base.forward, torch.compile(base.forward, fullgraph=True, **mode)
-
-        def forward(*a, **kw):
-            ids = kw.get("input_ids", a[0] if a else None)
-            return (compiled if ids is not None and ids.shape[-1] == 1 else eager)(*a, **kw)
-        base.forward = forward
+        import qmm
+        compile_kwargs = dict(mode="reduce-overhead") if args.device == "cuda" else dict(backend="aot_eager")
+        decoder = qmm.static_decoder(model, args.prompt + args.new_tokens, compile_kwargs=compile_kwargs)
+        generate = decoder.generate
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     times, out = [], None
     with torch.no_grad():
         for i in range(1 + args.repeats):
-            if cache is not None:
-                cache.reset()
             sync()
             start = time.perf_counter()
-            out = model.generate(input_ids=ids, **kwargs)
+            out = generate(input_ids=ids, **kwargs)
             sync()
             if i > 0:
                 times.append(time.perf_counter() - start)
         # One more call, untimed, for the logits: how close each step's choice was (the top two logits' gap)
-        if cache is not None:
-            cache.reset()
-        scored = model.generate(input_ids=ids, output_scores=True, return_dict_in_generate=True, **kwargs)
+        scored = generate(input_ids=ids, output_scores=True, return_dict_in_generate=True, **kwargs)
     new = out[0, ids.shape[1]:].tolist()
     top2 = torch.stack(scored.scores)[:, 0].float().topk(2, dim=-1).values
     result = {"variant": args.worker, "tokens_per_s": len(new) / statistics.median(times),

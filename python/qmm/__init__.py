@@ -17,12 +17,14 @@ qmm.release_cached_memory gives it back).
     qmm.patch_bnb(peft_model)                          # or: a bitsandbytes/PEFT QLoRA model, computed by qmm
     qmm.patch_bnb(peft_model, fused_loss=True, fused_norm=True, fused_rope=True)  # training: loss, norms, rope too
     step = qmm.graph_step(train_step)                  # a whole training step replayed as one CUDA graph
+    qmm.static_decoder(model, 1024).generate(ids, max_new_tokens=64)  # decode steps replayed as CUDA graphs
 """
-from . import compile_ops, functional, graphs, layers, nf4, ops, patch  # noqa: F401 (submodules, by concern)
+from . import compile_ops, functional, generate, graphs, layers, nf4, ops, patch  # noqa: F401 (by concern)
 from ._base import Error
 from .functional import (Lora, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_linears, lora_nf4_swiglu,
                          nf4_gate_up_linear, nf4_linear, nf4_swiglu, rms_norm_autograd, rope_autograd,
                          swiglu_autograd)
+from .generate import static_decoder
 from .graphs import graph_step
 from .layers import LoraAdapter, QLoraLinear, QLoraSwiGluMlp, replace_bnb_linears, replace_bnb_mlps
 from .nf4 import NF4_CODEBOOK, NF4_NESTED_BLOCK_SIZE, Nf4Weight
@@ -38,5 +40,5 @@ __all__ = [
     "linear_cross_entropy", "linear_cross_entropy_loss", "lora_backward_dy", "lora_nf4_linear", "lora_nf4_linears",
     "lora_nf4_swiglu", "memory_stats", "nf4_gate_up", "nf4_gate_up_linear", "nf4_gemm", "nf4_gemm_backward_a",
     "nf4_linear", "nf4_swiglu", "patch_bnb", "release_cached_memory", "replace_bnb_linears", "replace_bnb_mlps",
-    "reset_peak_memory_stats", "rms_norm", "rms_norm_autograd", "rms_norm_backward", "rope", "rope_autograd", "swiglu", "swiglu_autograd", "swiglu_backward", "unpatch_bnb",
+    "reset_peak_memory_stats", "rms_norm", "rms_norm_autograd", "rms_norm_backward", "rope", "rope_autograd", "static_decoder", "swiglu", "swiglu_autograd", "swiglu_backward", "unpatch_bnb",
 ]

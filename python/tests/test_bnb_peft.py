@@ -265,29 +265,35 @@ def test_patch_bnb_inference_and_generate(device, monkeypatch):
 
 @pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
 @pytest.mark.parametrize("device", DEVICES)
-def test_patched_decoder_compiles_whole_for_static_cache_decoding(device):
-    """The fast decode path (bench/decode.py's qmm-static): greedy generate of a patched PEFT QLoRA Llama with a
-    static KV cache and its decoder compiled with fullgraph=True (aot_eager here; mode="reduce-overhead" replays
-    CUDA graphs on a GPU) gives the eager patched model's tokens, adapters unmerged, with no graph break."""
+def test_static_decoder_generates_the_eager_tokens_with_a_compiled_decode_step(device):
+    """qmm.static_decoder (bench/decode.py's qmm-static): greedy generate of a patched PEFT QLoRA Llama with a
+    static KV cache and its one-token decode step compiled with fullgraph=True (aot_eager here; on a GPU by default
+    mode="reduce-overhead", which replays CUDA graphs) gives the eager patched model's tokens, adapters unmerged,
+    with no graph break, over calls with other prompt lengths; the model's forward is its own again after each
+    call; too long a call and a cache of the caller's are qmm.Errors."""
     from torch._dynamo.utils import counters
     model = qlora_llama(device, "CAUSAL_LM").eval()
     qmm.patch_bnb(model)
-    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1)).to(device)
-    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids),
-              pad_token_id=0)
-    with torch.no_grad():
-        eager = model.generate(input_ids=ids, **kw)
-        base = model.get_base_model()
-        torch._dynamo.reset()
-        counters.clear()
-        base.forward = torch.compile(base.forward, backend="aot_eager", fullgraph=True)
-        try:
-            static = model.generate(input_ids=ids, cache_implementation="static", **kw)
-        finally:
-            del base.forward  # the class's forward again
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    torch._dynamo.reset()
+    counters.clear()
+    decoder = qmm.static_decoder(model, max_cache_len=16, compile_kwargs=dict(backend="aot_eager"))
+    for length, seed in ((7, 1), (10, 2), (7, 3)):
+        ids = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(seed)).to(device)
+        with torch.no_grad():
+            eager = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+        static = decoder.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        assert torch.equal(static, eager), (length, static.tolist(), eager.tolist())
+        assert "forward" not in model.get_base_model().__dict__
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] >= 1
-    assert torch.equal(static, eager), (static.tolist(), eager.tolist())
+    ids = torch.zeros((1, 11), dtype=torch.long, device=device)
+    with pytest.raises(qmm.Error, match="11 prompt tokens \\+ max_new_tokens 6 exceed max_cache_len 16"):
+        decoder.generate(ids, **kw)
+    with pytest.raises(qmm.Error, match="cache_implementation is the decoder's own"):
+        decoder.generate(ids[:, :3], cache_implementation="static", **kw)
+    with pytest.raises(qmm.Error, match="max_cache_len must be a positive int"):
+        qmm.static_decoder(model, max_cache_len=0)
 
 
 def _with_dropout(model, p):
