@@ -389,7 +389,7 @@ void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const N
   const char* op = "lora_nf4_linears";
   std::vector<Part> inputs;
   const std::int64_t rank = check_linears(ctx, op, x, ps, a, t, opts, inputs);
-  const std::int64_t m = x.dim(0), k = x.dim(1);
+  const std::int64_t m = x.dim(0);
   std::vector<Part> outs;
   for (std::size_t i = 0; i < ps.size(); ++i) {
     const std::string name = "projection " + std::to_string(i) + " y";

@@ -473,16 +473,25 @@ TEST(TrainOpsGpu, HostTensorsAreRejected) {
 // rms_norm forward and backward on the GPU against the CPU oracle: rstd to fp32 sums' rounding (1e-5), dx to one
 // rounding of its dtype beside the sums' order, y to two (rstd's last fp32 bit can move the rounding of x·rstd by
 // one ulp, and the product with w by another: seen at 22 of 8M bf16 elements), dw (fp32 sums over rows in groups)
-// to 1e-4 relative. Widths through both kernels: a warp per row (whole 16-byte packs, up to 16 per lane forward:
-// 8, 64, 1536, 4096 bf16, up to 2048 f32; up to 8 backward: 2048 bf16, 1024 f32) and a block per row (100; 4104 and
-// 5120 bf16; 4096 f32; 4096 bf16 backward); y in place over x and dx over dy give the same bytes.
+// to 1e-4 relative. Widths through every kernel: forward a warp per row (whole 16-byte packs, up to 16 per lane:
+// 8, 64, 1536, 4096 bf16, up to 2048 f32) or a block per row (100; 4104 and 5120 bf16; 4096 f32); backward rows
+// over one warp (up to 8 packs a lane: 2048 bf16, 1024 f32) or two (4096 bf16, 2048 and 1536 f32) with dw's
+// partials in the same kernel, or a block per row (100, 4104, 5120; 4096 f32); groups of 16 rows ragged (1, 5, 7,
+// 9, 33, 300 rows). y in place over x and dx over dy (with and without dw) give the same bytes, dw too.
 TEST(TrainOpsGpu, RmsNormMatchesCpu) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();
   std::uint64_t seed = 800;
   for (DType dt : {DType::F32, DType::BF16})
-    for (auto [rows, hid] : {std::pair<std::int64_t, std::int64_t>{1, 64}, {7, 100}, {300, 1536}, {2048, 4096},
-                             {1, 5120}, {5, 8}, {9, 4104}, {33, 2048}}) {
+    for (auto [rows, hid] : {std::pair<std::int64_t, std::int64_t>{1, 64},
+                             {7, 100},
+                             {300, 1536},
+                             {2048, 4096},
+                             {1, 5120},
+                             {5, 8},
+                             {9, 4104},
+                             {33, 2048},
+                             {65, 1536}}) {
       SCOPED_TRACE(std::string(dtype_name(dt)) + " " + std::to_string(rows) + "x" + std::to_string(hid));
       const Tensor x = test::random_tensor(dt, {rows, hid}, ++seed, -3.0f, 3.0f);
       const Tensor w = test::random_tensor(dt, {hid}, ++seed, 0.5f, 1.5f);
@@ -501,12 +510,16 @@ TEST(TrainOpsGpu, RmsNormMatchesCpu) {
       EXPECT_TRUE(test::all_close(test::host_copy(y_d), y, {1e-6, 2 * one, one})) << "y";
       EXPECT_TRUE(test::all_close(test::host_copy(dx_d), dx, {1e-4, one, one})) << "dx";
       EXPECT_TRUE(test::all_close(test::host_copy(dw_d), dw, {1e-4, 1e-4, 1e-5})) << "dw";
-      const Tensor y_in = to_device(x, dev), dx_in = to_device(dy, dev);  // in place
+      const Tensor y_in = to_device(x, dev), dx_in = to_device(dy, dev), dx_in_dw = to_device(dy, dev);  // in place
+      const Tensor dw_in = to_device(test::filled(DType::F32, {hid}, 0), dev);
       rms_norm(gpu, y_in, to_device(w, dev), y_in, {}, 1e-6f);
       rms_norm_backward(gpu, x_d, to_device(w, dev), rstd_d, dx_in, dx_in, {});
+      rms_norm_backward(gpu, x_d, to_device(w, dev), rstd_d, dx_in_dw, dx_in_dw, dw_in);
       gpu.synchronize();
       EXPECT_TRUE(test::bytes_equal(test::host_copy(y_in), test::host_copy(y_d))) << "y in place";
       EXPECT_TRUE(test::bytes_equal(test::host_copy(dx_in), test::host_copy(dx_d))) << "dx in place";
+      EXPECT_TRUE(test::bytes_equal(test::host_copy(dx_in_dw), test::host_copy(dx_d))) << "dx in place with dw";
+      EXPECT_TRUE(test::bytes_equal(test::host_copy(dw_in), test::host_copy(dw_d))) << "dw again";
     }
 }
 

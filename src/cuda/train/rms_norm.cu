@@ -3,14 +3,17 @@
 // widths, misaligned views, very wide rows) one block per row.
 // The row's sum of squares (fp32, reduced in a fixed order) gives rstd; the forward writes
 // y = w · round(x · rstd), the backward dx = rstd · (g − x̂ · mean(g · x̂)), g = dy · w.
-// The weight gradient dw += Σ_rows dy · x̂ is summed without atomics, in a fixed order: each block of the first
-// kernel sums a group of rows per column into a partial, a second kernel adds the groups' partials in group order.
+// The weight gradient dw += Σ_rows dy · x̂ is summed without atomics, in a fixed order, into one partial per group
+// of rows, which a last kernel adds in group order. Where a row fits the registers of one warp or of two, the
+// backward kernel that writes dx sums the partials too, from the x and dy it already holds (x and dy are read
+// once); otherwise a kernel of its own reads x and dy again for them.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <type_traits>
 
 #include "cuda/common/check.h"
@@ -133,27 +136,26 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   }
 }
 
+// A row's backward from registers, for the packs p = first + stride·j (j < kPacks, p < packs) that a lane holds.
+// load_row_packs reads them and returns the lane's share of Σ g · x̂ (g = dy · w, x̂ = x · rstd).
 template <class T, int kPacks>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    rms_norm_dx_warp_kernel(const T* x, const T* w, const float* rstd, const T* dy, T* dx, std::int64_t rows,
-                            std::int64_t hid) {
+__device__ __forceinline__ float load_row_packs(const T* x, const T* dy, const T* w, float rs, std::int64_t first,
+                                                int stride, std::int64_t packs, uint4 (&qx)[kPacks],
+                                                uint4 (&qdy)[kPacks]) {
   using E = Elem<T>;
   constexpr int V = E::kVec;
-  const int lane = threadIdx.x & 31;
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  if (row >= rows) return;
-  const std::int64_t packs = hid / V;
-  const float rs = rstd[row];
-  const uint4* xr = reinterpret_cast<const uint4*>(x + row * hid);
-  const uint4* dyr = reinterpret_cast<const uint4*>(dy + row * hid);
-  uint4 qx[kPacks], qdy[kPacks];
   float dot = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPacks; ++j) {
-    const std::int64_t p = lane + 32 * j;
+    const std::int64_t p = first + stride * j;
     if (p >= packs) continue;
-    qx[j] = xr[p];
-    qdy[j] = dyr[p];
+    qx[j] = reinterpret_cast<const uint4*>(x)[p];
+    qdy[j] = reinterpret_cast<const uint4*>(dy)[p];
+  }
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) {
+    const std::int64_t p = first + stride * j;
+    if (p >= packs) continue;
     float xv[V], dv[V], wv[V];
     E::unpack(qx[j], xv);
     E::unpack(qdy[j], dv);
@@ -161,11 +163,20 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 #pragma unroll
     for (int k = 0; k < V; ++k) dot = fmaf(dv[k] * wv[k], xv[k] * rs, dot);
   }
-  const float mean = warp_total(dot) / static_cast<float>(hid);
-  T* dxr = dx + row * hid;  // dx may be dy: the row is in registers
+  return dot;
+}
+
+// dx = rstd · (g − x̂ · mean) for the same packs, written to the row dx (which may be dy: the row is in registers);
+// with kWithDw also acc += dy · x̂ per element.
+template <class T, int kPacks, bool kWithDw>
+__device__ __forceinline__ void store_row_dx(const uint4 (&qx)[kPacks], const uint4 (&qdy)[kPacks], const T* w,
+                                             float rs, float mean, T* dx, std::int64_t first, int stride,
+                                             std::int64_t packs, float (&acc)[kPacks][Elem<T>::kVec]) {
+  using E = Elem<T>;
+  constexpr int V = E::kVec;
 #pragma unroll
   for (int j = 0; j < kPacks; ++j) {
-    const std::int64_t p = lane + 32 * j;
+    const std::int64_t p = first + stride * j;
     if (p >= packs) continue;
     float xv[V], dv[V], wv[V], out[V];
     E::unpack(qx[j], xv);
@@ -175,9 +186,26 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     for (int k = 0; k < V; ++k) {
       const float g = dv[k] * wv[k], xh = xv[k] * rs;
       out[k] = rs * (g - xh * mean);
+      if constexpr (kWithDw) acc[j][k] = fmaf(dv[k], xh, acc[j][k]);
     }
-    E::store_vec(dxr, p, out);
+    E::store_vec(dx, p, out);
   }
+}
+
+template <class T, int kPacks>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    rms_norm_dx_warp_kernel(const T* x, const T* w, const float* rstd, const T* dy, T* dx, std::int64_t rows,
+                            std::int64_t hid) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const std::int64_t packs = hid / Elem<T>::kVec;
+  const float rs = rstd[row];
+  uint4 qx[kPacks], qdy[kPacks];
+  const float dot = load_row_packs<T, kPacks>(x + row * hid, dy + row * hid, w, rs, lane, 32, packs, qx, qdy);
+  float unused[kPacks][Elem<T>::kVec];
+  store_row_dx<T, kPacks, false>(qx, qdy, w, rs, warp_total(dot) / static_cast<float>(hid), dx + row * hid, lane, 32,
+                                 packs, unused);
 }
 
 // The packs per lane the warp kernels take for rows of hid elements of T (1, 2, 4, 8 or 16), or 0 where a row is
@@ -201,6 +229,68 @@ void with_packs(int packs, F&& f) {
     if (packs < kMax) return with_packs<kMax / 2>(packs, f);
   }
   f(std::integral_constant<int, kMax>{});
+}
+
+// ---- the backward with the weight gradient's partials, rows split over one or two warps -------------------------
+
+constexpr int kGroupRows = 16;  // rows per block and per partial: enough blocks for the GPU at a few thousand rows
+
+// Block b takes rows 16 b.. (its group), kSlots rows at a time, each row's packs split over kWarpsPerRow warps
+// (pack p in lane p mod 32·kWarpsPerRow). With kWithDw each lane sums dy · x̂ for its columns over its slot's rows;
+// the slots then add their sums in slot order into shared memory ([hid] floats, dynamic) and the block writes them
+// to partial[b]. dx may be dy: a row is in registers before any of it is written.
+template <class T, int kPacks, int kWarpsPerRow, bool kWithDw>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    rms_norm_backward_rows_kernel(const T* x, const T* w, const float* rstd, const T* dy, T* dx, float* partial,
+                                  std::int64_t rows, std::int64_t hid) {
+  using E = Elem<T>;
+  constexpr int V = E::kVec;
+  constexpr int kSlots = kWarpsPerBlock / kWarpsPerRow;
+  constexpr int kRowLanes = 32 * kWarpsPerRow;
+  static_assert(kGroupRows % kSlots == 0, "whole steps per group");
+  __shared__ float row_parts[2][kWarpsPerBlock];  // each warp's share of a row's dot, double-buffered by step
+  extern __shared__ float dw_sum[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int slot = warp / kWarpsPerRow, row_lane = (warp % kWarpsPerRow) * 32 + lane;
+  const std::int64_t packs = hid / V;
+  float acc[kPacks][V] = {};
+#pragma unroll 1
+  for (int step = 0; step < kGroupRows / kSlots; ++step) {
+    const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kGroupRows + step * kSlots + slot;
+    const bool live = row < rows;
+    uint4 qx[kPacks], qdy[kPacks];
+    float dot = 0.0f, rs = 0.0f;
+    if (live) {
+      rs = rstd[row];
+      dot = load_row_packs<T, kPacks>(x + row * hid, dy + row * hid, w, rs, row_lane, kRowLanes, packs, qx, qdy);
+    }
+    dot = warp_total(dot);
+    if constexpr (kWarpsPerRow > 1) {  // every thread reaches this barrier, live row or not
+      if (lane == 0) row_parts[step & 1][warp] = dot;
+      __syncthreads();
+      dot = 0.0f;
+#pragma unroll
+      for (int part = 0; part < kWarpsPerRow; ++part) dot += row_parts[step & 1][slot * kWarpsPerRow + part];
+    }
+    if (live)
+      store_row_dx<T, kPacks, kWithDw>(qx, qdy, w, rs, dot / static_cast<float>(hid), dx + row * hid, row_lane,
+                                       kRowLanes, packs, acc);
+  }
+  if constexpr (kWithDw) {
+    for (int s = 0; s < kSlots; ++s) {
+      if (slot == s) {
+#pragma unroll
+        for (int j = 0; j < kPacks; ++j) {
+          const std::int64_t p = row_lane + kRowLanes * j;
+          if (p >= packs) continue;
+#pragma unroll
+          for (int k = 0; k < V; ++k) dw_sum[p * V + k] = s == 0 ? acc[j][k] : dw_sum[p * V + k] + acc[j][k];
+        }
+      }
+      __syncthreads();
+    }
+    for (std::int64_t k = threadIdx.x; k < hid; k += blockDim.x) partial[blockIdx.x * hid + k] = dw_sum[k];
+  }
 }
 
 unsigned warp_blocks(std::int64_t rows) {
@@ -251,10 +341,57 @@ void launch_forward(const Context& ctx, const TensorView& x, const TensorView& w
   QMM_CUDA_CHECK_LAUNCH("rms_norm_kernel");
 }
 
+// The weight gradient's last step: dw += the groups' partials, added in group order.
+void finish_dw(const Context& ctx, const float* partial, std::int64_t groups, std::int64_t hid, const TensorView& dw) {
+  const unsigned col_blocks = static_cast<unsigned>((hid + kThreads - 1) / kThreads);
+  rms_norm_dw_finish_kernel<<<col_blocks, kThreads, 0, stream_of(ctx)>>>(partial, groups, hid, dw.data_as<float>());
+  QMM_CUDA_CHECK_LAUNCH("rms_norm_dw_finish_kernel");
+}
+
+// rms_norm_backward_rows_kernel where a row fits the registers of one warp (kWarpsPerRow 1) or two, both x and dy
+// 16-byte packs; false, launching nothing, otherwise. Without dw, rows one warp holds take the warp-per-row
+// kernel instead (a warp per row, more blocks).
+template <class T>
+bool launch_backward_rows(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
+                          const TensorView& dy, const TensorView& dx, const TensorView& dw) {
+  const std::int64_t rows = x.dim(0), hid = x.dim(1);
+  const std::initializer_list<const void*> pointers = {x.data(), w.data(), dy.data(), dx.data()};
+  const int one_warp = warp_packs<T, kMaxPacksBackward>(hid, pointers);
+  const int two_warps = one_warp ? 0 : warp_packs<T, 2 * kMaxPacksBackward>(hid, pointers);
+  if (dx.empty() || (!one_warp && two_warps == 0) || (one_warp && dw.empty())) return false;
+  const unsigned groups = static_cast<unsigned>((rows + kGroupRows - 1) / kGroupRows);
+  std::unique_ptr<ScratchBuffer> partial;
+  if (!dw.empty())
+    partial = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(groups * hid) * sizeof(float));
+  // At most 16 KB (2 x 8 packs of 16 bytes a lane, 64 lanes): under the 48 KB a launch may take without opting in.
+  const int dw_bytes = dw.empty() ? 0 : static_cast<int>(hid * sizeof(float));
+  auto run = [&](auto packs, auto warps_per_row, auto with_dw) {
+    const auto kernel = rms_norm_backward_rows_kernel<T, decltype(packs)::value, decltype(warps_per_row)::value,
+                                                      decltype(with_dw)::value>;
+    kernel<<<groups, 32 * kWarpsPerBlock, dw_bytes, stream_of(ctx)>>>(
+        x.data_as<const T>(), w.data_as<const T>(), rstd.data_as<const float>(), dy.data_as<const T>(), dx.data_as<T>(),
+        partial ? partial->at<float>(0) : nullptr, rows, hid);
+  };
+  // Packs per lane: a row's packs over one warp's lanes, or over two warps' (half as many per lane).
+  const int packs = one_warp ? one_warp : std::max(1, two_warps / 2);
+  with_packs<kMaxPacksBackward>(packs, [&](auto k) {
+    if (one_warp)
+      run(k, std::integral_constant<int, 1>{}, std::true_type{});
+    else if (dw.empty())
+      run(k, std::integral_constant<int, 2>{}, std::false_type{});
+    else
+      run(k, std::integral_constant<int, 2>{}, std::true_type{});
+  });
+  QMM_CUDA_CHECK_LAUNCH("rms_norm_backward_rows_kernel");
+  if (!dw.empty()) finish_dw(ctx, partial->at<float>(0), groups, hid, dw);
+  return true;
+}
+
 template <class T>
 void launch_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
                      const TensorView& dy, const TensorView& dx, const TensorView& dw) {
   const std::int64_t rows = x.dim(0), hid = x.dim(1);
+  if (launch_backward_rows<T>(ctx, x, w, rstd, dy, dx, dw)) return;
   if (!dw.empty()) {  // first: dx may be dy
     const std::int64_t groups = (rows + kRowsPerGroup - 1) / kRowsPerGroup;
     const unsigned col_blocks = static_cast<unsigned>((hid + kThreads - 1) / kThreads);
@@ -262,9 +399,7 @@ void launch_backward(const Context& ctx, const TensorView& x, const TensorView& 
     rms_norm_dw_partial_kernel<T><<<dim3(col_blocks, static_cast<unsigned>(groups)), kThreads, 0, stream_of(ctx)>>>(
         x.data_as<const T>(), rstd.data_as<const float>(), dy.data_as<const T>(), partial.at<float>(0), rows, hid);
     QMM_CUDA_CHECK_LAUNCH("rms_norm_dw_partial_kernel");
-    rms_norm_dw_finish_kernel<<<col_blocks, kThreads, 0, stream_of(ctx)>>>(partial.at<float>(0), groups, hid,
-                                                                         dw.data_as<float>());
-    QMM_CUDA_CHECK_LAUNCH("rms_norm_dw_finish_kernel");
+    finish_dw(ctx, partial.at<float>(0), groups, hid, dw);
   }
   if (dx.empty()) return;
   if (const int packs = warp_packs<T, kMaxPacksBackward>(hid, {x.data(), w.data(), dy.data(), dx.data()})) {
