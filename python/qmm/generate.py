@@ -37,13 +37,16 @@ class StaticDecoder:
         params = inspect.signature(self._base.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._eager = self._base.forward
+        self._prefilled = False
         self._compiled = None if compile_kwargs is None else torch.compile(self._eager, fullgraph=True,
                                                                            **compile_kwargs)
 
     def _forward(self, *args, **kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        one_token = ids is not None and ids.shape[-1] == 1
-        return (self._compiled if one_token and self._compiled is not None else self._eager)(*args, **kwargs)
+        # The first call of a generate is the prefill, eager even for a one-token prompt: it fills the cache
+        decode = self._prefilled and ids is not None and ids.shape[-1] == 1
+        self._prefilled = True
+        return (self._compiled if decode and self._compiled is not None else self._eager)(*args, **kwargs)
 
     def generate(self, input_ids, **kwargs):
         """model.generate(input_ids, **kwargs) through the static cache (reset first) and the compiled decode
@@ -57,6 +60,7 @@ class StaticDecoder:
             raise _error("InvalidArgument", f"static_decoder.generate: {input_ids.shape[-1]} prompt tokens + "
                                             f"max_new_tokens {new} exceed max_cache_len {self.max_cache_len}")
         self.cache.reset()
+        self._prefilled = False
         base = self._base
         had_own = "forward" in base.__dict__
         own = base.__dict__.get("forward")

@@ -1,4 +1,5 @@
 // Context creation, memory and copies for the CUDA backend.
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -169,9 +170,11 @@ MemoryStats memory_stats(const Context& ctx) {
   MemoryStats m;
   m.fixed_bytes = s.workspace_bytes + kNf4Code2Size * sizeof(float);
   m.scratch_reserved_bytes = pool_attribute(s.pool, cudaMemPoolAttrReservedMemCurrent);
-  m.scratch_reserved_peak_bytes = pool_attribute(s.pool, cudaMemPoolAttrReservedMemHigh);
   m.scratch_in_use_bytes = pool_attribute(s.pool, cudaMemPoolAttrUsedMemCurrent);
-  m.scratch_in_use_peak_bytes = pool_attribute(s.pool, cudaMemPoolAttrUsedMemHigh);
+  // A peak is never below the current use, whatever a reset left the pool's high marks at.
+  m.scratch_reserved_peak_bytes =
+      std::max(m.scratch_reserved_bytes, pool_attribute(s.pool, cudaMemPoolAttrReservedMemHigh));
+  m.scratch_in_use_peak_bytes = std::max(m.scratch_in_use_bytes, pool_attribute(s.pool, cudaMemPoolAttrUsedMemHigh));
   return m;
 }
 
