@@ -14,17 +14,23 @@ def cuda_device_count():
 
 
 def _cuda_index(op, device):
-    """The CUDA device index that `device` (None: PyTorch's current one; an int, "cuda:1", a torch.device) names."""
-    if device is None:
-        return torch.cuda.current_device() if torch.cuda.is_available() else 0
+    """The index of the CUDA device that `device` (None: PyTorch's current one; an int, "cuda:1", a torch.device)
+    names; a qmm.Error where it names none that qmm can use."""
     try:
-        d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
     except (RuntimeError, TypeError) as e:
         raise _error("InvalidArgument", f"{op}: device {device!r} is not a device ({e})") from None
     if d.type != "cuda":
         raise _error("InvalidArgument", f"{op}: device {device!r} is not a CUDA device (qmm keeps no memory of its "
                                         "own on the CPU)")
-    return torch.cuda.current_device() if d.index is None else d.index
+    if d.index is not None:
+        index = d.index
+    else:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    count = _qmm.cuda_device_count()
+    if not 0 <= index < count:
+        raise _error("InvalidArgument", f"{op}: there is no CUDA device {index} (qmm sees {count})")
+    return index
 
 
 def memory_stats(device=None):
