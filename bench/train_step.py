@@ -133,8 +133,9 @@ def table(model_label, results):
     by = {r["variant"]: r for r in results}
     bnb = by.get("bnb", {}).get("median_ms")
     lines = [f"### {model_label}", "",
-             "| variant | median ms | min ms | vs bnb | tokens/s | torch peak (+ qmm) GiB | device used GiB | kernels/step | "
-             "kernels/layer | GPU busy ms | LoRA grad rel. diff vs bnb (max / median) | max loss diff vs bnb | "
+             "| variant | median ms | min ms | vs bnb | tokens/s | torch peak (+ qmm) GiB | device used GiB | "
+             "kernels/step | kernels/layer | GPU busy ms | LoRA grad rel. diff vs bnb (max / median) | "
+             "max loss diff vs bnb | "
              "first step s |",
              "| --- " * 13 + "|"]
     for r in results:

@@ -40,8 +40,9 @@ def memory_stats(device=None):
     life; "scratch_reserved" (and "scratch_reserved_peak"): the scratch pools' memory, which ops take their
     temporaries from (an NF4 weight's bf16 copy, a loss's chunk of logits) and which keeps what it reserved between
     calls; "scratch_in_use" (and its peak): what ops in flight hold of it. Peaks count since the contexts were made
-    or reset_peak_memory_stats, each context's own, summed (where several streams ran qmm ops, an upper bound). Memory held by CUDA graphs captured with qmm ops is the graphs' own. Zeros where
-    qmm has run nothing on the device."""
+    or reset_peak_memory_stats, each context's own, summed (where several streams ran qmm ops, an upper bound).
+    Memory held by CUDA graphs captured with qmm ops is the graphs' own. Zeros where qmm has run nothing on the
+    device."""
     values = _qmm.memory_stats(_cuda_index("memory_stats", device))
     keys = ("fixed", "scratch_reserved", "scratch_reserved_peak", "scratch_in_use", "scratch_in_use_peak")
     return dict(zip(keys, values))
