@@ -18,12 +18,21 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
+def _capsule(a):
+    """A tensor as a DLPack capsule, a list or tuple of them (None kept) as a list, anything else as it is."""
+    if isinstance(a, torch.Tensor):
+        return _to_dlpack(a)
+    if isinstance(a, (list, tuple)) and a and any(isinstance(t, torch.Tensor) for t in a):
+        return [_to_dlpack(t) if isinstance(t, torch.Tensor) else t for t in a]
+    return a
+
+
 def _call(fn, like, *args, **kwargs):
     """Runs a `_qmm` op for tensors on like's device: on a GPU in PyTorch's current stream there, with that GPU
-    current for the call only (qmm makes its context's GPU current; PyTorch's choice is restored after). Tensors
-    travel as DLPack capsules made by to_dlpack: a tensor's own __dlpack__, which the extension would call
-    otherwise, costs ~10x more in recent PyTorch (2.4 vs 0.2 µs in 2.15)."""
-    args = [_to_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args]
+    current for the call only (qmm makes its context's GPU current; PyTorch's choice is restored after). Tensors,
+    also those in list arguments, travel as DLPack capsules made by to_dlpack: a tensor's own __dlpack__, which the
+    extension would call otherwise, costs ~10x more in recent PyTorch (2.4 vs 0.2 µs in 2.15)."""
+    args = [_capsule(a) for a in args]
     if not like.is_cuda:
         return fn(*args, **kwargs, stream=0)
     index = like.device.index
