@@ -110,8 +110,12 @@ class QLoraSwiGluMlp(_Nf4Module):
 
 
 def _is_lora_wrapper(layer):
-    """A PEFT LoRA layer (a base_layer with lora_A/lora_B adapters), told by its attributes (no PEFT import)."""
-    return all(hasattr(layer, a) for a in ("base_layer", "lora_A", "lora_B", "scaling", "lora_dropout"))
+    """A PEFT LoRA layer (a base_layer with lora_A/lora_B adapters), told by its attributes (no PEFT import): its
+    submodules and its scaling dict, looked up in the module's own dicts (the patched forwards ask per call, and
+    hasattr through nn.Module's __getattr__ costs several times more)."""
+    modules, attrs = getattr(layer, "_modules", None), getattr(layer, "__dict__", {})
+    return modules is not None and "base_layer" in modules and "lora_A" in modules and "lora_B" in modules and \
+        "lora_dropout" in modules and "scaling" in attrs
 
 
 def _bnb_weight(layer, name, bias_ok=False):
