@@ -263,6 +263,34 @@ def test_patch_bnb_inference_and_generate(device, monkeypatch):
     assert (got - expected).abs().max().item() <= 2.0 ** -6 * expected.abs().max().item()
 
 
+def bf16_lora_llama(device):
+    """qlora_llama's model without bitsandbytes: bf16 projections, the same PEFT adapters."""
+    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device, torch.bfloat16)
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS),
+                                                      init_lora_weights=False, task_type="CAUSAL_LM"))
+
+
+@pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_decoder_on_a_bf16_lora_model(device):
+    """qmm.static_decoder serves a bf16 LoRA model without bitsandbytes too (patched for its norms and rotary
+    embedding): the eager model's greedy tokens, twice."""
+    model = bf16_lora_llama(device).eval()
+    qmm.patch_bnb(model, fused_norm=True, fused_rope=True)
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1)).to(device)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5, do_sample=False,
+              pad_token_id=0)
+    with torch.no_grad():
+        eager = model.generate(input_ids=ids, **kw)
+    decoder = qmm.static_decoder(model, max_cache_len=10, compile_kwargs=dict(backend="aot_eager"))
+    for _ in range(2):
+        assert torch.equal(decoder.generate(ids, **kw), eager)
+
+
 @pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
 @pytest.mark.parametrize("device", DEVICES)
 def test_static_decoder_generates_the_eager_tokens_with_a_compiled_decode_step(device):
