@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Kernels per decoder layer of a training step (issue 41's measure): one profiled step (forward, backward, fused
 AdamW) of a variant of bench/train_step.py built with L and with L + 1 decoder layers; the difference is one layer's
-kernels, listed by name with its count, then the step's kernels in launch order.
+kernels, listed by name with its count; then what each device memset comes before, and (--order) the step's
+kernels in launch order.
 
     PYTHONPATH=build/python python3 bench/layer_kernels.py [--model qwen] [--variant qmm-all] [--layers 1]
 --tiny runs the small Llama config on --device cpu, counting profiled CPU events instead of kernels: a check of the
@@ -62,6 +63,13 @@ def main():
     for name in sorted(set(a) | set(b), key=lambda n: (a[n] - b[n], n)):
         if a[name] != b[name]:
             print(f"{b[name] - a[name]:4d}  {name}")
+    # What each device memset of the larger step comes before (cuBLASLt zeroes a workspace or an output before
+    # some algorithms): launches that are not kernels, attributed to the kernel that follows them.
+    follows = collections.Counter(large[i + 1] for i, name in enumerate(large[:-1]) if name.startswith("Memset"))
+    if follows:
+        print(f"---- device memsets of the step with {args.layers + 1} layer(s), by the launch after each")
+        for name, n in follows.most_common():
+            print(f"{n:4d}  {name}")
     if args.order:
         print(f"---- the step with {args.layers + 1} layer(s), in launch order")
         for i, name in enumerate(large):
