@@ -10,7 +10,7 @@ launches take most of each token's time.
 The prefill runs eagerly, as transformers' own compiled generation does: a static cache makes its tensors in its
 first call, which inside a CUDA graph would live in the graph's memory and be overwritten by the next replay. The
 first calls compile (tens of seconds on a GPU); later calls replay, whatever their prompt length. Limits: prompt +
-new tokens ≤ max_cache_len; the batch size of the first call (the cache's tensors are made for it); the model's
+new tokens ≤ max_cache_len (a call that sets no length generates until the end of sequence or a full cache); the batch size of the first call (the cache's tensors are made for it); the model's
 modules as they were when the decoder was made (after patch_bnb/unpatch_bnb, merge_adapter or other adapters, make
 a new decoder; parameters updated in place, as an optimizer's step does, are read as they are). The model is not
 changed outside `generate` calls."""
@@ -55,10 +55,20 @@ class StaticDecoder:
             if name in kwargs:
                 raise _error("InvalidArgument", f"static_decoder.generate: {name} is the decoder's own; pass "
                                                 "neither a cache nor a cache setting")
-        new = kwargs.get("max_new_tokens")
-        if new is not None and input_ids.shape[-1] + new > self.max_cache_len:
-            raise _error("InvalidArgument", f"static_decoder.generate: {input_ids.shape[-1]} prompt tokens + "
-                                            f"max_new_tokens {new} exceed max_cache_len {self.max_cache_len}")
+        # The length generate will reach (its arguments, else the model's generation config; where neither sets
+        # one, as far as the cache reaches): past the cache's end a static cache has no room, so a longer call is
+        # refused here rather than left to fail inside the model.
+        config = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+        prompt = input_ids.shape[-1]
+        total = prompt + new if new is not None else kwargs.get("max_length", getattr(config, "max_length", None))
+        if total is None:
+            kwargs["max_new_tokens"] = total = max(self.max_cache_len - prompt, 0)
+            new, total = total, prompt + total
+        if total > self.max_cache_len or prompt >= self.max_cache_len:
+            what = f"max_new_tokens {new}" if new is not None else f"max_length {total}"
+            raise _error("InvalidArgument", f"static_decoder.generate: {prompt} prompt tokens and {what} exceed "
+                                            f"max_cache_len {self.max_cache_len}")
         self.cache.reset()
         self._prefilled = False
         base = self._base

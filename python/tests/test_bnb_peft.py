@@ -316,8 +316,15 @@ def test_static_decoder_generates_the_eager_tokens_with_a_compiled_decode_step(d
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] >= 1
     ids = torch.zeros((1, 11), dtype=torch.long, device=device)
-    with pytest.raises(qmm.Error, match="11 prompt tokens \\+ max_new_tokens 6 exceed max_cache_len 16"):
+    with pytest.raises(qmm.Error, match="11 prompt tokens and max_new_tokens 6 exceed max_cache_len 16"):
         decoder.generate(ids, **kw)
+    with pytest.raises(qmm.Error, match="3 prompt tokens and max_length 20 exceed max_cache_len 16"):
+        decoder.generate(ids[:, :3], max_length=20, **dict(kw, max_new_tokens=None))
+    with pytest.raises(qmm.Error, match="16 prompt tokens and max_new_tokens 0 exceed max_cache_len 16"):
+        decoder.generate(torch.zeros((1, 16), dtype=torch.long, device=device), do_sample=False, pad_token_id=0)
+    # No length set: generate runs to the end of the cache at most
+    out = decoder.generate(ids[:, :3], do_sample=False, pad_token_id=0, min_new_tokens=13)
+    assert out.shape == (1, 16)
     with pytest.raises(qmm.Error, match="cache_implementation is the decoder's own"):
         decoder.generate(ids[:, :3], cache_implementation="static", **kw)
     with pytest.raises(qmm.Error, match="max_cache_len must be a positive int"):
