@@ -286,9 +286,12 @@ def test_static_decoder_on_a_bf16_lora_model(device):
               pad_token_id=0)
     with torch.no_grad():
         eager = model.generate(input_ids=ids, **kw)
-    decoder = qmm.static_decoder(model, max_cache_len=10, compile_kwargs=dict(backend="aot_eager"))
-    for _ in range(2):
-        assert torch.equal(decoder.generate(ids, **kw), eager)
+    try:
+        decoder = qmm.static_decoder(model, max_cache_len=10, compile_kwargs=dict(backend="aot_eager"))
+        for _ in range(2):
+            assert torch.equal(decoder.generate(ids, **kw), eager)
+    finally:
+        qmm.unpatch_bnb(model)  # gives transformers its rotary function back for the tests after this one
 
 
 @pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
@@ -325,6 +328,7 @@ def test_static_decoder_generates_the_eager_tokens_with_a_compiled_decode_step(d
     # No length set: generate runs to the end of the cache at most
     out = decoder.generate(ids[:, :3], do_sample=False, pad_token_id=0, min_new_tokens=13)
     assert out.shape == (1, 16)
+    qmm.unpatch_bnb(model)
     with pytest.raises(qmm.Error, match="cache_implementation is the decoder's own"):
         decoder.generate(ids[:, :3], cache_implementation="static", **kw)
     with pytest.raises(qmm.Error, match="max_cache_len must be a positive int"):
