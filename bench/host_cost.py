@@ -5,7 +5,9 @@ conversion, validation, context lookup, the launches), the same through the pack
 differentiable op's forward alone and its forward + backward under autograd, and for scale PyTorch's own
 forward + backward of the same layer in bf16 (a dense 64 x 64 weight and a PEFT-style adapter); both again as one of
 16 projections chained in one forward and one backward, as a model's layers share a step's backward (whose own cost,
-on a GPU waking autograd's device thread, a lone layer's backward pays alone). On a GPU the calls
+on a GPU waking autograd's device thread, a lone layer's backward pays alone); and where bitsandbytes and PEFT are
+installed, a PEFT LoRA layer's module call, forward + backward, patched by qmm.patch_bnb (the patch's own per-call
+work included) and unpatched. On a GPU the calls
 are enqueued back to back and the device is synchronized once at the end, so the figure is the host's enqueue cost
 while the GPU keeps up; on the CPU it includes the CPU backend's own work.
 
@@ -39,6 +41,28 @@ def per_call_us(fn, calls, sync, rounds=5):
         sync()
         means.append((time.perf_counter() - start) / calls * 1e6)
     return statistics.median(means)
+
+
+def peft_projections(dev, gen):
+    """(patched, unpatched): the same PEFT LoRA layer (r 4, alpha 8) on a bitsandbytes NF4 64 x 64 weight, one
+    patched by qmm.patch_bnb, as a user's model holds them; None without bitsandbytes and PEFT."""
+    try:
+        import bitsandbytes as bnb
+        import peft
+    except ImportError:
+        return None
+    weight = torch.randn((64, 64), generator=gen)
+    layers = []
+    for patched in (True, False):
+        model = torch.nn.Module()
+        model.proj = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+        model.proj.weight = bnb.nn.Params4bit(weight.clone(), requires_grad=False, quant_type="nf4")
+        model = peft.get_peft_model(model.to(dev), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"],
+                                                                  init_lora_weights=False))
+        if patched:
+            qmm.patch_bnb(model)
+        layers.append(model.get_submodule("base_model.model.proj"))
+    return layers
 
 
 def main():
@@ -108,6 +132,16 @@ def main():
                                                                       sync) / chain,
             f"torch bf16 layer, 1 of {chain} chained": per_call_us(torch_chained, max(1, args.calls // 64),
                                                                     sync) / chain}
+    projections = peft_projections(dev, gen)
+    if projections is not None:  # what a patched model's projection call costs, the patch's own work included
+        patched, unpatched = projections
+        xp = x.clone().requires_grad_()
+
+        def module_call(layer):
+            return lambda: layer(xp).sum().backward()
+        rows["patched PEFT layer, fwd + bwd"] = per_call_us(module_call(patched), max(1, args.calls // 4), sync)
+        rows["bitsandbytes + PEFT layer, fwd + bwd"] = per_call_us(module_call(unpatched), max(1, args.calls // 4),
+                                                                   sync)
     device = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"host cost per call, {device}, torch {torch.__version__}, 1 x 64 @ NF4 64 x 64, LoRA r 4")
     for name, us in rows.items():

@@ -95,6 +95,16 @@ def test_decode_reports_how_close_bnbs_choice_was_where_ids_part():
     assert table["qmm"][1] == "2.00x"
 
 
+def test_host_cost_runs_with_the_peft_rows():
+    """bench/host_cost.py on the CPU, a few calls: every row, the patched and unpatched PEFT layers' included."""
+    done = subprocess.run([sys.executable, os.path.join(BENCH, "host_cost.py"), "--device", "cpu", "--calls", "8"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for row in ("raw binding, outputs given", "autograd forward + backward", "patched PEFT layer, fwd + bwd",
+                "bitsandbytes + PEFT layer, fwd + bwd"):
+        assert re.search(rf"{re.escape(row)}\s+[0-9.]+ µs", done.stdout), (row, done.stdout)
+
+
 def test_layer_kernels_tiny_counts_a_layer():
     """bench/layer_kernels.py: the tiny model with one and two layers, the difference reported per layer (on the
     CPU, profiled CPU events: a check of the script)."""
