@@ -81,21 +81,23 @@ def test_bitsandbytes_cpu_inference_layout_is_refused_not_misread():
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def qlora_llama(device, task_type=None):
+def qlora_llama(device, task_type=None, nf4=True):
     """A tiny Llama from transformers with bitsandbytes NF4 projections (the layout from_pretrained with
     load_in_4bit gives) and PEFT LoRA adapters on all seven, B random so that the adapters count. Every weight row
-    is a whole number of blocks, as in real models (and as bitsandbytes' CPU dequantization needs, see above)."""
+    is a whole number of blocks, as in real models (and as bitsandbytes' CPU dequantization needs, see above).
+    nf4=False: the same model without bitsandbytes, in bf16."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    for name, module in list(model.named_modules()):
-        if name.rpartition(".")[2] in PROJECTIONS:
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, bnb_linear(module.weight.data, device))
-    model = model.to(device)
+    if nf4:
+        for name, module in list(model.named_modules()):
+            if name.rpartition(".")[2] in PROJECTIONS:
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, bnb_linear(module.weight.data, device))
+    model = model.to(device) if nf4 else model.to(device, torch.bfloat16)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS), init_lora_weights=False,
                              task_type=task_type)
     return peft.get_peft_model(model, config)
@@ -263,23 +265,12 @@ def test_patch_bnb_inference_and_generate(device, monkeypatch):
     assert (got - expected).abs().max().item() <= 2.0 ** -6 * expected.abs().max().item()
 
 
-def bf16_lora_llama(device):
-    """qlora_llama's model without bitsandbytes: bf16 projections, the same PEFT adapters."""
-    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(device, torch.bfloat16)
-    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS),
-                                                      init_lora_weights=False, task_type="CAUSAL_LM"))
-
-
 @pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
 @pytest.mark.parametrize("device", DEVICES)
 def test_static_decoder_on_a_bf16_lora_model(device):
     """qmm.static_decoder serves a bf16 LoRA model without bitsandbytes too (patched for its norms and rotary
     embedding): the eager model's greedy tokens, twice."""
-    model = bf16_lora_llama(device).eval()
+    model = qlora_llama(device, "CAUSAL_LM", nf4=False).eval()
     qmm.patch_bnb(model, fused_norm=True, fused_rope=True)
     ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1)).to(device)
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5, do_sample=False,
