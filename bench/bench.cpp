@@ -326,6 +326,7 @@ class Bench {
   void run_batched();
   void run_swiglu();
   void run_train();
+  void record_stream(const std::string& op, const Result& like);
   void run_loss();
   void run_nf4();
   void run_mlp();
@@ -643,6 +644,7 @@ void Bench::run_loss() {
         else rms_norm(ctx_, x[s], w, y[s], rstd, 1e-6f);
       };
       record({op, "bf16", label, 1, t, h, 1, 0, bytes, time(fn, sets)});
+      record_stream(op, results_.back());
     }
 
   // rope on q and k (one launch) at the decoders' heads, bf16, the tokens one sequence (cos and sin [1, S, D]),
@@ -674,7 +676,28 @@ void Bench::run_loss() {
       rope(ctx_, q[s], k[s], cs[s], sn[s], q_out[s], k_out[s]);
     };
     record({"rope", "bf16", hs.label, 1, t, (hs.hq + hs.hk) * d, 1, 0, bytes, time(fn, sets)});
+    record_stream("rope", results_.back());
   }
+}
+
+// A plain streaming kernel moving the bytes an op of `like`'s row moves (add on bf16: two reads and a write of
+// bytes / 6 elements), timed the same way: the bandwidth a kernel reaches at that size, launch and tail included,
+// which the large copy of the ceilings does not show. Recorded as op "stream", mode `op`, `like`'s m, n and k.
+void Bench::record_stream(const std::string& op, const Result& like) {
+  if (!is_gpu_) return;
+  const std::int64_t n = static_cast<std::int64_t>(like.bytes / 6.0);
+  const int sets = sets_for(like.bytes);
+  std::vector<Tensor> a, b, out;
+  for (int i = 0; i < sets; ++i) {
+    a.push_back(pool_->make(ctx_, DType::BF16, {n}, 1200 + i));
+    b.push_back(pool_->make(ctx_, DType::BF16, {n}, 1240 + i));
+    out.emplace_back(DType::BF16, Shape{n}, ctx_.device());
+  }
+  auto fn = [&](int i) {
+    const int s = i % sets;
+    add(ctx_, a[s], b[s], out[s]);
+  };
+  record({"stream", op, like.shape, 1, like.m, like.n, like.k, 0, 6.0 * static_cast<double>(n), time(fn, sets)});
 }
 
 double nf4_bytes(std::int64_t n, std::int64_t k, bool dq) {
@@ -892,6 +915,8 @@ void Bench::add_ratios() {
       if (r.mode == "dh" || r.mode == "dh, 1024-token rows")
         base = find(r.op, "2 gemms", r.m, r.n, r.k), r.baseline = "2 gemms";
       if (r.mode == "dh+dw") base = find(r.op, "3 gemms", r.m, r.n, r.k), r.baseline = "3 gemms";
+    } else if (r.op == "rms_norm" || r.op == "rms_norm_backward" || r.op == "rope") {
+      base = find("stream", r.op, r.m, r.n, r.k), r.baseline = "stream, same bytes";
     } else if (r.op == "mlp_block") {
       if (r.mode != "bf16") base = find("mlp_block", "bf16", r.m, r.n, r.k), r.baseline = "bf16 base";
     } else if (r.op == "nf4_gate_up") {
@@ -900,7 +925,8 @@ void Bench::add_ratios() {
         r.ratio = r.t.median_us / (2 * one->t.median_us);
       }
       continue;
-    } else if (r.mode == "f32/bf16") base = find(r.op, "bf16", r.m, r.n, r.k), r.baseline = "bf16 storage";
+    } else if (r.mode == "f32/bf16")
+      base = find(r.op, "bf16", r.m, r.n, r.k), r.baseline = "bf16 storage";
     else if (r.mode == "tf32" || r.mode == "fp32") base = find(r.op, "f32/bf16", r.m, r.n, r.k), r.baseline = "f32/bf16";
     if (base) r.ratio = r.t.median_us / base->t.median_us;
     else r.baseline.clear();
