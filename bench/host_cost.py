@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What qmm's Python calls cost the host, per call, at a size where the device work is negligible (one token,
 64 x 64 weight, LoRA r 4): the raw binding of a patched projection's forward with its outputs preallocated (DLPack
-conversion, validation, context lookup, the launches), the same through the package with its allocations, and the
+conversion, validation, context lookup, the launches), the same call on zero rows with a bf16 adapter (qmm's own
+host work alone: it launches nothing), the same through the package with its allocations, and the
 differentiable op's forward alone and its forward + backward under autograd, and for scale PyTorch's own
 forward + backward of the same layer in bf16 (a dense 64 x 64 weight and a PEFT-style adapter); both again as one of
 16 projections chained in one forward and one backward, as a model's layers share a step's backward (whose own cost,
@@ -91,6 +92,12 @@ def main():
     def raw():
         _call(_qmm.lora_nf4_linear_forward, x, x, w._native, y, 0.0, "auto", None, ad, bd, a_w, b_w, t, 2.0)
 
+    x0, y0, t0 = x[:0], y[:0], t[:0]
+    a16d, b16d = ad.to(torch.bfloat16), bd.to(torch.bfloat16)
+
+    def raw_no_rows():  # no launch: zero rows, and adapters already in x's dtype need no working copies
+        _call(_qmm.lora_nf4_linear_forward, x0, x0, w._native, y0, 0.0, "auto", None, a16d, b16d, None, None, t0, 2.0)
+
     def package():
         _impl.linear_forward(x, w, None, (x, ad, bd, 2.0), "auto")
 
@@ -124,6 +131,7 @@ def main():
         h.sum().backward()
 
     rows = {"raw binding, outputs given": per_call_us(raw, args.calls, sync),
+            "raw binding, 0 rows (no launch)": per_call_us(raw_no_rows, args.calls, sync),
             "package forward (allocates)": per_call_us(package, args.calls, sync),
             "autograd forward alone": per_call_us(autograd_forward, args.calls, sync),
             "autograd forward + backward": per_call_us(autograd, max(1, args.calls // 4), sync),
