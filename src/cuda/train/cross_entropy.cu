@@ -207,13 +207,16 @@ struct RowState {
 // (l, p_label and the row of acc [rows, hidden] rescaled to it), then p = exp(z - m) written over z with the
 // label's column set to 0 and kept in the state. Without: the chunk's (maximum, sum) in one pass, joined to the
 // state. Ignored rows and labels out of range are left to the finishing step.
-template <class Z, bool kPacked>
+// kHeld > 0 (16-byte packs only): each thread keeps its packs tid, tid + kThreads, ... (at most kHeld) in registers
+// between the maximum and the exponentials, so z is read once; 0: both passes read z.
+template <class Z, bool kPacked, int kHeld>
 __global__ void __launch_bounds__(kThreads)
     online_rows_kernel(Z* logits, std::int64_t cols, std::int64_t first_col, const std::int32_t* labels,
                        std::int64_t vocab, std::int32_t ignore_index, bool first_chunk, RowState* states, float* acc,
                        std::int64_t hidden, bool want_p) {
   using E = Elem<Z>;
   constexpr int kVec = kPacked ? E::kVec : 1;
+  static_assert(kHeld == 0 || kPacked, "held packs are 16-byte packs");
   const std::int64_t row = blockIdx.x;
   const std::int32_t label = labels[row];
   if (label == ignore_index || label < 0 || label >= vocab) return;
@@ -231,12 +234,26 @@ __global__ void __launch_bounds__(kThreads)
     states[row] = r;
     return;
   }
+  uint4 held[kHeld > 0 ? kHeld : 1];
   float cm = -INFINITY;
-  for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
-    float v[kVec];
-    load_pack<Z, kPacked>(z, i, v);
+  if constexpr (kHeld > 0) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) cm = fmaxf(cm, v[j]);
+    for (int j = 0; j < kHeld; ++j) {
+      const std::int64_t i = threadIdx.x + std::int64_t{kThreads} * j;
+      if (i >= packs) continue;
+      held[j] = reinterpret_cast<const uint4*>(z)[i];
+      float v[kVec];
+      E::unpack(held[j], v);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) cm = fmaxf(cm, v[k]);
+    }
+  } else {
+    for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
+      float v[kVec];
+      load_pack<Z, kPacked>(z, i, v);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) cm = fmaxf(cm, v[j]);
+    }
   }
   cm = block_max(cm);
   if (threadIdx.x == 0) {
@@ -256,9 +273,7 @@ __global__ void __launch_bounds__(kThreads)
   if (scale != 1.0f && acc != nullptr)  // what the earlier chunks added, brought to the new shift
     for (std::int64_t k = threadIdx.x; k < hidden; k += kThreads) acc[row * hidden + k] *= scale;
   float sum = 0.0f;
-  for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
-    float v[kVec];
-    load_pack<Z, kPacked>(z, i, v);
+  const auto exponentials = [&](std::int64_t i, float(&v)[kVec]) {  // pack i: p over z, the label's set aside
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const float p = expf(v[j] - m);  // a NaN logit makes l NaN, and with it the loss and the dh row
@@ -272,6 +287,22 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     store_pack<Z, kPacked>(z, i, v);
+  };
+  if constexpr (kHeld > 0) {
+#pragma unroll
+    for (int j = 0; j < kHeld; ++j) {
+      const std::int64_t i = threadIdx.x + std::int64_t{kThreads} * j;
+      if (i >= packs) continue;
+      float v[kVec];
+      E::unpack(held[j], v);
+      exponentials(i, v);
+    }
+  } else {
+    for (std::int64_t i = threadIdx.x; i < packs; i += kThreads) {
+      float v[kVec];
+      load_pack<Z, kPacked>(z, i, v);
+      exponentials(i, v);
+    }
   }
   sum = block_sum(sum);  // its barrier also orders the label's st writes before thread 0's read
   if (threadIdx.x != 0) return;
@@ -380,7 +411,13 @@ void online_rows_step(const Context& ctx, const TensorView& logits, std::int64_t
                       reinterpret_cast<std::uintptr_t>(logits.data()) % 16 == 0;
   const auto launch = [&](auto* z) {
     using Z = std::remove_pointer_t<decltype(z)>;
-    const auto kernel = packed ? online_rows_kernel<Z, true> : online_rows_kernel<Z, false>;
+    // The exponentials' pass from registers where a thread's share of the chunk fits 8 or 16 packs.
+    const std::int64_t packs = cols / Elem<Z>::kVec;
+    const auto kernel = !packed                                ? online_rows_kernel<Z, false, 0>
+                        : !want_p                              ? online_rows_kernel<Z, true, 0>
+                        : packs <= std::int64_t{8} * kThreads  ? online_rows_kernel<Z, true, 8>
+                        : packs <= std::int64_t{16} * kThreads ? online_rows_kernel<Z, true, 16>
+                                                               : online_rows_kernel<Z, true, 0>;
     kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream_of(ctx)>>>(
         z, cols, first_col, lab, vocab, ignore_index, first_chunk, states, acc, hidden, want_p);
   };
