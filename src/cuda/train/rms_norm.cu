@@ -1,6 +1,6 @@
-// RMSNorm on the GPU. Rows that a warp can hold in registers (16-byte packs, at most kMaxPacks per lane forward,
-// kMaxPacksBackward backward, whose lanes hold x and dy) go one warp per row and are read once; other rows (odd
-// widths, misaligned views, very wide rows) one block per row.
+// RMSNorm on the GPU. Rows that one warp or two can hold in registers (16-byte packs, at most kMaxPacksForward per
+// lane forward, where a lane also holds its share of the next row, kMaxPacksBackward backward, whose lanes hold x
+// and dy) are read once; other rows (odd widths, misaligned views, very wide rows) go one block per row.
 // The row's sum of squares (fp32, reduced in a fixed order) gives rstd; the forward writes
 // y = w · round(x · rstd), the backward dx = rstd · (g − x̂ · mean(g · x̂)), g = dy · w.
 // The weight gradient dw += Σ_rows dy · x̂ is summed without atomics, in a fixed order, into one partial per group
@@ -83,7 +83,9 @@ __global__ void __launch_bounds__(kThreads) rms_norm_dx_kernel(const T* x, const
 // ---- one warp per row -------------------------------------------------------------------------------------------
 
 constexpr int kWarpsPerBlock = 8;
-constexpr int kMaxPacks = 16;  // 16-byte packs a lane holds: rows up to 4096 bf16 or 2048 f32 elements
+// 16-byte packs a lane holds forward, its share of this row and of the next (rows of up to 8 packs a lane over one
+// warp, 16 over two: 4096 bf16 or 2048 f32 elements).
+constexpr int kMaxPacksForward = 8;
 // The backward's lanes hold x's and dy's packs: at 16 of each the block-per-row kernel measured faster (occupancy).
 constexpr int kMaxPacksBackward = 8;
 
@@ -94,45 +96,80 @@ __device__ __forceinline__ float warp_total(float v) {
   return v;
 }
 
-// Lane l holds packs l, l + 32, ... (kPacks of them, those past the row's `packs` unused).
-template <class T, int kPacks>
+// Persistent forward: block b takes row steps b, b + gridDim.x, ...; a step is kSlots rows (kWarpsPerBlock /
+// kWarpsPerRow), each row's packs split over kWarpsPerRow warps (pack p in lane p mod 32·kWarpsPerRow). A lane
+// loads its share of the next step's row before it reduces and writes this one's, so the grid keeps loads in
+// flight while it writes (the rows are in registers: y may be x).
+template <class T, int kPacks, int kWarpsPerRow>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    rms_norm_warp_kernel(const T* x, const T* w, T* y, float* rstd, std::int64_t rows, std::int64_t hid, float eps) {
+    rms_norm_rows_kernel(const T* x, const T* w, T* y, float* rstd, std::int64_t rows, std::int64_t hid, float eps) {
   using E = Elem<T>;
   constexpr int V = E::kVec;
-  const int lane = threadIdx.x & 31;
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  if (row >= rows) return;  // whole warps leave together
-  const std::int64_t packs = hid / V;
-  const uint4* xr = reinterpret_cast<const uint4*>(x + row * hid);
-  uint4 q[kPacks];
-  float ss = 0.0f;
+  constexpr int kSlots = kWarpsPerBlock / kWarpsPerRow;
+  constexpr int kRowLanes = 32 * kWarpsPerRow;
+  __shared__ float row_parts[2][kWarpsPerBlock];  // each warp's share of a row's sum of squares, by step parity
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int slot = warp / kWarpsPerRow, row_lane = (warp % kWarpsPerRow) * 32 + lane;
+  const std::int64_t packs = hid / V, steps = (rows + kSlots - 1) / kSlots;
+  const auto load = [&](std::int64_t step, uint4(&q)[kPacks]) {
+    const std::int64_t row = step * kSlots + slot;
+    if (step >= steps || row >= rows) return;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + row * hid);
 #pragma unroll
-  for (int j = 0; j < kPacks; ++j) {
-    if (lane + 32 * j >= packs) continue;
-    q[j] = xr[lane + 32 * j];
-    float v[V];
-    E::unpack(q[j], v);
-#pragma unroll
-    for (int k = 0; k < V; ++k) ss = fmaf(v[k], v[k], ss);
-  }
-  const float rs = rsqrtf(warp_total(ss) / static_cast<float>(hid) + eps);
-  if (rstd && lane == 0) rstd[row] = rs;
-  T* yr = y + row * hid;  // y may be x: the row is in registers
-#pragma unroll
-  for (int j = 0; j < kPacks; ++j) {
-    const std::int64_t p = lane + 32 * j;
-    if (p >= packs) continue;
-    float v[V], wv[V], out[V];
-    E::unpack(q[j], v);
-    E::load_vec(w, p, wv);
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      T xh;  // x · rstd rounded to the storage dtype first, as Hugging Face's module computes it
-      E::store(&xh, 0, v[k] * rs);
-      out[k] = wv[k] * E::load(&xh, 0);
+    for (int j = 0; j < kPacks; ++j) {
+      const std::int64_t p = row_lane + kRowLanes * j;
+      if (p < packs) q[j] = xr[p];
     }
-    E::store_vec(yr, p, out);
+  };
+  uint4 cur[kPacks], next[kPacks];
+  load(blockIdx.x, cur);
+  int parity = 0;
+#pragma unroll 1
+  for (std::int64_t step = blockIdx.x; step < steps; step += gridDim.x, parity ^= 1) {
+    load(step + gridDim.x, next);
+    const std::int64_t row = step * kSlots + slot;
+    const bool live = row < rows;
+    float ss = 0.0f;
+    if (live) {
+#pragma unroll
+      for (int j = 0; j < kPacks; ++j) {
+        if (row_lane + kRowLanes * j >= packs) continue;
+        float v[V];
+        E::unpack(cur[j], v);
+#pragma unroll
+        for (int k = 0; k < V; ++k) ss = fmaf(v[k], v[k], ss);
+      }
+    }
+    ss = warp_total(ss);
+    if constexpr (kWarpsPerRow > 1) {  // every thread reaches this barrier, live row or not
+      if (lane == 0) row_parts[parity][warp] = ss;
+      __syncthreads();
+      ss = 0.0f;
+#pragma unroll
+      for (int part = 0; part < kWarpsPerRow; ++part) ss += row_parts[parity][slot * kWarpsPerRow + part];
+    }
+    if (live) {
+      const float rs = rsqrtf(ss / static_cast<float>(hid) + eps);
+      if (rstd && row_lane == 0) rstd[row] = rs;
+      T* yr = y + row * hid;
+#pragma unroll
+      for (int j = 0; j < kPacks; ++j) {
+        const std::int64_t p = row_lane + kRowLanes * j;
+        if (p >= packs) continue;
+        float v[V], wv[V], out[V];
+        E::unpack(cur[j], v);
+        E::load_vec(w, p, wv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          T xh;  // x · rstd rounded to the storage dtype first, as Hugging Face's module computes it
+          E::store(&xh, 0, v[k] * rs);
+          out[k] = wv[k] * E::load(&xh, 0);
+        }
+        E::store_vec(yr, p, out);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) cur[j] = next[j];
   }
 }
 
@@ -326,13 +363,24 @@ template <class T>
 void launch_forward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y,
                     const TensorView& rstd, float eps) {
   const std::int64_t rows = x.dim(0), hid = x.dim(1);
-  if (const int packs = warp_packs<T, kMaxPacks>(hid, {x.data(), w.data(), y.data()})) {
-    with_packs<kMaxPacks>(packs, [&](auto k) {
-      rms_norm_warp_kernel<T, decltype(k)::value><<<warp_blocks(rows), 32 * kWarpsPerBlock, 0, stream_of(ctx)>>>(
-          x.data_as<const T>(), w.data_as<const T>(), y.data_as<T>(), rstd.empty() ? nullptr : rstd.data_as<float>(),
-          rows, hid, eps);
+  const std::initializer_list<const void*> pointers = {x.data(), w.data(), y.data()};
+  const int one_warp = warp_packs<T, kMaxPacksForward>(hid, pointers);
+  const int two_warps = one_warp ? 0 : warp_packs<T, 2 * kMaxPacksForward>(hid, pointers);
+  if (one_warp || two_warps) {
+    auto run = [&](auto packs, auto warps_per_row) {
+      constexpr int kWarpsPerRow = decltype(warps_per_row)::value;
+      const auto kernel = rms_norm_rows_kernel<T, decltype(packs)::value, kWarpsPerRow>;
+      const std::int64_t steps = (rows + kWarpsPerBlock / kWarpsPerRow - 1) / (kWarpsPerBlock / kWarpsPerRow);
+      kernel<<<grid_for(ctx, kernel, 32 * kWarpsPerBlock, steps * 32 * kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
+               stream_of(ctx)>>>(x.data_as<const T>(), w.data_as<const T>(), y.data_as<T>(),
+                                 rstd.empty() ? nullptr : rstd.data_as<float>(), rows, hid, eps);
+    };
+    // Packs per lane: a row's packs over one warp's lanes, or over two warps' (half as many per lane).
+    with_packs<kMaxPacksForward>(one_warp ? one_warp : std::max(1, two_warps / 2), [&](auto k) {
+      if (one_warp) run(k, std::integral_constant<int, 1>{});
+      else run(k, std::integral_constant<int, 2>{});
     });
-    QMM_CUDA_CHECK_LAUNCH("rms_norm_warp_kernel");
+    QMM_CUDA_CHECK_LAUNCH("rms_norm_rows_kernel");
     return;
   }
   rms_norm_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream_of(ctx)>>>(
