@@ -491,7 +491,8 @@ TEST(TrainOpsGpu, RmsNormMatchesCpu) {
                              {5, 8},
                              {9, 4104},
                              {33, 2048},
-                             {65, 1536}}) {
+                             {65, 1536},
+                             {4099, 1536}}) {  // more row steps than a persistent grid's blocks
       SCOPED_TRACE(std::string(dtype_name(dt)) + " " + std::to_string(rows) + "x" + std::to_string(hid));
       const Tensor x = test::random_tensor(dt, {rows, hid}, ++seed, -3.0f, 3.0f);
       const Tensor w = test::random_tensor(dt, {hid}, ++seed, 0.5f, 1.5f);
