@@ -377,8 +377,10 @@ void launch_forward(const Context& ctx, const TensorView& x, const TensorView& w
     };
     // Packs per lane: a row's packs over one warp's lanes, or over two warps' (half as many per lane).
     with_packs<kMaxPacksForward>(one_warp ? one_warp : std::max(1, two_warps / 2), [&](auto k) {
-      if (one_warp) run(k, std::integral_constant<int, 1>{});
-      else run(k, std::integral_constant<int, 2>{});
+      if (one_warp)
+        run(k, std::integral_constant<int, 1>{});
+      else
+        run(k, std::integral_constant<int, 2>{});
     });
     QMM_CUDA_CHECK_LAUNCH("rms_norm_rows_kernel");
     return;
