@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_dx_kernel(const T* x, const
   }
 }
 
-// ---- one warp per row -------------------------------------------------------------------------------------------
+// ---- rows in the registers of one warp or two -----------------------------------------------------------------------
 
 constexpr int kWarpsPerBlock = 8;
 // 16-byte packs a lane holds forward, its share of this row and of the next (rows of up to 8 packs a lane over one
