@@ -10,8 +10,9 @@ launches take most of each token's time.
 The prefill runs eagerly, as transformers' own compiled generation does: a static cache makes its tensors in its
 first call, which inside a CUDA graph would live in the graph's memory and be overwritten by the next replay. The
 first calls compile (tens of seconds on a GPU); later calls replay, whatever their prompt length. Limits: prompt +
-new tokens ≤ max_cache_len (a call that sets no length generates until the end of sequence or a full cache); the batch size of the first call (the cache's tensors are made for it); the model's
-modules as they were when the decoder was made (after patch_bnb/unpatch_bnb, merge_adapter or other adapters, make
+new tokens ≤ max_cache_len (a call that sets no length generates until the end of sequence or a full cache); the
+batch size of the first call (the cache's tensors are made for it); the model's modules as they were when the
+decoder was made (after patch_bnb/unpatch_bnb, merge_adapter or other adapters, make
 a new decoder; parameters updated in place, as an optimizer's step does, are read as they are). The model is not
 changed outside `generate` calls."""
 import inspect

@@ -96,6 +96,23 @@ __device__ __forceinline__ float warp_total(float v) {
   return v;
 }
 
+// A row's total of v over its kWarpsPerRow warps, in every lane, in a fixed order. parts: the block's slots, one
+// set per step parity (a step's writes never meet the previous step's reads). With two warps a row it is a barrier:
+// every thread of the block calls it, live row or not.
+template <int kWarpsPerRow>
+__device__ __forceinline__ float row_total(float v, float (&parts)[2][kWarpsPerBlock], int parity) {
+  v = warp_total(v);
+  if constexpr (kWarpsPerRow > 1) {
+    const int warp = threadIdx.x >> 5, slot = warp / kWarpsPerRow;
+    if ((threadIdx.x & 31) == 0) parts[parity][warp] = v;
+    __syncthreads();
+    v = 0.0f;
+#pragma unroll
+    for (int part = 0; part < kWarpsPerRow; ++part) v += parts[parity][slot * kWarpsPerRow + part];
+  }
+  return v;
+}
+
 // Persistent forward: block b takes row steps b, b + gridDim.x, ...; a step is kSlots rows (kWarpsPerBlock /
 // kWarpsPerRow), each row's packs split over kWarpsPerRow warps (pack p in lane p mod 32·kWarpsPerRow). A lane
 // loads its share of the next step's row before it reduces and writes this one's, so the grid keeps loads in
@@ -140,14 +157,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
         for (int k = 0; k < V; ++k) ss = fmaf(v[k], v[k], ss);
       }
     }
-    ss = warp_total(ss);
-    if constexpr (kWarpsPerRow > 1) {  // every thread reaches this barrier, live row or not
-      if (lane == 0) row_parts[parity][warp] = ss;
-      __syncthreads();
-      ss = 0.0f;
-#pragma unroll
-      for (int part = 0; part < kWarpsPerRow; ++part) ss += row_parts[parity][slot * kWarpsPerRow + part];
-    }
+    ss = row_total<kWarpsPerRow>(ss, row_parts, parity);
     if (live) {
       const float rs = rsqrtf(ss / static_cast<float>(hid) + eps);
       if (rstd && row_lane == 0) rstd[row] = rs;
@@ -268,6 +278,30 @@ void with_packs(int packs, F&& f) {
   f(std::integral_constant<int, kMax>{});
 }
 
+// How the row kernels hold rows of hid elements of T: up to kMax packs a lane over one warp, else over two warps
+// (the row's packs split between their lanes); packs 0 where neither fits.
+struct RowSplit {
+  int packs = 0;  // a power of 2
+  int warps = 1;  // a row's warps, 1 or 2
+};
+template <class T, int kMax>
+RowSplit row_split(std::int64_t hid, std::initializer_list<const void*> pointers) {
+  if (const int one = warp_packs<T, kMax>(hid, pointers)) return {one, 1};
+  if (const int two = warp_packs<T, 2 * kMax>(hid, pointers)) return {std::max(1, two / 2), 2};
+  return {};
+}
+
+// Calls f(packs, warps a row) as std::integral_constants for a split that fits.
+template <int kMax, class F>
+void with_row_split(RowSplit split, F&& f) {
+  with_packs<kMax>(split.packs, [&](auto k) {
+    if (split.warps == 1)
+      f(k, std::integral_constant<int, 1>{});
+    else
+      f(k, std::integral_constant<int, 2>{});
+  });
+}
+
 // ---- the backward with the weight gradient's partials, rows split over one or two warps -------------------------
 
 constexpr int kGroupRows = 16;  // rows per block and per partial: enough blocks for the GPU at a few thousand rows
@@ -301,14 +335,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
       rs = rstd[row];
       dot = load_row_packs<T, kPacks>(x + row * hid, dy + row * hid, w, rs, row_lane, kRowLanes, packs, qx, qdy);
     }
-    dot = warp_total(dot);
-    if constexpr (kWarpsPerRow > 1) {  // every thread reaches this barrier, live row or not
-      if (lane == 0) row_parts[step & 1][warp] = dot;
-      __syncthreads();
-      dot = 0.0f;
-#pragma unroll
-      for (int part = 0; part < kWarpsPerRow; ++part) dot += row_parts[step & 1][slot * kWarpsPerRow + part];
-    }
+    dot = row_total<kWarpsPerRow>(dot, row_parts, step & 1);
     if (live)
       store_row_dx<T, kPacks, kWithDw>(qx, qdy, w, rs, dot / static_cast<float>(hid), dx + row * hid, row_lane,
                                        kRowLanes, packs, acc);
@@ -363,24 +390,14 @@ template <class T>
 void launch_forward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y,
                     const TensorView& rstd, float eps) {
   const std::int64_t rows = x.dim(0), hid = x.dim(1);
-  const std::initializer_list<const void*> pointers = {x.data(), w.data(), y.data()};
-  const int one_warp = warp_packs<T, kMaxPacksForward>(hid, pointers);
-  const int two_warps = one_warp ? 0 : warp_packs<T, 2 * kMaxPacksForward>(hid, pointers);
-  if (one_warp || two_warps) {
-    auto run = [&](auto packs, auto warps_per_row) {
+  if (const RowSplit split = row_split<T, kMaxPacksForward>(hid, {x.data(), w.data(), y.data()}); split.packs) {
+    with_row_split<kMaxPacksForward>(split, [&](auto packs, auto warps_per_row) {
       constexpr int kWarpsPerRow = decltype(warps_per_row)::value;
       const auto kernel = rms_norm_rows_kernel<T, decltype(packs)::value, kWarpsPerRow>;
       const std::int64_t steps = (rows + kWarpsPerBlock / kWarpsPerRow - 1) / (kWarpsPerBlock / kWarpsPerRow);
       kernel<<<grid_for(ctx, kernel, 32 * kWarpsPerBlock, steps * 32 * kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
                stream_of(ctx)>>>(x.data_as<const T>(), w.data_as<const T>(), y.data_as<T>(),
                                  rstd.empty() ? nullptr : rstd.data_as<float>(), rows, hid, eps);
-    };
-    // Packs per lane: a row's packs over one warp's lanes, or over two warps' (half as many per lane).
-    with_packs<kMaxPacksForward>(one_warp ? one_warp : std::max(1, two_warps / 2), [&](auto k) {
-      if (one_warp)
-        run(k, std::integral_constant<int, 1>{});
-      else
-        run(k, std::integral_constant<int, 2>{});
     });
     QMM_CUDA_CHECK_LAUNCH("rms_norm_rows_kernel");
     return;
@@ -405,10 +422,8 @@ template <class T>
 bool launch_backward_rows(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
                           const TensorView& dy, const TensorView& dx, const TensorView& dw) {
   const std::int64_t rows = x.dim(0), hid = x.dim(1);
-  const std::initializer_list<const void*> pointers = {x.data(), w.data(), dy.data(), dx.data()};
-  const int one_warp = warp_packs<T, kMaxPacksBackward>(hid, pointers);
-  const int two_warps = one_warp ? 0 : warp_packs<T, 2 * kMaxPacksBackward>(hid, pointers);
-  if (dx.empty() || (!one_warp && two_warps == 0) || (one_warp && dw.empty())) return false;
+  const RowSplit split = row_split<T, kMaxPacksBackward>(hid, {x.data(), w.data(), dy.data(), dx.data()});
+  if (dx.empty() || split.packs == 0 || (split.warps == 1 && dw.empty())) return false;
   const unsigned groups = static_cast<unsigned>((rows + kGroupRows - 1) / kGroupRows);
   std::unique_ptr<ScratchBuffer> partial;
   if (!dw.empty())
@@ -422,15 +437,13 @@ bool launch_backward_rows(const Context& ctx, const TensorView& x, const TensorV
         x.data_as<const T>(), w.data_as<const T>(), rstd.data_as<const float>(), dy.data_as<const T>(), dx.data_as<T>(),
         partial ? partial->at<float>(0) : nullptr, rows, hid);
   };
-  // Packs per lane: a row's packs over one warp's lanes, or over two warps' (half as many per lane).
-  const int packs = one_warp ? one_warp : std::max(1, two_warps / 2);
-  with_packs<kMaxPacksBackward>(packs, [&](auto k) {
-    if (one_warp)
-      run(k, std::integral_constant<int, 1>{}, std::true_type{});
+  with_row_split<kMaxPacksBackward>(split, [&](auto packs, auto warps_per_row) {
+    if constexpr (decltype(warps_per_row)::value == 1)  // one warp a row takes this kernel only with dw
+      run(packs, warps_per_row, std::true_type{});
     else if (dw.empty())
-      run(k, std::integral_constant<int, 2>{}, std::false_type{});
+      run(packs, warps_per_row, std::false_type{});
     else
-      run(k, std::integral_constant<int, 2>{}, std::true_type{});
+      run(packs, warps_per_row, std::true_type{});
   });
   QMM_CUDA_CHECK_LAUNCH("rms_norm_backward_rows_kernel");
   if (!dw.empty()) finish_dw(ctx, partial->at<float>(0), groups, hid, dw);
