@@ -175,6 +175,39 @@ TEST(GraphCapture, TrainStepOpsReplayOnAContextMadeWhileCapturing) {
   ctx.reset();
   cudaStreamDestroy(stream);
 }
+
+// A product over a short K (an adapter's second product y += t·Bᵀ, rank 16, at a Llama projection's size) takes an
+// algorithm without cuBLASLt's workspace: its graph holds no memset node (the workspace algorithms zero part of it
+// before every launch).
+TEST(GraphCapture, ShortKProductsCaptureNoMemset) {
+  QMM_REQUIRE_GPU();
+  const Context ctx = Context::cuda_with_new_stream(0);
+  const Device dev = ctx.device();
+  const Tensor t = to_device(test::random_tensor(DType::BF16, {4096, 16}, 4301), dev);
+  const Tensor b = to_device(test::random_tensor(DType::BF16, {4096, 16}, 4302), dev);
+  Tensor y = to_device(test::random_tensor(DType::BF16, {4096, 4096}, 4303), dev);
+  gemm_bt(ctx, t, b, y, {1.0f, 1.0f});  // the plan is made outside the capture
+  ctx.synchronize();
+  cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream());
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  cudaGraph_t graph = nullptr;
+  gemm_bt(ctx, t, b, y, {1.0f, 1.0f});
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  std::size_t n = 0;
+  CUDA_OK(cudaGraphGetNodes(graph, nullptr, &n));
+  std::vector<cudaGraphNode_t> nodes(n);
+  CUDA_OK(cudaGraphGetNodes(graph, nodes.data(), &n));
+  int kernels = 0, memsets = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type{};
+    CUDA_OK(cudaGraphNodeGetType(node, &type));
+    kernels += type == cudaGraphNodeTypeKernel;
+    memsets += type == cudaGraphNodeTypeMemset;
+  }
+  cudaGraphDestroy(graph);
+  EXPECT_GE(kernels, 1);
+  EXPECT_EQ(memsets, 0) << kernels << " kernel node(s)";
+}
 #endif
 
 }  // namespace

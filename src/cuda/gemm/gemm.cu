@@ -27,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/context_impl.h"
 #include "cuda/common/check.h"
@@ -150,7 +151,7 @@ struct Alignments {
 
 // Builds descriptors and layouts for `compute` and asks the heuristic; false when it offers no algorithm.
 bool try_make_plan(const CudaState& st, const GemmProblem& p, const Route& r, cublasComputeType_t compute,
-                   const Alignments& al, LtPlan& plan) {
+                   const Alignments& al, std::uint64_t workspace_bytes, LtPlan& plan) {
   plan.release();
   plan.compute = compute;
   const cublasStatus_t ds = cublasLtMatmulDescCreate(&plan.desc, compute, CUDA_R_32F);
@@ -177,9 +178,8 @@ bool try_make_plan(const CudaState& st, const GemmProblem& p, const Route& r, cu
 
   PreferenceGuard pg;
   QMM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pg.pref));
-  const std::uint64_t ws = st.workspace_bytes;
-  QMM_CUBLAS_CHECK(
-      cublasLtMatmulPreferenceSetAttribute(pg.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  QMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pg.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                        &workspace_bytes, sizeof(workspace_bytes)));
   // The default assumes 256-byte aligned pointers; tell the heuristic what ours really are.
   QMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pg.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al.b,
                                                         sizeof(al.b)));
@@ -197,7 +197,7 @@ bool try_make_plan(const CudaState& st, const GemmProblem& p, const Route& r, cu
   if (hs == CUBLAS_STATUS_NOT_SUPPORTED) return false;  // "no algorithm for this configuration"
   QMM_CUBLAS_CHECK(hs);
   for (int i = 0; i < found; ++i) {  // best first
-    if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= st.workspace_bytes) {
+    if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= workspace_bytes) {
       plan.algo = results[i].algo;
       return true;
     }
@@ -205,10 +205,20 @@ bool try_make_plan(const CudaState& st, const GemmProblem& p, const Route& r, cu
   return false;
 }
 
+// Products over a short K (an adapter's second product t·Bᵀ, its share of the input gradient dt·A) have nothing
+// worth splitting: offered the workspace, the heuristic picks kernels that zero part of it first (a device memset
+// before every launch) and that ran no faster than the plain kernel it picks without one (docs/BENCHMARKS.md).
+constexpr std::int64_t kShortK = 256;
+
 std::shared_ptr<LtPlan> make_plan(const CudaState& st, const GemmProblem& p, const Route& r, const Alignments& al) {
   auto plan = std::make_shared<LtPlan>();
-  if (try_make_plan(st, p, r, r.compute, al, *plan)) return plan;
-  if (r.fp32_strict && try_make_plan(st, p, r, CUBLAS_COMPUTE_32F, al, *plan)) return plan;
+  std::vector<std::uint64_t> workspaces{st.workspace_bytes};
+  if (p.k <= kShortK) workspaces.insert(workspaces.begin(), 0);  // the workspace only where no algorithm goes without
+  std::vector<cublasComputeType_t> computes{r.compute};
+  if (r.fp32_strict) computes.push_back(CUBLAS_COMPUTE_32F);
+  for (const cublasComputeType_t compute : computes)
+    for (const std::uint64_t ws : workspaces)
+      if (try_make_plan(st, p, r, compute, al, ws, *plan)) return plan;
   throw Error(ErrorCode::Unsupported, "gemm: cuBLASLt offers no algorithm for " + shape_text(p) + " (alignment A " +
                                           std::to_string(al.a) + ", B " + std::to_string(al.b) + ", C " +
                                           std::to_string(al.c) + " bytes) on " + st.props.name);
