@@ -377,13 +377,27 @@ __global__ void __launch_bounds__(kThreads) rms_norm_dw_partial_kernel(const T* 
   partial[static_cast<std::int64_t>(blockIdx.y) * hid + k] = acc;
 }
 
-__global__ void __launch_bounds__(kThreads) rms_norm_dw_finish_kernel(const float* partial, std::int64_t groups,
-                                                                      std::int64_t hid, float* dw) {
-  const std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (k >= hid) return;
+// dw[k] += Σ_g partial[g][k]. A block takes kFinishCols columns; lane j of a column adds the groups j, j +
+// kFinishLanes, ... and the lanes' sums are then added in lane order: a fixed order, with every column's loads
+// spread over kFinishLanes threads (one thread walking all the groups waits on each load in turn).
+constexpr int kFinishCols = 32, kFinishLanes = 32;
+__global__ void __launch_bounds__(kFinishCols* kFinishLanes)
+    rms_norm_dw_finish_kernel(const float* partial, std::int64_t groups, std::int64_t hid, float* dw) {
+  __shared__ float sums[kFinishLanes][kFinishCols + 1];
+  const int col = threadIdx.x % kFinishCols, lane = threadIdx.x / kFinishCols;
+  const std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * kFinishCols + col;
   float acc = 0.0f;
-  for (std::int64_t g = 0; g < groups; ++g) acc += partial[g * hid + k];
-  dw[k] += acc;
+  if (k < hid) {
+#pragma unroll 4
+    for (std::int64_t g = lane; g < groups; g += kFinishLanes) acc += partial[g * hid + k];
+  }
+  sums[lane][col] = acc;
+  __syncthreads();
+  if (lane == 0 && k < hid) {
+    float total = 0.0f;
+    for (int j = 0; j < kFinishLanes; ++j) total += sums[j][col];
+    dw[k] += total;
+  }
 }
 
 template <class T>
@@ -408,10 +422,11 @@ void launch_forward(const Context& ctx, const TensorView& x, const TensorView& w
   QMM_CUDA_CHECK_LAUNCH("rms_norm_kernel");
 }
 
-// The weight gradient's last step: dw += the groups' partials, added in group order.
+// The weight gradient's last step: dw += the groups' partials, added in a fixed order.
 void finish_dw(const Context& ctx, const float* partial, std::int64_t groups, std::int64_t hid, const TensorView& dw) {
-  const unsigned col_blocks = static_cast<unsigned>((hid + kThreads - 1) / kThreads);
-  rms_norm_dw_finish_kernel<<<col_blocks, kThreads, 0, stream_of(ctx)>>>(partial, groups, hid, dw.data_as<float>());
+  const unsigned col_blocks = static_cast<unsigned>((hid + kFinishCols - 1) / kFinishCols);
+  rms_norm_dw_finish_kernel<<<col_blocks, kFinishCols * kFinishLanes, 0, stream_of(ctx)>>>(partial, groups, hid,
+                                                                                           dw.data_as<float>());
   QMM_CUDA_CHECK_LAUNCH("rms_norm_dw_finish_kernel");
 }
 
