@@ -19,6 +19,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
 #include "cuda/common/elem.cuh"
+#include "cuda/common/lane_sum.cuh"
 #include "cuda/cuda_backend.h"
 
 namespace qmm::cuda {
@@ -377,27 +378,14 @@ __global__ void __launch_bounds__(kThreads) rms_norm_dw_partial_kernel(const T* 
   partial[static_cast<std::int64_t>(blockIdx.y) * hid + k] = acc;
 }
 
-// dw[k] += Σ_g partial[g][k]. A block takes kFinishCols columns; lane j of a column adds the groups j, j +
-// kFinishLanes, ... and the lanes' sums are then added in lane order: a fixed order, with every column's loads
-// spread over kFinishLanes threads (one thread walking all the groups waits on each load in turn).
+// dw[k] += Σ_g partial[g][k], kFinishCols columns a block, each column's groups spread over kFinishLanes threads.
 constexpr int kFinishCols = 32, kFinishLanes = 32;
 __global__ void __launch_bounds__(kFinishCols* kFinishLanes)
     rms_norm_dw_finish_kernel(const float* partial, std::int64_t groups, std::int64_t hid, float* dw) {
   __shared__ float sums[kFinishLanes][kFinishCols + 1];
-  const int col = threadIdx.x % kFinishCols, lane = threadIdx.x / kFinishCols;
-  const std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * kFinishCols + col;
-  float acc = 0.0f;
-  if (k < hid) {
-#pragma unroll 4
-    for (std::int64_t g = lane; g < groups; g += kFinishLanes) acc += partial[g * hid + k];
-  }
-  sums[lane][col] = acc;
-  __syncthreads();
-  if (lane == 0 && k < hid) {
-    float total = 0.0f;
-    for (int j = 0; j < kFinishLanes; ++j) total += sums[j][col];
-    dw[k] += total;
-  }
+  const std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * kFinishCols + threadIdx.x % kFinishCols;
+  const float total = common::lane_sum<kFinishCols, kFinishLanes>(partial + k, groups, hid, k < hid, sums);
+  if (threadIdx.x < kFinishCols && k < hid) dw[k] += total;
 }
 
 template <class T>

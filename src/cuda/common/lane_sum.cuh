@@ -1,0 +1,30 @@
+// Sums of partial results laid out [count][stride] (a split's or a row group's partials one after another), added
+// by several threads per sum so that a sum's loads are in flight together, in a fixed order.
+#pragma once
+
+#include <cstdint>
+
+namespace qmm::cuda::common {
+
+// In a block of kCols * kLanes threads, thread (column threadIdx.x % kCols, lane threadIdx.x / kCols): the sum over
+// g < count of p[g * stride], lane j adding the terms j, j + kLanes, ... and the lanes' sums then added in lane
+// order (the same order on every run). Warps load kCols consecutive columns at once. Every thread of the block calls
+// it once (it synchronizes the block); the result is valid in lane 0, and a thread with valid false adds nothing.
+template <int kCols, int kLanes>
+__device__ __forceinline__ float lane_sum(const float* p, std::int64_t count, std::int64_t stride, bool valid,
+                                          float (&sums)[kLanes][kCols + 1]) {
+  const int col = threadIdx.x % kCols, lane = threadIdx.x / kCols;
+  float acc = 0.0f;
+  if (valid) {
+#pragma unroll 4
+    for (std::int64_t g = lane; g < count; g += kLanes) acc += p[g * stride];
+  }
+  sums[lane][col] = acc;
+  __syncthreads();
+  float total = 0.0f;
+  if (lane == 0)
+    for (int j = 0; j < kLanes; ++j) total += sums[j][col];
+  return total;
+}
+
+}  // namespace qmm::cuda::common
