@@ -223,10 +223,11 @@ __global__ void __launch_bounds__(kReduceCols* kReduceLanes)
                                    float* __restrict__ grad_b, float scale, float beta) {
   __shared__ float sums[kReduceLanes][kReduceCols + 1];
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * kReduceCols + threadIdx.x % kReduceCols;
-  const bool is_dt = i < mr;
-  const float total = common::lane_sum<kReduceCols, kReduceLanes>(
-      is_dt ? dt_part + i : gb_part + (i - mr), is_dt ? strips : splits, is_dt ? mr : nr, i < mr + nr, sums);
-  if (threadIdx.x >= kReduceCols || i >= mr + nr) return;
+  const bool valid = i < mr + nr, is_dt = i < mr;
+  const float* p = is_dt ? dt_part + i : gb_part + (valid ? i - mr : 0);
+  const float total =
+      common::lane_sum<kReduceCols, kReduceLanes>(p, is_dt ? strips : splits, is_dt ? mr : nr, valid, sums);
+  if (threadIdx.x >= kReduceCols || !valid) return;
   if (is_dt) {
     dt[(i / r) * ld_dt + i % r] = __float2bfloat16_rn(scale * total);
   } else {

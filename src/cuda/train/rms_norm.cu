@@ -384,8 +384,9 @@ __global__ void __launch_bounds__(kFinishCols* kFinishLanes)
     rms_norm_dw_finish_kernel(const float* partial, std::int64_t groups, std::int64_t hid, float* dw) {
   __shared__ float sums[kFinishLanes][kFinishCols + 1];
   const std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * kFinishCols + threadIdx.x % kFinishCols;
-  const float total = common::lane_sum<kFinishCols, kFinishLanes>(partial + k, groups, hid, k < hid, sums);
-  if (threadIdx.x < kFinishCols && k < hid) dw[k] += total;
+  const bool valid = k < hid;
+  const float total = common::lane_sum<kFinishCols, kFinishLanes>(partial + (valid ? k : 0), groups, hid, valid, sums);
+  if (threadIdx.x < kFinishCols && valid) dw[k] += total;
 }
 
 template <class T>
