@@ -21,8 +21,8 @@ by each variant in its own process (from_pretrained, with BitsAndBytesConfig for
 gradient zero), the same token batch, AdamW on the adapters (fused on a GPU, as transformers' Trainer's default).
 Per variant: median and min step time, tokens/s, torch's peak allocated memory (+ qmm's own in the patched
 variants: qmm.memory_stats' fixed memory and scratch peak) and the device's used memory (torch.cuda.mem_get_info,
-which also sees qmm's pool and CUDA graphs' memory), every step's loss, kernels per step and GPU busy time
-(torch.profiler over two steps, --profile), kernels per decoder layer (--per-layer: a profiled step with and without
+which also sees qmm's pool and CUDA graphs' memory), every step's loss, kernels per step, GPU busy time and
+GPU time by kind of kernel (torch.profiler over two steps, --profile), kernels per decoder layer (--per-layer: a profiled step with and without
 the last decoder layer), and the LoRA gradients of step 0 against bnb's (relative difference, norm-wise, per tensor:
 largest and median). Variants whose packages are missing are reported as skipped.
 
@@ -152,6 +152,11 @@ def table(model_label, results):
                      f"{peak} | {r['device_used_gib']:.2f} | {r.get('kernels_per_step', '-')} | "
                      f"{r.get('kernels_per_layer', '-')} | "
                      f"{r.get('gpu_busy_ms', '-')} | {grads} | {loss_diff} | {r['first_step_s']:.1f} |")
+    kinds = [r for r in results if r.get("gpu_ms_by_kind")]
+    if kinds:
+        lines += ["", "GPU time by kind, ms a step:"]
+        lines += [f"- {r['variant']}: " + ", ".join(f"{k} {ms:.2f}" for k, ms in r["gpu_ms_by_kind"].items())
+                  for r in kinds]
     return "\n".join(lines)
 
 
@@ -254,6 +259,26 @@ def init_adapters(params):
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             bound = (1 / p.shape[1] ** 0.5) * (0.25 if "lora_B" in name else 1.0)
             p.copy_((torch.rand(p.shape, generator=g) * 2 - 1) * bound)
+
+
+# Kinds of kernels by name, first match: qmm's own by family, then cuBLAS, attention, PyTorch's element-wise
+# kernels, Triton's (torch.compile's triton_*, Liger's and Unsloth's _*), memory operations; "other" for the rest.
+KERNEL_KINDS = [
+    ("NF4 dequantize", r"qmm::.*nf4_dequantize"), ("NF4 fused / small-M", r"qmm::.*nf4"),
+    ("loss rows", r"qmm::.*(online_rows|cross_entropy)"), ("SwiGLU", r"qmm::.*swiglu"),
+    ("lora_backward_dy", r"qmm::.*lora_backward_dy"), ("RMSNorm", r"qmm::.*rms_norm"), ("rope", r"qmm::.*rope"),
+    ("qmm other", r"qmm::"), ("cuBLAS GEMM", r"nvjet|gemm|xmma|cublas|cutlass"),
+    ("attention", r"sdpa|flash|fmha|attention|cudnn"), ("PyTorch element-wise", r"at::native"),
+    ("Triton", r"^(triton_|_)"), ("memset", r"Memset"), ("copy", r"Memcpy")]
+
+
+def gpu_time_by_kind(kernels, steps):
+    """Device time per step (ms) by KERNEL_KINDS, largest first: {kind: ms}."""
+    totals = {}
+    for e in kernels:
+        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, e.name)), "other")
+        totals[kind] = totals.get(kind, 0.0) + (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0))
+    return {k: round(us / steps / 1e3, 2) for k, us in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
 def top_kernels(kernels, steps, count=25):
@@ -379,6 +404,7 @@ def worker(args):
         result["kernels_per_step"] = len(kernels) // 2
         result["gpu_busy_ms"] = round(busy_us / 2 / 1e3, 1)
         result["top_kernels"] = top_kernels(kernels, steps=2)
+        result["gpu_ms_by_kind"] = gpu_time_by_kind(kernels, steps=2)
     if args.per_layer:
         result["kernels_per_layer"] = kernels_per_layer(model, train_step, ids, device)
     grads_path = args.out + ".grads.pt"

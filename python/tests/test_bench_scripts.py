@@ -111,3 +111,37 @@ def test_layer_kernels_tiny_counts_a_layer():
     out, _ = run_script("layer_kernels.py", "--variant", "qmm-all")
     found = re.search(r"with 1 layer\(s\), (\d+) with 2: (-?\d+) per layer", out)
     assert found and int(found.group(2)) > 0, out[-2000:]
+
+
+def test_train_step_sorts_kernels_by_kind():
+    """train_step.gpu_time_by_kind: profiled kernel names of a patched step and its peers (as the H100 profile
+    names them) fall into their kinds, qmm's own by family before cuBLAS's patterns; ms a step, largest first."""
+    sys.path.insert(0, BENCH)
+    try:
+        import train_step
+    finally:
+        sys.path.remove(BENCH)
+
+    class Event:
+        def __init__(self, name, us):
+            self.name, self.device_time = name, us
+
+    names = {
+        "void qmm::cuda::nf4_detail::nf4_dequantize_kernel<__nv_bfloat16>(unsigned char const*, qmm": "NF4 dequantize",
+        "qmm::cuda::nf4_detail::nf4_dequantize_many_kernel(qmm::cuda::nf4_detail::DequantParts)": "NF4 dequantize",
+        "void qmm::cuda::(anonymous namespace)::online_rows_kernel<__nv_bfloat16, true, 16>(": "loss rows",
+        "void qmm::cuda::swiglu_detail::swiglu_backward_kernel<__nv_bfloat16>(": "SwiGLU",
+        "void qmm::cuda::(anonymous namespace)::lora_backward_dy_kernel<16>(__nv_bfloat16 const*": "lora_backward_dy",
+        "void qmm::cuda::(anonymous namespace)::rms_norm_backward_rows_kernel<__nv_bfloat16, 8, 2, ": "RMSNorm",
+        "void qmm::cuda::(anonymous namespace)::rope_kernel<__nv_bfloat16, __nv_bfloat16, 8>(": "rope",
+        "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": "cuBLAS GEMM",
+        "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x32x8": "cuBLAS GEMM",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10": "PyTorch element-wise",
+        "triton_poi_fused__to_copy_add_mul_rsub_sigmoid_2": "Triton", "_nf4_dequant_kernel": "Triton",
+        "Memset (Device)": "memset", "Memcpy DtoD (Device -> Device)": "copy", "some_vendor_kernel": "other"}
+    for name, kind in names.items():
+        assert list(train_step.gpu_time_by_kind([Event(name, 1000.0)], steps=1)) == [kind], name
+    got = train_step.gpu_time_by_kind([Event("nvjet_a", 3000.0), Event("nvjet_b", 1000.0),
+                                       Event("Memset (Device)", 500.0)], steps=2)
+    assert got == {"cuBLAS GEMM": 2.0, "memset": 0.25}
