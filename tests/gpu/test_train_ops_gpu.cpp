@@ -537,9 +537,19 @@ TEST(TrainOpsGpu, RopeMatchesCpu) {
     std::int64_t b, s, hq, hk, d;
     bool misaligned;
   };
-  const Case cases[] = {{1, 1, 1, 1, 2, false},      {2, 7, 4, 2, 64, false}, {3, 65, 12, 2, 128, false},
-                        {1, 300, 32, 8, 128, false}, {2, 33, 5, 3, 6, false}, {1, 17, 3, 0, 256, false},
-                        {2, 9, 1, 7, 12, false},     {2, 65, 4, 2, 64, true}, {1, 4099, 2, 1, 2, false}};
+  const Case cases[] = {{1, 1, 1, 1, 2, false},
+                        {2, 7, 4, 2, 64, false},
+                        {3, 65, 12, 2, 128, false},
+                        {1, 300, 32, 8, 128, false},
+                        {2, 33, 5, 3, 6, false},
+                        {1, 17, 3, 0, 256, false},
+                        {2, 9, 1, 7, 12, false},
+                        {2, 65, 4, 2, 64, true},
+                        {1, 4099, 2, 1, 2, false},
+                        // one or two heads a token (several tokens a block; a last block part full): the [B·H, S,
+                        // 1, D] view the package gives rope for a contiguous gradient
+                        {24, 130, 1, 0, 128, false},
+                        {6, 65, 1, 1, 64, false}};
   std::uint64_t seed = 1500;
   for (auto [dt, ct] : {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}})
     for (const Case& c : cases)

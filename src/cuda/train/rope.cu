@@ -1,4 +1,5 @@
-// Rotary position embedding on the GPU, one block per token (b, s) over every head of q and k in one launch.
+// Rotary position embedding on the GPU, a block per token (b, s), or per few tokens where they have few heads, over
+// every head of q and k in one launch.
 // Thread (x, y) of a block owns V consecutive columns j of the first half (and their partners j + D/2): it loads
 // the token's cos and sin there once into registers, then rotates those columns in heads y, y + blockDim.y, ...
 // Each load and store is V elements wide: 16 bytes where D/2 and the pointers allow, else two elements (bf16x2,
@@ -52,7 +53,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
                 std::int64_t tokens, std::int64_t seq, std::int64_t heads_q, std::int64_t heads_k, std::int64_t half,
                 bool per_batch, bool inverse) {
   const std::int64_t dim = 2 * half;
-  for (std::int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.z + threadIdx.z; t < tokens;
+       t += static_cast<std::int64_t>(gridDim.x) * blockDim.z) {
     const std::int64_t row = (per_batch ? t : t % seq) * dim;
     for (std::int64_t j = static_cast<std::int64_t>(threadIdx.x) * V; j < half; j += std::int64_t{blockDim.x} * V) {
       float c1[V], c2[V], s1[V], s2[V], a[V], b[V];
@@ -95,12 +97,17 @@ void launch(const Context& ctx, const TensorView& q, const TensorView& k, const 
   const std::int64_t heads_q = q.dim(2), heads_k = has_k ? k.dim(2) : 0, heads = heads_q + heads_k;
   if (heads == 0) return;
   // x threads across the columns, y threads across the heads, as few head rounds as fit kMaxThreads and every round
-  // as full as the others (40 heads in 20 rows of 2, not 32 rows then 8).
+  // as full as the others (40 heads in 20 rows of 2, not 32 rows then 8), z threads across tokens where a token's
+  // heads leave room (one head a token, as rope's [B·H, S, 1, D] view of a contiguous gradient has, would otherwise
+  // make blocks of 8 threads).
   const std::int64_t tx = std::min<std::int64_t>(half / V, kMaxThreads);
   const std::int64_t rounds = (heads + kMaxThreads / tx - 1) / (kMaxThreads / tx);
   const std::int64_t ty = (heads + rounds - 1) / rounds;
-  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>(tokens, std::numeric_limits<int>::max()));
-  rope_kernel<T, C, V><<<blocks, dim3(static_cast<unsigned>(tx), static_cast<unsigned>(ty)), 0, stream_of(ctx)>>>(
+  const std::int64_t tz = std::clamp<std::int64_t>(kMaxThreads / (tx * ty), 1, std::min<std::int64_t>(tokens, 64));
+  const auto blocks =
+      static_cast<unsigned>(std::min<std::int64_t>((tokens + tz - 1) / tz, std::numeric_limits<int>::max()));
+  const dim3 threads(static_cast<unsigned>(tx), static_cast<unsigned>(ty), static_cast<unsigned>(tz));
+  rope_kernel<T, C, V><<<blocks, threads, 0, stream_of(ctx)>>>(
       q.data_as<const T>(), has_k ? k.data_as<const T>() : nullptr, cos.data_as<const C>(), sin.data_as<const C>(),
       q_out.data_as<T>(), has_k ? k_out.data_as<T>() : nullptr, tokens, q.dim(1), heads_q, heads_k, half,
       cos.dim(0) != 1, inverse);
