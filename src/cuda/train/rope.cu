@@ -95,7 +95,7 @@ void launch(const Context& ctx, const TensorView& q, const TensorView& k, const 
   const bool has_k = k.rank() == 4;
   const std::int64_t tokens = q.dim(0) * q.dim(1), half = q.dim(3) / 2;
   const std::int64_t heads_q = q.dim(2), heads_k = has_k ? k.dim(2) : 0, heads = heads_q + heads_k;
-  if (heads == 0) return;
+  if (heads == 0 || tokens == 0) return;
   // x threads across the columns, y threads across the heads, as few head rounds as fit kMaxThreads and every round
   // as full as the others (40 heads in 20 rows of 2, not 32 rows then 8), z threads across tokens where a token's
   // heads leave room (one head a token, as rope's [B·H, S, 1, D] view of a contiguous gradient has, would otherwise
