@@ -114,7 +114,7 @@ def test_layer_kernels_tiny_counts_a_layer():
 
 
 def test_train_step_sorts_kernels_by_kind():
-    """train_step.gpu_time_by_kind: profiled kernel names of a patched step and its peers (as the H100 profile
+    """train_step.gpu_time_by_kind: profiled kernel names of a patched step and its peers (as torch.profiler
     names them) fall into their kinds, qmm's own by family before cuBLAS's patterns; ms a step, largest first."""
     sys.path.insert(0, BENCH)
     try:

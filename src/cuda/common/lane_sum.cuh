@@ -6,24 +6,28 @@
 
 namespace qmm::cuda::common {
 
-// In a block of kCols * kLanes threads, thread (column threadIdx.x % kCols, lane threadIdx.x / kCols): the sum over
-// g < count of p[g * stride], lane j adding the terms j, j + kLanes, ... and the lanes' sums then added in lane
-// order (the same order on every run). Warps load kCols consecutive columns at once. Every thread of the block calls
-// it once (it synchronizes the block); the result is valid in lane 0, and a thread with valid false adds nothing.
-template <int kCols, int kLanes>
+// A lane_sum block: kLaneSumCols sums, each over kLaneSumLanes threads.
+constexpr int kLaneSumCols = 32, kLaneSumLanes = 32, kLaneSumThreads = kLaneSumCols * kLaneSumLanes;
+using LaneSums = float[kLaneSumLanes][kLaneSumCols + 1];  // the block's shared scratch
+
+// In a block of kLaneSumThreads threads, thread (column threadIdx.x % kLaneSumCols, lane threadIdx.x /
+// kLaneSumCols): the sum over g < count of p[g * stride], lane j adding the terms j, j + kLaneSumLanes, ... and the
+// lanes' sums then added in lane order (the same order on every run). Warps load kLaneSumCols consecutive columns at
+// once. Every thread of the block calls it once (it synchronizes the block); the result is valid in lane 0
+// (threadIdx.x < kLaneSumCols), and a thread with valid false adds nothing.
 __device__ __forceinline__ float lane_sum(const float* p, std::int64_t count, std::int64_t stride, bool valid,
-                                          float (&sums)[kLanes][kCols + 1]) {
-  const int col = threadIdx.x % kCols, lane = threadIdx.x / kCols;
+                                          LaneSums& sums) {
+  const int col = threadIdx.x % kLaneSumCols, lane = threadIdx.x / kLaneSumCols;
   float acc = 0.0f;
   if (valid) {
 #pragma unroll 4
-    for (std::int64_t g = lane; g < count; g += kLanes) acc += p[g * stride];
+    for (std::int64_t g = lane; g < count; g += kLaneSumLanes) acc += p[g * stride];
   }
   sums[lane][col] = acc;
   __syncthreads();
   float total = 0.0f;
   if (lane == 0)
-    for (int j = 0; j < kLanes; ++j) total += sums[j][col];
+    for (int j = 0; j < kLaneSumLanes; ++j) total += sums[j][col];
   return total;
 }
 

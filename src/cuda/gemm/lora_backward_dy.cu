@@ -213,21 +213,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // dt[m][c] = bf16(scale·Σ_s dt_part[s][i]) for i = m·r + c < mr (dt's rows ld_dt apart), then grad_b[j] =
 // scale·Σ_z gb_part[z][j] + beta·grad_b[j] for i = mr + j; beta = 0 does not read grad_b (a GEMM's beta = 0).
-// kReduceCols sums a block, each sum's partials spread over kReduceLanes threads (lane_sum, a fixed order): one
-// thread per sum waited on each of up to ~130 partials in turn where N is small and the row splits many.
-constexpr int kReduceCols = 32, kReduceLanes = 32;
-__global__ void __launch_bounds__(kReduceCols* kReduceLanes)
+// A lane_sum block's sums a block, each sum's partials spread over its lanes (a fixed order): one thread per sum
+// waited on each of up to ~130 partials in turn where N is small and the row splits many.
+__global__ void __launch_bounds__(common::kLaneSumThreads)
     lora_backward_dy_reduce_kernel(const float* __restrict__ dt_part, int strips, std::int64_t mr, int r,
                                    std::int64_t ld_dt, __nv_bfloat16* __restrict__ dt,
                                    const float* __restrict__ gb_part, int splits, std::int64_t nr,
                                    float* __restrict__ grad_b, float scale, float beta) {
-  __shared__ float sums[kReduceLanes][kReduceCols + 1];
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * kReduceCols + threadIdx.x % kReduceCols;
+  __shared__ common::LaneSums sums;
+  const std::int64_t i =
+      static_cast<std::int64_t>(blockIdx.x) * common::kLaneSumCols + threadIdx.x % common::kLaneSumCols;
   const bool valid = i < mr + nr, is_dt = i < mr;
   const float* p = is_dt ? dt_part + i : gb_part + (valid ? i - mr : 0);
-  const float total =
-      common::lane_sum<kReduceCols, kReduceLanes>(p, is_dt ? strips : splits, is_dt ? mr : nr, valid, sums);
-  if (threadIdx.x >= kReduceCols || !valid) return;
+  const float total = common::lane_sum(p, is_dt ? strips : splits, is_dt ? mr : nr, valid, sums);
+  if (threadIdx.x >= common::kLaneSumCols || !valid) return;
   if (is_dt) {
     dt[(i / r) * ld_dt + i % r] = __float2bfloat16_rn(scale * total);
   } else {
@@ -258,8 +257,8 @@ bool launch(const Context& ctx, const TensorView& dy, const TensorView& b, const
       dy.data_as<const __nv_bfloat16>(), b.data_as<const __nv_bfloat16>(), t.data_as<const __nv_bfloat16>(), ld_t, M, N,
       row_tiles, dt_part, gb_part);
   QMM_CUDA_CHECK_LAUNCH("lora_backward_dy_kernel");
-  const unsigned grid = static_cast<unsigned>((mr + nr + kReduceCols - 1) / kReduceCols);
-  lora_backward_dy_reduce_kernel<<<grid, kReduceCols * kReduceLanes, 0, stream_of(ctx)>>>(
+  const unsigned grid = static_cast<unsigned>((mr + nr + common::kLaneSumCols - 1) / common::kLaneSumCols);
+  lora_backward_dy_reduce_kernel<<<grid, common::kLaneSumThreads, 0, stream_of(ctx)>>>(
       dt_part, strips, mr, kR, ld_dt, dt.data_as<__nv_bfloat16>(), gb_part, splits, nr, grad_b.data_as<float>(), scale,
       beta);
   QMM_CUDA_CHECK_LAUNCH("lora_backward_dy_reduce_kernel");

@@ -378,15 +378,15 @@ __global__ void __launch_bounds__(kThreads) rms_norm_dw_partial_kernel(const T* 
   partial[static_cast<std::int64_t>(blockIdx.y) * hid + k] = acc;
 }
 
-// dw[k] += Σ_g partial[g][k], kFinishCols columns a block, each column's groups spread over kFinishLanes threads.
-constexpr int kFinishCols = 32, kFinishLanes = 32;
-__global__ void __launch_bounds__(kFinishCols* kFinishLanes)
+// dw[k] += Σ_g partial[g][k], a lane_sum block's columns a block.
+__global__ void __launch_bounds__(common::kLaneSumThreads)
     rms_norm_dw_finish_kernel(const float* partial, std::int64_t groups, std::int64_t hid, float* dw) {
-  __shared__ float sums[kFinishLanes][kFinishCols + 1];
-  const std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * kFinishCols + threadIdx.x % kFinishCols;
+  __shared__ common::LaneSums sums;
+  const std::int64_t k =
+      static_cast<std::int64_t>(blockIdx.x) * common::kLaneSumCols + threadIdx.x % common::kLaneSumCols;
   const bool valid = k < hid;
-  const float total = common::lane_sum<kFinishCols, kFinishLanes>(partial + (valid ? k : 0), groups, hid, valid, sums);
-  if (threadIdx.x < kFinishCols && valid) dw[k] += total;
+  const float total = common::lane_sum(partial + (valid ? k : 0), groups, hid, valid, sums);
+  if (threadIdx.x < common::kLaneSumCols && valid) dw[k] += total;
 }
 
 template <class T>
@@ -413,9 +413,9 @@ void launch_forward(const Context& ctx, const TensorView& x, const TensorView& w
 
 // The weight gradient's last step: dw += the groups' partials, added in a fixed order.
 void finish_dw(const Context& ctx, const float* partial, std::int64_t groups, std::int64_t hid, const TensorView& dw) {
-  const unsigned col_blocks = static_cast<unsigned>((hid + kFinishCols - 1) / kFinishCols);
-  rms_norm_dw_finish_kernel<<<col_blocks, kFinishCols * kFinishLanes, 0, stream_of(ctx)>>>(partial, groups, hid,
-                                                                                           dw.data_as<float>());
+  const unsigned col_blocks = static_cast<unsigned>((hid + common::kLaneSumCols - 1) / common::kLaneSumCols);
+  rms_norm_dw_finish_kernel<<<col_blocks, common::kLaneSumThreads, 0, stream_of(ctx)>>>(partial, groups, hid,
+                                                                                        dw.data_as<float>());
   QMM_CUDA_CHECK_LAUNCH("rms_norm_dw_finish_kernel");
 }
 
