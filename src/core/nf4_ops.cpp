@@ -193,9 +193,9 @@ void cpu_gate_up(const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& 
       round_to_bf16(s.f32.data_as<const float>(), s.out.data_as<std::uint16_t>(), m * n);
   }
   if (!want_h) return;
-  if (out.h.dtype() == DType::F32) return reference_backend().swiglu(sides[0].f32, sides[1].f32, out.h);
+  if (out.h.dtype() == DType::F32) return reference_backend().swiglu(sides[0].f32, sides[1].f32, out.h, {});
   Tensor h32(DType::F32, {m, n});
-  reference_backend().swiglu(sides[0].f32, sides[1].f32, h32);
+  reference_backend().swiglu(sides[0].f32, sides[1].f32, h32, {});
   round_to_bf16(h32.data_as<const float>(), out.h.data_as<std::uint16_t>(), m * n);
 }
 

@@ -1,4 +1,6 @@
 // Public SwiGLU entry points: validate (shapes, dtypes, devices, which aliasing is allowed), then route.
+#include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "core/gpu_backend.h"
@@ -35,21 +37,54 @@ void check_alias_allowed(const char* op, const Arg& out, const Arg& input) {
                   " overlap in memory without being the same tensor (only an exact in-place alias is allowed)");
 }
 
+// The adapters' operands against gate [M, N] (SwiGluAdapters in ops.h), and none of them overlapping an output.
+void check_adapters(const Context& ctx, const char* op, const TensorView& gate, const SwiGluAdapters& ad,
+                    std::initializer_list<Arg> outputs) {
+  if (ad.empty()) return;
+  detail::require_rank(op, "gate", gate, 2);
+  const std::int64_t m = gate.dim(0), n = gate.dim(1);
+  detail::require_tensor(ctx, op, "adapters.t", ad.t);
+  detail::require_rank(op, "adapters.t", ad.t, 2);
+  detail::require_same_dtype(op, "adapters.t", ad.t, "gate", gate);
+  std::int64_t ranks = 0;
+  for (const Arg& b : {Arg{"adapters.b_gate", ad.b_gate}, Arg{"adapters.b_up", ad.b_up}}) {
+    if (b.t.empty()) continue;
+    detail::require_tensor(ctx, op, b.name, b.t);
+    detail::require_rank(op, b.name, b.t, 2);
+    detail::require_same_dtype(op, b.name, b.t, "gate", gate);
+    QMM_REQUIRE(b.t.dim(0) == n && b.t.dim(1) >= 1, ErrorCode::ShapeMismatch, op,
+                std::string(b.name) + " is " + b.t.shape().str() +
+                    " but must be [N, r] with gate's N = " + std::to_string(n) + " and r >= 1");
+    ranks += b.t.dim(1);
+  }
+  QMM_REQUIRE(ad.t.dim(0) == m && ad.t.dim(1) >= ranks, ErrorCode::ShapeMismatch, op,
+              "adapters.t is " + ad.t.shape().str() + " but must be [M, R] with gate's M = " + std::to_string(m) +
+                  " and R >= the two ranks' sum " + std::to_string(ranks));
+  QMM_REQUIRE(std::isfinite(ad.gate_scale) && std::isfinite(ad.up_scale), ErrorCode::InvalidArgument, op,
+              "adapters' scales are " + std::to_string(ad.gate_scale) + " and " + std::to_string(ad.up_scale) +
+                  " but must be finite");
+  for (const Arg& out : outputs)
+    for (const Arg& in : {Arg{"adapters.t", ad.t}, Arg{"adapters.b_gate", ad.b_gate}, Arg{"adapters.b_up", ad.b_up}})
+      if (!in.t.empty()) detail::require_no_overlap(op, out.name, out.t, in.name, in.t);
+}
+
 }  // namespace
 
-void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h) {
+void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h,
+            const SwiGluAdapters& adapters) {
   const char* op = "swiglu";
   const Arg G{"gate", gate}, U{"up", up}, H{"h", h};
   check_operands(ctx, op, {G, U, H});
   check_alias_allowed(op, H, G);
   check_alias_allowed(op, H, U);
+  check_adapters(ctx, op, gate, adapters, {H});
   if (h.numel() == 0) return;
-  if (ctx.device().is_cpu()) return reference_backend().swiglu(gate, up, h);
-  require_gpu_backend(op).swiglu(ctx, gate, up, h);
+  if (ctx.device().is_cpu()) return reference_backend().swiglu(gate, up, h, adapters);
+  require_gpu_backend(op).swiglu(ctx, gate, up, h, adapters);
 }
 
 void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
-                     const TensorView& dgate, const TensorView& dup) {
+                     const TensorView& dgate, const TensorView& dup, const SwiGluAdapters& adapters) {
   const char* op = "swiglu_backward";
   const Arg G{"gate", gate}, U{"up", up}, DH{"dh", dh}, DG{"dgate", dgate}, DU{"dup", dup};
   check_operands(ctx, op, {G, U, DH, DG, DU});
@@ -61,9 +96,10 @@ void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorVie
   detail::require_no_overlap(op, "dup", dup, "gate", gate);
   detail::require_no_overlap(op, "dup", dup, "dh", dh);
   detail::require_no_overlap(op, "dgate", dgate, "dup", dup);
+  check_adapters(ctx, op, gate, adapters, {DG, DU});
   if (dgate.numel() == 0) return;
-  if (ctx.device().is_cpu()) return reference_backend().swiglu_backward(gate, up, dh, dgate, dup);
-  require_gpu_backend(op).swiglu_backward(ctx, gate, up, dh, dgate, dup);
+  if (ctx.device().is_cpu()) return reference_backend().swiglu_backward(gate, up, dh, dgate, dup, adapters);
+  require_gpu_backend(op).swiglu_backward(ctx, gate, up, dh, dgate, dup, adapters);
 }
 
 }  // namespace qmm

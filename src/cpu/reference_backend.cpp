@@ -10,12 +10,13 @@ namespace {
 class CpuReference final : public ReferenceBackend {
  public:
   void gemm(const GemmProblem& p) const override { cpu::gemm(p); }
-  void swiglu(const TensorView& gate, const TensorView& up, const TensorView& h) const override {
-    cpu::swiglu(gate, up, h);
+  void swiglu(const TensorView& gate, const TensorView& up, const TensorView& h,
+              const SwiGluAdapters& adapters) const override {
+    cpu::swiglu(gate, up, h, adapters);
   }
   void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dh, const TensorView& dgate,
-                       const TensorView& dup) const override {
-    cpu::swiglu_backward(gate, up, dh, dgate, dup);
+                       const TensorView& dup, const SwiGluAdapters& adapters) const override {
+    cpu::swiglu_backward(gate, up, dh, dgate, dup, adapters);
   }
   void nf4_quantize(const TensorView& w, Nf4Weight& out) const override { cpu::nf4_quantize(w, out); }
   void nf4_dequantize(const Nf4Weight& w, const TensorView& out) const override { cpu::nf4_dequantize(w, out); }

@@ -43,12 +43,19 @@ class CudaBackend final : public GpuBackend {
                         float scale, float beta) const override {
     return cuda::lora_backward_dy_fused(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta);
   }
-  void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h) const override {
-    cuda::swiglu(ctx, gate, up, h);
+  void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h,
+              const SwiGluAdapters& adapters) const override {
+    if (adapters.empty())
+      cuda::swiglu(ctx, gate, up, h);
+    else
+      cuda::swiglu_adapters(ctx, gate, up, h, adapters);
   }
   void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
-                       const TensorView& dgate, const TensorView& dup) const override {
-    cuda::swiglu_backward(ctx, gate, up, dh, dgate, dup);
+                       const TensorView& dgate, const TensorView& dup, const SwiGluAdapters& adapters) const override {
+    if (adapters.empty())
+      cuda::swiglu_backward(ctx, gate, up, dh, dgate, dup);
+    else
+      cuda::swiglu_adapters_backward(ctx, gate, up, dh, dgate, dup, adapters);
   }
   void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out) const override {
     cuda::nf4_quantize(ctx, w, out);

@@ -224,5 +224,102 @@ TEST(SwigluGpu, ExtremeGatesStayFinite) {
   }
 }
 
+// SwiGLU with adapters' terms on its inputs (ops.h, SwiGluAdapters) against the oracle, which sums the terms in
+// fp64. The GPU sums them in fp32 (on the tensor cores for bf16 with ranks up to 32) and keeps gate' = gate + term
+// in fp32, so besides the output's rounding there is an absolute error of a few fp32 ulps of the terms and gate
+// (O(1) to O(6) below), which matters where gate' or the result is small: within 1 bf16 ulp or kTermAtol.
+constexpr double kTermAtol = 2e-5;
+
+::testing::AssertionResult close_with_terms(const TensorView& got_any, const TensorView& ref) {
+  const Tensor got = test::host_copy(got_any);
+  std::int64_t bad = 0;
+  std::ostringstream first;
+  first.precision(9);
+  for (std::int64_t i = 0; i < got.numel(); ++i) {
+    const double g = test::get_value(got.view(), i), r = test::get_value(ref, i);
+    bool ok =
+        std::isfinite(g) && std::fabs(g - r) <= kTermAtol + (got.dtype() == DType::F32 ? kF32Rtol * std::fabs(r) : 0.0);
+    if (!ok && got.dtype() == DType::BF16) {
+      const std::uint16_t gb = got.data_as<std::uint16_t>()[i], rb = ref.data_as<std::uint16_t>()[i];
+      ok = std::isfinite(g) && std::abs(ordered_bf16(gb) - ordered_bf16(rb)) <= kBf16MaxUlps;
+    }
+    if (!ok && bad++ < 5) first << "\n  [" << i << "] got " << g << " ref " << r;
+  }
+  if (bad) return ::testing::AssertionFailure() << bad << " of " << got.numel() << " elements off" << first.str();
+  return ::testing::AssertionSuccess();
+}
+
+struct AdapterCase {
+  DType dt;
+  std::int64_t m, n, rg, ru, extra_t_cols;
+  bool misaligned;
+};
+
+std::string case_name(const AdapterCase& c) {
+  return std::string(dtype_name(c.dt)) + " " + std::to_string(c.m) + "x" + std::to_string(c.n) + " r " +
+         std::to_string(c.rg) + "+" + std::to_string(c.ru) + (c.misaligned ? " misaligned" : "");
+}
+
+// A device copy of a host [rows, cols] tensor, one element past a 16-byte boundary where `misaligned`.
+DeviceBuf device_matrix(const Tensor& host, std::int64_t rows, std::int64_t cols, bool misaligned) {
+  DeviceBuf b = device_copy(host, misaligned);
+  b.view = TensorView(b.view.data(), host.dtype(), {rows, cols}, b.view.device());
+  return b;
+}
+
+void check_adapters(const AdapterCase& c, std::uint64_t seed) {
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  const std::int64_t m = c.m, n = c.n, big_r = c.rg + c.ru + c.extra_t_cols;
+  const Tensor gate = test::random_tensor(c.dt, {m, n}, seed, -6.0f, 6.0f),
+               up = test::random_tensor(c.dt, {m, n}, seed + 1), dh = test::random_tensor(c.dt, {m, n}, seed + 2),
+               t = test::random_tensor(c.dt, {m, big_r}, seed + 3);
+  const Tensor bg = test::random_tensor(c.dt, {n, std::max<std::int64_t>(c.rg, 1)}, seed + 4, -0.2f, 0.2f);
+  const Tensor bu = test::random_tensor(c.dt, {n, std::max<std::int64_t>(c.ru, 1)}, seed + 5, -0.2f, 0.2f);
+  const SwiGluAdapters host_ad{t, c.rg > 0 ? bg.view() : TensorView(), 2.0f, c.ru > 0 ? bu.view() : TensorView(), 0.5f};
+  Tensor h_ref(c.dt, {m, n}), dg_ref(c.dt, {m, n}), du_ref(c.dt, {m, n});
+  swiglu(cpu, gate, up, h_ref, host_ad);
+  swiglu_backward(cpu, gate, up, dh, dg_ref, du_ref, host_ad);
+
+  const bool mis = c.misaligned;
+  DeviceBuf g = device_matrix(gate, m, n, mis), u = device_matrix(up, m, n, false), d = device_matrix(dh, m, n, false);
+  DeviceBuf td = device_matrix(t, m, big_r, false), bgd = device_matrix(bg, n, bg.shape()[1], false),
+            bud = device_matrix(bu, n, bu.shape()[1], false);
+  const SwiGluAdapters ad{td.view, c.rg > 0 ? bgd.view : TensorView(), 2.0f, c.ru > 0 ? bud.view : TensorView(), 0.5f};
+  DeviceBuf h = device_matrix(Tensor(c.dt, {m, n}), m, n, false), dg = device_matrix(Tensor(c.dt, {m, n}), m, n, false),
+            du = device_matrix(Tensor(c.dt, {m, n}), m, n, mis);
+  test::poison(h.view);
+  test::poison(dg.view);
+  test::poison(du.view);
+  swiglu(gpu, g.view, u.view, h.view, ad);
+  swiglu_backward(gpu, g.view, u.view, d.view, dg.view, du.view, ad);
+  gpu.synchronize();
+  const std::string what = case_name(c);
+  EXPECT_TRUE(close_with_terms(h.view, h_ref)) << "h " << what;
+  EXPECT_TRUE(close_with_terms(dg.view, dg_ref)) << "dgate " << what;
+  EXPECT_TRUE(close_with_terms(du.view, du_ref)) << "dup " << what;
+  EXPECT_TRUE(test::bytes_equal(test::host_copy(g.view), gate)) << what;
+  EXPECT_TRUE(test::bytes_equal(test::host_copy(td.view), t)) << what;
+
+  // In place: dgate over gate and dup over up give the same values.
+  swiglu_backward(gpu, g.view, u.view, d.view, g.view, u.view, ad);
+  gpu.synchronize();
+  EXPECT_TRUE(close_with_terms(g.view, dg_ref)) << "dgate = gate, " << what;
+  EXPECT_TRUE(close_with_terms(u.view, du_ref)) << "dup = up, " << what;
+}
+
+TEST(SwigluGpu, AdaptersMatchCpu) {
+  QMM_REQUIRE_GPU();
+  const std::vector<AdapterCase> cases = {
+      {DType::BF16, 1, 8, 16, 16, 0, false},      {DType::BF16, 7, 63, 16, 0, 0, false},
+      {DType::BF16, 65, 1000, 8, 16, 3, false},   {DType::BF16, 63, 65, 0, 32, 0, false},
+      {DType::BF16, 130, 4104, 16, 16, 0, false}, {DType::BF16, 33, 520, 32, 7, 0, false},
+      {DType::BF16, 17, 136, 16, 16, 0, true},    {DType::BF16, 1000, 72, 1, 31, 0, false},
+      {DType::BF16, 5, 24, 64, 16, 0, false},     {DType::F32, 63, 65, 16, 16, 2, false},
+      {DType::F32, 300, 72, 16, 0, 0, true}};
+  std::uint64_t seed = 500;
+  for (const AdapterCase& c : cases) check_adapters(c, seed += 7);
+}
+
 }  // namespace
 }  // namespace qmm
