@@ -268,6 +268,23 @@ def _grouped_backward(dys, ws, path, saved, scales, x_shape, wants, want_dx):
     return dx, [(None, da, db) for da, db in pairs]
 
 
+# Ranks up to this go through swiglu's adapters on a GPU (the tensor-core kernel; larger ones would take its
+# element-a-thread kernel, slower than the second products' GEMMs).
+SWIGLU_TERMS_MAX_RANK = 32
+
+
+def _swiglu_terms(saved, scales):
+    """swiglu's adapters for a gate/up pair's Grouped saved tensors, where the adapters' second products are left
+    to the SwiGLU kernel (gate and up then hold the base products only): on the CPU always, on a GPU for bf16 with
+    ranks up to SWIGLU_TERMS_MAX_RANK. None where the second products run as GEMMs. The forward and the backward
+    decide alike from the same saved tensors."""
+    _, t, _, b_gate, b_up = saved
+    if t.is_cuda and (t.dtype != torch.bfloat16 or
+                      any(b is not None and b.shape[1] > SWIGLU_TERMS_MAX_RANK for b in (b_gate, b_up))):
+        return None
+    return (t, b_gate, float(scales[0]), b_up, float(scales[1]))
+
+
 def swiglu_forward(x, w_gate, w_up, loras, path, keep):
     """h = silu(gate) * up, gate = x @ dequant(Wg)^T (+ its adapter), up likewise, both base products from one read
     of x (nf4_gate_up). Returns h, gate and up (kept for the backward: None unless `keep` or an adapter needs
@@ -281,9 +298,13 @@ def swiglu_forward(x, w_gate, w_up, loras, path, keep):
     if _grouped(x, loras):  # both adapters' first products as one GEMM (lora_adapters)
         x2 = _flat(x)
         stacking = _stacking(x, loras)
+        saved = _grouped_saved(x2, stacking)
+        terms = _swiglu_terms(saved, stacking[5])
         _call(_qmm.lora_adapters_forward, x2, x2, [_flat(gate), _flat(up)], *stacking[:3], stacking[5],
-              *stacking[3:5])
-        return swiglu(gate, up), gate, up, _grouped_saved(x2, stacking)
+              *stacking[3:5], second_products=terms is None)
+        if terms is None:
+            return swiglu(gate, up), gate, up, saved
+        return swiglu(_flat(gate), _flat(up), adapters=terms).view(gate.shape), gate, up, saved
     working = working_copies([None if lora is None else lora[1:3] for lora in loras], x.dtype)
     saved = tuple(None if lora is None else _adapter_into(y, lora, *w)
                   for y, lora, w in zip((gate, up), loras, working))
@@ -294,7 +315,11 @@ def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd
     """Gradients of swiglu_forward: (dx, dxd_gate, dxd_up, da_gate, db_gate, da_up, db_up), for want = the same
     seven flags."""
     want_dx = want[0]
-    dgate, dup = _swiglu_backward(gate, up, dh)
+    terms = _swiglu_terms(saved, scales) if isinstance(saved, Grouped) else None
+    if terms is None:
+        dgate, dup = _swiglu_backward(gate, up, dh)
+    else:  # gate and up hold the base products only: the kernel adds the terms again
+        dgate, dup = (d.view(gate.shape) for d in _swiglu_backward(_flat(gate), _flat(up), _flat(dh), adapters=terms))
     if isinstance(saved, Grouped):
         dx = None
         if want_dx:

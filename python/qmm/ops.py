@@ -114,19 +114,31 @@ def batched_gemm(a, b, *, transpose_b=False, out=None, alpha=1.0, beta=0.0, math
 # ---- SwiGLU -----------------------------------------------------------------------------------------------------
 
 
-def swiglu(gate, up, *, out=None):
-    """h = silu(gate) * up (float32 or bfloat16, one shape and dtype for all three)."""
+def _swiglu_adapters(adapters):
+    if adapters is None:
+        return {}
+    t, b_gate, gate_scale, b_up, up_scale = adapters
+    return dict(t=_in(t), b_gate=None if b_gate is None else _in(b_gate), gate_scale=float(gate_scale),
+                b_up=None if b_up is None else _in(b_up), up_scale=float(up_scale))
+
+
+def swiglu(gate, up, *, out=None, adapters=None):
+    """h = silu(gate) * up (float32 or bfloat16, one shape and dtype for all three). adapters = (t, b_gate,
+    gate_scale, b_up, up_scale) adds LoRA terms to the inputs inside the kernel, never stored: gate + gate_scale *
+    t[:, :r_g] @ b_gate^T and up + up_scale * t[:, r_g:r_g + r_u] @ b_up^T for gate and up [M, N], t [M, R] and
+    b_gate [N, r_g], b_up [N, r_u] (either None for no term), all of gate's dtype."""
     gate, up = _in(gate), _in(up)
     out = _out("swiglu", out, gate.shape, None, gate, 0.0)
-    _call(_qmm.swiglu, gate, gate, up, out.detach())
+    _call(_qmm.swiglu, gate, gate, up, out.detach(), **_swiglu_adapters(adapters))
     return out
 
 
-def swiglu_backward(gate, up, dh):
-    """(dgate, dup) = (dh * up * silu'(gate), dh * silu(gate))."""
+def swiglu_backward(gate, up, dh, *, adapters=None, out=None):
+    """(dgate, dup) = (dh * up * silu'(gate), dh * silu(gate)), with swiglu's adapters at gate's and up's sums with
+    their terms. out = (dgate, dup) may be (gate, up) themselves (in place)."""
     gate, up, dh = _in(gate), _in(up), _in(dh)
-    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-    _call(_qmm.swiglu_backward, gate, gate, up, dh, dgate, dup)
+    dgate, dup = out if out is not None else (torch.empty_like(gate), torch.empty_like(up))
+    _call(_qmm.swiglu_backward, gate, gate, up, dh, dgate, dup, **_swiglu_adapters(adapters))
     return dgate, dup
 
 

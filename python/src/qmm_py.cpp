@@ -86,6 +86,14 @@ qmm::TensorView view_or_empty(const nb::object& a, const char* op, const char* n
   return view_of(nb::cast<Array>(a), op, name);
 }
 
+// SwiGLU's adapters from a binding's optional arguments (ops.h, SwiGluAdapters; t None: none).
+qmm::SwiGluAdapters swiglu_adapters_of(const nb::object& t, const nb::object& b_gate, float gate_scale,
+                                       const nb::object& b_up, float up_scale, const char* op) {
+  if (t.is_none()) return {};
+  return {view_or_empty<In>(t, op, "t"), view_or_empty<In>(b_gate, op, "b_gate"), gate_scale,
+          view_or_empty<In>(b_up, op, "b_up"), up_scale};
+}
+
 // One Context per (GPU, stream), kept for the life of the process: a CUDA context holds a cuBLASLt handle, its
 // workspace and the plan cache, too costly to make per call. The map is never destroyed on purpose: at exit the
 // CUDA runtime may already be gone when static destructors run.
@@ -468,13 +476,19 @@ NB_MODULE(_qmm, m) {
 
   m.def(
       "swiglu",
-      [](const In& gate, const In& up, const Out& h, std::uintptr_t stream) {
+      [](const In& gate, const In& up, const Out& h, const nb::object& t, const nb::object& b_gate, float gate_scale,
+         const nb::object& b_up, float up_scale, std::uintptr_t stream) {
         const char* op = "swiglu";
         const qmm::TensorView g = view_of(gate, op, "gate"), u = view_of(up, op, "up"), hv = view_of(h, op, "h");
+        const qmm::SwiGluAdapters ad = swiglu_adapters_of(t, b_gate, gate_scale, b_up, up_scale, op);
         const qmm::Context ctx = context_for(g, stream);
-        run([&] { qmm::swiglu(ctx, g, u, hv); });
+        run([&] { qmm::swiglu(ctx, g, u, hv, ad); });
       },
-      nb::arg("gate"), nb::arg("up"), nb::arg("h"), nb::arg("stream") = 0);
+      nb::arg("gate"), nb::arg("up"), nb::arg("h"), nb::arg("t").none() = nb::none(),
+      nb::arg("b_gate").none() = nb::none(), nb::arg("gate_scale") = 1.0f, nb::arg("b_up").none() = nb::none(),
+      nb::arg("up_scale") = 1.0f, nb::arg("stream") = 0,
+      "h = silu(gate') * up' (gate' = gate + gate_scale * t[:, :r_g] @ b_gate^T, up' likewise with t's next r_u "
+      "columns; without t, gate and up themselves)");
 
   m.def(
       "rms_norm",
@@ -535,14 +549,18 @@ NB_MODULE(_qmm, m) {
 
   m.def(
       "swiglu_backward",
-      [](const In& gate, const In& up, const In& dh, const Out& dgate, const Out& dup, std::uintptr_t stream) {
+      [](const In& gate, const In& up, const In& dh, const Out& dgate, const Out& dup, const nb::object& t,
+         const nb::object& b_gate, float gate_scale, const nb::object& b_up, float up_scale, std::uintptr_t stream) {
         const char* op = "swiglu_backward";
         const qmm::TensorView g = view_of(gate, op, "gate"), u = view_of(up, op, "up"), d = view_of(dh, op, "dh"),
                               dg = view_of(dgate, op, "dgate"), du = view_of(dup, op, "dup");
+        const qmm::SwiGluAdapters ad = swiglu_adapters_of(t, b_gate, gate_scale, b_up, up_scale, op);
         const qmm::Context ctx = context_for(g, stream);
-        run([&] { qmm::swiglu_backward(ctx, g, u, d, dg, du); });
+        run([&] { qmm::swiglu_backward(ctx, g, u, d, dg, du, ad); });
       },
-      nb::arg("gate"), nb::arg("up"), nb::arg("dh"), nb::arg("dgate"), nb::arg("dup"), nb::arg("stream") = 0);
+      nb::arg("gate"), nb::arg("up"), nb::arg("dh"), nb::arg("dgate"), nb::arg("dup"), nb::arg("t").none() = nb::none(),
+      nb::arg("b_gate").none() = nb::none(), nb::arg("gate_scale") = 1.0f, nb::arg("b_up").none() = nb::none(),
+      nb::arg("up_scale") = 1.0f, nb::arg("stream") = 0);
 
   m.def(
       "cast",
@@ -704,7 +722,7 @@ NB_MODULE(_qmm, m) {
       "lora_adapters_forward",
       [](const In& x, const std::vector<Out>& ys, const std::vector<nb::object>& as, const std::vector<nb::object>& bs,
          const std::vector<nb::object>& b_ws, const std::vector<float>& scales, const nb::object& a_all,
-         const nb::object& t, std::uintptr_t stream) {
+         const nb::object& t, bool second_products, std::uintptr_t stream) {
         const char* op = "lora_adapters_forward";
         const qmm::TensorView xv = view_of(x, op, "x");
         std::vector<qmm::TensorView> yv;
@@ -716,13 +734,16 @@ NB_MODULE(_qmm, m) {
         const qmm::Context ctx = context_for(xv, stream);
         run([&] {
           if (!st.from.empty()) qmm::cast(ctx, st.from, st.to);
-          qmm::lora_adapters(ctx, xv, terms, st.a_all, st.t);
+          if (second_products)
+            qmm::lora_adapters(ctx, xv, terms, st.a_all, st.t);
+          else
+            qmm::gemm_bt(ctx, xv, st.a_all, st.t);
         });
       },
       nb::arg("x"), nb::arg("ys"), nb::arg("as"), nb::arg("bs"), nb::arg("b_ws"), nb::arg("scales"),
-      nb::arg("a_all").none(), nb::arg("t").none(), nb::arg("stream") = 0,
+      nb::arg("a_all").none(), nb::arg("t").none(), nb::arg("second_products") = true, nb::arg("stream") = 0,
       "y_i += scale_i * t_i @ b_i^T, t = x @ a_all^T (a_all: every a cast and stacked; b_w: b's working copy where "
-      "given)");
+      "given); without second_products only the casts and t (ys give the shapes; swiglu's adapters add the terms)");
   m.def(
       "lora_adapters_backward",
       [](const In& x, const std::vector<nb::object>& dys, const std::vector<nb::object>& bs,

@@ -269,5 +269,113 @@ TEST(Swiglu, BackwardValidation) {
                   {op, "dup", "up", "overlap"});
 }
 
+// ---- adapters' terms (SwiGluAdapters) -------------------------------------------------------------------------------
+// gate' = gate + sg·t[:, :rg]·bgᵀ and up' = up + su·t[:, rg:rg+ru]·buᵀ summed here in double, then the formulas
+// above; the library sums in double too and rounds once, so formula_tolerance holds.
+struct AdapterInputs {
+  Tensor gate, up, dh, t, bg, bu;
+  std::int64_t rg, ru;
+};
+
+AdapterInputs make_adapter_inputs(DType dt, std::int64_t m, std::int64_t n, std::int64_t rg, std::int64_t ru,
+                                  std::int64_t big_r, std::uint64_t seed) {
+  return {test::random_tensor(dt, {m, n}, seed, -6.0f, 6.0f),
+          test::random_tensor(dt, {m, n}, seed + 1),
+          test::random_tensor(dt, {m, n}, seed + 2),
+          test::random_tensor(dt, {m, big_r}, seed + 3),
+          test::random_tensor(dt, {n, std::max<std::int64_t>(rg, 1)}, seed + 4, -0.3f, 0.3f),
+          test::random_tensor(dt, {n, std::max<std::int64_t>(ru, 1)}, seed + 5, -0.3f, 0.3f),
+          rg,
+          ru};
+}
+
+Inputs with_terms(const AdapterInputs& a, double sg, double su) {
+  const std::int64_t m = a.gate.shape()[0], n = a.gate.shape()[1], big_r = a.t.shape()[1];
+  const std::vector<double> g = test::to_doubles(a.gate), u = test::to_doubles(a.up), t = test::to_doubles(a.t),
+                            bg = test::to_doubles(a.bg), bu = test::to_doubles(a.bu);
+  std::vector<double> g2(g), u2(u);
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double tg = 0.0, tu = 0.0;
+      for (std::int64_t k = 0; k < a.rg; ++k) tg += t[i * big_r + k] * bg[j * a.rg + k];
+      for (std::int64_t k = 0; k < a.ru; ++k) tu += t[i * big_r + a.rg + k] * bu[j * a.ru + k];
+      g2[i * n + j] += sg * tg;
+      u2[i * n + j] += su * tu;
+    }
+  // Kept in double through a f64-free route: F32 tensors hold the sums (the formulas read them back as doubles).
+  return {from_doubles(DType::F32, {m * n}, g2), from_doubles(DType::F32, {m * n}, u2), test::host_copy(a.dh)};
+}
+
+TEST(Swiglu, AdaptersMatchFormulas) {
+  const Context ctx = Context::cpu();
+  struct Case {
+    std::int64_t m, n, rg, ru, extra;
+  };
+  std::uint64_t seed = 900;
+  for (DType dt : kDTypes)
+    for (const Case c : {Case{1, 1, 1, 0, 0}, Case{7, 63, 16, 16, 0}, Case{65, 9, 0, 8, 3}, Case{3, 130, 40, 24, 1}}) {
+      const AdapterInputs a = make_adapter_inputs(dt, c.m, c.n, c.rg, c.ru, c.rg + c.ru + c.extra, seed += 7);
+      const SwiGluAdapters ad{a.t, c.rg > 0 ? a.bg.view() : TensorView(), 1.5f, c.ru > 0 ? a.bu.view() : TensorView(),
+                              -0.75f};
+      Inputs summed = with_terms(a, 1.5, -0.75);
+      summed.dh = from_doubles(DType::F32, {c.m * c.n}, test::to_doubles(a.dh));
+      const Tensor h_want = forward_ref(summed);
+      const auto [dg_want, du_want] = backward_ref(summed);
+      Tensor h(dt, {c.m, c.n}), dg(dt, {c.m, c.n}), du(dt, {c.m, c.n});
+      test::poison(h);
+      test::poison(dg);
+      test::poison(du);
+      swiglu(ctx, a.gate, a.up, h, ad);
+      swiglu_backward(ctx, a.gate, a.up, a.dh, dg, du, ad);
+      // The formulas ran in f32 storage: compare in f32 after rounding ours the same way (bf16 outputs compare at
+      // bf16's tolerance).
+      const std::string what = describe(dt, c.m * c.n) + " r " + std::to_string(c.rg) + "+" + std::to_string(c.ru);
+      const test::Tolerance tol = formula_tolerance(dt == DType::BF16 ? DType::BF16 : DType::F32);
+      const auto flat = [&](const Tensor& x) { return from_doubles(DType::F32, {c.m * c.n}, test::to_doubles(x)); };
+      EXPECT_TRUE(test::all_close(flat(h), h_want, {1e-6, tol.rtol, tol.rel_fro})) << "h " << what;
+      EXPECT_TRUE(test::all_close(flat(dg), dg_want, {1e-6, tol.rtol, tol.rel_fro})) << "dgate " << what;
+      EXPECT_TRUE(test::all_close(flat(du), du_want, {1e-6, tol.rtol, tol.rel_fro})) << "dup " << what;
+    }
+}
+
+TEST(Swiglu, AdaptersValidation) {
+  const Context ctx = Context::cpu();
+  const std::int64_t m = 5, n = 12;
+  const AdapterInputs a = make_adapter_inputs(DType::F32, m, n, 4, 4, 8, 1);
+  Tensor h = test::random_tensor(DType::F32, {m, n}, 2), dg = test::random_tensor(DType::F32, {m, n}, 3),
+         du = test::random_tensor(DType::F32, {m, n}, 4);
+  const Tensor t_short = test::random_tensor(DType::F32, {m, 7}, 5),
+               t_rows = test::random_tensor(DType::F32, {m + 1, 8}, 6);
+  const Tensor t_bf16 = test::random_tensor(DType::BF16, {m, 8}, 7),
+               b_rows = test::random_tensor(DType::F32, {n + 1, 4}, 8);
+  const Tensor flat_gate = test::random_tensor(DType::F32, {m * n}, 9),
+               flat_h = test::random_tensor(DType::F32, {m * n}, 10);
+  const ErrorCode shape = ErrorCode::ShapeMismatch, dtype = ErrorCode::DTypeMismatch,
+                  invalid = ErrorCode::InvalidArgument;
+  const auto ad = [&](TensorView t, TensorView bg, TensorView bu, float sg = 1.0f) {
+    return SwiGluAdapters{t, bg, sg, bu, 1.0f};
+  };
+  const SwiGluAdapters good = ad(a.t, a.bg, a.bu);
+  expect_rejected("t narrower than the ranks", {h}, [&] { swiglu(ctx, a.gate, a.up, h, ad(t_short, a.bg, a.bu)); },
+                  shape, {"swiglu", "adapters.t", "[5,7]", "8"});
+  expect_rejected("t rows", {h}, [&] { swiglu(ctx, a.gate, a.up, h, ad(t_rows, a.bg, a.bu)); }, shape,
+                  {"swiglu", "adapters.t", "[6,8]"});
+  expect_rejected("t dtype", {h}, [&] { swiglu(ctx, a.gate, a.up, h, ad(t_bf16, a.bg, a.bu)); }, dtype,
+                  {"swiglu", "adapters.t", "bf16"});
+  expect_rejected("b_up rows", {dg, du},
+                  [&] { swiglu_backward(ctx, a.gate, a.up, a.dh, dg, du, ad(a.t, a.bg, b_rows)); }, shape,
+                  {"swiglu_backward", "adapters.b_up", "[13,4]"});
+  expect_rejected("1-d gate", {flat_h}, [&] { swiglu(ctx, flat_gate, flat_gate, flat_h, good); }, shape,
+                  {"swiglu", "gate", "rank"});
+  expect_rejected("scale", {h}, [&] { swiglu(ctx, a.gate, a.up, h, ad(a.t, a.bg, a.bu, std::nanf(""))); }, invalid,
+                  {"swiglu", "scales", "finite"});
+  // An output over an adapter operand: h written over t.
+  Tensor tb = test::random_tensor(DType::F32, {m, n}, 11);
+  const TensorView t_in_h(tb.data(), DType::F32, {m, 8});
+  expect_rejected("h over t", {tb}, [&] { swiglu(ctx, a.gate, a.up, tb, ad(t_in_h, a.bg, a.bu)); }, invalid,
+                  {"swiglu", "h", "adapters.t"});
+  EXPECT_NO_THROW(swiglu(ctx, a.gate, a.up, h, good));
+}
+
 }  // namespace
 }  // namespace qmm
