@@ -325,6 +325,7 @@ class Bench {
   void run_dense();
   void run_batched();
   void run_swiglu();
+  void run_swiglu_adapters();
   void run_train();
   void record_stream(const std::string& op, const Result& like);
   void run_loss();
@@ -334,6 +335,7 @@ class Bench {
     run_dense();
     run_batched();
     run_swiglu();
+    run_swiglu_adapters();
     run_train();
     run_loss();
     run_nf4();
@@ -558,6 +560,57 @@ void Bench::run_train() {
       const double flops = 4.0 * m * n * r;
       for (std::size_t i = 0; i < fns.size(); ++i)
         record({"lora_backward_dy", i == 0 ? "bf16" : "2 gemms", p.label + " r16", 1, m, n, r, flops, bytes, st[i]});
+    }
+  }
+}
+
+// SwiGLU with gate's and up's adapters (rank 16 each) summed in its kernel against what it replaces, timed in
+// turns: forward, the two second products y += s·t·bᵀ (GEMMs over gate and up) then the plain SwiGLU; backward,
+// the plain SwiGLU backward (the second products' sums were stored). Bytes: the [M, I] tensors once each.
+void Bench::run_swiglu_adapters() {
+  for (const Projection& p : projections()) {
+    if (p.label.find("gate_up") == std::string::npos || !selected("swiglu_adapters", p.label)) continue;
+    const std::int64_t n = p.n, r = 16;
+    for (std::int64_t m :
+         requested_tokens_or(is_gpu_ ? std::vector<std::int64_t>{2048, 4096} : std::vector<std::int64_t>{16})) {
+      for (bool backward : {false, true}) {
+        const double bytes = 2.0 * m * n * (backward ? 5 : 3);
+        const int sets = sets_for(bytes);
+        std::vector<Tensor> g, u, dh, o1, o2;
+        for (int i = 0; i < sets; ++i) {
+          g.push_back(pool_->make(ctx_, DType::BF16, {m, n}, 900 + i));
+          u.push_back(pool_->make(ctx_, DType::BF16, {m, n}, 940 + i));
+          if (backward) dh.push_back(pool_->make(ctx_, DType::BF16, {m, n}, 980 + i));
+          o1.emplace_back(DType::BF16, Shape{m, n}, ctx_.device());
+          if (backward) o2.emplace_back(DType::BF16, Shape{m, n}, ctx_.device());
+        }
+        const Tensor t = pool_->make(ctx_, DType::BF16, {m, 2 * r}, 1020),
+                     tg = pool_->make(ctx_, DType::BF16, {m, r}, 1021),
+                     tu = pool_->make(ctx_, DType::BF16, {m, r}, 1022);
+        const Tensor bg = pool_->make(ctx_, DType::BF16, {n, r}, 1023),
+                     bu = pool_->make(ctx_, DType::BF16, {n, r}, 1024);
+        const SwiGluAdapters ad{t, bg, 2.0f, bu, 2.0f};
+        std::vector<std::function<void(int)>> fns;
+        if (backward) {
+          fns = {[&](int i) {
+                   swiglu_backward(ctx_, g[i % sets], u[i % sets], dh[i % sets], o1[i % sets], o2[i % sets], ad);
+                 },
+                 [&](int i) {
+                   swiglu_backward(ctx_, g[i % sets], u[i % sets], dh[i % sets], o1[i % sets], o2[i % sets]);
+                 }};
+        } else {
+          fns = {[&](int i) { swiglu(ctx_, g[i % sets], u[i % sets], o1[i % sets], ad); },
+                 [&](int i) {
+                   gemm_bt(ctx_, tg, bg, g[i % sets], {2.0f, 1.0f});
+                   gemm_bt(ctx_, tu, bu, u[i % sets], {2.0f, 1.0f});
+                   swiglu(ctx_, g[i % sets], u[i % sets], o1[i % sets]);
+                 }};
+        }
+        const std::vector<Stats> st = time_interleaved(fns, sets);
+        const char* op = backward ? "swiglu_adapters_backward" : "swiglu_adapters";
+        record({op, "bf16", p.label + " r16", 1, m, n, r, 0, bytes, st[0]});
+        record({op, backward ? "plain swiglu" : "2 gemms + swiglu", p.label + " r16", 1, m, n, r, 0, bytes, st[1]});
+      }
     }
   }
 }
@@ -911,6 +964,11 @@ void Bench::add_ratios() {
     else if (r.op == "nf4_gemm_backward_a") base = find("gemm", "bf16", r.m, r.n, r.k), r.baseline = "gemm bf16";
     else if (r.op == "lora_backward_dy") {
       if (r.mode == "bf16") base = find(r.op, "2 gemms", r.m, r.n, r.k), r.baseline = "2 gemms";
+    } else if (r.op == "swiglu_adapters" || r.op == "swiglu_adapters_backward") {
+      if (r.mode == "bf16") {
+        base = find(r.op, r.op == "swiglu_adapters" ? "2 gemms + swiglu" : "plain swiglu", r.m, r.n, r.k);
+        r.baseline = r.op == "swiglu_adapters" ? "2 gemms + swiglu" : "plain swiglu";
+      }
     } else if (r.op == "linear_cross_entropy") {
       if (r.mode == "dh" || r.mode == "dh, 1024-token rows")
         base = find(r.op, "2 gemms", r.m, r.n, r.k), r.baseline = "2 gemms";
