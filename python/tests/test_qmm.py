@@ -332,6 +332,39 @@ def test_swiglu_forward_and_backward(device, dtype):
     assert_close(dup, ref_du, rel * ref_du.abs() + 1e-6, "dup")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,rg,ru", [(7, 65, 16, 16), (65, 136, 8, 0), (1, 24, 0, 32), (33, 520, 40, 3)])
+def test_swiglu_adapters_forward_and_backward(device, dtype, m, n, rg, ru):
+    """swiglu's adapters (LoRA terms added to gate and up inside the kernel) against fp64 formulas: t [M, R] with
+    gate's columns first, then up's (R one wider than both: a column nobody reads), absent terms as None."""
+    g, u, dh = (randn((m, n), s, device, dtype) * 3 for s in (11, 12, 13))
+    t = randn((m, rg + ru + 1), 14, device, dtype)
+    bg = randn((n, rg), 15, device, dtype) * 0.3 if rg else None
+    bu = randn((n, ru), 16, device, dtype) * 0.3 if ru else None
+    td = t.cpu().double()
+    gd = g.cpu().double() + (1.5 * td[:, :rg] @ bg.cpu().double().T if rg else 0)
+    ud = u.cpu().double() + (-0.5 * td[:, rg:rg + ru] @ bu.cpu().double().T if ru else 0)
+    dhd, s = dh.cpu().double(), torch.sigmoid(gd)
+    adapters = (t, bg, 1.5, bu, -0.5)
+    # As test_swiglu_forward_and_backward, plus the terms' fp32 sums (a few ulps of |t| |b| summed over the rank).
+    rel = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+    term = 1e-5 * (1 + (td.abs()[:, :rg] @ bg.cpu().double().abs().T if rg else 0) +
+                   (td.abs()[:, rg:rg + ru] @ bu.cpu().double().abs().T if ru else 0))
+    h = qmm.swiglu(g, u, adapters=adapters)
+    ref = gd * s * ud
+    assert_close(h, ref, rel * ref.abs() + term * (gd.abs() + ud.abs() + 1) + 1e-6, "swiglu adapters")
+    dgate, dup = qmm.swiglu_backward(g, u, dh, adapters=adapters)
+    ref_dg, ref_du = dhd * ud * s * (1 + gd * (1 - s)), dhd * gd * s
+    bound = (rel + term) * (dhd.abs() * (ud.abs() + gd.abs() + 1) * 2) + 1e-6
+    assert_close(dgate, ref_dg, bound, "dgate adapters")
+    assert_close(dup, ref_du, bound, "dup adapters")
+    # In place over gate and up: the same values.
+    g2, u2 = g.clone(), u.clone()
+    qmm.swiglu_backward(g2, u2, dh, adapters=adapters, out=(g2, u2))
+    assert torch.equal(g2, dgate) and torch.equal(u2, dup)
+
+
 # ---- errors -----------------------------------------------------------------------------------------------------
 
 
