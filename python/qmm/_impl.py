@@ -37,14 +37,11 @@ def working_copies(pairs, dtype):
     return [None if p is None else tuple(m if m.dtype == dtype else next(copies) for m in p) for p in pairs]
 
 
-def _adapter_into(y, lora, a_w, b_w):
-    """y += scale * (xd @ a_w^T) @ b_w^T in place (y [..., N] dense; a_w, b_w the working copies of the adapter's
-    a and b); returns what the backward needs: (xd as rows, t, a_w, b_w)."""
-    xd, _, _, scale = lora
-    xd2 = _flat(xd)
-    t = gemm_bt(xd2, a_w)
-    gemm_bt(t, b_w, out=_flat(y), alpha=scale, beta=1.0)
-    return xd2, t, a_w, b_w
+def _adapter_first(lora, a_w, b_w):
+    """An adapter's first product t = xd @ a_w^T (a_w, b_w the working copies of its a and b); returns what the
+    backward needs: (xd as rows, t, a_w, b_w)."""
+    xd2 = _flat(lora[0])
+    return xd2, gemm_bt(xd2, a_w), a_w, b_w
 
 
 def _adapter_grads(dy2, saved, scale, want_a, want_b):
@@ -274,14 +271,25 @@ SWIGLU_TERMS_MAX_RANK = 32
 
 
 def _swiglu_terms(saved, scales):
-    """swiglu's adapters for a gate/up pair's Grouped saved tensors, where the adapters' second products are left
-    to the SwiGLU kernel (gate and up then hold the base products only): on the CPU always, on a GPU for bf16 with
-    ranks up to SWIGLU_TERMS_MAX_RANK. None where the second products run as GEMMs. The forward and the backward
-    decide alike from the same saved tensors."""
-    _, t, _, b_gate, b_up = saved
-    if t.is_cuda and (t.dtype != torch.bfloat16 or
-                      any(b is not None and b.shape[1] > SWIGLU_TERMS_MAX_RANK for b in (b_gate, b_up))):
+    """swiglu's adapters for a gate/up pair's saved tensors (a Grouped, or each adapter's (xd, t, a_w, b_w) or
+    None), where the adapters' second products are left to the SwiGLU kernel (gate and up then hold the base
+    products only): on the CPU always, on a GPU for bf16 with ranks up to SWIGLU_TERMS_MAX_RANK. None where the
+    second products run as GEMMs (or there is no adapter). The forward and the backward decide alike from the same
+    saved tensors. Separate adapters' t (dropout gives each its own input) are joined into one [M, r_g + r_u]."""
+    if isinstance(saved, Grouped):
+        _, t, _, b_gate, b_up = saved
+    else:
+        if all(s is None for s in saved):
+            return None
+        ts = [s[1] for s in saved if s is not None]
+        t = ts[0] if len(ts) == 1 else None
+        b_gate, b_up = (None if s is None else s[3] for s in saved)
+    like = t if t is not None else saved[0][1]
+    if like.is_cuda and (like.dtype != torch.bfloat16 or
+                         any(b is not None and b.shape[1] > SWIGLU_TERMS_MAX_RANK for b in (b_gate, b_up))):
         return None
+    if t is None:
+        t = torch.cat([saved[0][1], saved[1][1]], dim=1)
     return (t, b_gate, float(scales[0]), b_up, float(scales[1]))
 
 
@@ -306,16 +314,21 @@ def swiglu_forward(x, w_gate, w_up, loras, path, keep):
             return swiglu(gate, up), gate, up, saved
         return swiglu(_flat(gate), _flat(up), adapters=terms).view(gate.shape), gate, up, saved
     working = working_copies([None if lora is None else lora[1:3] for lora in loras], x.dtype)
-    saved = tuple(None if lora is None else _adapter_into(y, lora, *w)
-                  for y, lora, w in zip((gate, up), loras, working))
-    return swiglu(gate, up), gate, up, saved
+    saved = tuple(None if lora is None else _adapter_first(lora, *w) for lora, w in zip(loras, working))
+    terms = _swiglu_terms(saved, [1.0 if lora is None else lora[3] for lora in loras])
+    if terms is None:
+        for y, lora, s in zip((gate, up), loras, saved):
+            if s is not None:
+                gemm_bt(s[1], s[3], out=_flat(y), alpha=lora[3], beta=1.0)
+        return swiglu(gate, up), gate, up, saved
+    return swiglu(_flat(gate), _flat(up), adapters=terms).view(gate.shape), gate, up, saved
 
 
 def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd_shape, want):
     """Gradients of swiglu_forward: (dx, dxd_gate, dxd_up, da_gate, db_gate, da_up, db_up), for want = the same
     seven flags."""
     want_dx = want[0]
-    terms = _swiglu_terms(saved, scales) if isinstance(saved, Grouped) else None
+    terms = _swiglu_terms(saved, scales)
     if terms is None:
         dgate, dup = _swiglu_backward(gate, up, dh)
     else:  # gate and up hold the base products only: the kernel adds the terms again
