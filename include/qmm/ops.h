@@ -82,29 +82,36 @@ void lora_adapters_backward(const Context& ctx, const TensorView& x, std::span<c
 void batched_gemm(const Context& ctx, const TensorView& a, const TensorView& b, const TensorView& c,
                   bool transpose_b = false, const GemmOptions& opts = {});
 
-// Adapters' terms added to SwiGLU's inputs inside its kernel, never stored (an MLP's gate and up projections with
+// Adapters' terms added to SwiGLU's operands inside its kernel, never stored (an MLP's gate and up projections with
 // their LoRA second products left out of the GEMMs):
 //   gate' = gate + gate_scale·t_g·b_gateᵀ,   up' = up + up_scale·t_u·b_upᵀ
 // t [M, R] holds t_g in its first r_g columns and t_u in the next r_u, as lora_adapters stacks them (R ≥ r_g +
-// r_u); b_gate [N, r_g] and b_up [N, r_u], an empty one for no term. t and the b's share gate's dtype and the sums
-// run in fp32 (on a CUDA context bf16 with r_g, r_u ≤ 32 on the tensor cores, anything else one element a thread).
+// r_u); b_gate [N, r_g] and b_up [N, r_u], an empty one for no term. The backward may also take the down
+// projection's adapter share of its input gradient: dh' = dh + dh_t·dh_a (dh_t [M, r_d] that adapter's dt, dh_a
+// [r_d, N] its A), both empty for none. Every term shares gate's dtype and sums in fp32 (on a CUDA context bf16
+// with ranks ≤ 32 on the tensor cores, anything else one element a thread).
 struct SwiGluAdapters {
   TensorView t;
   TensorView b_gate;
   float gate_scale = 1.0f;
   TensorView b_up;
   float up_scale = 1.0f;
-  bool empty() const { return b_gate.empty() && b_up.empty(); }
+  TensorView dh_t;  // backward only
+  TensorView dh_a;
+  bool empty() const { return b_gate.empty() && b_up.empty() && dh_t.empty() && dh_a.empty(); }
 };
 // SwiGLU: h = silu(gate) * up, silu(x) = x / (1 + exp(-x)). Same shape and dtype (f32 or bf16) for all;
 // h may be the same memory as gate or up (in place). With adapters, gate and up are [M, N] and stand for gate' and
 // up' above.
 void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h,
             const SwiGluAdapters& adapters = {});
-// Backward: dgate = dh * up * silu'(gate), dup = dh * silu(gate) (at gate' and up' with adapters: the gradients
-// of gate' and up', which are also those of gate and up). dgate may alias gate and dup may alias up.
+// Backward: dgate = dh * up * silu'(gate), dup = dh * silu(gate) (at gate', up' and dh' with adapters: the
+// gradients of gate' and up', which are also those of gate and up). dgate may alias gate and dup may alias up.
+// A non-empty h receives the forward's h again (for a caller that did not keep it: the down projection's adapter
+// gradient needs it), computed on the way.
 void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
-                     const TensorView& dgate, const TensorView& dup, const SwiGluAdapters& adapters = {});
+                     const TensorView& dgate, const TensorView& dup, const SwiGluAdapters& adapters = {},
+                     const TensorView& h = {});
 
 // NF4 quantize W [N,K] (f32, bf16 or f16) into `out`, whose buffers are sized for W's shape
 // (Nf4Tensor::allocate does that); out.absmax is u8 to ask for double quantization, f32 otherwise.

@@ -114,12 +114,15 @@ def batched_gemm(a, b, *, transpose_b=False, out=None, alpha=1.0, beta=0.0, math
 # ---- SwiGLU -----------------------------------------------------------------------------------------------------
 
 
-def _swiglu_adapters(adapters):
-    if adapters is None:
-        return {}
-    t, b_gate, gate_scale, b_up, up_scale = adapters
-    return dict(t=_in(t), b_gate=None if b_gate is None else _in(b_gate), gate_scale=float(gate_scale),
-                b_up=None if b_up is None else _in(b_up), up_scale=float(up_scale))
+def _swiglu_adapters(adapters, dh_term=None):
+    args = {}
+    if adapters is not None:
+        t, b_gate, gate_scale, b_up, up_scale = adapters
+        args = dict(t=_in(t), b_gate=None if b_gate is None else _in(b_gate), gate_scale=float(gate_scale),
+                    b_up=None if b_up is None else _in(b_up), up_scale=float(up_scale))
+    if dh_term is not None:
+        args.update(dh_t=_in(dh_term[0]), dh_a=_in(dh_term[1]))
+    return args
 
 
 def swiglu(gate, up, *, out=None, adapters=None):
@@ -133,12 +136,14 @@ def swiglu(gate, up, *, out=None, adapters=None):
     return out
 
 
-def swiglu_backward(gate, up, dh, *, adapters=None, out=None):
+def swiglu_backward(gate, up, dh, *, adapters=None, dh_term=None, out=None, h=None):
     """(dgate, dup) = (dh * up * silu'(gate), dh * silu(gate)), with swiglu's adapters at gate's and up's sums with
-    their terms. out = (dgate, dup) may be (gate, up) themselves (in place)."""
+    their terms, and with dh_term = (dt, a) at dh + dt @ a (a down projection's adapter share of its input gradient:
+    dt [M, r], a [r, N]). out = (dgate, dup) may be (gate, up) themselves (in place); h, where given, receives
+    swiglu's h again."""
     gate, up, dh = _in(gate), _in(up), _in(dh)
     dgate, dup = out if out is not None else (torch.empty_like(gate), torch.empty_like(up))
-    _call(_qmm.swiglu_backward, gate, gate, up, dh, dgate, dup, **_swiglu_adapters(adapters))
+    _call(_qmm.swiglu_backward, gate, gate, up, dh, dgate, dup, **_swiglu_adapters(adapters, dh_term), h=h)
     return dgate, dup
 
 

@@ -86,12 +86,17 @@ qmm::TensorView view_or_empty(const nb::object& a, const char* op, const char* n
   return view_of(nb::cast<Array>(a), op, name);
 }
 
-// SwiGLU's adapters from a binding's optional arguments (ops.h, SwiGluAdapters; t None: none).
+// SwiGLU's adapters from a binding's optional arguments (ops.h, SwiGluAdapters; None: absent).
 qmm::SwiGluAdapters swiglu_adapters_of(const nb::object& t, const nb::object& b_gate, float gate_scale,
-                                       const nb::object& b_up, float up_scale, const char* op) {
-  if (t.is_none()) return {};
-  return {view_or_empty<In>(t, op, "t"), view_or_empty<In>(b_gate, op, "b_gate"), gate_scale,
-          view_or_empty<In>(b_up, op, "b_up"), up_scale};
+                                       const nb::object& b_up, float up_scale, const nb::object& dh_t,
+                                       const nb::object& dh_a, const char* op) {
+  return {view_or_empty<In>(t, op, "t"),
+          view_or_empty<In>(b_gate, op, "b_gate"),
+          gate_scale,
+          view_or_empty<In>(b_up, op, "b_up"),
+          up_scale,
+          view_or_empty<In>(dh_t, op, "dh_t"),
+          view_or_empty<In>(dh_a, op, "dh_a")};
 }
 
 // One Context per (GPU, stream), kept for the life of the process: a CUDA context holds a cuBLASLt handle, its
@@ -480,7 +485,8 @@ NB_MODULE(_qmm, m) {
          const nb::object& b_up, float up_scale, std::uintptr_t stream) {
         const char* op = "swiglu";
         const qmm::TensorView g = view_of(gate, op, "gate"), u = view_of(up, op, "up"), hv = view_of(h, op, "h");
-        const qmm::SwiGluAdapters ad = swiglu_adapters_of(t, b_gate, gate_scale, b_up, up_scale, op);
+        const qmm::SwiGluAdapters ad =
+            swiglu_adapters_of(t, b_gate, gate_scale, b_up, up_scale, nb::none(), nb::none(), op);
         const qmm::Context ctx = context_for(g, stream);
         run([&] { qmm::swiglu(ctx, g, u, hv, ad); });
       },
@@ -550,17 +556,21 @@ NB_MODULE(_qmm, m) {
   m.def(
       "swiglu_backward",
       [](const In& gate, const In& up, const In& dh, const Out& dgate, const Out& dup, const nb::object& t,
-         const nb::object& b_gate, float gate_scale, const nb::object& b_up, float up_scale, std::uintptr_t stream) {
+         const nb::object& b_gate, float gate_scale, const nb::object& b_up, float up_scale, const nb::object& dh_t,
+         const nb::object& dh_a, const nb::object& h, std::uintptr_t stream) {
         const char* op = "swiglu_backward";
         const qmm::TensorView g = view_of(gate, op, "gate"), u = view_of(up, op, "up"), d = view_of(dh, op, "dh"),
                               dg = view_of(dgate, op, "dgate"), du = view_of(dup, op, "dup");
-        const qmm::SwiGluAdapters ad = swiglu_adapters_of(t, b_gate, gate_scale, b_up, up_scale, op);
+        const qmm::SwiGluAdapters ad = swiglu_adapters_of(t, b_gate, gate_scale, b_up, up_scale, dh_t, dh_a, op);
+        const qmm::TensorView hv = view_or_empty<Out>(h, op, "h");
         const qmm::Context ctx = context_for(g, stream);
-        run([&] { qmm::swiglu_backward(ctx, g, u, d, dg, du, ad); });
+        run([&] { qmm::swiglu_backward(ctx, g, u, d, dg, du, ad, hv); });
       },
       nb::arg("gate"), nb::arg("up"), nb::arg("dh"), nb::arg("dgate"), nb::arg("dup"), nb::arg("t").none() = nb::none(),
       nb::arg("b_gate").none() = nb::none(), nb::arg("gate_scale") = 1.0f, nb::arg("b_up").none() = nb::none(),
-      nb::arg("up_scale") = 1.0f, nb::arg("stream") = 0);
+      nb::arg("up_scale") = 1.0f, nb::arg("dh_t").none() = nb::none(), nb::arg("dh_a").none() = nb::none(),
+      nb::arg("h").none() = nb::none(), nb::arg("stream") = 0,
+      "dgate, dup at gate', up' (as swiglu's) and dh' = dh + dh_t @ dh_a; h, where given, receives swiglu's h");
 
   m.def(
       "cast",

@@ -55,8 +55,8 @@ class GpuBackend {
   virtual void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h,
                       const SwiGluAdapters& adapters) const = 0;
   virtual void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
-                               const TensorView& dgate, const TensorView& dup,
-                               const SwiGluAdapters& adapters) const = 0;
+                               const TensorView& dgate, const TensorView& dup, const SwiGluAdapters& adapters,
+                               const TensorView& h) const = 0;
   virtual void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out) const = 0;
   virtual void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& out) const = 0;
   virtual void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,

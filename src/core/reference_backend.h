@@ -24,8 +24,8 @@ class ReferenceBackend {
   virtual void swiglu(const TensorView& gate, const TensorView& up, const TensorView& h,
                       const SwiGluAdapters& adapters) const = 0;
   virtual void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dh,
-                               const TensorView& dgate, const TensorView& dup,
-                               const SwiGluAdapters& adapters) const = 0;
+                               const TensorView& dgate, const TensorView& dup, const SwiGluAdapters& adapters,
+                               const TensorView& h) const = 0;
   virtual void nf4_quantize(const TensorView& w, Nf4Weight& out) const = 0;
   virtual void nf4_dequantize(const Nf4Weight& w, const TensorView& out) const = 0;
   virtual void nf4_gemm(const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha,

@@ -38,33 +38,50 @@ void check_alias_allowed(const char* op, const Arg& out, const Arg& input) {
 }
 
 // The adapters' operands against gate [M, N] (SwiGluAdapters in ops.h), and none of them overlapping an output.
-void check_adapters(const Context& ctx, const char* op, const TensorView& gate, const SwiGluAdapters& ad,
+// The dh term belongs to the backward only.
+void check_adapters(const Context& ctx, const char* op, const TensorView& gate, const SwiGluAdapters& ad, bool backward,
                     std::initializer_list<Arg> outputs) {
   if (ad.empty()) return;
   detail::require_rank(op, "gate", gate, 2);
   const std::int64_t m = gate.dim(0), n = gate.dim(1);
-  detail::require_tensor(ctx, op, "adapters.t", ad.t);
-  detail::require_rank(op, "adapters.t", ad.t, 2);
-  detail::require_same_dtype(op, "adapters.t", ad.t, "gate", gate);
+  const auto require_matrix = [&](const Arg& x) {
+    detail::require_tensor(ctx, op, x.name, x.t);
+    detail::require_rank(op, x.name, x.t, 2);
+    detail::require_same_dtype(op, x.name, x.t, "gate", gate);
+  };
   std::int64_t ranks = 0;
   for (const Arg& b : {Arg{"adapters.b_gate", ad.b_gate}, Arg{"adapters.b_up", ad.b_up}}) {
     if (b.t.empty()) continue;
-    detail::require_tensor(ctx, op, b.name, b.t);
-    detail::require_rank(op, b.name, b.t, 2);
-    detail::require_same_dtype(op, b.name, b.t, "gate", gate);
+    require_matrix(b);
     QMM_REQUIRE(b.t.dim(0) == n && b.t.dim(1) >= 1, ErrorCode::ShapeMismatch, op,
                 std::string(b.name) + " is " + b.t.shape().str() +
                     " but must be [N, r] with gate's N = " + std::to_string(n) + " and r >= 1");
     ranks += b.t.dim(1);
   }
-  QMM_REQUIRE(ad.t.dim(0) == m && ad.t.dim(1) >= ranks, ErrorCode::ShapeMismatch, op,
-              "adapters.t is " + ad.t.shape().str() + " but must be [M, R] with gate's M = " + std::to_string(m) +
-                  " and R >= the two ranks' sum " + std::to_string(ranks));
+  if (ranks > 0) {
+    require_matrix({"adapters.t", ad.t});
+    QMM_REQUIRE(ad.t.dim(0) == m && ad.t.dim(1) >= ranks, ErrorCode::ShapeMismatch, op,
+                "adapters.t is " + ad.t.shape().str() + " but must be [M, R] with gate's M = " + std::to_string(m) +
+                    " and R >= the two ranks' sum " + std::to_string(ranks));
+  }
   QMM_REQUIRE(std::isfinite(ad.gate_scale) && std::isfinite(ad.up_scale), ErrorCode::InvalidArgument, op,
               "adapters' scales are " + std::to_string(ad.gate_scale) + " and " + std::to_string(ad.up_scale) +
                   " but must be finite");
+  if (!ad.dh_a.empty() || !ad.dh_t.empty()) {
+    QMM_REQUIRE(backward, ErrorCode::InvalidArgument, op,
+                "adapters.dh_t and adapters.dh_a are the backward's (dh's term); the forward has no dh");
+    require_matrix({"adapters.dh_t", ad.dh_t});
+    require_matrix({"adapters.dh_a", ad.dh_a});
+    const std::int64_t r = ad.dh_a.dim(0);
+    QMM_REQUIRE(r >= 1 && ad.dh_a.dim(1) == n && ad.dh_t.dim(0) == m && ad.dh_t.dim(1) == r, ErrorCode::ShapeMismatch,
+                op,
+                "adapters.dh_t is " + ad.dh_t.shape().str() + " and adapters.dh_a " + ad.dh_a.shape().str() +
+                    " but must be [M, r] and [r, N] with gate's M = " + std::to_string(m) +
+                    ", N = " + std::to_string(n) + " and r >= 1");
+  }
   for (const Arg& out : outputs)
-    for (const Arg& in : {Arg{"adapters.t", ad.t}, Arg{"adapters.b_gate", ad.b_gate}, Arg{"adapters.b_up", ad.b_up}})
+    for (const Arg& in : {Arg{"adapters.t", ad.t}, Arg{"adapters.b_gate", ad.b_gate}, Arg{"adapters.b_up", ad.b_up},
+                          Arg{"adapters.dh_t", ad.dh_t}, Arg{"adapters.dh_a", ad.dh_a}})
       if (!in.t.empty()) detail::require_no_overlap(op, out.name, out.t, in.name, in.t);
 }
 
@@ -77,16 +94,17 @@ void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, co
   check_operands(ctx, op, {G, U, H});
   check_alias_allowed(op, H, G);
   check_alias_allowed(op, H, U);
-  check_adapters(ctx, op, gate, adapters, {H});
+  check_adapters(ctx, op, gate, adapters, false, {H});
   if (h.numel() == 0) return;
   if (ctx.device().is_cpu()) return reference_backend().swiglu(gate, up, h, adapters);
   require_gpu_backend(op).swiglu(ctx, gate, up, h, adapters);
 }
 
 void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
-                     const TensorView& dgate, const TensorView& dup, const SwiGluAdapters& adapters) {
+                     const TensorView& dgate, const TensorView& dup, const SwiGluAdapters& adapters,
+                     const TensorView& h) {
   const char* op = "swiglu_backward";
-  const Arg G{"gate", gate}, U{"up", up}, DH{"dh", dh}, DG{"dgate", dgate}, DU{"dup", dup};
+  const Arg G{"gate", gate}, U{"up", up}, DH{"dh", dh}, DG{"dgate", dgate}, DU{"dup", dup}, H{"h", h};
   check_operands(ctx, op, {G, U, DH, DG, DU});
   // dgate may be gate and dup may be up (in place); every other overlap with an output is rejected.
   check_alias_allowed(op, DG, G);
@@ -96,10 +114,14 @@ void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorVie
   detail::require_no_overlap(op, "dup", dup, "gate", gate);
   detail::require_no_overlap(op, "dup", dup, "dh", dh);
   detail::require_no_overlap(op, "dgate", dgate, "dup", dup);
-  check_adapters(ctx, op, gate, adapters, {DG, DU});
+  if (!h.empty()) {
+    check_operands(ctx, op, {G, H});
+    for (const Arg& other : {G, U, DH, DG, DU}) detail::require_no_overlap(op, "h", h, other.name, other.t);
+  }
+  check_adapters(ctx, op, gate, adapters, true, {DG, DU, H});
   if (dgate.numel() == 0) return;
-  if (ctx.device().is_cpu()) return reference_backend().swiglu_backward(gate, up, dh, dgate, dup, adapters);
-  require_gpu_backend(op).swiglu_backward(ctx, gate, up, dh, dgate, dup, adapters);
+  if (ctx.device().is_cpu()) return reference_backend().swiglu_backward(gate, up, dh, dgate, dup, adapters, h);
+  require_gpu_backend(op).swiglu_backward(ctx, gate, up, dh, dgate, dup, adapters, h);
 }
 
 }  // namespace qmm

@@ -13,7 +13,7 @@ namespace qmm::cpu {
 void gemm(const GemmProblem& p);
 void swiglu(const TensorView& gate, const TensorView& up, const TensorView& h, const SwiGluAdapters& adapters);
 void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dh, const TensorView& dgate,
-                     const TensorView& dup, const SwiGluAdapters& adapters);
+                     const TensorView& dup, const SwiGluAdapters& adapters, const TensorView& h);
 void nf4_quantize(const TensorView& w, Nf4Weight& out);
 void nf4_dequantize(const Nf4Weight& w, const TensorView& out);
 void nf4_gemm(const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha, float beta);

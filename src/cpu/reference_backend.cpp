@@ -15,8 +15,8 @@ class CpuReference final : public ReferenceBackend {
     cpu::swiglu(gate, up, h, adapters);
   }
   void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dh, const TensorView& dgate,
-                       const TensorView& dup, const SwiGluAdapters& adapters) const override {
-    cpu::swiglu_backward(gate, up, dh, dgate, dup, adapters);
+                       const TensorView& dup, const SwiGluAdapters& adapters, const TensorView& h) const override {
+    cpu::swiglu_backward(gate, up, dh, dgate, dup, adapters, h);
   }
   void nf4_quantize(const TensorView& w, Nf4Weight& out) const override { cpu::nf4_quantize(w, out); }
   void nf4_dequantize(const Nf4Weight& w, const TensorView& out) const override { cpu::nf4_dequantize(w, out); }

@@ -51,11 +51,12 @@ class CudaBackend final : public GpuBackend {
       cuda::swiglu_adapters(ctx, gate, up, h, adapters);
   }
   void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
-                       const TensorView& dgate, const TensorView& dup, const SwiGluAdapters& adapters) const override {
-    if (adapters.empty())
+                       const TensorView& dgate, const TensorView& dup, const SwiGluAdapters& adapters,
+                       const TensorView& h) const override {
+    if (adapters.empty() && h.empty())
       cuda::swiglu_backward(ctx, gate, up, dh, dgate, dup);
     else
-      cuda::swiglu_adapters_backward(ctx, gate, up, dh, dgate, dup, adapters);
+      cuda::swiglu_adapters_backward(ctx, gate, up, dh, dgate, dup, adapters, h);
   }
   void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out) const override {
     cuda::nf4_quantize(ctx, w, out);

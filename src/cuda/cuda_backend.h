@@ -44,11 +44,12 @@ bool lora_backward_dy_fused(const Context& ctx, const TensorView& dy, const Tens
 void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h);  // swiglu/
 void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
                      const TensorView& dgate, const TensorView& dup);
-// SwiGLU with adapters' terms on its inputs (ops.h, SwiGluAdapters; at least one term).
+// SwiGLU with adapters' terms on its operands (ops.h, SwiGluAdapters); the backward may also write h.
 void swiglu_adapters(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h,
                      const SwiGluAdapters& adapters);
 void swiglu_adapters_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
-                              const TensorView& dgate, const TensorView& dup, const SwiGluAdapters& adapters);
+                              const TensorView& dgate, const TensorView& dup, const SwiGluAdapters& adapters,
+                              const TensorView& h);
 void nf4_quantize(const Context& ctx, const TensorView& w, Nf4Weight& out);  // nf4/
 void nf4_dequantize(const Context& ctx, const Nf4Weight& w, const TensorView& out);
 void nf4_gemm(const Context& ctx, const TensorView& a, const Nf4Weight& w, const TensorView& c,

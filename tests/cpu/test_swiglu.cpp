@@ -318,15 +318,28 @@ TEST(Swiglu, AdaptersMatchFormulas) {
       const SwiGluAdapters ad{a.t, c.rg > 0 ? a.bg.view() : TensorView(), 1.5f, c.ru > 0 ? a.bu.view() : TensorView(),
                               -0.75f};
       Inputs summed = with_terms(a, 1.5, -0.75);
-      summed.dh = from_doubles(DType::F32, {c.m * c.n}, test::to_doubles(a.dh));
+      // The backward's dh term: dh + dh_t·dh_a (rank 5), summed here in double.
+      const Tensor dh_t = test::random_tensor(dt, {c.m, 5}, seed + 100),
+                   dh_a = test::random_tensor(dt, {5, c.n}, seed + 101);
+      SwiGluAdapters bw = ad;
+      bw.dh_t = dh_t;
+      bw.dh_a = dh_a;
+      std::vector<double> dh2 = test::to_doubles(a.dh);
+      const std::vector<double> tv = test::to_doubles(dh_t), av = test::to_doubles(dh_a);
+      for (std::int64_t i = 0; i < c.m; ++i)
+        for (std::int64_t j = 0; j < c.n; ++j)
+          for (std::int64_t k = 0; k < 5; ++k) dh2[i * c.n + j] += tv[i * 5 + k] * av[k * c.n + j];
+      summed.dh = from_doubles(DType::F32, {c.m * c.n}, dh2);
       const Tensor h_want = forward_ref(summed);
       const auto [dg_want, du_want] = backward_ref(summed);
-      Tensor h(dt, {c.m, c.n}), dg(dt, {c.m, c.n}), du(dt, {c.m, c.n});
+      Tensor h(dt, {c.m, c.n}), dg(dt, {c.m, c.n}), du(dt, {c.m, c.n}), h_again(dt, {c.m, c.n});
       test::poison(h);
       test::poison(dg);
       test::poison(du);
+      test::poison(h_again);
       swiglu(ctx, a.gate, a.up, h, ad);
-      swiglu_backward(ctx, a.gate, a.up, a.dh, dg, du, ad);
+      swiglu_backward(ctx, a.gate, a.up, a.dh, dg, du, bw, h_again);
+      EXPECT_TRUE(test::bytes_equal(h_again, h)) << "the backward's h";
       // The formulas ran in f32 storage: compare in f32 after rounding ours the same way (bf16 outputs compare at
       // bf16's tolerance).
       const std::string what = describe(dt, c.m * c.n) + " r " + std::to_string(c.rg) + "+" + std::to_string(c.ru);
@@ -374,6 +387,26 @@ TEST(Swiglu, AdaptersValidation) {
   const TensorView t_in_h(tb.data(), DType::F32, {m, 8});
   expect_rejected("h over t", {tb}, [&] { swiglu(ctx, a.gate, a.up, tb, ad(t_in_h, a.bg, a.bu)); }, invalid,
                   {"swiglu", "h", "adapters.t"});
+  // The dh term: the backward's only, [M, r] and [r, N].
+  const Tensor dh_t = test::random_tensor(DType::F32, {m, 3}, 12), dh_a = test::random_tensor(DType::F32, {3, n}, 13);
+  const Tensor dh_a_cols = test::random_tensor(DType::F32, {3, n + 1}, 14);
+  SwiGluAdapters with_dh = good;
+  with_dh.dh_t = dh_t;
+  with_dh.dh_a = dh_a;
+  expect_rejected("dh term in the forward", {h}, [&] { swiglu(ctx, a.gate, a.up, h, with_dh); }, invalid,
+                  {"swiglu", "adapters.dh_t", "backward"});
+  SwiGluAdapters bad_dh = with_dh;
+  bad_dh.dh_a = dh_a_cols;
+  expect_rejected("dh_a columns", {dg, du}, [&] { swiglu_backward(ctx, a.gate, a.up, a.dh, dg, du, bad_dh); }, shape,
+                  {"swiglu_backward", "adapters.dh_a", "[3,13]"});
+  SwiGluAdapters half_dh = good;
+  half_dh.dh_t = dh_t;
+  expect_rejected("dh_t without dh_a", {dg, du}, [&] { swiglu_backward(ctx, a.gate, a.up, a.dh, dg, du, half_dh); },
+                  invalid, {"swiglu_backward", "adapters.dh_a", "null"});
+  // h written again by the backward: not over an input or another output.
+  expect_rejected("h over dgate", {dg, du}, [&] { swiglu_backward(ctx, a.gate, a.up, a.dh, dg, du, with_dh, dg); },
+                  invalid, {"swiglu_backward", "h", "dgate"});
+  EXPECT_NO_THROW(swiglu_backward(ctx, a.gate, a.up, a.dh, dg, du, with_dh, h));
   EXPECT_NO_THROW(swiglu(ctx, a.gate, a.up, h, good));
 }
 

@@ -253,11 +253,13 @@ struct AdapterCase {
   DType dt;
   std::int64_t m, n, rg, ru, extra_t_cols;
   bool misaligned;
+  std::int64_t rd = 0;  // the backward's dh term (dh_t [M, rd], dh_a [rd, N]); its h output is asked with it
 };
 
 std::string case_name(const AdapterCase& c) {
   return std::string(dtype_name(c.dt)) + " " + std::to_string(c.m) + "x" + std::to_string(c.n) + " r " +
-         std::to_string(c.rg) + "+" + std::to_string(c.ru) + (c.misaligned ? " misaligned" : "");
+         std::to_string(c.rg) + "+" + std::to_string(c.ru) + " dh r " + std::to_string(c.rd) +
+         (c.misaligned ? " misaligned" : "");
 }
 
 // A device copy of a host [rows, cols] tensor, one element past a 16-byte boundary where `misaligned`.
@@ -276,33 +278,44 @@ void check_adapters(const AdapterCase& c, std::uint64_t seed) {
                t = test::random_tensor(c.dt, {m, big_r}, seed + 3);
   const Tensor bg = test::random_tensor(c.dt, {n, std::max<std::int64_t>(c.rg, 1)}, seed + 4, -0.2f, 0.2f);
   const Tensor bu = test::random_tensor(c.dt, {n, std::max<std::int64_t>(c.ru, 1)}, seed + 5, -0.2f, 0.2f);
+  const Tensor dh_t = test::random_tensor(c.dt, {m, std::max<std::int64_t>(c.rd, 1)}, seed + 6);
+  const Tensor dh_a = test::random_tensor(c.dt, {std::max<std::int64_t>(c.rd, 1), n}, seed + 7, -0.2f, 0.2f);
   const SwiGluAdapters host_ad{t, c.rg > 0 ? bg.view() : TensorView(), 2.0f, c.ru > 0 ? bu.view() : TensorView(), 0.5f};
-  Tensor h_ref(c.dt, {m, n}), dg_ref(c.dt, {m, n}), du_ref(c.dt, {m, n});
+  SwiGluAdapters host_bw = host_ad;
+  if (c.rd > 0) host_bw.dh_t = dh_t, host_bw.dh_a = dh_a;
+  Tensor h_ref(c.dt, {m, n}), dg_ref(c.dt, {m, n}), du_ref(c.dt, {m, n}), h_bw_ref(c.dt, {m, n});
   swiglu(cpu, gate, up, h_ref, host_ad);
-  swiglu_backward(cpu, gate, up, dh, dg_ref, du_ref, host_ad);
+  swiglu_backward(cpu, gate, up, dh, dg_ref, du_ref, host_bw, h_bw_ref);
+  EXPECT_TRUE(test::bytes_equal(h_bw_ref, h_ref)) << "the CPU backward's h is its forward's";
 
   const bool mis = c.misaligned;
   DeviceBuf g = device_matrix(gate, m, n, mis), u = device_matrix(up, m, n, false), d = device_matrix(dh, m, n, false);
   DeviceBuf td = device_matrix(t, m, big_r, false), bgd = device_matrix(bg, n, bg.shape()[1], false),
             bud = device_matrix(bu, n, bu.shape()[1], false);
   const SwiGluAdapters ad{td.view, c.rg > 0 ? bgd.view : TensorView(), 2.0f, c.ru > 0 ? bud.view : TensorView(), 0.5f};
+  DeviceBuf dtd = device_matrix(dh_t, m, dh_t.shape()[1], false), dad = device_matrix(dh_a, dh_a.shape()[0], n, false);
+  SwiGluAdapters bw = ad;
+  if (c.rd > 0) bw.dh_t = dtd.view, bw.dh_a = dad.view;
   DeviceBuf h = device_matrix(Tensor(c.dt, {m, n}), m, n, false), dg = device_matrix(Tensor(c.dt, {m, n}), m, n, false),
             du = device_matrix(Tensor(c.dt, {m, n}), m, n, mis);
+  DeviceBuf h2 = device_matrix(Tensor(c.dt, {m, n}), m, n, false);
   test::poison(h.view);
   test::poison(dg.view);
   test::poison(du.view);
+  test::poison(h2.view);
   swiglu(gpu, g.view, u.view, h.view, ad);
-  swiglu_backward(gpu, g.view, u.view, d.view, dg.view, du.view, ad);
+  swiglu_backward(gpu, g.view, u.view, d.view, dg.view, du.view, bw, c.rd > 0 ? h2.view : TensorView());
   gpu.synchronize();
   const std::string what = case_name(c);
   EXPECT_TRUE(close_with_terms(h.view, h_ref)) << "h " << what;
+  if (c.rd > 0) EXPECT_TRUE(close_with_terms(h2.view, h_ref)) << "backward's h " << what;
   EXPECT_TRUE(close_with_terms(dg.view, dg_ref)) << "dgate " << what;
   EXPECT_TRUE(close_with_terms(du.view, du_ref)) << "dup " << what;
   EXPECT_TRUE(test::bytes_equal(test::host_copy(g.view), gate)) << what;
   EXPECT_TRUE(test::bytes_equal(test::host_copy(td.view), t)) << what;
 
   // In place: dgate over gate and dup over up give the same values.
-  swiglu_backward(gpu, g.view, u.view, d.view, g.view, u.view, ad);
+  swiglu_backward(gpu, g.view, u.view, d.view, g.view, u.view, bw);
   gpu.synchronize();
   EXPECT_TRUE(close_with_terms(g.view, dg_ref)) << "dgate = gate, " << what;
   EXPECT_TRUE(close_with_terms(u.view, du_ref)) << "dup = up, " << what;
@@ -310,13 +323,23 @@ void check_adapters(const AdapterCase& c, std::uint64_t seed) {
 
 TEST(SwigluGpu, AdaptersMatchCpu) {
   QMM_REQUIRE_GPU();
-  const std::vector<AdapterCase> cases = {
-      {DType::BF16, 1, 8, 16, 16, 0, false},      {DType::BF16, 7, 63, 16, 0, 0, false},
-      {DType::BF16, 65, 1000, 8, 16, 3, false},   {DType::BF16, 63, 65, 0, 32, 0, false},
-      {DType::BF16, 130, 4104, 16, 16, 0, false}, {DType::BF16, 33, 520, 32, 7, 0, false},
-      {DType::BF16, 17, 136, 16, 16, 0, true},    {DType::BF16, 1000, 72, 1, 31, 0, false},
-      {DType::BF16, 5, 24, 64, 16, 0, false},     {DType::F32, 63, 65, 16, 16, 2, false},
-      {DType::F32, 300, 72, 16, 0, 0, true}};
+  const std::vector<AdapterCase> cases = {{DType::BF16, 1, 8, 16, 16, 0, false},
+                                          {DType::BF16, 7, 63, 16, 0, 0, false},
+                                          {DType::BF16, 65, 1000, 8, 16, 3, false},
+                                          {DType::BF16, 63, 65, 0, 32, 0, false},
+                                          {DType::BF16, 130, 4104, 16, 16, 0, false},
+                                          {DType::BF16, 33, 520, 32, 7, 0, false},
+                                          {DType::BF16, 17, 136, 16, 16, 0, true},
+                                          {DType::BF16, 1000, 72, 1, 31, 0, false},
+                                          {DType::BF16, 5, 24, 64, 16, 0, false},
+                                          {DType::F32, 63, 65, 16, 16, 2, false},
+                                          {DType::F32, 300, 72, 16, 0, 0, true},
+                                          // with the down projection's dh term, and h written again by the backward
+                                          {DType::BF16, 130, 4104, 16, 16, 0, false, 16},
+                                          {DType::BF16, 65, 1000, 8, 0, 0, false, 32},
+                                          {DType::BF16, 17, 136, 16, 16, 0, true, 7},
+                                          {DType::BF16, 9, 72, 16, 16, 0, false, 40},
+                                          {DType::F32, 63, 65, 16, 16, 0, false, 16}};
   std::uint64_t seed = 500;
   for (const AdapterCase& c : cases) check_adapters(c, seed += 7);
 }
