@@ -324,15 +324,18 @@ def swiglu_forward(x, w_gate, w_up, loras, path, keep):
     return swiglu(_flat(gate), _flat(up), adapters=terms).view(gate.shape), gate, up, saved
 
 
-def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd_shape, want):
+def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd_shape, want, dh_term=None,
+                    h=None):
     """Gradients of swiglu_forward: (dx, dxd_gate, dxd_up, da_gate, db_gate, da_up, db_up), for want = the same
-    seven flags."""
+    seven flags. dh_term = (dt, a) adds dt @ a to dh inside the SwiGLU kernel (the down projection's adapter share
+    of its input gradient); h [M, I], where given, receives the forward's h again."""
     want_dx = want[0]
     terms = _swiglu_terms(saved, scales)
-    if terms is None:
+    if terms is None and dh_term is None and h is None:
         dgate, dup = _swiglu_backward(gate, up, dh)
     else:  # gate and up hold the base products only: the kernel adds the terms again
-        dgate, dup = (d.view(gate.shape) for d in _swiglu_backward(_flat(gate), _flat(up), _flat(dh), adapters=terms))
+        dgate, dup = (d.view(gate.shape) for d in _swiglu_backward(_flat(gate), _flat(up), _flat(dh), adapters=terms,
+                                                                     dh_term=dh_term, h=h))
     if isinstance(saved, Grouped):
         dx = None
         if want_dx:
@@ -353,6 +356,37 @@ def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd
     dxds = [None if s is None else _adapter_input_grad(dt, s[2], dx, drop, want_dxd, xd_shape)
             for dt, s, drop, want_dxd in zip(dts, saved, dropped, want[1:3])]
     return (dx, *dxds, *grads)
+
+
+def mlp_forward(x, w_gate, w_up, w_down, loras, down_lora, path, keep):
+    """An MLP block as one op: swiglu_forward, then the down projection of h (down_lora = (a, b, scale) reads h
+    itself: no dropout). h is not kept: the backward's SwiGLU kernel writes it again where the down adapter's
+    gradient needs it, which saves the block's largest activation. Returns y and what mlp_backward takes (None
+    without keep)."""
+    h, gate, up, saved = swiglu_forward(x, w_gate, w_up, loras, path, keep)
+    y, saved_d = linear_forward(h, w_down, None, None if down_lora is None else (h, *down_lora), path)
+    return y, ((gate, up, saved, None if saved_d is None else saved_d[1:]) if keep else None)
+
+
+def mlp_backward(dy, gate, up, w_gate, w_up, w_down, path, saved, saved_d, scales, dropped, xd_shape, want):
+    """Gradients of mlp_forward: (dx, dxd_gate, dxd_up, da_gate, db_gate, da_up, db_up, da_down, db_down) for want
+    = the same nine flags. dh = dy @ dequant(W_down) is the NF4 product alone: the down adapter's share (dt @ a_w)
+    is added inside the SwiGLU backward's kernel, which also writes h again for the adapter's a gradient."""
+    dy2 = _flat(dy) if dy.is_contiguous() else _flat(dy.contiguous())
+    dh = nf4_gemm_backward_a(dy2, w_down, path=path)
+    dh_term, h, da_d, db_d, dt_d = None, None, None, None, None
+    if saved_d is not None:
+        t_d, a_dw, b_dw = saved_d
+        db_d = torch.empty(b_dw.shape, dtype=torch.float32, device=dy.device)
+        dt_d = lora_backward_dy(dy2, b_dw, t_d, db_d, scale=scales[2], beta=0.0)
+        dh_term = (dt_d, a_dw)
+        if want[7]:
+            h = torch.empty(dh.shape, dtype=dh.dtype, device=dh.device)
+    grads = swiglu_backward(dh.view(gate.shape), gate, up, w_gate, w_up, path, saved, scales[:2], dropped, xd_shape,
+                            want[:7], dh_term=dh_term, h=h)
+    if h is not None:
+        da_d = gemm_backward_b(dt_d, h, out_dtype=torch.float32)
+    return (*grads, da_d, db_d if want[8] else None)
 
 
 def cross_entropy(h, w, labels, ignore_index, want_dh, want_dw, chunk_tokens=0, check_labels=True, chunk_vocab=0):

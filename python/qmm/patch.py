@@ -31,7 +31,8 @@ from . import _qmm
 from ._base import _error
 from ._impl import PendingLabelCheck
 from .compile_ops import compiling
-from .functional import (Lora, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_linears, lora_nf4_swiglu,
+from .functional import (Lora, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_linears, lora_nf4_mlp,
+                         lora_nf4_swiglu,
                          nf4_gate_up_linear, rms_norm_autograd, rope_autograd, swiglu_autograd)
 from .layers import _has_bnb_weight, _is_lora_wrapper, _model
 from .nf4 import Nf4Weight
@@ -151,9 +152,29 @@ def _adapter(layer, plan, x):
         return None
     name = plan[1]
     drop = layer.lora_dropout[name]
-    idle = isinstance(drop, torch.nn.Identity) or \
-        (isinstance(drop, torch.nn.Dropout) and (drop.p == 0 or not drop.training))
+    idle = _idle(drop)
     return Lora(layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name], None if idle else drop(x))
+
+
+def _idle(drop):
+    """Whether an adapter's dropout module passes its input through (none, p = 0, or eval mode)."""
+    return isinstance(drop, torch.nn.Identity) or \
+        (isinstance(drop, torch.nn.Dropout) and (drop.p == 0 or not drop.training))
+
+
+def _block_down(layer):
+    """A down projection that lora_nf4_mlp takes into the block: (its NF4 weight now, its adapter as a qmm.Lora or
+    None) where it is a bitsandbytes NF4 layer without a bias whose adapter, if any, is one plain adapter without
+    active dropout (its input h is made inside the op); else None (the block then calls the module)."""
+    base = _bnb_nf4_base(layer)
+    plan = _lora_plan(layer) if base is not None and base.bias is None else None
+    if plan is None or plan == "add" or (isinstance(plan, tuple) and not _idle(layer.lora_dropout[plan[1]])):
+        return None
+    w = _weight_now(base)
+    if w is None:
+        return None
+    return w, (None if plan == "none" else
+               Lora(layer.lora_A[plan[1]].weight, layer.lora_B[plan[1]].weight, layer.scaling[plan[1]]))
 
 
 def _add_lora(layer, x, y):
@@ -256,6 +277,9 @@ def _swiglu_mlp_forward(mlp, x, *args, **kwargs):
         return _fallback(mlp, why or _NOT_NF4, x, *args, **kwargs)
     if all(b.bias is None for b in bases) and "add" not in plans:  # gate, up, their adapters and the SwiGLU: one op
         loras = [_adapter(p, plan, x) for p, plan in zip(projections, plans)]
+        down = _block_down(mlp.down_proj)
+        if down is not None:  # down too: h is not kept for the backward
+            return lora_nf4_mlp(x, *weights, down[0], *loras, down[1], _path(mlp))
         return mlp.down_proj(lora_nf4_swiglu(x, *weights, *loras, _path(mlp)))
     outs = nf4_gate_up_linear(x, *weights, _path(mlp))  # biases, or several adapters: added as PEFT adds them
     gate, up = ((y if b.bias is None else y + b.bias.to(y.dtype)) for y, b in zip(outs, bases))
