@@ -761,6 +761,59 @@ def test_lora_nf4_swiglu_matches_reference(device, dtype, m, k, n, adapters, dro
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 72), (7, 128, 63), (65, 192, 136)])
+@pytest.mark.parametrize("case", ["all", "down only", "gate and up with dropout", "none"])
+def test_lora_nf4_mlp_matches_reference(device, dtype, m, k, n, case):
+    """lora_nf4_mlp (a whole SwiGLU block: h is not kept, the backward's SwiGLU kernel writes it again and adds the
+    down adapter's share of dh) and every gradient against PyTorch's autograd in fp64 on the dequantized weights.
+    The adapters' terms are about as large as the base products, so leaving one out (the down adapter's share of
+    dh, its a gradient's h) moves a result by tens of percent, far over the tolerance: relative Frobenius error
+    2^-5 for bf16 (a chain of bf16 roundings of O(1) values), 2^-7 for f32 (the NF4 products take bf16 operands)."""
+    seed = m * 10 + k + n
+    ws = [qmm.Nf4Weight.quantize(randn(shape, seed + i, device) * 0.3) for i, shape in enumerate(((n, k), (n, k), (k, n)))]
+    x = randn((2, m, k), seed + 3, device, dtype)
+    ranks = {"all": (4, 8, 16), "down only": (0, 0, 16), "gate and up with dropout": (4, 8, 0), "none": (0, 0, 0)}[case]
+    shapes = (((n, k), ), ((n, k), ), ((k, n), ))
+    params = []
+    for i, (r, (out_in,)) in enumerate(zip(ranks, shapes)):
+        out_f, in_f = out_in
+        params.append(None if r == 0 else (randn((r, in_f), seed + 10 + i, device) * 0.3,
+                                           randn((out_f, r), seed + 20 + i, device) * 0.3, 1.5))
+    masks = [((torch.rand((2, m, k), generator=gen(seed + 30 + i)) > 0.25).to(dtype).to(device) / 0.75
+              if case == "gate and up with dropout" else None) for i in range(2)]
+    dy = randn((2, m, k), seed + 40, device, dtype)
+
+    def run(x_in, ps, wds=None):
+        xr = x_in.clone().requires_grad_()
+        leaves = [None if p is None else (p[0].clone().requires_grad_(), p[1].clone().requires_grad_(), p[2])
+                  for p in ps]
+        if wds is None:
+            terms = [None if p is None else qmm.Lora(p[0], p[1], p[2], None if i == 2 or masks[i] is None
+                                                     else xr * masks[i]) for i, p in enumerate(leaves)]
+            y = qmm.lora_nf4_mlp(xr, *ws, *terms)
+        else:  # fp64 reference
+            def proj(inp, w, p, mask):
+                out = inp @ w.T
+                return out if p is None else out + p[2] * ((inp if mask is None else inp * mask) @ p[0].T) @ p[1].T
+            g = proj(xr, wds[0], leaves[0], masks[0] if masks[0] is None else masks[0].double().cpu())
+            u = proj(xr, wds[1], leaves[1], masks[1] if masks[1] is None else masks[1].double().cpu())
+            y = proj(torch.nn.functional.silu(g) * u, wds[2], leaves[2], None)
+        y.backward(dy if wds is None else dy.double().cpu())
+        return [y, xr.grad] + [t.grad for p in leaves if p is not None for t in p[:2]]
+
+    got = run(x, params)
+    wds = [w.dequantize(torch.bfloat16).double().cpu() for w in ws]
+    ref = run(x.double().cpu(), [None if p is None else (p[0].double().cpu(), p[1].double().cpu(), p[2])
+                                 for p in params], wds)
+    tol = 2.0 ** -5 if dtype == torch.bfloat16 else 2.0 ** -7
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert g.shape == r.shape and torch.isfinite(g).all(), f"lora_nf4_mlp result {i}"
+        err = (g.double().cpu() - r).norm() / r.norm().clamp_min(1e-30)
+        assert err <= tol, f"lora_nf4_mlp result {i} ({case}): relative error {err:.3g} over {tol:.3g}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,k,ns", [(1, 64, (64, 16, 16)), (7, 128, (63, 65, 7)), (65, 192, (96, 32, 32))])
 @pytest.mark.parametrize("unused_v", [False, True])
 @pytest.mark.parametrize("dropout", [True, False])
