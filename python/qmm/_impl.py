@@ -379,7 +379,10 @@ def mlp_backward(dy, gate, up, w_gate, w_up, w_down, path, saved, saved_d, scale
         t_d, a_dw, b_dw = saved_d
         db_d = torch.empty(b_dw.shape, dtype=torch.float32, device=dy.device)
         dt_d = lora_backward_dy(dy2, b_dw, t_d, db_d, scale=scales[2], beta=0.0)
-        dh_term = (dt_d, a_dw)
+        if dh.is_cuda and (dh.dtype != torch.bfloat16 or a_dw.shape[0] > SWIGLU_TERMS_MAX_RANK):
+            gemm(dt_d, a_dw, out=dh, beta=1.0)  # where the SwiGLU kernel would take its slow path
+        else:
+            dh_term = (dt_d, a_dw)
         if want[7]:
             h = torch.empty(dh.shape, dtype=dh.dtype, device=dh.device)
     grads = swiglu_backward(dh.view(gate.shape), gate, up, w_gate, w_up, path, saved, scales[:2], dropped, xd_shape,
