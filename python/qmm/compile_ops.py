@@ -390,6 +390,119 @@ if AVAILABLE:
 
     lora_nf4_swiglu_op.register_autograd(_swiglu_block_grad, setup_context=_setup_swiglu_block)
 
+    # ---- a whole MLP block: gate and up (+ adapters), SwiGLU, down (+ adapter); h not kept ------------------------
+
+    @op("qmm::lora_nf4_mlp", mutates_args=())
+    def lora_nf4_mlp_op(x: Tensor, xd_g: Optional[Tensor], a_g: Optional[Tensor], b_g: Optional[Tensor],
+                        xd_u: Optional[Tensor], a_u: Optional[Tensor], b_u: Optional[Tensor],
+                        a_d: Optional[Tensor], b_d: Optional[Tensor],
+                        g_codes: Tensor, g_absmax: Tensor, g_absmax2: Optional[Tensor], g_code2: Optional[Tensor],
+                        g_offset: Tensor, g_rows: int, g_cols: int, g_block_size: int,
+                        u_codes: Tensor, u_absmax: Tensor, u_absmax2: Optional[Tensor], u_code2: Optional[Tensor],
+                        u_offset: Tensor, u_rows: int, u_cols: int, u_block_size: int,
+                        d_codes: Tensor, d_absmax: Tensor, d_absmax2: Optional[Tensor], d_code2: Optional[Tensor],
+                        d_offset: Tensor, d_rows: int, d_cols: int, d_block_size: int,
+                        scale_g: float, scale_u: float, scale_d: float, path: str,
+                        keep: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        w_gate = weight_of(g_codes, g_absmax, g_absmax2, g_code2, g_offset, g_rows, g_cols, g_block_size)
+        w_up = weight_of(u_codes, u_absmax, u_absmax2, u_code2, u_offset, u_rows, u_cols, u_block_size)
+        w_down = weight_of(d_codes, d_absmax, d_absmax2, d_code2, d_offset, d_rows, d_cols, d_block_size)
+        loras = (_lora(x, xd_g, a_g, b_g, scale_g), _lora(x, xd_u, a_u, b_u, scale_u))
+        down = None if a_d is None else (a_d, b_d, scale_d)
+        y, kept = _impl.mlp_forward(x, w_gate, w_up, w_down, loras, down, path, keep)
+        if kept is None:
+            return (y,) + tuple(x.new_empty(0) for _ in range(5))
+        gate, up, saved, saved_d = kept
+        t_d = _or_empty(saved_d and saved_d[0], x)
+        if isinstance(saved, _impl.Grouped):  # one t for both (the backward casts the working copies again)
+            return y, _or_empty(gate, x), _or_empty(up, x), saved[1], x.new_empty(0), t_d
+        return (y, _or_empty(gate, x), _or_empty(up, x)) + tuple(_or_empty(s and s[1], x) for s in saved) + (t_d,)
+
+    @lora_nf4_mlp_op.register_fake
+    def _(x, xd_g, a_g, b_g, xd_u, a_u, b_u, a_d, b_d, *args):
+        rows, keep = args[5], args[-1]
+        if not keep:
+            return (x.new_empty(x.shape),) + tuple(x.new_empty(0) for _ in range(5))
+        kept = x.new_empty((*x.shape[:-1], rows))  # keep: gate and up, with or without adapters
+        if _grouped(((xd_g, a_g), (xd_u, a_u))):
+            rank = sum(a.shape[0] for a in (a_g, a_u) if a is not None)
+            ts = [x.new_empty((_rows_of(x), rank)), x.new_empty(0)]
+        else:
+            ts = [x.new_empty(0) if a is None else x.new_empty((_rows_of(x), a.shape[0])) for a in (a_g, a_u)]
+        t_d = x.new_empty(0) if a_d is None else x.new_empty((_rows_of(x), a_d.shape[0]))
+        return (x.new_empty(x.shape), kept, x.new_empty(kept.shape), *ts, t_d)
+
+    @op("qmm::lora_nf4_mlp_backward", mutates_args=())
+    def lora_nf4_mlp_backward_op(dy: Tensor, gate: Tensor, up: Tensor, xs_g: Optional[Tensor],
+                                 xs_u: Optional[Tensor], t_g: Optional[Tensor], t_u: Optional[Tensor],
+                                 t_d: Optional[Tensor], a_g: Optional[Tensor], b_g: Optional[Tensor],
+                                 a_u: Optional[Tensor], b_u: Optional[Tensor], a_d: Optional[Tensor],
+                                 b_d: Optional[Tensor],
+                                 g_codes: Tensor, g_absmax: Tensor, g_absmax2: Optional[Tensor],
+                                 g_code2: Optional[Tensor], g_rows: int, g_cols: int, g_block_size: int,
+                                 u_codes: Tensor, u_absmax: Tensor, u_absmax2: Optional[Tensor],
+                                 u_code2: Optional[Tensor], u_rows: int, u_cols: int, u_block_size: int,
+                                 d_codes: Tensor, d_absmax: Tensor, d_absmax2: Optional[Tensor],
+                                 d_code2: Optional[Tensor], d_rows: int, d_cols: int, d_block_size: int,
+                                 scale_g: float, scale_u: float, scale_d: float, path: str,
+                                 dropped_g: bool, dropped_u: bool, want: List[bool]
+                                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        w_gate = saved_weight_of(g_codes, g_absmax, g_absmax2, g_code2, g_rows, g_cols, g_block_size)
+        w_up = saved_weight_of(u_codes, u_absmax, u_absmax2, u_code2, u_rows, u_cols, u_block_size)
+        w_down = saved_weight_of(d_codes, d_absmax, d_absmax2, d_code2, d_rows, d_cols, d_block_size)
+        if _grouped(((dropped_g or None, a_g), (dropped_u or None, a_u))):
+            xs = xs_g if xs_g is not None else xs_u
+            saved = _impl.regrouped(xs.reshape(-1, xs.shape[-1]), t_g, [
+                None if a is None else (a, b) for a, b in ((a_g, b_g), (a_u, b_u))], dy.dtype)
+        else:
+            saved = _saved((xs_g, t_g, a_g, b_g), (xs_u, t_u, a_u, b_u), dtype=dy.dtype)
+        saved_d = None if a_d is None else (t_d, *_impl.working_copies([(a_d, b_d)], dy.dtype)[0])
+        grads = _impl.mlp_backward(dy, gate, up, w_gate, w_up, w_down, path, saved, saved_d,
+                                   (scale_g, scale_u, scale_d), (dropped_g, dropped_u), (*dy.shape[:-1], g_cols),
+                                   tuple(want))
+        return tuple(_or_empty(g if g is None or g._base is None else g.clone(), dy) for g in grads)
+
+    @lora_nf4_mlp_backward_op.register_fake
+    def _(dy, gate, up, xs_g, xs_u, t_g, t_u, t_d, a_g, b_g, a_u, b_u, a_d, b_d, *args):
+        dropped, want = args[-3:-1], args[-1]
+        empty = dy.new_empty(0)
+
+        def param(p, wanted):
+            return p.new_empty(p.shape, dtype=torch.float32) if wanted and p is not None else empty
+        return (dy.new_empty(dy.shape) if want[0] else empty,
+                dy.new_empty(dy.shape) if want[1] and dropped[0] and a_g is not None else empty,
+                dy.new_empty(dy.shape) if want[2] and dropped[1] and a_u is not None else empty,
+                param(a_g, want[3]), param(b_g, want[4]), param(a_u, want[5]), param(b_u, want[6]),
+                param(a_d, want[7]), param(b_d, want[8]))
+
+    def _setup_mlp_block(ctx, inputs, output):
+        x, xd_g, a_g, b_g, xd_u, a_u, b_u, a_d, b_d = inputs[:9]
+        xs = [None if a is None else x if xd is None else xd for xd, a in ((xd_g, a_g), (xd_u, a_u))]
+        ctx.save_for_backward(output[1], output[2], *xs, output[3], output[4], output[5], a_g, b_g, a_u, b_u, a_d,
+                              b_d, *inputs[9:13], *inputs[17:21], *inputs[25:29])
+        ctx.g_scalars, ctx.u_scalars, ctx.d_scalars = inputs[14:17], inputs[22:25], inputs[30:33]
+        ctx.scales, ctx.path = inputs[33:36], inputs[36]
+        ctx.dropped = (xd_g is not None, xd_u is not None)
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+
+    def _mlp_block_grad(ctx, dy, *_):
+        gate, up, xs_g, xs_u, t_g, t_u, t_d, a_g, b_g, a_u, b_u, a_d, b_d, *w = ctx.saved_tensors
+        n = ctx.needs_input_grad  # x, xd_g, a_g, b_g, xd_u, a_u, b_u, a_d, b_d
+        if dy is None:
+            return (None,) * 38
+        want = (n[0], n[1], n[4], n[2], n[3], n[5], n[6], n[7], n[8])
+        dx, dxd_g, dxd_u, da_g, db_g, da_u, db_u, da_d, db_d = (_or_none(g) for g in lora_nf4_mlp_backward_op(
+            dy, gate, up, xs_g, xs_u, _or_none(t_g), _or_none(t_u), _or_none(t_d), a_g, b_g, a_u, b_u, a_d, b_d,
+            *w[:4], *ctx.g_scalars, *w[4:8], *ctx.u_scalars, *w[8:], *ctx.d_scalars, *ctx.scales, ctx.path,
+            *ctx.dropped, list(want)))
+        grads = (dx, dxd_g, _impl.param_grad(da_g, a_g), _impl.param_grad(db_g, b_g), dxd_u,
+                 _impl.param_grad(da_u, a_u), _impl.param_grad(db_u, b_u), _impl.param_grad(da_d, a_d),
+                 _impl.param_grad(db_d, b_d))
+        return tuple(g if wanted else None for g, wanted in zip(grads, n[:9])) + (None,) * 29
+
+    lora_nf4_mlp_op.register_autograd(_mlp_block_grad, setup_context=_setup_mlp_block)
+
     # ---- the head and its cross-entropy ---------------------------------------------------------------------------
 
     @op("qmm::linear_cross_entropy", mutates_args=())
@@ -576,6 +689,19 @@ def lora_nf4_swiglu(x, w_gate, w_up, loras, path):
         scales.append(scale)
     keep = torch.is_grad_enabled()
     return lora_nf4_swiglu_op(x, *args, *_op_args(w_gate), *_op_args(w_up), *scales, path, keep)[0]
+
+
+def lora_nf4_mlp(x, w_gate, w_up, w_down, loras, down, path):
+    """loras as lora_nf4_swiglu's; down: (a, b, scale) of the down projection's adapter (reading h), or None."""
+    args, scales = [], []
+    for lora in loras:
+        xd, a, b, scale = (None, None, None, 1.0) if lora is None else lora
+        args += [None if xd is x else xd, a, b]
+        scales.append(scale)
+    a_d, b_d, scale_d = (None, None, 1.0) if down is None else down
+    keep = torch.is_grad_enabled()
+    return lora_nf4_mlp_op(x, *args, a_d, b_d, *_op_args(w_gate), *_op_args(w_up), *_op_args(w_down), *scales,
+                           scale_d, path, keep)[0]
 
 
 def linear_cross_entropy(h, w, labels, ignore_index, chunk_tokens=0, check_labels=True, chunk_vocab=0):

@@ -308,9 +308,8 @@ def lora_nf4_mlp(x, w_gate, w_up, w_down, gate_lora=None, up_lora=None, down_lor
         raise _error("InvalidArgument", f"{op}: down_lora has x_dropped, but its input h is made inside the op; "
                                         f"use lora_nf4_swiglu and lora_nf4_linear for dropout on the down projection")
     down = _check_lora(op, "down_lora", down_lora, None, *down_shape)  # (None, a, b, scale): h is made inside
-    if _compiling():  # the two ops torch.compile knows (h kept by the down projection)
-        h = compile_ops.lora_nf4_swiglu(x, w_gate, w_up, loras, path)
-        return compile_ops.lora_nf4_linear(h, w_down, None if down is None else (h, *down[1:]), None, path)
+    if _compiling():
+        return compile_ops.lora_nf4_mlp(x, w_gate, w_up, w_down, loras, None if down is None else down[1:], path)
     w_gate, w_up, w_down = (_weight(op, n, w) for n, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)))
     tensors = [t for lora in (gate_lora, up_lora, down_lora) if lora is not None for t in (lora.a, lora.b, lora.x_dropped)]
     down_args = None if down is None else down[1:]

@@ -1246,6 +1246,29 @@ def _lora_model(device, hidden=64, inter=96):
     return torch.nn.Sequential(FakeLora(q, 4, 20), mlp)
 
 
+@pytest.mark.parametrize("down_dropout", [False, True])
+def test_patch_bnb_runs_the_mlp_as_one_block_unless_down_has_dropout(monkeypatch, down_dropout):
+    """A patched MLP whose down_proj is an NF4 LoRA layer without dropout runs as lora_nf4_mlp (h not kept); with
+    dropout on down_proj's adapter, lora_nf4_swiglu then down_proj's own patched forward (its adapter needs the
+    dropped-out h); both match the unpatched model."""
+    model = _lora_model("cpu")
+    if down_dropout:
+        model[1].down_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
+    x, dy = randn((2, 5, 64), 6, "cpu"), randn((2, 5, 64), 7, "cpu")
+    torch.manual_seed(3)
+    ref = _forward_backward(model, x, dy)
+    calls = {"mlp": 0, "swiglu": 0}
+    for name, key in (("lora_nf4_mlp", "mlp"), ("lora_nf4_swiglu", "swiglu")):
+        real = getattr(qmm.patch, name)
+        monkeypatch.setattr(qmm.patch, name, lambda *a, _r=real, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1)
+                            or _r(*a, **k))
+    qmm.patch_bnb(model)
+    torch.manual_seed(3)
+    got = _forward_backward(model, x, dy)
+    assert calls == ({"mlp": 0, "swiglu": 1} if down_dropout else {"mlp": 1, "swiglu": 0})
+    _assert_near(got, ref, 2.0 ** -6, "patched MLP block")
+
+
 def _forward_backward(model, x, dy, params_of=None):
     """The model's output, x's gradient and the LoRA parameters' gradients (of `params_of`, by default the model)
     for the loss sum(y * dy)."""
