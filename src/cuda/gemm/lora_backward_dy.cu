@@ -18,7 +18,6 @@
 
 #include "cuda/common/check.h"
 #include "cuda/common/cuda_state.h"
-#include "cuda/common/lane_sum.cuh"
 #include "cuda/common/sm80_ptx.cuh"
 #include "cuda/cuda_backend.h"
 
@@ -212,26 +211,25 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // dt[m][c] = bf16(scale·Σ_s dt_part[s][i]) for i = m·r + c < mr (dt's rows ld_dt apart), then grad_b[j] =
-// scale·Σ_z gb_part[z][j] + beta·grad_b[j] for i = mr + j; beta = 0 does not read grad_b (a GEMM's beta = 0).
-// A lane_sum block's sums a block, each sum's partials spread over its lanes (a fixed order): one thread per sum
-// waited on each of up to ~130 partials in turn where N is small and the row splits many.
-__global__ void __launch_bounds__(common::kLaneSumThreads)
+// scale·Σ_z gb_part[z][j] + beta·grad_b[j], sums in order; beta = 0 does not read grad_b (a GEMM's beta = 0).
+// One element per thread: a float4 version (a quarter of the threads) measured slower.
+__global__ void __launch_bounds__(kThreads)
     lora_backward_dy_reduce_kernel(const float* __restrict__ dt_part, int strips, std::int64_t mr, int r,
                                    std::int64_t ld_dt, __nv_bfloat16* __restrict__ dt,
                                    const float* __restrict__ gb_part, int splits, std::int64_t nr,
                                    float* __restrict__ grad_b, float scale, float beta) {
-  __shared__ common::LaneSums sums;
-  const std::int64_t i =
-      static_cast<std::int64_t>(blockIdx.x) * common::kLaneSumCols + threadIdx.x % common::kLaneSumCols;
-  const bool valid = i < mr + nr, is_dt = i < mr;
-  const float* p = is_dt ? dt_part + i : gb_part + (valid ? i - mr : 0);
-  const float total = common::lane_sum(p, is_dt ? strips : splits, is_dt ? mr : nr, valid, sums);
-  if (threadIdx.x >= common::kLaneSumCols || !valid) return;
-  if (is_dt) {
-    dt[(i / r) * ld_dt + i % r] = __float2bfloat16_rn(scale * total);
-  } else {
-    const std::int64_t j = i - mr;
-    grad_b[j] = beta == 0.0f ? scale * total : scale * total + beta * grad_b[j];
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < mr + nr;
+       i += stride) {
+    float sum = 0.0f;
+    if (i < mr) {
+      for (int s = 0; s < strips; ++s) sum += dt_part[s * mr + i];
+      dt[(i / r) * ld_dt + i % r] = __float2bfloat16_rn(scale * sum);
+    } else {
+      const std::int64_t j = i - mr;
+      for (int z = 0; z < splits; ++z) sum += gb_part[z * nr + j];
+      grad_b[j] = beta == 0.0f ? scale * sum : scale * sum + beta * grad_b[j];
+    }
   }
 }
 
@@ -257,10 +255,10 @@ bool launch(const Context& ctx, const TensorView& dy, const TensorView& b, const
       dy.data_as<const __nv_bfloat16>(), b.data_as<const __nv_bfloat16>(), t.data_as<const __nv_bfloat16>(), ld_t, M, N,
       row_tiles, dt_part, gb_part);
   QMM_CUDA_CHECK_LAUNCH("lora_backward_dy_kernel");
-  const unsigned grid = static_cast<unsigned>((mr + nr + common::kLaneSumCols - 1) / common::kLaneSumCols);
-  lora_backward_dy_reduce_kernel<<<grid, common::kLaneSumThreads, 0, stream_of(ctx)>>>(
-      dt_part, strips, mr, kR, ld_dt, dt.data_as<__nv_bfloat16>(), gb_part, splits, nr, grad_b.data_as<float>(), scale,
-      beta);
+  const unsigned grid = grid_for(ctx, lora_backward_dy_reduce_kernel, kThreads, mr + nr);
+  lora_backward_dy_reduce_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(dt_part, strips, mr, kR, ld_dt,
+                                                                        dt.data_as<__nv_bfloat16>(), gb_part, splits,
+                                                                        nr, grad_b.data_as<float>(), scale, beta);
   QMM_CUDA_CHECK_LAUNCH("lora_backward_dy_reduce_kernel");
   return true;
 }
