@@ -4,10 +4,12 @@
 // The sums are never stored: the backward recomputes them from the same t and b, so an adapter's second product
 // costs no pass over [M, N] of its own (a separate y += s·t·bᵀ GEMM reads and writes all of it).
 //
-// bf16 with ranks up to 32 (kMaxMmaRank): a warp owns a strip of 64 columns, holds that strip's b fragments in
+// bf16 with ranks up to 32 (kMaxMmaRank): a warp owns a strip of 32 columns, holds that strip's b fragments in
 // registers and walks 16-row tiles; each tile's terms are mma.sync m16n8k16 products (fp32 accumulation) whose
-// column order is permuted so that every lane's accumulators are 2 x 8 consecutive columns of two rows, the 16-byte
-// vectors it loads and stores. Other cases (f32, larger ranks) run a plain kernel, one element a thread.
+// column order is permuted so that every lane's accumulators are 8 consecutive columns of two rows, the 16-byte
+// vectors it loads and stores. (Strips of 64 columns held twice the registers, and the backward ran at half the
+// plain SwiGLU's bandwidth for want of resident warps.) Other cases (f32, larger ranks) run a plain kernel, one
+// element a thread.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -31,7 +33,8 @@ using swiglu_detail::sigmoid_pair;
 
 constexpr int kMaxMmaRank = 32;
 constexpr int kWarpsPerBlock = 4;
-constexpr int kStripCols = 64;
+constexpr int kStripCols = 32;
+constexpr int kTiles = kStripCols / 8;  // the strip's n8 mma tiles
 constexpr int kTileRows = 16;
 
 // One low-rank term t·bᵀ over [M, N]: t's row m at t + m·ldt (r columns), b's element (n, k) at b[n·bn + k·bk]
@@ -79,16 +82,16 @@ __device__ __forceinline__ std::uint32_t pack_bf16(const __nv_bfloat16* p, std::
 }
 
 // The strip's column for mma tile j's B column nl (0..7): lane q's accumulator columns 2q, 2q + 1 of tiles 0..3
-// become columns 8q.. 8q + 7, and of tiles 4..7 columns 32 + 8q.., so each lane's values are two 16-byte runs.
-__device__ __forceinline__ int strip_col(int j, int nl) { return 32 * (j / 4) + 8 * (nl / 2) + 2 * (j % 4) + nl % 2; }
+// become columns 8q.. 8q + 7, so each lane's values in a row are one 16-byte run.
+__device__ __forceinline__ int strip_col(int j, int nl) { return 8 * (nl / 2) + 2 * j + nl % 2; }
 
 // A term's B fragments for the strip at col0 (the mma's column-major B: k down a column).
 template <int KS>
-__device__ __forceinline__ void load_b_frags(std::uint32_t (&f)[8][KS][2], const Term<__nv_bfloat16>& tm,
+__device__ __forceinline__ void load_b_frags(std::uint32_t (&f)[kTiles][KS][2], const Term<__nv_bfloat16>& tm,
                                              std::int64_t col0, std::int64_t n, int lane) {
   const int g = lane / 4, q = lane % 4;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < kTiles; ++j) {
     const std::int64_t col = col0 + strip_col(j, g);
     const bool in = col < n && tm.r > 0;
 #pragma unroll
@@ -119,16 +122,16 @@ __device__ __forceinline__ void load_a_frags(std::uint32_t (&a)[KS][4], const Te
   }
 }
 
-// acc[jj] = the term's mma tiles 4 * half + jj (fp32).
+// acc[j] = the term's mma tile j (fp32).
 template <int KS>
-__device__ __forceinline__ void term_half(float (&acc)[4][4], const std::uint32_t (&a)[KS][4],
-                                          const std::uint32_t (&bf)[8][KS][2], int half) {
+__device__ __forceinline__ void term_tiles(float (&acc)[kTiles][4], const std::uint32_t (&a)[KS][4],
+                                           const std::uint32_t (&bf)[kTiles][KS][2]) {
 #pragma unroll
-  for (int jj = 0; jj < 4; ++jj) {
+  for (int j = 0; j < kTiles; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[jj][e] = 0.0f;
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) mma_bf16_16816(acc[jj], a[ks], bf[4 * half + jj][ks][0], bf[4 * half + jj][ks][1]);
+    for (int ks = 0; ks < KS; ++ks) mma_bf16_16816(acc[j], a[ks], bf[j][ks][0], bf[j][ks][1]);
   }
 }
 
@@ -160,8 +163,9 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, std::int64_t row, std::
 }
 
 // K: k-steps of 16 for gate's and up's terms (the larger rank), KD for dh's (0: none; backward only).
+// Four blocks an SM (128 registers): resident warps, not the few registers spilled, keep the loads in flight.
 template <int K, int KD, bool kBackward>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) swiglu_adapters_mma_kernel(Args<__nv_bfloat16> p) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, 4) swiglu_adapters_mma_kernel(Args<__nv_bfloat16> p) {
   using E = Elem<__nv_bfloat16>;
   constexpr int KDA = KD > 0 ? KD : 1;
   const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
@@ -169,18 +173,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) swiglu_adapters_mma_kerne
   const std::int64_t col0 = strip * kStripCols;
   if (col0 >= p.n) return;  // a whole warp: nothing below synchronizes the block
   const bool has_g = p.tg.r > 0, has_u = p.tu.r > 0;
-  std::uint32_t bg[8][K][2], bu[8][K][2], bd[8][KDA][2];
+  std::uint32_t bg[kTiles][K][2], bu[kTiles][K][2], bd[kTiles][KDA][2];
   load_b_frags<K>(bg, p.tg, col0, p.n, lane);
   load_b_frags<K>(bu, p.tu, col0, p.n, lane);
   if constexpr (KD > 0) load_b_frags<KD>(bd, p.td, col0, p.n, lane);
   const std::int64_t group_end = (static_cast<std::int64_t>(blockIdx.y) + 1) * p.rows_per_group;
   const std::int64_t row_end = group_end < p.m ? group_end : p.m;
+  const std::int64_t col = col0 + 8 * q;
   for (std::int64_t row0 = blockIdx.y * p.rows_per_group; row0 < row_end; row0 += kTileRows) {
-    // The lane's runs c: row g + 8 * (c / 2), columns 32 * (c % 2) + 8q.. (every load issued before any math).
-    uint4 gr[4], ur[4], dr[kBackward ? 4 : 1];
+    // The lane's runs c: row g + 8c, columns 8q.. 8q + 7 (every load issued before any math).
+    uint4 gr[2], ur[2], dr[kBackward ? 2 : 1];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const std::int64_t row = row0 + g + 8 * (c / 2), col = col0 + 32 * (c % 2) + 8 * q;
+    for (int c = 0; c < 2; ++c) {
+      const std::int64_t row = row0 + g + 8 * c;
       gr[c] = load8(p.gate, row, col, p.m, p.n, p.vec);
       ur[c] = load8(p.up, row, col, p.m, p.n, p.vec);
       if constexpr (kBackward) dr[c] = load8(p.dh, row, col, p.m, p.n, p.vec);
@@ -189,35 +194,31 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) swiglu_adapters_mma_kerne
     load_a_frags<K>(ag, p.tg, row0, p.m, lane);
     load_a_frags<K>(au, p.tu, row0, p.m, lane);
     if constexpr (KD > 0) load_a_frags<KD>(ad, p.td, row0, p.m, lane);
+    float accg[kTiles][4] = {}, accu[kTiles][4] = {}, accd[kTiles][4] = {};
+    if (has_g) term_tiles<K>(accg, ag, bg);
+    if (has_u) term_tiles<K>(accu, au, bu);
+    if constexpr (KD > 0) term_tiles<KD>(accd, ad, bd);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float accg[4][4] = {}, accu[4][4] = {}, accd[4][4] = {};
-      if (has_g) term_half<K>(accg, ag, bg, half);
-      if (has_u) term_half<K>(accu, au, bu, half);
-      if constexpr (KD > 0) term_half<KD>(accd, ad, bd, half);
+    for (int c = 0; c < 2; ++c) {
+      float gv[8], uv[8], dv[8], o0[8], o1[8], hv[8];
+      E::unpack(gr[c], gv);
+      E::unpack(ur[c], uv);
+      if constexpr (kBackward) E::unpack(dr[c], dv);
 #pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        const int c = 2 * rh + half;
-        float gv[8], uv[8], dv[8], o0[8], o1[8], hv[8];
-        E::unpack(gr[c], gv);
-        E::unpack(ur[c], uv);
-        if constexpr (kBackward) E::unpack(dr[c], dv);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          // run c's element e is tile 4 * half + e / 2's accumulator 2 * rh + e % 2
-          const int j = e / 2, reg = 2 * rh + e % 2;
-          const float gp = gv[e] + p.tg.scale * accg[j][reg], up = uv[e] + p.tu.scale * accu[j][reg];
-          if constexpr (kBackward)
-            swiglu_all(gp, up, dv[e] + accd[j][reg], o0[e], o1[e], hv[e]);
-          else
-            o0[e] = gp * sigmoid_pair(gp).s * up;
-        }
-        const std::int64_t row = row0 + g + 8 * rh, col = col0 + 32 * half + 8 * q;
-        store8(p.out0, row, col, p.m, p.n, p.vec, o0);
-        if constexpr (kBackward) {
-          store8(p.out1, row, col, p.m, p.n, p.vec, o1);
-          if (p.hout) store8(p.hout, row, col, p.m, p.n, p.vec, hv);
-        }
+      for (int e = 0; e < 8; ++e) {
+        // run c's element e is tile e / 2's accumulator 2c + e % 2
+        const int j = e / 2, reg = 2 * c + e % 2;
+        const float gp = gv[e] + p.tg.scale * accg[j][reg], up = uv[e] + p.tu.scale * accu[j][reg];
+        if constexpr (kBackward)
+          swiglu_all(gp, up, dv[e] + accd[j][reg], o0[e], o1[e], hv[e]);
+        else
+          o0[e] = gp * sigmoid_pair(gp).s * up;
+      }
+      const std::int64_t row = row0 + g + 8 * c;
+      store8(p.out0, row, col, p.m, p.n, p.vec, o0);
+      if constexpr (kBackward) {
+        store8(p.out1, row, col, p.m, p.n, p.vec, o1);
+        if (p.hout) store8(p.hout, row, col, p.m, p.n, p.vec, hv);
       }
     }
   }
