@@ -52,6 +52,9 @@ struct LtPlan {
   cublasLtMatrixLayout_t lt_c = nullptr;  // C and D (in place)
   cublasLtMatmulAlgo_t algo{};
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  // The workspace the algorithm was chosen for, and is given at launch: one chosen without it also runs without
+  // it (given the workspace anyway, such algorithms were seen to zero part of it first, a memset every launch).
+  std::uint64_t workspace_bytes = 0;
 
   LtPlan() = default;
   LtPlan(const LtPlan&) = delete;
@@ -199,6 +202,7 @@ bool try_make_plan(const CudaState& st, const GemmProblem& p, const Route& r, cu
   for (int i = 0; i < found; ++i) {  // best first
     if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= workspace_bytes) {
       plan.algo = results[i].algo;
+      plan.workspace_bytes = workspace_bytes;
       return true;
     }
   }
@@ -321,8 +325,9 @@ void gemm(const Context& ctx, const GemmProblem& p) {
   }
   // cuBLASLt's A is our B and its B our A (see the top). beta == 0: cuBLASLt does not read C.
   std::lock_guard<std::mutex> lock(st.lt_mutex);
-  QMM_CUBLAS_CHECK(cublasLtMatmul(st.lt, plan->desc, &alpha, b, plan->lt_a, a, plan->lt_b, &beta, p.c, plan->lt_c,
-                                  p.c, plan->lt_c, &plan->algo, st.workspace, st.workspace_bytes, st.stream));
+  QMM_CUBLAS_CHECK(cublasLtMatmul(st.lt, plan->desc, &alpha, b, plan->lt_a, a, plan->lt_b, &beta, p.c, plan->lt_c, p.c,
+                                  plan->lt_c, &plan->algo, plan->workspace_bytes ? st.workspace : nullptr,
+                                  plan->workspace_bytes, st.stream));
 }
 
 }  // namespace qmm::cuda
