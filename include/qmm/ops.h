@@ -107,8 +107,8 @@ void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, co
             const SwiGluAdapters& adapters = {});
 // Backward: dgate = dh * up * silu'(gate), dup = dh * silu(gate) (at gate', up' and dh' with adapters: the
 // gradients of gate' and up', which are also those of gate and up). dgate may alias gate and dup may alias up.
-// A non-empty h receives the forward's h again (for a caller that did not keep it: the down projection's adapter
-// gradient needs it), computed on the way.
+// A non-empty h (gate then [M, N]) receives the forward's h again (for a caller that did not keep it: the down
+// projection's adapter gradient needs it), computed on the way.
 void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
                      const TensorView& dgate, const TensorView& dup, const SwiGluAdapters& adapters = {},
                      const TensorView& h = {});

@@ -115,6 +115,7 @@ void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorVie
   detail::require_no_overlap(op, "dup", dup, "dh", dh);
   detail::require_no_overlap(op, "dgate", dgate, "dup", dup);
   if (!h.empty()) {
+    detail::require_rank(op, "gate", gate, 2);
     check_operands(ctx, op, {G, H});
     for (const Arg& other : {G, U, DH, DG, DU}) detail::require_no_overlap(op, "h", h, other.name, other.t);
   }
