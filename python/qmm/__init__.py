@@ -38,8 +38,8 @@ __all__ = [
     "Error", "Lora", "LoraAdapter", "Nf4Weight", "QLoraLinear", "QLoraSwiGluMlp", "batched_gemm", "cuda_device_count",
     "gemm", "gemm_backward_a", "gemm_backward_b", "gemm_bt", "graph_step", "linear_cross_entropy",
     "linear_cross_entropy_loss", "lora_backward_dy", "lora_nf4_linear", "lora_nf4_linears", "lora_nf4_mlp",
-    "lora_nf4_swiglu", "memory_stats", "nf4_gate_up", "nf4_gate_up_linear", "nf4_gemm", "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu",
-    "patch_bnb", "release_cached_memory", "replace_bnb_linears", "replace_bnb_mlps", "reset_peak_memory_stats",
-    "rms_norm", "rms_norm_autograd", "rms_norm_backward", "rope", "rope_autograd", "static_decoder", "swiglu",
-    "swiglu_autograd", "swiglu_backward", "unpatch_bnb",
+    "lora_nf4_swiglu", "memory_stats", "nf4_gate_up", "nf4_gate_up_linear", "nf4_gemm", "nf4_gemm_backward_a",
+    "nf4_linear", "nf4_swiglu", "patch_bnb", "release_cached_memory", "replace_bnb_linears", "replace_bnb_mlps",
+    "reset_peak_memory_stats", "rms_norm", "rms_norm_autograd", "rms_norm_backward", "rope", "rope_autograd",
+    "static_decoder", "swiglu", "swiglu_autograd", "swiglu_backward", "unpatch_bnb",
 ]

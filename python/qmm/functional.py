@@ -311,7 +311,8 @@ def lora_nf4_mlp(x, w_gate, w_up, w_down, gate_lora=None, up_lora=None, down_lor
     if _compiling():
         return compile_ops.lora_nf4_mlp(x, w_gate, w_up, w_down, loras, None if down is None else down[1:], path)
     w_gate, w_up, w_down = (_weight(op, n, w) for n, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)))
-    tensors = [t for lora in (gate_lora, up_lora, down_lora) if lora is not None for t in (lora.a, lora.b, lora.x_dropped)]
+    tensors = [t for lora in (gate_lora, up_lora, down_lora) if lora is not None
+               for t in (lora.a, lora.b, lora.x_dropped)]
     down_args = None if down is None else down[1:]
     if not _grad_wanted(x, *tensors):
         return _impl.mlp_forward(x, w_gate, w_up, w_down, loras, down_args, path, keep=False)[0]

@@ -32,8 +32,7 @@ from ._base import _error
 from ._impl import PendingLabelCheck
 from .compile_ops import compiling
 from .functional import (Lora, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_linears, lora_nf4_mlp,
-                         lora_nf4_swiglu,
-                         nf4_gate_up_linear, rms_norm_autograd, rope_autograd, swiglu_autograd)
+                         lora_nf4_swiglu, nf4_gate_up_linear, rms_norm_autograd, rope_autograd, swiglu_autograd)
 from .layers import _has_bnb_weight, _is_lora_wrapper, _model
 from .nf4 import Nf4Weight
 

@@ -770,13 +770,12 @@ def test_lora_nf4_mlp_matches_reference(device, dtype, m, k, n, case):
     dh, its a gradient's h) moves a result by tens of percent, far over the tolerance: relative Frobenius error
     2^-5 for bf16 (a chain of bf16 roundings of O(1) values), 2^-7 for f32 (the NF4 products take bf16 operands)."""
     seed = m * 10 + k + n
-    ws = [qmm.Nf4Weight.quantize(randn(shape, seed + i, device) * 0.3) for i, shape in enumerate(((n, k), (n, k), (k, n)))]
+    ws = [qmm.Nf4Weight.quantize(randn(shape, seed + i, device) * 0.3)
+          for i, shape in enumerate(((n, k), (n, k), (k, n)))]
     x = randn((2, m, k), seed + 3, device, dtype)
     ranks = {"all": (4, 8, 16), "down only": (0, 0, 16), "gate and up with dropout": (4, 8, 0), "none": (0, 0, 0)}[case]
-    shapes = (((n, k), ), ((n, k), ), ((k, n), ))
     params = []
-    for i, (r, (out_in,)) in enumerate(zip(ranks, shapes)):
-        out_f, in_f = out_in
+    for i, (r, (out_f, in_f)) in enumerate(zip(ranks, ((n, k), (n, k), (k, n)))):
         params.append(None if r == 0 else (randn((r, in_f), seed + 10 + i, device) * 0.3,
                                            randn((out_f, r), seed + 20 + i, device) * 0.3, 1.5))
     masks = [((torch.rand((2, m, k), generator=gen(seed + 30 + i)) > 0.25).to(dtype).to(device) / 0.75
