@@ -7,9 +7,8 @@
 // bf16 with ranks up to 32 (kMaxMmaRank): a warp owns a strip of 32 columns, holds that strip's b fragments in
 // registers and walks 16-row tiles; each tile's terms are mma.sync m16n8k16 products (fp32 accumulation) whose
 // column order is permuted so that every lane's accumulators are 8 consecutive columns of two rows, the 16-byte
-// vectors it loads and stores. (Strips of 64 columns held twice the registers, and the backward ran at half the
-// plain SwiGLU's bandwidth for want of resident warps.) Other cases (f32, larger ranks) run a plain kernel, one
-// element a thread.
+// vectors it loads and stores (64-column strips held too many registers for enough resident warps to keep the
+// loads in flight). Other cases (f32, larger ranks) run a plain kernel, one element a thread.
 #include <cuda_bf16.h>
 
 #include <algorithm>
