@@ -39,6 +39,16 @@ def _shape(w):
     return w.shape if isinstance(w, Nf4Weight) else (w[5], w[6])
 
 
+def _gate_up_shape(op, w_gate, w_up):
+    """The [I, H] shape of an MLP's gate and up weights (Nf4Weights or compile_ops' argument tuples), which must
+    match."""
+    shape = _shape(w_gate) if isinstance(w_gate, tuple) else _nf4(op, "w_gate", w_gate)
+    if (_shape(w_up) if isinstance(w_up, tuple) else _nf4(op, "w_up", w_up)) != shape:
+        raise _error("ShapeMismatch", f"{op}: w_gate is {list(shape)} but w_up is {list(_shape(w_up))}; they must "
+                                      f"match")
+    return shape
+
+
 def _check_x(op, x):
     """The activations: a float32 or bfloat16 tensor (qmm's products take no other dtype)."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16):
@@ -235,10 +245,7 @@ def lora_nf4_swiglu(x, w_gate, w_up, gate_lora=None, up_lora=None, path="auto"):
     and up for the backward. Without adapters the SwiGLU runs in the gate/up kernel's epilogue."""
     op = "lora_nf4_swiglu"
     _check_x(op, x)
-    shape = _shape(w_gate) if isinstance(w_gate, tuple) else _nf4(op, "w_gate", w_gate)
-    if (_shape(w_up) if isinstance(w_up, tuple) else _nf4(op, "w_up", w_up)) != shape:
-        raise _error("ShapeMismatch", f"{op}: w_gate is {list(shape)} but w_up is {list(_shape(w_up))}; they must "
-                                      f"match")
+    shape = _gate_up_shape(op, w_gate, w_up)
     loras = (_check_lora(op, "gate_lora", gate_lora, x, *shape), _check_lora(op, "up_lora", up_lora, x, *shape))
     if _compiling():
         return compile_ops.lora_nf4_swiglu(x, w_gate, w_up, loras, path)
@@ -295,10 +302,7 @@ def lora_nf4_mlp(x, w_gate, w_up, w_down, gate_lora=None, up_lora=None, down_lor
     lora_nf4_swiglu and lora_nf4_linear)."""
     op = "lora_nf4_mlp"
     _check_x(op, x)
-    shape = _shape(w_gate) if isinstance(w_gate, tuple) else _nf4(op, "w_gate", w_gate)
-    if (_shape(w_up) if isinstance(w_up, tuple) else _nf4(op, "w_up", w_up)) != shape:
-        raise _error("ShapeMismatch", f"{op}: w_gate is {list(shape)} but w_up is {list(_shape(w_up))}; they must "
-                                      f"match")
+    shape = _gate_up_shape(op, w_gate, w_up)
     down_shape = _shape(w_down) if isinstance(w_down, tuple) else _nf4(op, "w_down", w_down)
     if tuple(down_shape) != (shape[1], shape[0]):
         raise _error("ShapeMismatch", f"{op}: w_down is {list(down_shape)} but must be [{shape[1]}, {shape[0]}] for "

@@ -270,26 +270,26 @@ void launch_mma(const Context& ctx, Args<__nv_bfloat16> p) {
 
 int k_steps(int r) { return (r + 15) / 16; }
 
+// The backward's instance for K gate/up k-steps and dh's (0 to 2).
+template <int K>
+void launch_backward_mma(const Context& ctx, const Args<__nv_bfloat16>& p) {
+  const int kd = k_steps(p.td.r);
+  if (kd == 0)
+    launch_mma<K, 0, true>(ctx, p);
+  else if (kd == 1)
+    launch_mma<K, 1, true>(ctx, p);
+  else
+    launch_mma<K, 2, true>(ctx, p);
+}
+
 template <bool kBackward>
 void launch_mma_any(const Context& ctx, const Args<__nv_bfloat16>& p) {
   const bool two = k_steps(std::max(p.tg.r, p.tu.r)) > 1;
   if constexpr (kBackward) {
-    const int kd = k_steps(p.td.r);
-    if (two) {
-      if (kd == 0)
-        launch_mma<2, 0, true>(ctx, p);
-      else if (kd == 1)
-        launch_mma<2, 1, true>(ctx, p);
-      else
-        launch_mma<2, 2, true>(ctx, p);
-    } else {
-      if (kd == 0)
-        launch_mma<1, 0, true>(ctx, p);
-      else if (kd == 1)
-        launch_mma<1, 1, true>(ctx, p);
-      else
-        launch_mma<1, 2, true>(ctx, p);
-    }
+    if (two)
+      launch_backward_mma<2>(ctx, p);
+    else
+      launch_backward_mma<1>(ctx, p);
   } else {
     if (two)
       launch_mma<2, 0, false>(ctx, p);
