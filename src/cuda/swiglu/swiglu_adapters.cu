@@ -45,6 +45,7 @@ struct Term {
   const T* b = nullptr;
   std::int64_t bn = 0, bk = 0;
   int r = 0;
+  int align = 0;  // t's rows hold vectors of this many elements (ldt and t 2·align-byte aligned); 0: none
   float scale = 1.0f;
 };
 
@@ -84,6 +85,10 @@ __device__ __forceinline__ std::uint32_t pack_bf16(const __nv_bfloat16* p, std::
 // become columns 8q.. 8q + 7, so each lane's values in a row are one 16-byte run.
 __device__ __forceinline__ int strip_col(int j, int nl) { return 8 * (nl / 2) + 2 * j + nl % 2; }
 
+// The mma's k order is free as long as A and B agree: k-step ks, half h (k 8h + 2q, 8h + 2q + 1 of the step) of
+// lane q is t's column pair a_col(..), so that a lane's A words of a row are one run of t.
+__device__ __forceinline__ int a_col(int ks_count, int ks, int h, int q) { return 4 * ks_count * q + 4 * ks + 2 * h; }
+
 // A term's B fragments for the strip at col0 (the mma's column-major B: k down a column).
 template <int KS>
 __device__ __forceinline__ void load_b_frags(std::uint32_t (&f)[kTiles][KS][2], const Term<__nv_bfloat16>& tm,
@@ -97,27 +102,44 @@ __device__ __forceinline__ void load_b_frags(std::uint32_t (&f)[kTiles][KS][2], 
     for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int k = ks * 16 + 8 * h + 2 * q;
+        const int k = a_col(KS, ks, h, q);
         f[j][ks][h] =
             pack_bf16(tm.b, col * tm.bn + k * tm.bk, col * tm.bn + (k + 1) * tm.bk, in && k < tm.r, in && k + 1 < tm.r);
       }
   }
 }
 
-// A term's A fragments (t's rows) for the tile at row0: zeros past r and past M.
+// A term's A fragments (t's rows) for the tile at row0: zeros past r and past M. Lane q's words of a row are t's
+// columns 4·KS·q .. 4·KS·q + 4·KS - 1 (a_col), one 8- or 16-byte load where t's layout allows.
 template <int KS>
 __device__ __forceinline__ void load_a_frags(std::uint32_t (&a)[KS][4], const Term<__nv_bfloat16>& tm,
                                              std::int64_t row0, std::int64_t m, int lane) {
-  const int g = lane / 4, q = lane % 4;
+  constexpr int kRun = 4 * KS;
+  const int g = lane / 4, k0 = kRun * (lane % 4);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {  // registers: (row g, k), (row g + 8, k), (row g, k + 8), (row g + 8, k + 8)
-    const std::int64_t row = row0 + g + 8 * (i % 2);
+  for (int c = 0; c < 2; ++c) {
+    const std::int64_t row = row0 + g + 8 * c;
+    const __nv_bfloat16* at = tm.t + row * tm.ldt + k0;
+    std::uint32_t w[2 * KS];
+    if (row < m && tm.align >= kRun && k0 + kRun <= tm.r) {
+      if constexpr (KS == 1) {
+        const uint2 v = *reinterpret_cast<const uint2*>(at);
+        w[0] = v.x, w[1] = v.y;
+      } else {
+        const uint4 v = *reinterpret_cast<const uint4*>(at);
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+      }
+    } else {
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const int k = ks * 16 + 2 * q + 8 * (i / 2);
-      const std::int64_t at = row * tm.ldt + k;
-      a[ks][i] = pack_bf16(tm.t, at, at + 1, row < m && k < tm.r, row < m && k + 1 < tm.r);
+      for (int i = 0; i < 2 * KS; ++i) {
+        const int k = k0 + 2 * i;
+        w[i] = pack_bf16(at, 2 * i, 2 * i + 1, row < m && k < tm.r, row < m && k + 1 < tm.r);
+      }
     }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) a[ks][c + 2 * h] = w[2 * ks + h];  // registers: rows g / g + 8, k halves 0 / 1
   }
 }
 
@@ -305,6 +327,8 @@ Term<T> term_of(const TensorView& t, std::int64_t col, const TensorView& b, bool
   tm.r = static_cast<int>(b_is_a ? b.dim(0) : b.dim(1));
   tm.t = t.data_as<const T>() + col;
   tm.ldt = t.dim(1);
+  const auto at = reinterpret_cast<std::uintptr_t>(tm.t);
+  tm.align = tm.ldt % 8 == 0 && at % 16 == 0 ? 8 : tm.ldt % 4 == 0 && at % 8 == 0 ? 4 : 0;
   tm.b = b.data_as<const T>();
   tm.bn = b_is_a ? 1 : tm.r;
   tm.bk = b_is_a ? b.dim(1) : 1;
