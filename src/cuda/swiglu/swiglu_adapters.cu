@@ -31,7 +31,8 @@ using swiglu_detail::Sigmoid;
 using swiglu_detail::sigmoid_pair;
 
 constexpr int kMaxMmaRank = 32;
-constexpr int kWarpsPerBlock = 4;
+constexpr int kWarpsPerBlock = 2;
+constexpr int kStages = 3;  // tiles in flight per warp
 constexpr int kStripCols = 32;
 constexpr int kTiles = kStripCols / 8;  // the strip's n8 mma tiles
 constexpr int kTileRows = 16;
@@ -109,38 +110,36 @@ __device__ __forceinline__ void load_b_frags(std::uint32_t (&f)[kTiles][KS][2], 
   }
 }
 
-// A term's A fragments (t's rows) for the tile at row0: zeros past r and past M. Lane q's words of a row are t's
-// columns 4·KS·q .. 4·KS·q + 4·KS - 1 (a_col), one 8- or 16-byte load where t's layout allows.
+// Stages a term's t run for one row of a tile (lane q's columns k0 = 4·KS·q .. k0 + 4·KS - 1, see a_col) into
+// the lane's slot: one 8- or 16-byte copy where t's layout allows, else element by element; zeros past r and M.
 template <int KS>
-__device__ __forceinline__ void load_a_frags(std::uint32_t (&a)[KS][4], const Term<__nv_bfloat16>& tm,
-                                             std::int64_t row0, std::int64_t m, int lane) {
+__device__ __forceinline__ void stage_t(uint4* slot, const Term<__nv_bfloat16>& tm, std::int64_t row, std::int64_t m,
+                                        int k0) {
   constexpr int kRun = 4 * KS;
-  const int g = lane / 4, k0 = kRun * (lane % 4);
+  const __nv_bfloat16* at = tm.t + row * tm.ldt + k0;
+  if (row < m && tm.align >= kRun && k0 + kRun <= tm.r) {
+    common::cp_async_ca_or_zero<2 * kRun>(common::shared_address(slot), at, true);
+    return;
+  }
+  std::uint32_t w[4] = {};
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const std::int64_t row = row0 + g + 8 * c;
-    const __nv_bfloat16* at = tm.t + row * tm.ldt + k0;
-    std::uint32_t w[2 * KS];
-    if (row < m && tm.align >= kRun && k0 + kRun <= tm.r) {
-      if constexpr (KS == 1) {
-        const uint2 v = *reinterpret_cast<const uint2*>(at);
-        w[0] = v.x, w[1] = v.y;
-      } else {
-        const uint4 v = *reinterpret_cast<const uint4*>(at);
-        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-      }
-    } else {
+  for (int i = 0; i < 2 * KS; ++i) {
+    const int k = k0 + 2 * i;
+    w[i] = pack_bf16(at, 2 * i, 2 * i + 1, row < m && k < tm.r, row < m && k + 1 < tm.r);
+  }
+  *slot = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// A term's A fragments from its two staged rows (g, g + 8).
+template <int KS>
+__device__ __forceinline__ void a_frags(std::uint32_t (&a)[KS][4], const uint4& row_g, const uint4& row_g8) {
+  const std::uint32_t w[2][4] = {{row_g.x, row_g.y, row_g.z, row_g.w}, {row_g8.x, row_g8.y, row_g8.z, row_g8.w}};
 #pragma unroll
-      for (int i = 0; i < 2 * KS; ++i) {
-        const int k = k0 + 2 * i;
-        w[i] = pack_bf16(at, 2 * i, 2 * i + 1, row < m && k < tm.r, row < m && k + 1 < tm.r);
-      }
-    }
+  for (int c = 0; c < 2; ++c)
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) a[ks][c + 2 * h] = w[2 * ks + h];  // registers: rows g / g + 8, k halves 0 / 1
-  }
+      for (int h = 0; h < 2; ++h) a[ks][c + 2 * h] = w[c][2 * ks + h];  // registers: rows g / g + 8, k halves 0 / 1
 }
 
 // acc[j] = the term's mma tile j (fp32).
@@ -170,6 +169,17 @@ __device__ __forceinline__ uint4 load8(const __nv_bfloat16* p, std::int64_t row,
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// Stages load8's 8 elements into the lane's slot: one 16-byte copy where vectors fit (zeros past M and N).
+__device__ __forceinline__ void stage8(uint4* slot, const __nv_bfloat16* p, std::int64_t row, std::int64_t col,
+                                       std::int64_t m, std::int64_t n, bool vec) {
+  if (vec) {
+    const bool in = row < m && col < n;  // vec: N % 8 == 0, so a run that starts inside N ends inside it
+    common::cp_async_16_or_zero(common::shared_address(slot), in ? p + row * n + col : p, in);
+  } else {
+    *slot = load8(p, row, col, m, n, false);
+  }
+}
+
 __device__ __forceinline__ void store8(__nv_bfloat16* p, std::int64_t row, std::int64_t col, std::int64_t m,
                                        std::int64_t n, bool vec, const float (&x)[8]) {
   using E = Elem<__nv_bfloat16>;
@@ -184,13 +194,19 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, std::int64_t row, std::
 }
 
 // K: k-steps of 16 for gate's and up's terms (the larger rank), KD for dh's (0: none; backward only).
-// Four blocks an SM (128 registers): resident warps, not the few registers spilled, keep the loads in flight.
+// Each warp walks its row tiles through a kStages-deep cp.async pipeline: a lane copies the runs it will read
+// (gate, up, dh and the terms' t) into its own shared-memory slots, so no barrier is needed and the loads of the
+// next tiles are in flight while this one is computed.
 template <int K, int KD, bool kBackward>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, 4) swiglu_adapters_mma_kernel(Args<__nv_bfloat16> p) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) swiglu_adapters_mma_kernel(Args<__nv_bfloat16> p) {
   using E = Elem<__nv_bfloat16>;
   constexpr int KDA = KD > 0 ? KD : 1;
-  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const std::int64_t strip = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  constexpr int kData = kBackward ? 3 : 2;          // gate, up (, dh)
+  constexpr int kTerms = 2 + (KD > 0 ? 1 : 0);      // t_g, t_u (, t_d)
+  constexpr int kItems = 2 * (kData + kTerms);      // each for rows g and g + 8
+  __shared__ uint4 stage[kWarpsPerBlock][kStages][kItems][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
+  const std::int64_t strip = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
   const std::int64_t col0 = strip * kStripCols;
   if (col0 >= p.n) return;  // a whole warp: nothing below synchronizes the block
   const bool has_g = p.tg.r > 0, has_u = p.tu.r > 0;
@@ -198,33 +214,50 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 4) swiglu_adapters_mma_ke
   load_b_frags<K>(bg, p.tg, col0, p.n, lane);
   load_b_frags<K>(bu, p.tu, col0, p.n, lane);
   if constexpr (KD > 0) load_b_frags<KD>(bd, p.td, col0, p.n, lane);
-  const std::int64_t group_end = (static_cast<std::int64_t>(blockIdx.y) + 1) * p.rows_per_group;
-  const std::int64_t row_end = group_end < p.m ? group_end : p.m;
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.y) * p.rows_per_group;
+  const std::int64_t last = std::min(first + p.rows_per_group, p.m);
+  const int tiles = static_cast<int>((last - first + kTileRows - 1) / kTileRows);
   const std::int64_t col = col0 + 8 * q;
-  for (std::int64_t row0 = blockIdx.y * p.rows_per_group; row0 < row_end; row0 += kTileRows) {
-    // The lane's runs c: row g + 8c, columns 8q.. 8q + 7 (every load issued before any math).
-    uint4 gr[2], ur[2], dr[kBackward ? 2 : 1];
+  // Item order in a slot set: data d, row half c at 2d + c; term e's t at 2(kData + e) + c.
+  const auto issue = [&](int tile) {
+    uint4(*slots)[32] = stage[warp][tile % kStages];
+    const std::int64_t row0 = first + static_cast<std::int64_t>(tile) * kTileRows;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const std::int64_t row = row0 + g + 8 * c;
-      gr[c] = load8(p.gate, row, col, p.m, p.n, p.vec);
-      ur[c] = load8(p.up, row, col, p.m, p.n, p.vec);
-      if constexpr (kBackward) dr[c] = load8(p.dh, row, col, p.m, p.n, p.vec);
+      stage8(&slots[c][lane], p.gate, row, col, p.m, p.n, p.vec);
+      stage8(&slots[2 + c][lane], p.up, row, col, p.m, p.n, p.vec);
+      if constexpr (kBackward) stage8(&slots[4 + c][lane], p.dh, row, col, p.m, p.n, p.vec);
+      stage_t<K>(&slots[2 * kData + c][lane], p.tg, row, p.m, 4 * K * q);
+      stage_t<K>(&slots[2 * kData + 2 + c][lane], p.tu, row, p.m, 4 * K * q);
+      if constexpr (KD > 0) stage_t<KD>(&slots[2 * kData + 4 + c][lane], p.td, row, p.m, 4 * KD * q);
     }
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < tiles) issue(s);
+    common::cp_async_commit();
+  }
+  for (int tile = 0; tile < tiles; ++tile) {
+    if (tile + kStages - 1 < tiles) issue(tile + kStages - 1);
+    common::cp_async_commit();
+    common::cp_async_wait<kStages - 1>();  // this tile's copies (the lane's own) have landed
+    const uint4(*slots)[32] = stage[warp][tile % kStages];
     std::uint32_t ag[K][4], au[K][4], ad[KDA][4];
-    load_a_frags<K>(ag, p.tg, row0, p.m, lane);
-    load_a_frags<K>(au, p.tu, row0, p.m, lane);
-    if constexpr (KD > 0) load_a_frags<KD>(ad, p.td, row0, p.m, lane);
+    a_frags<K>(ag, slots[2 * kData][lane], slots[2 * kData + 1][lane]);
+    a_frags<K>(au, slots[2 * kData + 2][lane], slots[2 * kData + 3][lane]);
+    if constexpr (KD > 0) a_frags<KD>(ad, slots[2 * kData + 4][lane], slots[2 * kData + 5][lane]);
     float accg[kTiles][4] = {}, accu[kTiles][4] = {}, accd[kTiles][4] = {};
     if (has_g) term_tiles<K>(accg, ag, bg);
     if (has_u) term_tiles<K>(accu, au, bu);
     if constexpr (KD > 0) term_tiles<KD>(accd, ad, bd);
+    const std::int64_t row0 = first + static_cast<std::int64_t>(tile) * kTileRows;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       float gv[8], uv[8], dv[8], o0[8], o1[8], hv[8];
-      E::unpack(gr[c], gv);
-      E::unpack(ur[c], uv);
-      if constexpr (kBackward) E::unpack(dr[c], dv);
+      E::unpack(slots[c][lane], gv);
+      E::unpack(slots[2 + c][lane], uv);
+      if constexpr (kBackward) E::unpack(slots[4 + c][lane], dv);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         // run c's element e is tile e / 2's accumulator 2c + e % 2
