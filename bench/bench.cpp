@@ -567,39 +567,58 @@ void Bench::run_train() {
 // SwiGLU with gate's and up's adapters (rank 16 each) summed in its kernel against what it replaces, timed in
 // turns: forward, the two second products y += s·t·bᵀ (GEMMs over gate and up) then the plain SwiGLU; backward,
 // the plain SwiGLU backward (the second products' sums were stored). Bytes: the [M, I] tensors once each.
+// SwiGLU with gate's and up's rank-16 adapter terms inside the kernel, at the gate/up shapes, each timed in turns
+// with what it replaces: the forward against the two second-product GEMMs (y += s·t·Bᵀ) and the plain swiglu; the
+// backward against the plain backward; and the backward as the train step runs it (the down adapter's share of dh,
+// dh + dt_d·A_d, summed in the kernel, h written again) against that share's GEMM and the plain backward.
 void Bench::run_swiglu_adapters() {
+  enum Kind { kForward, kBackward, kStepBackward };
   for (const Projection& p : projections()) {
     if (p.label.find("gate_up") == std::string::npos || !selected("swiglu_adapters", p.label)) continue;
     const std::int64_t n = p.n, r = 16;
     for (std::int64_t m :
          requested_tokens_or(is_gpu_ ? std::vector<std::int64_t>{2048, 4096} : std::vector<std::int64_t>{16})) {
-      for (bool backward : {false, true}) {
-        const double bytes = 2.0 * m * n * (backward ? 5 : 3);
+      for (Kind kind : {kForward, kBackward, kStepBackward}) {
+        const bool backward = kind != kForward, step = kind == kStepBackward;
+        const double bytes = 2.0 * m * n * (step ? 6 : backward ? 5 : 3);
         const int sets = sets_for(bytes);
-        std::vector<Tensor> g, u, dh, o1, o2;
+        std::vector<Tensor> g, u, dh, o1, o2, h;
         for (int i = 0; i < sets; ++i) {
           g.push_back(pool_->make(ctx_, DType::BF16, {m, n}, 900 + i));
           u.push_back(pool_->make(ctx_, DType::BF16, {m, n}, 940 + i));
           if (backward) dh.push_back(pool_->make(ctx_, DType::BF16, {m, n}, 980 + i));
           o1.emplace_back(DType::BF16, Shape{m, n}, ctx_.device());
           if (backward) o2.emplace_back(DType::BF16, Shape{m, n}, ctx_.device());
+          if (step) h.emplace_back(DType::BF16, Shape{m, n}, ctx_.device());
         }
         const Tensor t = pool_->make(ctx_, DType::BF16, {m, 2 * r}, 1020),
                      tg = pool_->make(ctx_, DType::BF16, {m, r}, 1021),
                      tu = pool_->make(ctx_, DType::BF16, {m, r}, 1022);
         const Tensor bg = pool_->make(ctx_, DType::BF16, {n, r}, 1023),
                      bu = pool_->make(ctx_, DType::BF16, {n, r}, 1024);
-        const SwiGluAdapters ad{t, bg, 2.0f, bu, 2.0f};
+        const Tensor td = pool_->make(ctx_, DType::BF16, {m, r}, 1025),
+                     ad = pool_->make(ctx_, DType::BF16, {r, n}, 1026);
+        SwiGluAdapters adapters{t, bg, 2.0f, bu, 2.0f};
+        if (step) adapters.dh_t = td, adapters.dh_a = ad;
         std::vector<std::function<void(int)>> fns;
-        if (backward) {
+        if (step) {
           fns = {[&](int i) {
-                   swiglu_backward(ctx_, g[i % sets], u[i % sets], dh[i % sets], o1[i % sets], o2[i % sets], ad);
+                   swiglu_backward(ctx_, g[i % sets], u[i % sets], dh[i % sets], o1[i % sets], o2[i % sets], adapters,
+                                   h[i % sets]);
+                 },
+                 [&](int i) {
+                   gemm(ctx_, td, ad, dh[i % sets], {1.0f, 1.0f});
+                   swiglu_backward(ctx_, g[i % sets], u[i % sets], dh[i % sets], o1[i % sets], o2[i % sets]);
+                 }};
+        } else if (backward) {
+          fns = {[&](int i) {
+                   swiglu_backward(ctx_, g[i % sets], u[i % sets], dh[i % sets], o1[i % sets], o2[i % sets], adapters);
                  },
                  [&](int i) {
                    swiglu_backward(ctx_, g[i % sets], u[i % sets], dh[i % sets], o1[i % sets], o2[i % sets]);
                  }};
         } else {
-          fns = {[&](int i) { swiglu(ctx_, g[i % sets], u[i % sets], o1[i % sets], ad); },
+          fns = {[&](int i) { swiglu(ctx_, g[i % sets], u[i % sets], o1[i % sets], adapters); },
                  [&](int i) {
                    gemm_bt(ctx_, tg, bg, g[i % sets], {2.0f, 1.0f});
                    gemm_bt(ctx_, tu, bu, u[i % sets], {2.0f, 1.0f});
@@ -608,8 +627,13 @@ void Bench::run_swiglu_adapters() {
         }
         const std::vector<Stats> st = time_interleaved(fns, sets);
         const char* op = backward ? "swiglu_adapters_backward" : "swiglu_adapters";
-        record({op, "bf16", p.label + " r16", 1, m, n, r, 0, bytes, st[0]});
-        record({op, backward ? "plain swiglu" : "2 gemms + swiglu", p.label + " r16", 1, m, n, r, 0, bytes, st[1]});
+        const std::string shape = p.label + (step ? " r16 +dh term +h" : " r16");
+        record({op, "bf16", shape, 1, m, n, r, 0, bytes, st[0]});
+        record({op,
+                step       ? "gemm + plain swiglu"
+                : backward ? "plain swiglu"
+                           : "2 gemms + swiglu",
+                shape, 1, m, n, r, 0, bytes, st[1]});
       }
     }
   }
@@ -966,8 +990,9 @@ void Bench::add_ratios() {
       if (r.mode == "bf16") base = find(r.op, "2 gemms", r.m, r.n, r.k), r.baseline = "2 gemms";
     } else if (r.op == "swiglu_adapters" || r.op == "swiglu_adapters_backward") {
       if (r.mode == "bf16") {
-        base = find(r.op, r.op == "swiglu_adapters" ? "2 gemms + swiglu" : "plain swiglu", r.m, r.n, r.k);
-        r.baseline = r.op == "swiglu_adapters" ? "2 gemms + swiglu" : "plain swiglu";
+        const bool step = r.shape.find("+dh term") != std::string::npos;
+        r.baseline = r.op == "swiglu_adapters" ? "2 gemms + swiglu" : step ? "gemm + plain swiglu" : "plain swiglu";
+        base = find(r.op, r.baseline, r.m, r.n, r.k);
       }
     } else if (r.op == "linear_cross_entropy") {
       if (r.mode == "dh" || r.mode == "dh, 1024-token rows")
