@@ -162,9 +162,14 @@ class LoraLinear {
   std::size_t saved_bytes() const;            // activations held from forward to backward (capacity)
 
  private:
+  friend class SwiGluMlp;  // sums gate's and up's second products inside its SwiGLU (SwiGluMlp::adapters_in_swiglu)
   void check_x(const char* op, const TensorView& x) const;
   void check_forward(const char* op, const TensorView& x, const TensorView& y, ForwardMode mode) const;
   void adapter_forward(const TensorView& x, const TensorView& y, ForwardMode mode, float y_beta);
+  TensorView first_product(const TensorView& x, ForwardMode mode);    // t = dropout(x)·Aᵀ, saved; returns it
+  TensorView saved_t();                                               // the last forward's t [M, r]
+  void base_forward(const TensorView& x, const TensorView& y) const;  // y = x·W0ᵀ
+  void base_backward_a(const TensorView& dy, const TensorView& dx, float beta) const;  // dx = dy·W0 + beta·dx
   void add_bias_if_any(const TensorView& y) const;
   bool adapter_first() const;  // whether forward writes the adapter's product before the base GEMM adds onto it
   TensorView working_a() const { return a_work_.defined() ? a_work_.view() : a_.view(); }
@@ -194,8 +199,8 @@ struct MlpOptions {
 };
 
 // y [M,H] = down(silu(gate(x))·up(x)), gate and up [I,H] (out, in), down [H,I].
-// Saved from forward to backward: gate and up pre-activations [M,I] (none with recompute) plus each
-// projection's t [M,r]; the hidden h is rebuilt in backward from gate and up.
+// Saved from forward to backward: gate and up pre-activations [M,I] (none with recompute; their base products
+// alone where adapters_in_swiglu) plus each projection's t [M,r]; the hidden h is rebuilt in backward.
 class SwiGluMlp {
  public:
   // Takes three layers of one device and activation dtype; they share one Scratch from then on.
@@ -225,6 +230,12 @@ class SwiGluMlp {
   const LoraLinear& down() const { return down_; }
   const MlpOptions& options() const { return options_; }
   bool fused_gate_up() const;  // whether forward uses nf4_gate_up
+  // Whether a forward in `mode` (and its backward) adds gate's and up's adapter terms (s·t·Bᵀ) inside the SwiGLU
+  // kernel instead of onto gate and up, and the backward down's share of h's gradient there too (writing h again
+  // for down's A gradient): where no projection has a bias, down drops nothing in that forward, and on a CUDA
+  // context with bf16 activations and ranks up to kSwiGluAdaptersMmaRank (the kernel's tensor-core path); on a
+  // CPU context always. The sums then go unrounded into the SwiGLU (as in Python's lora_nf4_mlp).
+  bool adapters_in_swiglu(ForwardMode mode = ForwardMode::Train) const;
   std::int64_t hidden_features() const { return down_.out_features(); }        // H
   std::int64_t intermediate_features() const { return gate_.out_features(); }  // I
 
@@ -235,12 +246,14 @@ class SwiGluMlp {
 
  private:
   void gate_up_forward(const TensorView& x, const TensorView& g, const TensorView& u, ForwardMode mode);
+  SwiGluAdapters swiglu_terms();  // gate's and up's terms from their last forward's t
 
   LoraLinear gate_, up_, down_;
   MlpOptions options_;
   Tensor saved_gate_, saved_up_;  // likewise
   std::int64_t last_rows_ = -1;  // rows of the last completed forward (what Recompute repeats); -1 before
   bool saved_ = false;           // whether that forward's activations are still there for backward
+  bool terms_in_swiglu_ = false;  // whether that forward left gate's and up's adapter terms to the SwiGLU kernel
 };
 
 // AdamW over the adapters of the layers added to it. The layers must outlive the optimizer and stay at their

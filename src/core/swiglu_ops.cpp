@@ -49,20 +49,29 @@ void check_adapters(const Context& ctx, const char* op, const TensorView& gate, 
     detail::require_rank(op, x.name, x.t, 2);
     detail::require_same_dtype(op, x.name, x.t, "gate", gate);
   };
-  std::int64_t ranks = 0;
   for (const Arg& b : {Arg{"adapters.b_gate", ad.b_gate}, Arg{"adapters.b_up", ad.b_up}}) {
     if (b.t.empty()) continue;
     require_matrix(b);
     QMM_REQUIRE(b.t.dim(0) == n && b.t.dim(1) >= 1, ErrorCode::ShapeMismatch, op,
                 std::string(b.name) + " is " + b.t.shape().str() +
                     " but must be [N, r] with gate's N = " + std::to_string(n) + " and r >= 1");
-    ranks += b.t.dim(1);
+  }
+  const std::int64_t r_gate = ad.b_gate.empty() ? 0 : ad.b_gate.dim(1), r_up = ad.b_up.empty() ? 0 : ad.b_up.dim(1);
+  const bool up_apart = !ad.t_up.empty();
+  const std::int64_t ranks = r_gate + (up_apart ? 0 : r_up);  // t's columns
+  if (up_apart) {
+    QMM_REQUIRE(!ad.b_up.empty(), ErrorCode::InvalidArgument, op,
+                "adapters.t_up is given but adapters.b_up is empty: t_up is up's t, for up's term");
+    require_matrix({"adapters.t_up", ad.t_up});
+    QMM_REQUIRE(ad.t_up.dim(0) == m && ad.t_up.dim(1) >= r_up, ErrorCode::ShapeMismatch, op,
+                "adapters.t_up is " + ad.t_up.shape().str() + " but must be [M, R] with gate's M = " +
+                    std::to_string(m) + " and R >= up's rank " + std::to_string(r_up));
   }
   if (ranks > 0) {
     require_matrix({"adapters.t", ad.t});
     QMM_REQUIRE(ad.t.dim(0) == m && ad.t.dim(1) >= ranks, ErrorCode::ShapeMismatch, op,
                 "adapters.t is " + ad.t.shape().str() + " but must be [M, R] with gate's M = " + std::to_string(m) +
-                    " and R >= the two ranks' sum " + std::to_string(ranks));
+                    (up_apart ? " and R >= gate's rank " : " and R >= the two ranks' sum ") + std::to_string(ranks));
   }
   QMM_REQUIRE(std::isfinite(ad.gate_scale) && std::isfinite(ad.up_scale), ErrorCode::InvalidArgument, op,
               "adapters' scales are " + std::to_string(ad.gate_scale) + " and " + std::to_string(ad.up_scale) +
@@ -80,8 +89,8 @@ void check_adapters(const Context& ctx, const char* op, const TensorView& gate, 
                     ", N = " + std::to_string(n) + " and r >= 1");
   }
   for (const Arg& out : outputs)
-    for (const Arg& in : {Arg{"adapters.t", ad.t}, Arg{"adapters.b_gate", ad.b_gate}, Arg{"adapters.b_up", ad.b_up},
-                          Arg{"adapters.dh_t", ad.dh_t}, Arg{"adapters.dh_a", ad.dh_a}})
+    for (const Arg& in : {Arg{"adapters.t", ad.t}, Arg{"adapters.t_up", ad.t_up}, Arg{"adapters.b_gate", ad.b_gate},
+                          Arg{"adapters.b_up", ad.b_up}, Arg{"adapters.dh_t", ad.dh_t}, Arg{"adapters.dh_a", ad.dh_a}})
       if (!in.t.empty()) detail::require_no_overlap(op, out.name, out.t, in.name, in.t);
 }
 

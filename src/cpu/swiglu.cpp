@@ -64,7 +64,8 @@ struct Terms {
     if (ad.empty()) return;
     n = g.dim(1);
     gate = Term<S>(ad.t, 0, ad.b_gate, false, ad.gate_scale);
-    up = Term<S>(ad.t, gate.r, ad.b_up, false, ad.up_scale);
+    up = ad.t_up.empty() ? Term<S>(ad.t, gate.r, ad.b_up, false, ad.up_scale)
+                         : Term<S>(ad.t_up, 0, ad.b_up, false, ad.up_scale);
     dh = Term<S>(ad.dh_t, 0, ad.dh_a, true, 1.0);
   }
   double of(const Term<S>& term, std::int64_t i) const { return term.r > 0 ? term.at(i / n, i % n) : 0.0; }

@@ -177,10 +177,24 @@ void LoraLinear::forward(const TensorView& x, const TensorView& y, ForwardMode m
     adapter_forward(x, y, mode, 0.0f);
     gemm_bt(ctx_, x, base_.dense(), y, gemm_opts(1.0f, 1.0f));
   } else {
-    nf4_gemm(ctx_, x, base_.nf4(), y);
+    base_forward(x, y);
     adapter_forward(x, y, mode, 1.0f);
   }
   add_bias_if_any(y);
+}
+
+void LoraLinear::base_forward(const TensorView& x, const TensorView& y) const {
+  if (base_.is_nf4())
+    nf4_gemm(ctx_, x, base_.nf4(), y);
+  else
+    gemm_bt(ctx_, x, base_.dense(), y, gemm_opts(1.0f, 0.0f));
+}
+
+void LoraLinear::base_backward_a(const TensorView& dy, const TensorView& dx, float beta) const {
+  if (base_.is_nf4())
+    nf4_gemm_backward_a(ctx_, dy, base_.nf4(), dx, {1.0f, beta});
+  else
+    gemm(ctx_, dy, base_.dense(), dx, gemm_opts(1.0f, beta));
 }
 
 void LoraLinear::forward_on_base(const TensorView& x, const TensorView& y, ForwardMode mode) {
@@ -195,6 +209,17 @@ void LoraLinear::add_bias_if_any(const TensorView& y) const {
 
 // y = s·(dropout(x)·Aᵀ)·Bᵀ + y_beta·y; saves t and the mask seed. Arguments are already checked.
 void LoraLinear::adapter_forward(const TensorView& x, const TensorView& y, ForwardMode mode, float y_beta) {
+  const TensorView t = first_product(x, mode);
+  gemm_bt(ctx_, t, working_b(), y, gemm_opts(scale_, y_beta));  // y = s·t·Bᵀ + y_beta·y  [M,N]
+}
+
+TensorView LoraLinear::saved_t() {
+  return grown_view(saved_t_, ctx_.device(), config_.activations, saved_rows_, config_.rank);  // already that size
+}
+
+// t = dropout(x)·Aᵀ [M,r] into the saved t, with the mask's seed; arguments (and a Recompute's rows) are checked
+// by the caller.
+TensorView LoraLinear::first_product(const TensorView& x, ForwardMode mode) {
   const std::int64_t m = x.dim(0);
   const DType act = config_.activations;
   const Device dev = ctx_.device();
@@ -215,12 +240,12 @@ void LoraLinear::adapter_forward(const TensorView& x, const TensorView& y, Forwa
     dropout(ctx_, x, xa, config_.dropout, seed);
   }
   const TensorView t = grown_view(saved_t_, dev, act, m, config_.rank);
-  gemm_bt(ctx_, xa, working_a(), t, gemm_opts(1.0f, 0.0f));   // t = dropout(x)·Aᵀ  [M,r]
-  gemm_bt(ctx_, t, working_b(), y, gemm_opts(scale_, y_beta));  // y = s·t·Bᵀ + y_beta·y  [M,N]
+  gemm_bt(ctx_, xa, working_a(), t, gemm_opts(1.0f, 0.0f));  // t = dropout(x)·Aᵀ  [M,r]
 
   saved_rows_ = m;
   saved_seed_ = seed;
   saved_dropout_ = drop;
+  return t;
 }
 
 void LoraLinear::backward(const TensorView& x, const TensorView& dy, const TensorView& dx, float dx_beta) {
@@ -254,10 +279,7 @@ void LoraLinear::backward(const TensorView& x, const TensorView& dy, const Tenso
   // dx = dx_beta·dx + dy·W0 + dropout'(dt·A). dropout' applies the forward's mask and 1/(1-p) scaling, so
   // dropout() itself computes it. The adapter's term goes first where forward's does (adapter_first), except
   // with dropout onto an accumulating dx (the mask must not touch dx's old value).
-  auto base_into_dx = [&](float beta) {
-    if (base_.is_nf4()) nf4_gemm_backward_a(ctx_, dy, base_.nf4(), dx, {1.0f, beta});
-    else gemm(ctx_, dy, base_.dense(), dx, gemm_opts(1.0f, beta));
-  };
+  auto base_into_dx = [&](float beta) { base_backward_a(dy, dx, beta); };
   if (adapter_first() && (!saved_dropout_ || dx_beta == 0.0f)) {
     gemm(ctx_, dt, working_a(), dx, gemm_opts(1.0f, saved_dropout_ ? 0.0f : dx_beta));  // dx = dt·A + beta·dx
     if (saved_dropout_) dropout(ctx_, dx, dx, config_.dropout, saved_seed_);

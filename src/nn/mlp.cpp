@@ -1,4 +1,5 @@
 // SwiGluMlp: y = down(silu(gate(x))·up(x)) over three LoraLinears, from the public ops only.
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -62,8 +63,40 @@ bool SwiGluMlp::fused_gate_up() const {
   return options_.fuse_gate_up && gate_.base().is_nf4() && up_.base().is_nf4();
 }
 
-// gate and up (pre-activation, adapters and biases included) into g and u.
+bool SwiGluMlp::adapters_in_swiglu(ForwardMode mode) const {
+  for (const LoraLinear* l : {&gate_, &up_, &down_})
+    if (!l->bias().empty()) return false;
+  if (down_.config().dropout > 0.0f && mode != ForwardMode::Eval) return false;  // its dh share joins unmasked
+  if (gate_.context().device().is_cpu()) return true;
+  const int most = std::max({gate_.config().rank, up_.config().rank, down_.config().rank});
+  return gate_.config().activations == DType::BF16 && most <= kSwiGluAdaptersMmaRank;
+}
+
+SwiGluAdapters SwiGluMlp::swiglu_terms() {
+  SwiGluAdapters terms;
+  terms.t = gate_.saved_t();
+  terms.b_gate = gate_.working_b();
+  terms.gate_scale = gate_.scale();
+  terms.t_up = up_.saved_t();
+  terms.b_up = up_.working_b();
+  terms.up_scale = up_.scale();
+  return terms;
+}
+
+// gate and up (pre-activation, adapters and biases included) into g and u; with terms_in_swiglu_ their base
+// products alone, and each adapter's t saved for the SwiGLU kernel.
 void SwiGluMlp::gate_up_forward(const TensorView& x, const TensorView& g, const TensorView& u, ForwardMode mode) {
+  if (terms_in_swiglu_) {
+    if (fused_gate_up()) {
+      nf4_gate_up(gate_.context(), x, gate_.base().nf4(), up_.base().nf4(), {g, u, {}});
+    } else {
+      gate_.base_forward(x, g);
+      up_.base_forward(x, u);
+    }
+    gate_.first_product(x, mode);
+    up_.first_product(x, mode);
+    return;
+  }
   if (!fused_gate_up()) {
     gate_.forward(x, g, mode);
     up_.forward(x, u, mode);
@@ -90,6 +123,7 @@ void SwiGluMlp::forward(const TensorView& x, const TensorView& y, ForwardMode mo
     QMM_REQUIRE(last_rows_ == m, ErrorCode::InvalidArgument, op,
                 "mode Recompute needs a previous forward with " + std::to_string(m) + " rows");
   saved_ = false;  // until this forward has completed
+  if (mode != ForwardMode::Recompute) terms_in_swiglu_ = adapters_in_swiglu(mode);  // a Recompute repeats it
 
   const Device dev = ctx.device();
   Scratch& scratch = *gate_.scratch();
@@ -99,7 +133,7 @@ void SwiGluMlp::forward(const TensorView& x, const TensorView& y, ForwardMode mo
                                           : grown_view(saved_up_, dev, act, m, i);
   gate_up_forward(x, g, u, mode);
   const TensorView hidden = scratch.get(Scratch::kMlpHidden, dev, act, m, i);
-  swiglu(ctx, g, u, hidden);
+  swiglu(ctx, g, u, hidden, terms_in_swiglu_ ? swiglu_terms() : SwiGluAdapters{});
   down_.forward(hidden, y, mode);
   last_rows_ = m;
   saved_ = true;
@@ -135,12 +169,26 @@ void SwiGluMlp::backward(const TensorView& x, const TensorView& dy, const Tensor
     g = grown_view(saved_gate_, dev, act, m, i);
     u = grown_view(saved_up_, dev, act, m, i);
   }
-  // h is cheaper to rebuild than to keep: one element-wise pass.
   const TensorView hidden = scratch.get(Scratch::kMlpHidden, dev, act, m, i);
-  swiglu(ctx, g, u, hidden);
   const TensorView dhidden = scratch.get(Scratch::kMlpHiddenGrad, dev, act, m, i);
-  down_.backward(hidden, dy, dhidden, 0.0f);
-  swiglu_backward(ctx, g, u, dhidden, g, u);  // in place: g, u become dgate, dup
+  if (terms_in_swiglu_) {
+    // dh = dy·W_down; the down adapter's share dt·A joins it inside the SwiGLU kernel, which writes h again on
+    // the way (for that adapter's A gradient, dA += dtᵀ·h).
+    down_.base_backward_a(dy, dhidden, 0.0f);
+    const LoraConfig& dc = down_.config();
+    const TensorView dt = scratch.get(Scratch::kLoraGrad, dev, act, m, dc.rank);
+    lora_backward_dy(ctx, dy, down_.working_b(), down_.saved_t(), dt, down_.grad_b_, down_.scale(), dc.math);
+    SwiGluAdapters terms = swiglu_terms();
+    terms.dh_t = dt;
+    terms.dh_a = down_.working_a();
+    swiglu_backward(ctx, g, u, dhidden, g, u, terms, hidden);  // in place: g, u become dgate, dup
+    gemm_backward_b(ctx, dt, hidden, down_.grad_a_, {1.0f, 1.0f, dc.math});
+  } else {
+    // h is cheaper to rebuild than to keep: one element-wise pass.
+    swiglu(ctx, g, u, hidden);
+    down_.backward(hidden, dy, dhidden, 0.0f);
+    swiglu_backward(ctx, g, u, dhidden, g, u);  // in place: g, u become dgate, dup
+  }
   saved_ = false;
   gate_.backward(x, g, dx, dx_beta);
   up_.backward(x, u, dx, dx.empty() ? 0.0f : 1.0f);

@@ -739,6 +739,78 @@ TEST(SwiGluMlp, RecomputeAndFusionChangeNoBits) {
   EXPECT_EQ(base.mlp->saved_bytes(), std::size_t{(2 * m * i + 3 * m * 4) * 2});
 }
 
+// Gate's and up's adapter terms summed inside the SwiGLU kernel, and down's share of dh there too
+// (adapters_in_swiglu): the same formula, dense and NF4, f32 and bf16; gate and up may drop out, down may not
+// (then, or with a bias, the terms go onto gate and up as before). The sums go unrounded into the SwiGLU where the
+// reference rounds gate and up to the activation dtype first: the tolerances of the other MLP tests hold.
+TEST(SwiGluMlp, AdapterTermsInTheSwiGluKernelMatchTheFormula) {
+  std::uint64_t seed = 7000;
+  constexpr std::int64_t m = 6, h = 24, i = 40;
+  for (bool nf4 : {false, true})
+    for (DType act : {DType::F32, DType::BF16})
+      for (float gate_up_dropout : {0.0f, 0.3f}) {
+        const Case s{nf4, act, MathMode::FP32, 0.0f, false};
+        Frozen g = make_frozen(s, i, h, seed += 100), u = make_frozen(s, i, h, seed + 10),
+               d = make_frozen(s, h, i, seed + 20);
+        LoraConfig cg = config_of(s, 3, seed + 30), cu = config_of(s, 5, seed + 31), cd = config_of(s, 4, seed + 32);
+        cg.dropout = cu.dropout = gate_up_dropout;
+        SwiGluMlp mlp(LoraLinear(cpu(), g.base(), cg), LoraLinear(cpu(), u.base(), cu),
+                      LoraLinear(cpu(), d.base(), cd));
+        randomize_adapters(mlp.gate(), seed + 40);
+        randomize_adapters(mlp.up(), seed + 41);
+        randomize_adapters(mlp.down(), seed + 42);
+        ASSERT_TRUE(mlp.adapters_in_swiglu());
+        const Tensor x = make_input(act, m, h, seed + 60, false), dy = test::random_tensor(act, {m, h}, seed + 61);
+        const MlpRun run = run_mlp(mlp, x, dy);
+        const bool f32 = act == DType::F32;
+        expect_matches_ref(mlp, run, x, dy, f32, f32 ? kF32Layer : kBf16Layer,
+                           describe(s) + " gate/up dropout " + std::to_string(gate_up_dropout));
+      }
+}
+
+TEST(SwiGluMlp, AdapterTermsGoToTheKernelOnlyWhereTheyMay) {
+  const Case s{false, DType::F32, MathMode::FP32, 0.0f, false};
+  Frozen g = make_frozen(s, kI, kH, 7500), u = make_frozen(s, kI, kH, 7501), d = make_frozen(s, kH, kI, 7502);
+  const Case with_bias{false, DType::F32, MathMode::FP32, 0.0f, true};
+  Frozen gb = make_frozen(with_bias, kI, kH, 7503);
+  LoraConfig c = config_of(s, kRank, 7504), dropping = c;
+  dropping.dropout = 0.2f;
+  SwiGluMlp plain(LoraLinear(cpu(), g.base(), c), LoraLinear(cpu(), u.base(), c), LoraLinear(cpu(), d.base(), c));
+  SwiGluMlp down_drops(LoraLinear(cpu(), g.base(), c), LoraLinear(cpu(), u.base(), c),
+                       LoraLinear(cpu(), d.base(), dropping));
+  SwiGluMlp biased(LoraLinear(cpu(), gb.base(), c, gb.bias), LoraLinear(cpu(), u.base(), c),
+                   LoraLinear(cpu(), d.base(), c));
+  EXPECT_TRUE(plain.adapters_in_swiglu());
+  EXPECT_FALSE(down_drops.adapters_in_swiglu());
+  EXPECT_TRUE(down_drops.adapters_in_swiglu(ForwardMode::Eval));  // nothing dropped in an Eval forward
+  EXPECT_FALSE(biased.adapters_in_swiglu());
+  // Down dropping out: the terms go onto gate and up, and the result is still the formula.
+  randomize_adapters(down_drops.gate(), 7505);
+  randomize_adapters(down_drops.up(), 7506);
+  randomize_adapters(down_drops.down(), 7507);
+  const Tensor x = make_input(DType::F32, kM, kH, 7508, false), dy = test::random_tensor(DType::F32, {kM, kH}, 7509);
+  expect_matches_ref(down_drops, run_mlp(down_drops, x, dy), x, dy, true, kF32Layer, "down drops out");
+}
+
+TEST(SwiGluMlp, AdapterTermsInTheKernelWithRecomputeAndFusionChangeNoBits) {
+  constexpr std::int64_t m = 7, h = 16, i = 24;
+  const Case s{true, DType::BF16, MathMode::FP32, 0.0f, false};
+  MlpUnderTest base = make_mlp(s, h, i, 4, 7600, {false, true});
+  ASSERT_TRUE(base.mlp->adapters_in_swiglu());
+  const Tensor x = make_input(DType::BF16, m, h, 7601, false), dy = test::random_tensor(DType::BF16, {m, h}, 7602);
+  const MlpRun ref = run_mlp(*base.mlp, x, dy);
+  for (const MlpOptions o : {MlpOptions{true, true}, MlpOptions{false, false}, MlpOptions{true, false}}) {
+    MlpUnderTest other = make_mlp(s, h, i, 4, 7600, o);
+    const MlpRun got = run_mlp(*other.mlp, x, dy);
+    const std::string what =
+        std::string("recompute ") + (o.recompute ? "on" : "off") + ", fuse " + (o.fuse_gate_up ? "on" : "off");
+    EXPECT_TRUE(test::bytes_equal(got.y, ref.y)) << what;
+    EXPECT_TRUE(test::bytes_equal(got.dx, ref.dx)) << what;
+    for (std::size_t g = 0; g < ref.grads.size(); ++g)
+      EXPECT_TRUE(test::bytes_equal(got.grads[g], ref.grads[g])) << what;
+  }
+}
+
 TEST(SwiGluMlp, EvalModeAndBackwardConsumesTheForward) {
   const Case s{false, DType::F32, MathMode::FP32, 0.4f, false};
   MlpUnderTest a = make_mlp(s, kH, kI, kRank, 5000), b = make_mlp({false, DType::F32, MathMode::FP32, 0.0f, false},

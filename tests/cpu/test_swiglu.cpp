@@ -1,5 +1,6 @@
 // SwiGLU forward and backward on the CPU backend, against formulas written here and against central finite
 // differences of a double-precision forward.
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -351,6 +352,45 @@ TEST(Swiglu, AdaptersMatchFormulas) {
     }
 }
 
+// Up's t apart (t_up, as two layers that keep their own t have it) gives the stacked form's bits.
+TEST(Swiglu, AdaptersUpTermApartEqualsStacked) {
+  const Context ctx = Context::cpu();
+  std::uint64_t seed = 1500;
+  for (DType dt : kDTypes)
+    for (const auto [m, n, rg, ru] : {std::array<std::int64_t, 4>{1, 8, 4, 4}, {7, 63, 16, 8}, {65, 9, 0, 3}}) {
+      const AdapterInputs a = make_adapter_inputs(dt, m, n, rg, ru, rg + ru, seed += 11);
+      const std::vector<double> t = test::to_doubles(a.t);
+      std::vector<double> tg(static_cast<std::size_t>(m * std::max<std::int64_t>(rg, 1))),
+          tu(static_cast<std::size_t>(m * ru));
+      for (std::int64_t i = 0; i < m; ++i) {
+        for (std::int64_t k = 0; k < rg; ++k) tg[i * rg + k] = t[i * (rg + ru) + k];
+        for (std::int64_t k = 0; k < ru; ++k) tu[i * ru + k] = t[i * (rg + ru) + rg + k];
+      }
+      const Tensor t_gate = from_doubles(dt, {m, std::max<std::int64_t>(rg, 1)}, tg),
+                   t_up = from_doubles(dt, {m, ru}, tu);
+      const Tensor dh_t = test::random_tensor(dt, {m, 2}, seed + 1), dh_a = test::random_tensor(dt, {2, n}, seed + 2);
+      const TensorView bg = rg > 0 ? a.bg.view() : TensorView();
+      const SwiGluAdapters stacked{a.t, bg, 0.5f, a.bu, 2.0f, dh_t, dh_a};
+      SwiGluAdapters apart{rg > 0 ? t_gate.view() : TensorView(), bg, 0.5f, a.bu, 2.0f, dh_t, dh_a};
+      apart.t_up = t_up;
+      const std::string what = describe(dt, m * n) + " r " + std::to_string(rg) + "+" + std::to_string(ru);
+      Tensor h1(dt, {m, n}), h2(dt, {m, n});
+      test::poison(h2);
+      SwiGluAdapters fwd_stacked = stacked, fwd_apart = apart;
+      fwd_stacked.dh_t = fwd_stacked.dh_a = fwd_apart.dh_t = fwd_apart.dh_a = TensorView();
+      swiglu(ctx, a.gate, a.up, h1, fwd_stacked);
+      swiglu(ctx, a.gate, a.up, h2, fwd_apart);
+      EXPECT_TRUE(test::bytes_equal(h2, h1)) << "h " << what;
+      Tensor dg1(dt, {m, n}), du1(dt, {m, n}), hb1(dt, {m, n}), dg2(dt, {m, n}), du2(dt, {m, n}), hb2(dt, {m, n});
+      for (Tensor* o : {&dg2, &du2, &hb2}) test::poison(*o);
+      swiglu_backward(ctx, a.gate, a.up, a.dh, dg1, du1, stacked, hb1);
+      swiglu_backward(ctx, a.gate, a.up, a.dh, dg2, du2, apart, hb2);
+      EXPECT_TRUE(test::bytes_equal(dg2, dg1)) << "dgate " << what;
+      EXPECT_TRUE(test::bytes_equal(du2, du1)) << "dup " << what;
+      EXPECT_TRUE(test::bytes_equal(hb2, hb1)) << "h again " << what;
+    }
+}
+
 TEST(Swiglu, AdaptersValidation) {
   const Context ctx = Context::cpu();
   const std::int64_t m = 5, n = 12;
@@ -408,6 +448,38 @@ TEST(Swiglu, AdaptersValidation) {
                   invalid, {"swiglu_backward", "h", "dgate"});
   EXPECT_NO_THROW(swiglu_backward(ctx, a.gate, a.up, a.dh, dg, du, with_dh, h));
   EXPECT_NO_THROW(swiglu(ctx, a.gate, a.up, h, good));
+  // Up's t apart: [M, >= r_u], only with up's term; t then needs gate's columns alone.
+  const Tensor t_up = test::random_tensor(DType::F32, {m, 4}, 15),
+               t_up_narrow = test::random_tensor(DType::F32, {m, 3}, 16),
+               t_up_rows = test::random_tensor(DType::F32, {m + 2, 4}, 17),
+               t_gate = test::random_tensor(DType::F32, {m, 4}, 18);
+  SwiGluAdapters apart = ad(t_gate, a.bg, a.bu);
+  apart.t_up = t_up;
+  EXPECT_NO_THROW(swiglu(ctx, a.gate, a.up, h, apart));
+  SwiGluAdapters apart_narrow = apart;
+  apart_narrow.t_up = t_up_narrow;
+  expect_rejected("t_up narrower than up's rank", {h}, [&] { swiglu(ctx, a.gate, a.up, h, apart_narrow); }, shape,
+                  {"swiglu", "adapters.t_up", "[5,3]", "up's rank 4"});
+  SwiGluAdapters apart_rows = apart;
+  apart_rows.t_up = t_up_rows;
+  expect_rejected("t_up rows", {dg, du}, [&] { swiglu_backward(ctx, a.gate, a.up, a.dh, dg, du, apart_rows); }, shape,
+                  {"swiglu_backward", "adapters.t_up", "[7,4]"});
+  SwiGluAdapters apart_no_up = ad(t_gate, a.bg, TensorView());
+  apart_no_up.t_up = t_up;
+  expect_rejected("t_up without b_up", {h}, [&] { swiglu(ctx, a.gate, a.up, h, apart_no_up); }, invalid,
+                  {"swiglu", "adapters.t_up", "adapters.b_up"});
+  SwiGluAdapters apart_short_t = apart;
+  apart_short_t.t = t_short.view();  // [5, 7]: wide enough for gate's 4 once up's t is apart
+  EXPECT_NO_THROW(swiglu(ctx, a.gate, a.up, h, apart_short_t));
+  SwiGluAdapters apart_gate_narrow = apart;
+  apart_gate_narrow.t = t_up_narrow;
+  expect_rejected("t narrower than gate's rank", {h}, [&] { swiglu(ctx, a.gate, a.up, h, apart_gate_narrow); }, shape,
+                  {"swiglu", "adapters.t", "gate's rank 4"});
+  Tensor tub = test::random_tensor(DType::F32, {m, n}, 19);
+  SwiGluAdapters apart_in_h = apart;
+  apart_in_h.t_up = TensorView(tub.data(), DType::F32, {m, 4});
+  expect_rejected("h over t_up", {tub}, [&] { swiglu(ctx, a.gate, a.up, tub, apart_in_h); }, invalid,
+                  {"swiglu", "h", "adapters.t_up"});
 }
 
 }  // namespace

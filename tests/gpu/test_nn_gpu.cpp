@@ -175,17 +175,22 @@ TEST(NnGpu, SwiGluMlpMatchesCpu) {
     DType act;
     std::int64_t m;
     bool recompute;
+    float dropout = 0.1f;
   };
-  // M = 7 takes the small-M NF4 kernels (fused gate/up included) where the dispatcher picks them.
-  const std::vector<Run> runs = {{false, DType::F32, 130, false}, {false, DType::BF16, 130, true},
-                                 {true, DType::F32, 130, true},   {true, DType::BF16, 130, false},
-                                 {true, DType::BF16, 7, false},   {true, DType::F32, 7, true}};
+  // M = 7 takes the small-M NF4 kernels (fused gate/up included) where the dispatcher picks them. Without
+  // dropout the adapters' terms go into the SwiGLU kernel (adapters_in_swiglu: bf16 on the GPU, always on the CPU).
+  const std::vector<Run> runs = {{false, DType::F32, 130, false},       {false, DType::BF16, 130, true},
+                                 {true, DType::F32, 130, true},         {true, DType::BF16, 130, false},
+                                 {true, DType::BF16, 7, false},         {true, DType::F32, 7, true},
+                                 {true, DType::BF16, 130, false, 0.0f}, {false, DType::BF16, 130, true, 0.0f},
+                                 {true, DType::BF16, 7, true, 0.0f},    {true, DType::F32, 130, false, 0.0f}};
   for (const Run& r : runs) {
     const Frozen g = make_frozen(r.nf4, r.act, i, h, false, seed += 10), u = make_frozen(r.nf4, r.act, i, h, false, seed + 3),
                  d = make_frozen(r.nf4, r.act, h, i, false, seed + 6);
-    const LoraConfig c = config_of(r.act, rank, 0.1f, seed + 8);
+    const LoraConfig c = config_of(r.act, rank, r.dropout, seed + 8);
     const MlpOptions o{r.recompute, true};
     SwiGluMlp on_cpu(cpu(), g.host(), u.host(), d.host(), c, o), on_gpu(gpu, g.dev(), u.dev(), d.dev(), c, o);
+    EXPECT_EQ(on_gpu.adapters_in_swiglu(), r.dropout == 0.0f && r.act == DType::BF16);
     same_adapters(on_cpu.gate(), on_gpu.gate(), seed + 9);
     same_adapters(on_cpu.up(), on_gpu.up(), seed + 11);
     same_adapters(on_cpu.down(), on_gpu.down(), seed + 13);
@@ -195,7 +200,8 @@ TEST(NnGpu, SwiGluMlpMatchesCpu) {
     on_gpu.forward(b.x, b.y);
     on_gpu.backward(b.x, b.dy, b.dx);
     gpu.synchronize();
-    const std::string what = describe(r.nf4, r.act, r.m) + (r.recompute ? " recompute" : "");
+    const std::string what =
+        describe(r.nf4, r.act, r.m) + (r.recompute ? " recompute" : "") + (r.dropout == 0.0f ? " no dropout" : "");
     const Tol tol = r.act == DType::BF16 ? kBf16MlpTol : r.nf4 && r.m <= 16 ? kNf4PairF32Tol : kF32Tol;
     EXPECT_TRUE(matches(b.y, b.y_cpu, tol)) << "y " << what;
     EXPECT_TRUE(matches(b.dx, b.dx_cpu, tol)) << "dx " << what;

@@ -2,6 +2,7 @@
 // lengths through the vector body and the scalar tail, in-place aliasing, misaligned pointers, extreme gates.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -254,12 +255,13 @@ struct AdapterCase {
   std::int64_t m, n, rg, ru, extra_t_cols;
   bool misaligned;
   std::int64_t rd = 0;  // the backward's dh term (dh_t [M, rd], dh_a [rd, N]); its h output is asked with it
+  bool up_apart = false;  // up's t in its own tensor (t_up) on the GPU; the CPU reference keeps it stacked
 };
 
 std::string case_name(const AdapterCase& c) {
   return std::string(dtype_name(c.dt)) + " " + std::to_string(c.m) + "x" + std::to_string(c.n) + " r " +
          std::to_string(c.rg) + "+" + std::to_string(c.ru) + " dh r " + std::to_string(c.rd) +
-         (c.misaligned ? " misaligned" : "");
+         (c.misaligned ? " misaligned" : "") + (c.up_apart ? " t_up apart" : "");
 }
 
 // A device copy of a host [rows, cols] tensor, one element past a 16-byte boundary where `misaligned`.
@@ -292,7 +294,17 @@ void check_adapters(const AdapterCase& c, std::uint64_t seed) {
   DeviceBuf g = device_matrix(gate, m, n, mis), u = device_matrix(up, m, n, false), d = device_matrix(dh, m, n, false);
   DeviceBuf td = device_matrix(t, m, big_r, false), bgd = device_matrix(bg, n, bg.shape()[1], false),
             bud = device_matrix(bu, n, bu.shape()[1], false);
-  const SwiGluAdapters ad{td.view, c.rg > 0 ? bgd.view : TensorView(), 2.0f, c.ru > 0 ? bud.view : TensorView(), 0.5f};
+  SwiGluAdapters ad{td.view, c.rg > 0 ? bgd.view : TensorView(), 2.0f, c.ru > 0 ? bud.view : TensorView(), 0.5f};
+  DeviceBuf tud;
+  if (c.up_apart) {  // t_up = t's columns rg.., misaligned with the rest where asked
+    const Tensor cols(c.dt, {m, c.ru});
+    const std::size_t es = dtype_size(c.dt);
+    for (std::int64_t i = 0; i < m; ++i)
+      std::memcpy(static_cast<char*>(cols.data()) + i * c.ru * es,
+                  static_cast<const char*>(t.data()) + (i * big_r + c.rg) * es, c.ru * es);
+    tud = device_matrix(cols, m, c.ru, mis);
+    ad.t_up = tud.view;
+  }
   DeviceBuf dtd = device_matrix(dh_t, m, dh_t.shape()[1], false), dad = device_matrix(dh_a, dh_a.shape()[0], n, false);
   SwiGluAdapters bw = ad;
   if (c.rd > 0) bw.dh_t = dtd.view, bw.dh_a = dad.view;
@@ -339,7 +351,12 @@ TEST(SwigluGpu, AdaptersMatchCpu) {
                                           {DType::BF16, 65, 1000, 8, 0, 0, false, 32},
                                           {DType::BF16, 17, 136, 16, 16, 0, true, 7},
                                           {DType::BF16, 9, 72, 16, 16, 0, false, 40},
-                                          {DType::F32, 63, 65, 16, 16, 0, false, 16}};
+                                          {DType::F32, 63, 65, 16, 16, 0, false, 16},
+                                          // up's t apart (t_up), as SwiGluMlp's two layers keep theirs
+                                          {DType::BF16, 130, 4104, 16, 16, 0, false, 16, true},
+                                          {DType::BF16, 7, 63, 8, 16, 2, false, 0, true},
+                                          {DType::BF16, 17, 136, 16, 16, 0, true, 7, true},
+                                          {DType::F32, 33, 72, 16, 8, 0, false, 16, true}};
   std::uint64_t seed = 500;
   for (const AdapterCase& c : cases) check_adapters(c, seed += 7);
 }

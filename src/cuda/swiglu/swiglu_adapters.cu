@@ -30,7 +30,7 @@ using common::mma_bf16_16816;
 using swiglu_detail::Sigmoid;
 using swiglu_detail::sigmoid_pair;
 
-constexpr int kMaxMmaRank = 32;
+constexpr int kMaxMmaRank = kSwiGluAdaptersMmaRank;
 constexpr int kWarpsPerBlock = 2;
 constexpr int kStages = 3;  // tiles in flight per warp
 constexpr int kStripCols = 32;
@@ -382,7 +382,8 @@ void launch(const Context& ctx, const TensorView& gate, const TensorView& up, co
   p.m = gate.dim(0);
   p.n = gate.dim(1);
   p.tg = term_of<T>(ad.t, 0, ad.b_gate, false, ad.gate_scale);
-  p.tu = term_of<T>(ad.t, p.tg.r, ad.b_up, false, ad.up_scale);
+  p.tu = ad.t_up.empty() ? term_of<T>(ad.t, p.tg.r, ad.b_up, false, ad.up_scale)
+                         : term_of<T>(ad.t_up, 0, ad.b_up, false, ad.up_scale);
   if (kBackward) p.td = term_of<T>(ad.dh_t, 0, ad.dh_a, true, 1.0f);
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     if (std::max({p.tg.r, p.tu.r, p.td.r}) <= kMaxMmaRank) {
