@@ -6,7 +6,7 @@ import torch
 
 from . import _qmm
 from ._base import _error
-from .functional import Lora, lora_nf4_linear, lora_nf4_swiglu
+from .functional import Lora, lora_nf4_linear, lora_nf4_mlp, lora_nf4_swiglu
 from .nf4 import Nf4Weight, _nf4
 
 
@@ -78,8 +78,9 @@ class QLoraLinear(_Nf4Module):
 class QLoraSwiGluMlp(_Nf4Module):
     """y = down(silu(gate(x)) * up(x)): an LLM's MLP block on frozen NF4 weights W_gate, W_up [I, H] and W_down
     [H, I], with a LoraAdapter on each projection (`gate_lora`, `up_lora`, `down.lora`). Both input projections'
-    base products come from one read of x (nf4_gate_up), the adapters' sums ride in their GEMMs' epilogues, and the
-    SwiGLU and its gradient are qmm's kernels (lora_nf4_swiglu), then the down projection (lora_nf4_linear)."""
+    base products come from one read of x (nf4_gate_up) and the block runs as one op (lora_nf4_mlp: the adapters'
+    terms summed in the SwiGLU kernels, h not kept); with dropout on the down projection's input in training,
+    lora_nf4_swiglu and then the down projection (lora_nf4_linear)."""
 
     def __init__(self, w_gate, w_up, w_down, rank=16, alpha=32.0, dropout=0.0, adapter_dtype=torch.float32,
                  path="auto"):
@@ -96,8 +97,11 @@ class QLoraSwiGluMlp(_Nf4Module):
         self.down = QLoraLinear(w_down, rank, alpha, dropout, None, adapter_dtype, path)
 
     def forward(self, x):
-        return self.down(lora_nf4_swiglu(x, self.w_gate, self.w_up, self.gate_lora.term(x), self.up_lora.term(x),
-                                         self.path))
+        gate, up, down = self.gate_lora.term(x), self.up_lora.term(x), self.down.lora
+        if isinstance(down.dropout, torch.nn.Dropout) and down.dropout.training:
+            return self.down(lora_nf4_swiglu(x, self.w_gate, self.w_up, gate, up, self.path))
+        return lora_nf4_mlp(x, self.w_gate, self.w_up, self.down.weight, gate, up,
+                            Lora(down.lora_a, down.lora_b, down.scale), self.path)
 
     @classmethod
     def from_bnb(cls, mlp, **lora):

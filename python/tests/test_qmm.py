@@ -2136,3 +2136,28 @@ def test_fused_projection_calls_check_every_operand_before_writing():
         _qmm.lora_nf4_linear_backward, dy16, dy16, w._native, "auto", dx, None, None, None, None, 1.0, None, None,
         None, False, None))
     assert (dx == 7).all() and (dt == 7).all() and (grad_a == 7).all() and (grad_b == 7).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlora_swiglu_mlp_with_dropout_on_down(device):
+    """QLoraSwiGluMlp runs as one op (lora_nf4_mlp) unless the down projection drops out in training, where
+    lora_nf4_swiglu and the down projection run apart: in eval mode a dropout module computes what the same module
+    without dropout does (to the bit), in training its adapters' gradients flow through the mask."""
+    torch.manual_seed(0)
+    weights = mlp_weights(device, 64, 96)
+    plain = qmm.QLoraSwiGluMlp(*weights, rank=4, alpha=8.0)
+    dropping = qmm.QLoraSwiGluMlp(*weights, rank=4, alpha=8.0, dropout=0.5)
+    dropping.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        for i, ad in enumerate((plain.gate_lora, plain.up_lora, plain.down.lora)):
+            ad.lora_b.copy_(randn(ad.lora_b.shape, 20 + i, device) * 0.1)
+    dropping.load_state_dict(plain.state_dict())
+    x = randn((7, 64), 3, device)
+    dropping.eval()
+    assert torch.equal(dropping(x), plain(x))
+    dropping.train()
+    y = dropping(x)
+    assert not torch.equal(y, plain(x))
+    y.square().sum().backward()
+    for ad in (dropping.gate_lora, dropping.up_lora, dropping.down.lora):
+        assert torch.isfinite(ad.lora_a.grad).all() and ad.lora_a.grad.abs().sum() > 0
