@@ -624,6 +624,13 @@ TEST(LoraLinear, ZeroRowsChangeNothing) {
     mt.mlp->forward(xm, ym);
     mt.mlp->backward(xm, ym, dxm);
     for (double v : test::to_doubles(mt.mlp->down().grad_b())) EXPECT_EQ(v, 0.0) << describe(s);
+    // Without dropout the adapters' terms go to the SwiGLU kernel: no rows there either.
+    MlpUnderTest in_kernel = make_mlp({nf4, DType::BF16, MathMode::FP32, 0.0f, false}, kH, kI, kRank, 902);
+    ASSERT_TRUE(in_kernel.mlp->adapters_in_swiglu());
+    in_kernel.mlp->forward(xm, ym);
+    in_kernel.mlp->backward(xm, ym, dxm);
+    for (LoraLinear* l : {&in_kernel.mlp->gate(), &in_kernel.mlp->down()})
+      for (double v : test::to_doubles(l->grad_a())) EXPECT_EQ(v, 0.0) << describe(s);
   }
 }
 
