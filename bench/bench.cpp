@@ -564,13 +564,11 @@ void Bench::run_train() {
   }
 }
 
-// SwiGLU with gate's and up's adapters (rank 16 each) summed in its kernel against what it replaces, timed in
-// turns: forward, the two second products y += s·t·bᵀ (GEMMs over gate and up) then the plain SwiGLU; backward,
-// the plain SwiGLU backward (the second products' sums were stored). Bytes: the [M, I] tensors once each.
 // SwiGLU with gate's and up's rank-16 adapter terms inside the kernel, at the gate/up shapes, each timed in turns
 // with what it replaces: the forward against the two second-product GEMMs (y += s·t·Bᵀ) and the plain swiglu; the
-// backward against the plain backward; and the backward as the train step runs it (the down adapter's share of dh,
-// dh + dt_d·A_d, summed in the kernel, h written again) against that share's GEMM and the plain backward.
+// backward against the plain backward (the second products' sums were stored); and the backward as the train step
+// runs it (the down adapter's share of dh, dh + dt_d·A_d, summed in the kernel, h written again) against that
+// share's GEMM and the plain backward. Bytes: the [M, I] tensors once each.
 void Bench::run_swiglu_adapters() {
   enum Kind { kForward, kBackward, kStepBackward };
   for (const Projection& p : projections()) {

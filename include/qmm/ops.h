@@ -87,10 +87,10 @@ void batched_gemm(const Context& ctx, const TensorView& a, const TensorView& b, 
 //   gate' = gate + gate_scale·t_g·b_gateᵀ,   up' = up + up_scale·t_u·b_upᵀ
 // t [M, R] holds t_g in its first r_g columns and t_u in the next r_u, as lora_adapters stacks them (R ≥ r_g +
 // r_u), or t_u comes apart in t_up [M, R_u] (R_u ≥ r_u; then t needs only gate's r_g columns), as two layers that
-// keep their own t have it; b_gate [N, r_g] and b_up [N, r_u], an empty one for no term. The backward may also take the
-// down projection's adapter share of its input gradient: dh' = dh + dh_t·dh_a (dh_t [M, r_d] that adapter's dt, dh_a
-// [r_d, N] its A), both empty for none. Every term shares gate's dtype and sums in fp32 (on a CUDA context bf16
-// with ranks ≤ kSwiGluAdaptersMmaRank on the tensor cores, anything else one element a thread).
+// keep their own t have it; b_gate [N, r_g] and b_up [N, r_u], an empty one for no term. The backward may also
+// take the down projection's adapter share of its input gradient: dh' = dh + dh_t·dh_a (dh_t [M, r_d] that
+// adapter's dt, dh_a [r_d, N] its A), both empty for none. Every term shares gate's dtype and sums in fp32 (on a
+// CUDA context bf16 with ranks ≤ kSwiGluAdaptersMmaRank on the tensor cores, anything else one element a thread).
 inline constexpr int kSwiGluAdaptersMmaRank = 32;  // the largest rank of a term the tensor-core path takes
 struct SwiGluAdapters {
   TensorView t;
