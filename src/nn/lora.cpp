@@ -279,14 +279,13 @@ void LoraLinear::backward(const TensorView& x, const TensorView& dy, const Tenso
   // dx = dx_beta·dx + dy·W0 + dropout'(dt·A). dropout' applies the forward's mask and 1/(1-p) scaling, so
   // dropout() itself computes it. The adapter's term goes first where forward's does (adapter_first), except
   // with dropout onto an accumulating dx (the mask must not touch dx's old value).
-  auto base_into_dx = [&](float beta) { base_backward_a(dy, dx, beta); };
   if (adapter_first() && (!saved_dropout_ || dx_beta == 0.0f)) {
     gemm(ctx_, dt, working_a(), dx, gemm_opts(1.0f, saved_dropout_ ? 0.0f : dx_beta));  // dx = dt·A + beta·dx
     if (saved_dropout_) dropout(ctx_, dx, dx, config_.dropout, saved_seed_);
-    base_into_dx(1.0f);
+    base_backward_a(dy, dx, 1.0f);
     return;
   }
-  base_into_dx(dx_beta);
+  base_backward_a(dy, dx, dx_beta);
   if (!saved_dropout_) {
     gemm(ctx_, dt, working_a(), dx, gemm_opts(1.0f, 1.0f));  // dx += dt·A
     return;

@@ -73,14 +73,14 @@ bool SwiGluMlp::adapters_in_swiglu(ForwardMode mode) const {
 }
 
 SwiGluAdapters SwiGluMlp::swiglu_terms() {
-  SwiGluAdapters terms;
-  terms.t = gate_.saved_t();
-  terms.b_gate = gate_.working_b();
-  terms.gate_scale = gate_.scale();
-  terms.t_up = up_.saved_t();
-  terms.b_up = up_.working_b();
-  terms.up_scale = up_.scale();
-  return terms;
+  return {.t = gate_.saved_t(),
+          .b_gate = gate_.working_b(),
+          .gate_scale = gate_.scale(),
+          .b_up = up_.working_b(),
+          .up_scale = up_.scale(),
+          .dh_t = {},  // the backward adds down's term
+          .dh_a = {},
+          .t_up = up_.saved_t()};
 }
 
 // gate and up (pre-activation, adapters and biases included) into g and u; with terms_in_swiglu_ their base
