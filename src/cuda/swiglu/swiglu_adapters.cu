@@ -213,7 +213,7 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, std::int64_t row, std::
 // (gate, up, dh and the terms' t) into its own shared-memory slots, so no barrier is needed and the loads of the
 // next tiles are in flight while this one is computed.
 template <int K, int KD, bool kBackward>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) swiglu_adapters_mma_kernel(Args<__nv_bfloat16> p) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, 16 / kWarpsPerBlock) swiglu_adapters_mma_kernel(Args<__nv_bfloat16> p) {
   using E = Elem<__nv_bfloat16>;
   constexpr int KDA = KD > 0 ? KD : 1;
   constexpr int kData = kBackward ? 3 : 2;          // gate, up (, dh)
