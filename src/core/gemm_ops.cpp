@@ -100,9 +100,8 @@ void run_gemm(const Context& ctx, const char* op, const GemmProblem& p) {
 void lora_backward_dy_pitched(const Context& ctx, const char* op, const TensorView& dy, const TensorView& b,
                               const TensorView& t, std::int64_t ld_t, const TensorView& dt, std::int64_t ld_dt,
                               const TensorView& grad_b, float scale, MathMode math, float beta) {
-  if (ctx.device().is_cuda() &&
-      require_gpu_backend(op).lora_backward_dy(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta))
-    return;
+  const LoraDyProblem one{dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta};
+  if (ctx.device().is_cuda() && require_gpu_backend(op).lora_backward_dy(ctx, std::span(&one, 1))) return;
   const std::int64_t m = dy.dim(0), n = dy.dim(1), r = b.dim(1);
   GemmProblem p = make_problem(dy, b, dt, {scale, 0.0f, math});  // dt = scale·dy·b
   p.m = m;
@@ -163,13 +162,19 @@ void lora_adapters_backward_unchecked(const Context& ctx, const char* op, const 
     if (!grad_a.empty()) zero(ctx, grad_a);
     return;
   }
+  // dt_i and grad_b_i from one read of dy_i; on a GPU every adapter's in one launch where the kernel takes them all
+  std::vector<LoraDyProblem> each;
   std::int64_t col = 0;
-  for (const LoraTermGrad& term : terms) {  // dt_i and grad_b_i from one read of dy_i
+  for (const LoraTermGrad& term : terms) {
     const std::int64_t r = term.b.dim(1);
-    lora_backward_dy_pitched(ctx, op, term.dy, term.b, columns(t, col, r), rank, columns(dt, col, r), rank, term.grad_b,
-                             term.scale, MathMode::FP32, 0.0f);
+    each.push_back(
+        {term.dy, term.b, columns(t, col, r), rank, columns(dt, col, r), rank, term.grad_b, term.scale, 0.0f});
     col += r;
   }
+  if (!(ctx.device().is_cuda() && each.size() > 1 && require_gpu_backend(op).lora_backward_dy(ctx, each)))
+    for (const LoraDyProblem& d : each)
+      lora_backward_dy_pitched(ctx, op, d.dy, d.b, d.t, d.ld_t, d.dt, d.ld_dt, d.grad_b, d.scale, MathMode::FP32,
+                               d.beta);
   if (!grad_a.empty()) {  // grad_a = dtᵀ·x
     GemmProblem g = make_problem(dt, x, grad_a, {});
     g.m = rank;

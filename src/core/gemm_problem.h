@@ -34,6 +34,17 @@ struct GemmProblem {
   std::string key() const;  // everything that selects a plan, without pointers or scalars
 };
 
+// One adapter's lora_backward_dy (ops.h) as the GPU backend takes it, validated: t's and dt's rows lie ld_t and
+// ld_dt elements apart (column blocks of wider matrices; r where dense).
+struct LoraDyProblem {
+  TensorView dy, b, t;
+  std::int64_t ld_t = 0;
+  TensorView dt;
+  std::int64_t ld_dt = 0;
+  TensorView grad_b;
+  float scale = 1.0f, beta = 1.0f;
+};
+
 namespace detail {
 
 // p on the context's device (CPU reference or GPU backend), arguments already validated.

@@ -47,11 +47,9 @@ class GpuBackend {
 
   // GEMMs, SwiGLU and NF4 (ops.h, nf4.h).
   virtual void gemm(const Context& ctx, const GemmProblem& p) const = 0;
-  // lora_backward_dy's one-pass kernel where it applies (see ops.h); false, having done nothing, where it does not.
-  // t's and dt's rows lie ld_t and ld_dt elements apart (r where dense).
-  virtual bool lora_backward_dy(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
-                                std::int64_t ld_t, const TensorView& dt, std::int64_t ld_dt, const TensorView& grad_b,
-                                float scale, float beta) const = 0;
+  // lora_backward_dy's one-pass kernel for these adapters of one M (one launch for all, and one for their partial
+  // sums) where it applies to every one of them; false, having done nothing, where it does not.
+  virtual bool lora_backward_dy(const Context& ctx, std::span<const LoraDyProblem> adapters) const = 0;
   virtual void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h,
                       const SwiGluAdapters& adapters) const = 0;
   virtual void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,

@@ -38,10 +38,8 @@ class CudaBackend final : public GpuBackend {
   }
 
   void gemm(const Context& ctx, const GemmProblem& p) const override { cuda::gemm(ctx, p); }
-  bool lora_backward_dy(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
-                        std::int64_t ld_t, const TensorView& dt, std::int64_t ld_dt, const TensorView& grad_b,
-                        float scale, float beta) const override {
-    return cuda::lora_backward_dy_fused(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta);
+  bool lora_backward_dy(const Context& ctx, std::span<const LoraDyProblem> adapters) const override {
+    return cuda::lora_backward_dy_fused(ctx, adapters);
   }
   void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h,
               const SwiGluAdapters& adapters) const override {

@@ -37,10 +37,9 @@ std::vector<double> time_graph(const Context& ctx, const std::function<void(int)
 void* create_owned_stream(Context::Impl& impl);
 
 void gemm(const Context& ctx, const GemmProblem& p);                       // gemm/
-// lora_backward_dy's one-pass kernel where it applies (see ops.h); false, having done nothing, where it does not.
-bool lora_backward_dy_fused(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
-                            std::int64_t ld_t, const TensorView& dt, std::int64_t ld_dt, const TensorView& grad_b,
-                            float scale, float beta);
+// lora_backward_dy's one-pass kernel for adapters of one M, all in one launch, where it applies to every one (see
+// GpuBackend::lora_backward_dy); false, having done nothing, where it does not.
+bool lora_backward_dy_fused(const Context& ctx, std::span<const LoraDyProblem> adapters);
 void swiglu(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& h);  // swiglu/
 void swiglu_backward(const Context& ctx, const TensorView& gate, const TensorView& up, const TensorView& dh,
                      const TensorView& dgate, const TensorView& dup);

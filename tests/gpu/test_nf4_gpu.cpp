@@ -703,11 +703,16 @@ TEST(GpuNf4Linears, MatchCpuOnRaggedShapes) {
   QMM_REQUIRE_GPU();
   std::uint64_t seed = 9500;
   // M 1 and 7 take the small-M kernels one projection at a time; 65 and 1000 one dequantize launch for all.
-  // Ranks 16/8/8 take the one-pass lora_backward_dy on column blocks; 4 the two-GEMM fallback.
+  // Ranks 16/8/8 take the one-pass lora_backward_dy on column blocks, one launch each; equal ranks one launch for
+  // all the adapters (q/k/v-like widths, four adapters, one N % 8 != 0 sending the whole group to the fallback);
+  // 4 the two-GEMM fallback.
   for (DType dtype : {DType::BF16, DType::F32})
     for (std::int64_t m : {1, 7, 65, 1000}) {
       expect_linears_gpu_matches_cpu(dtype, m, 256, {256, 64, 64}, {16, 8, 8}, seed += 10);
       expect_linears_gpu_matches_cpu(dtype, m, 192, {136, 64}, {4, 0}, seed += 10);
+      expect_linears_gpu_matches_cpu(dtype, m, 256, {1536, 256, 264}, {16, 16, 16}, seed += 10);
+      expect_linears_gpu_matches_cpu(dtype, m, 128, {520, 64, 72, 8}, {8, 8, 8, 8}, seed += 10);
+      expect_linears_gpu_matches_cpu(dtype, m, 128, {256, 65}, {16, 16}, seed += 10);
     }
 }
 

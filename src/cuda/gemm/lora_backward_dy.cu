@@ -10,7 +10,8 @@
 //  - grad_b: warp w multiplies columns kGbCols w.. of dyᵀ (dy read transposed by ldmatrix.trans) by the tile's t,
 //    accumulating in registers over all of the CTA's tiles, then writes gb_part[split][N][r].
 // A second kernel adds the partials in a fixed order, so results do not depend on scheduling: dt = scale·Σ
-// rounded once to bf16, grad_b = scale·Σ + grad_b.
+// rounded once to bf16, grad_b = scale·Σ + grad_b. Several adapters of one M (a layer's q, k and v) run as one
+// launch of each kernel: grid z picks the adapter, and the row splits are shared out by the adapters' widths.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -80,19 +81,41 @@ __device__ __forceinline__ void load_b_frags(std::uint32_t (&b)[kR / 8][2], std:
   }
 }
 
+// One adapter of a launch: its operands, its grid (strips x splits of grid x and y; blocks past them leave) and its
+// partial sums (dt_part [strips][M][r], gb_part [splits][N][r]).
+struct DyAdapter {
+  const __nv_bfloat16* dy;
+  const __nv_bfloat16* b;
+  const __nv_bfloat16* t;
+  std::int64_t ld_t, n;
+  int strips, splits;
+  float* dt_part;
+  float* gb_part;
+};
+constexpr int kMaxAdapters = 4;
+struct DyAdapters {
+  DyAdapter at[kMaxAdapters];
+};
+
 template <int kR>
 __global__ void __launch_bounds__(kThreads, 1)
-    lora_backward_dy_kernel(const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ b,
-                            const __nv_bfloat16* __restrict__ t, std::int64_t ld_t, std::int64_t M, std::int64_t N,
-                            int row_tiles, float* __restrict__ dt_part, float* __restrict__ gb_part) {
+    lora_backward_dy_kernel(const DyAdapters adapters, std::int64_t M, int row_tiles) {
   using L = Layout<kR>;
   constexpr int kNt = L::kNt;
+  const DyAdapter& z = adapters.at[blockIdx.z];
+  const int strip = blockIdx.x, split = blockIdx.y, splits = z.splits;
+  if (strip >= z.strips || split >= splits) return;  // the whole block, before any barrier
+  const __nv_bfloat16* __restrict__ dy = z.dy;
+  const __nv_bfloat16* __restrict__ b = z.b;
+  const __nv_bfloat16* __restrict__ t = z.t;
+  const std::int64_t ld_t = z.ld_t, N = z.n;
+  float* __restrict__ dt_part = z.dt_part;
+  float* __restrict__ gb_part = z.gb_part;
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* strip_s = smem + kStages * L::kStageBytes;
   float* dt_sum = reinterpret_cast<float*>(strip_s + L::kStripBytes);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
-  const int strip = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
   const std::int64_t n0 = static_cast<std::int64_t>(strip) * kStripCols;
 
   // The strip of b (rows n0.., all r columns), loaded once with the first tile.
@@ -210,75 +233,140 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 }
 
-// dt[m][c] = bf16(scale·Σ_s dt_part[s][i]) for i = m·r + c < mr (dt's rows ld_dt apart), then grad_b[j] =
-// scale·Σ_z gb_part[z][j] + beta·grad_b[j], sums in order; beta = 0 does not read grad_b (a GEMM's beta = 0).
-// One element per thread: a float4 version (a quarter of the threads) measured slower.
-__global__ void __launch_bounds__(kThreads)
-    lora_backward_dy_reduce_kernel(const float* __restrict__ dt_part, int strips, std::int64_t mr, int r,
-                                   std::int64_t ld_dt, __nv_bfloat16* __restrict__ dt,
-                                   const float* __restrict__ gb_part, int splits, std::int64_t nr,
-                                   float* __restrict__ grad_b, float scale, float beta) {
+// One adapter's sums: dt[m][c] = bf16(scale·Σ_s dt_part[s][i]) for i = m·r + c < mr (dt's rows ld_dt apart), then
+// grad_b[j] = scale·Σ_z gb_part[z][j] + beta·grad_b[j], sums in order; beta = 0 does not read grad_b (a GEMM's
+// beta = 0).
+struct DySums {
+  const float* dt_part;
+  int strips;
+  std::int64_t mr, ld_dt;
+  __nv_bfloat16* dt;
+  const float* gb_part;
+  int splits;
+  std::int64_t nr;
+  float* grad_b;
+  float scale, beta;
+};
+struct DySumsAll {
+  DySums at[kMaxAdapters];
+  int count;
+};
+
+// Every adapter's sums, one element a thread over them all in turn (a float4 version, a quarter of the threads,
+// measured slower).
+__global__ void __launch_bounds__(kThreads) lora_backward_dy_reduce_kernel(const DySumsAll sums, int r) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < mr + nr;
-       i += stride) {
+  std::int64_t total = 0;
+  for (int z = 0; z < sums.count; ++z) total += sums.at[z].mr + sums.at[z].nr;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    std::int64_t j = i;
+    int z = 0;
+    while (j >= sums.at[z].mr + sums.at[z].nr) j -= sums.at[z].mr + sums.at[z].nr, ++z;
+    const DySums& s = sums.at[z];
     float sum = 0.0f;
-    if (i < mr) {
-      for (int s = 0; s < strips; ++s) sum += dt_part[s * mr + i];
-      dt[(i / r) * ld_dt + i % r] = __float2bfloat16_rn(scale * sum);
+    if (j < s.mr) {
+      for (int p = 0; p < s.strips; ++p) sum += s.dt_part[p * s.mr + j];
+      s.dt[(j / r) * s.ld_dt + j % r] = __float2bfloat16_rn(s.scale * sum);
     } else {
-      const std::int64_t j = i - mr;
-      for (int z = 0; z < splits; ++z) sum += gb_part[z * nr + j];
-      grad_b[j] = beta == 0.0f ? scale * sum : scale * sum + beta * grad_b[j];
+      j -= s.mr;
+      for (int p = 0; p < s.splits; ++p) sum += s.gb_part[p * s.nr + j];
+      s.grad_b[j] = s.beta == 0.0f ? s.scale * sum : s.scale * sum + s.beta * s.grad_b[j];
     }
   }
 }
 
 // False, launching nothing, where the GPU has less shared memory per block than the kernel needs (163-192 KB).
+// One CTA per SM (shared memory): the adapters share one wave of CTAs by their widths, each adapter's row splits
+// as many as its share fills, at most one per tile.
 template <int kR>
-bool launch(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t, std::int64_t ld_t,
-            const TensorView& dt, std::int64_t ld_dt, const TensorView& grad_b, float scale, float beta) {
+bool launch(const Context& ctx, std::span<const LoraDyProblem> ads) {
   if (static_cast<std::size_t>(Layout<kR>::kBytes) > state(ctx).props.sharedMemPerBlockOptin) return false;
   set_device(ctx);
-  const std::int64_t M = dy.dim(0), N = dy.dim(1);
-  const int strips = static_cast<int>((N + kStripCols - 1) / kStripCols);
+  const std::int64_t M = ads[0].dy.dim(0), mr = M * kR;
   const int row_tiles = static_cast<int>((M + kTileRows - 1) / kTileRows);
-  // One CTA per SM (shared memory): as many row splits as fill the GPU once, at most one per tile.
-  const int splits = std::clamp(state(ctx).sm_count() / strips, 1, row_tiles);
-  const std::int64_t mr = M * kR, nr = N * kR;
-  ScratchBuffer part(state(ctx), static_cast<std::size_t>(strips * mr + splits * nr) * sizeof(float));
-  float* dt_part = part.at<float>(0);
-  float* gb_part = dt_part + strips * mr;
+  std::int64_t n_all = 0;
+  for (const LoraDyProblem& d : ads) n_all += d.dy.dim(1);
+  const std::int64_t sms = state(ctx).sm_count();
+  DyAdapters args{};
+  DySumsAll sums{};
+  sums.count = static_cast<int>(ads.size());
+  std::size_t part_at[kMaxAdapters] = {}, floats = 0;
+  int max_strips = 1, max_splits = 1;
+  std::int64_t elems = 0;
+  for (std::size_t z = 0; z < ads.size(); ++z) {
+    const std::int64_t N = ads[z].dy.dim(1), nr = N * kR;
+    const int strips = static_cast<int>((N + kStripCols - 1) / kStripCols);
+    const int share = static_cast<int>(std::max<std::int64_t>(1, sms * N / n_all));
+    const int splits = std::clamp(share / strips, 1, row_tiles);
+    max_strips = std::max(max_strips, strips);
+    max_splits = std::max(max_splits, splits);
+    part_at[z] = floats;
+    floats += static_cast<std::size_t>(strips * mr + splits * nr);
+    elems += mr + nr;
+    args.at[z] = {ads[z].dy.data_as<const __nv_bfloat16>(),
+                  ads[z].b.data_as<const __nv_bfloat16>(),
+                  ads[z].t.data_as<const __nv_bfloat16>(),
+                  ads[z].ld_t,
+                  N,
+                  strips,
+                  splits,
+                  nullptr,
+                  nullptr};
+    sums.at[z] = {nullptr,
+                  strips,
+                  mr,
+                  ads[z].ld_dt,
+                  ads[z].dt.data_as<__nv_bfloat16>(),
+                  nullptr,
+                  splits,
+                  nr,
+                  ads[z].grad_b.data_as<float>(),
+                  ads[z].scale,
+                  ads[z].beta};
+  }
+  ScratchBuffer part(state(ctx), floats * sizeof(float));
+  for (std::size_t z = 0; z < ads.size(); ++z) {
+    float* dt_part = part.at<float>(0) + part_at[z];
+    float* gb_part = dt_part + args.at[z].strips * mr;
+    args.at[z].dt_part = dt_part;
+    sums.at[z].dt_part = dt_part;
+    args.at[z].gb_part = gb_part;
+    sums.at[z].gb_part = gb_part;
+  }
 
   const auto kernel = lora_backward_dy_kernel<kR>;
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), Layout<kR>::kBytes);
-  kernel<<<dim3(strips, splits), kThreads, Layout<kR>::kBytes, stream_of(ctx)>>>(
-      dy.data_as<const __nv_bfloat16>(), b.data_as<const __nv_bfloat16>(), t.data_as<const __nv_bfloat16>(), ld_t, M, N,
-      row_tiles, dt_part, gb_part);
+  const dim3 grid(static_cast<unsigned>(max_strips), static_cast<unsigned>(max_splits),
+                  static_cast<unsigned>(ads.size()));
+  kernel<<<grid, kThreads, Layout<kR>::kBytes, stream_of(ctx)>>>(args, M, row_tiles);
   QMM_CUDA_CHECK_LAUNCH("lora_backward_dy_kernel");
-  const unsigned grid = grid_for(ctx, lora_backward_dy_reduce_kernel, kThreads, mr + nr);
-  lora_backward_dy_reduce_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(dt_part, strips, mr, kR, ld_dt,
-                                                                        dt.data_as<__nv_bfloat16>(), gb_part, splits,
-                                                                        nr, grad_b.data_as<float>(), scale, beta);
+  const unsigned reduce_grid = grid_for(ctx, lora_backward_dy_reduce_kernel, kThreads, elems);
+  lora_backward_dy_reduce_kernel<<<reduce_grid, kThreads, 0, stream_of(ctx)>>>(sums, kR);
   QMM_CUDA_CHECK_LAUNCH("lora_backward_dy_reduce_kernel");
   return true;
 }
 
 }  // namespace
 
-bool lora_backward_dy_fused(const Context& ctx, const TensorView& dy, const TensorView& b, const TensorView& t,
-                            std::int64_t ld_t, const TensorView& dt, std::int64_t ld_dt, const TensorView& grad_b,
-                            float scale, float beta) {
-  const std::int64_t M = dy.dim(0), N = dy.dim(1), r = b.dim(1);
-  if (dy.dtype() != DType::BF16 || M == 0 || N == 0 || N % 8 != 0 || ld_t % 8 != 0) return false;
-  if (!aligned16(dy.data()) || !aligned16(b.data()) || !aligned16(t.data())) return false;
+bool lora_backward_dy_fused(const Context& ctx, std::span<const LoraDyProblem> adapters) {
+  if (adapters.empty() || adapters.size() > static_cast<std::size_t>(kMaxAdapters)) return false;
+  const std::int64_t M = adapters[0].dy.dim(0), r = adapters[0].b.dim(1);
+  for (const LoraDyProblem& d : adapters) {
+    const std::int64_t N = d.dy.dim(1);
+    if (d.dy.dtype() != DType::BF16 || d.dy.dim(0) != M || d.b.dim(1) != r || M == 0 || N == 0 || N % 8 != 0 ||
+        d.ld_t % 8 != 0)
+      return false;
+    if (!aligned16(d.dy.data()) || !aligned16(d.b.data()) || !aligned16(d.t.data())) return false;
+  }
   switch (r) {
     case 8:
-      return launch<8>(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta);
+      return launch<8>(ctx, adapters);
     case 16:
-      return launch<16>(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta);
+      return launch<16>(ctx, adapters);
     case 32:
-      return launch<32>(ctx, dy, b, t, ld_t, dt, ld_dt, grad_b, scale, beta);
-    default: return false;
+      return launch<32>(ctx, adapters);
+    default:
+      return false;
   }
 }
 
