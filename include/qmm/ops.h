@@ -170,18 +170,19 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
 
 // Several LoRA projections of one input x [M,K] on NF4 bases (an attention's q, k and v), their adapters stacked
 // as lora_adapters stacks them (a [R,K] and t [M,R] over the projections that have one, in order):
-//   y_i = x·dequant(W_i)ᵀ + beta_i·y_i + scale_i·t_i·b_iᵀ
-// (beta_i = 1 adds onto a bias written into y_i first). x, y_i, a, b_i and t share x's dtype (f32 or bf16); every
-// product accumulates in fp32 (opts.path picks the NF4 path as for nf4_gemm; opts.alpha and opts.beta must be 1
-// and 0). On a GPU one dequantize launch serves every base product that dequantizes, and one GEMM every adapter's
-// first product (lora_adapters). A projection without an adapter has an empty b; a and t are empty where none has
-// one.
+//   y_i = x·dequant(W_i)ᵀ + beta_i·y_i + bias_i + scale_i·t_i·b_iᵀ
+// x, y_i, bias_i, a, b_i and t share x's dtype (f32 or bf16); every product accumulates in fp32 (opts.path picks the
+// NF4 path as for nf4_gemm; opts.alpha and opts.beta must be 1 and 0). On a GPU one dequantize launch serves every
+// base product that dequantizes, whose GEMM adds the bias before it rounds (a linear layer's bias epilogue), and
+// one GEMM every adapter's first product (lora_adapters). A projection without an adapter has an empty b, one
+// without a bias an empty bias; a and t are empty where none has an adapter.
 struct Nf4Projection {
   Nf4Weight w;         // [N_i, K]
   TensorView y;        // [M, N_i], written (or accumulated onto, beta 1)
   float beta = 0.0f;   // 0 or 1
   TensorView b;        // the adapter's B [N_i, r_i] in x's dtype, or empty
   float scale = 1.0f;  // the adapter's scale (alpha / r)
+  TensorView bias;     // [N_i] in x's dtype, added to every row of y, or empty
 };
 void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const Nf4Projection> ps, const TensorView& a,
                       const TensorView& t, const Nf4GemmOptions& opts = {});

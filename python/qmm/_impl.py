@@ -162,16 +162,12 @@ def _grouped_saved(x2, stacking):
 def _grouped_forward(x, ws, biases, loras, path):
     op = "lora_nf4_linears"
     x2 = _rows(op, "x", x, ws[0].shape[1])
-    ys, betas = [], []
-    for w, bias in zip(ws, biases):
-        y = torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype, device=x.device)
-        if bias is not None:
-            y.copy_(bias.to(x.dtype).expand_as(y))
-        ys.append(y)
-        betas.append(0.0 if bias is None else 1.0)
+    ys = [torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype, device=x.device) for w in ws]
+    # The biases go to the op, whose GEMMs add them before they round (a linear layer's bias epilogue).
+    biases = [None if bias is None else _in(bias.to(x.dtype)) for bias in biases]
     stacking = _stacking(x, loras)
     _call(_qmm.lora_nf4_linears_forward, x2, x2, [w._native for w in ws], [y.view(-1, y.shape[-1]) for y in ys],
-          betas, *stacking[:3], stacking[5], *stacking[3:5], path)
+          [0.0] * len(ws), biases, *stacking[:3], stacking[5], *stacking[3:5], path)
     return ys, _grouped_saved(x2, stacking)
 
 

@@ -701,12 +701,12 @@ NB_MODULE(_qmm, m) {
   m.def(
       "lora_nf4_linears_forward",
       [](const In& x, const std::vector<const Nf4Handle*>& ws, const std::vector<Out>& ys,
-         const std::vector<float>& betas, const std::vector<nb::object>& as, const std::vector<nb::object>& bs,
-         const std::vector<nb::object>& b_ws, const std::vector<float>& scales, const nb::object& a_all,
-         const nb::object& t, const std::string& path, std::uintptr_t stream) {
+         const std::vector<float>& betas, const std::vector<nb::object>& biases, const std::vector<nb::object>& as,
+         const std::vector<nb::object>& bs, const std::vector<nb::object>& b_ws, const std::vector<float>& scales,
+         const nb::object& a_all, const nb::object& t, const std::string& path, std::uintptr_t stream) {
         const char* op = "lora_nf4_linears_forward";
         const std::size_t n = ws.size();
-        if (ys.size() != n || betas.size() != n)
+        if (ys.size() != n || betas.size() != n || biases.size() != n)
           fail(qmm::ErrorCode::InvalidArgument, op, "every per-projection list must have one entry per weight");
         const qmm::TensorView xv = view_of(x, op, "x");
         std::vector<qmm::TensorView> yv;
@@ -716,7 +716,8 @@ NB_MODULE(_qmm, m) {
         }
         const StackedAdapters st = stack_adapters(op, xv, yv, as, bs, b_ws, scales, a_all, t);
         std::vector<qmm::Nf4Projection> ps(n);
-        for (std::size_t i = 0; i < n; ++i) ps[i] = {ws[i]->view, yv[i], betas[i], st.b_used[i], scales[i]};
+        for (std::size_t i = 0; i < n; ++i)
+          ps[i] = {ws[i]->view, yv[i], betas[i], st.b_used[i], scales[i], view_or_empty<In>(biases[i], op, "bias")};
         const qmm::Context ctx = context_for(xv, stream);
         const qmm::Nf4GemmOptions opts = nf4_options(1.0f, 0.0f, path, op);
         run([&] {
@@ -724,10 +725,11 @@ NB_MODULE(_qmm, m) {
           qmm::lora_nf4_linears(ctx, xv, ps, st.a_all, st.t, opts);
         });
       },
-      nb::arg("x"), nb::arg("ws"), nb::arg("ys"), nb::arg("betas"), nb::arg("as"), nb::arg("bs"), nb::arg("b_ws"),
-      nb::arg("scales"), nb::arg("a_all").none(), nb::arg("t").none(), nb::arg("path"), nb::arg("stream") = 0,
-      "y_i = x @ dequant(W_i)^T + beta_i * y_i + scale_i * t_i @ b_i^T, t = x @ a_all^T (a_all: every a cast and "
-      "stacked; b_w: b's working copy where given)");
+      nb::arg("x"), nb::arg("ws"), nb::arg("ys"), nb::arg("betas"), nb::arg("biases"), nb::arg("as"), nb::arg("bs"),
+      nb::arg("b_ws"), nb::arg("scales"), nb::arg("a_all").none(), nb::arg("t").none(), nb::arg("path"),
+      nb::arg("stream") = 0,
+      "y_i = x @ dequant(W_i)^T + beta_i * y_i + bias_i + scale_i * t_i @ b_i^T, t = x @ a_all^T (bias_i: None or "
+      "[N_i] in x's dtype; a_all: every a cast and stacked; b_w: b's working copy where given)");
   m.def(
       "lora_adapters_forward",
       [](const In& x, const std::vector<Out>& ys, const std::vector<nb::object>& as, const std::vector<nb::object>& bs,

@@ -28,7 +28,7 @@ std::string GemmProblem::key() const {
   return std::string("gemm|") + dtype_name(ab_dtype) + "->" + dtype_name(c_dtype) + "|" + math_mode_name(math) + "|b" +
          s(batch) + "|m" + s(m) + "|n" + s(n) + "|k" + s(k) + "|" + (trans_a ? "T" : "N") + (trans_b ? "T" : "N") +
          "|s" + s(stride_a) + "," + s(stride_b) + "," + s(stride_c) + "|ld" + s(lda()) + "," + s(ldb()) + "," +
-         s(ldc());
+         s(ldc()) + (bias ? "|bias" : "");
 }
 
 namespace {

@@ -1,5 +1,5 @@
 // One descriptor for every dense GEMM variant: strided-batched, row-major,
-//   C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b],  op(A) [m,k], op(B) [k,n], C [m,n].
+//   C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b] (+ bias),  op(A) [m,k], op(B) [k,n], C [m,n].
 // A is stored [m,k], or [k,m] when trans_a; B is stored [k,n], or [n,k] when trans_b. The public ops map
 // onto it in src/core/gemm_ops.cpp; backends implement it once.
 #pragma once
@@ -26,6 +26,9 @@ struct GemmProblem {
   std::int64_t pitch_a = 0, pitch_b = 0, pitch_c = 0;
   float alpha = 1.0f, beta = 0.0f;
   MathMode math = MathMode::FP32;
+  // bias [n] in c_dtype, added to every row of C before C's one rounding (a linear layer's bias); batch 1, and on a
+  // GPU k > 0 without conversion (cuBLASLt's bias epilogue).
+  const void* bias = nullptr;
 
   std::int64_t lda() const { return pitch_a ? pitch_a : trans_a ? m : k; }  // row-major leading dimensions
   std::int64_t ldb() const { return pitch_b ? pitch_b : trans_b ? k : n; }

@@ -64,10 +64,11 @@ class GpuBackend {
   virtual void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gate, const Nf4Weight& w_up,
                            const GateUpOutputs& out, const Nf4GemmOptions& opts) const = 0;
   // Several NF4 products of one input, or several input gradients summed into one (ops.h, lora_nf4_linears_*):
-  // c_i = alpha·a·dequant(W_i)ᵀ + betas[i]·c_i;  da = alpha·Σ dc_i·dequant(W_i) + beta·da (empty dc_i skipped).
+  // c_i = alpha·a·dequant(W_i)ᵀ + betas[i]·c_i (+ biases[i] on every row, where not empty);
+  // da = alpha·Σ dc_i·dequant(W_i) + beta·da (empty dc_i skipped).
   virtual void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weight> ws,
                          std::span<const TensorView> cs, std::span<const float> betas,
-                         const Nf4GemmOptions& opts) const = 0;
+                         std::span<const TensorView> biases, const Nf4GemmOptions& opts) const = 0;
   virtual void nf4_gemms_backward_a(const Context& ctx, std::span<const TensorView> dcs, std::span<const Nf4Weight> ws,
                                     const TensorView& da, const Nf4GemmOptions& opts) const = 0;
 

@@ -399,6 +399,15 @@ void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const N
     if (ps[i].beta != 0.0f && ps[i].beta != 1.0f)
       fail(ErrorCode::InvalidArgument, op, name + "'s beta is " + std::to_string(ps[i].beta) + " but must be 0 or 1");
     outs.push_back({name, ps[i].y});
+    if (ps[i].bias.empty()) continue;
+    const std::string bias = "projection " + std::to_string(i) + " bias";
+    detail::require_tensor(ctx, op, bias.c_str(), ps[i].bias);
+    detail::require_same_dtype(op, bias.c_str(), ps[i].bias, "x", x);
+    if (ps[i].bias.rank() != 1 || ps[i].bias.dim(0) != ps[i].w.rows)
+      fail(ErrorCode::ShapeMismatch, op,
+           bias + " is " + ps[i].bias.shape().str() + " but must be [" + std::to_string(ps[i].w.rows) + "] for w " +
+               dims(ps[i].w.rows, ps[i].w.cols));
+    inputs.push_back({bias, ps[i].bias});
   }
   if (rank > 0) outs.push_back({"t", t});
   for (std::size_t i = 0; i < outs.size(); ++i) {
@@ -409,13 +418,14 @@ void lora_nf4_linears(const Context& ctx, const TensorView& x, std::span<const N
   if (m == 0) return;
 
   if (ctx.device().is_cpu()) {
-    for (const Nf4Projection& p : ps) reference_backend().nf4_gemm(x, p.w, p.y, 1.0f, p.beta);
+    for (const Nf4Projection& p : ps) reference_backend().nf4_gemm(x, p.w, p.y, 1.0f, p.beta, p.bias);
   } else {
     std::vector<Nf4Weight> ws;
-    std::vector<TensorView> ys;
+    std::vector<TensorView> ys, biases;
     std::vector<float> betas;
-    for (const Nf4Projection& p : ps) ws.push_back(p.w), ys.push_back(p.y), betas.push_back(p.beta);
-    require_gpu_backend(op).nf4_gemms(ctx, x, ws, ys, betas, opts);
+    for (const Nf4Projection& p : ps)
+      ws.push_back(p.w), ys.push_back(p.y), betas.push_back(p.beta), biases.push_back(p.bias);
+    require_gpu_backend(op).nf4_gemms(ctx, x, ws, ys, betas, biases, opts);
   }
   if (rank == 0) return;
   std::vector<LoraTerm> terms;

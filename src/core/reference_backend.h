@@ -28,8 +28,9 @@ class ReferenceBackend {
                                const TensorView& h) const = 0;
   virtual void nf4_quantize(const TensorView& w, Nf4Weight& out) const = 0;
   virtual void nf4_dequantize(const Nf4Weight& w, const TensorView& out) const = 0;
-  virtual void nf4_gemm(const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha,
-                        float beta) const = 0;
+  // c = alpha·a·dequant(W)ᵀ + beta·c (+ bias [N] on every row, where not empty), rounded once.
+  virtual void nf4_gemm(const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha, float beta,
+                        const TensorView& bias = {}) const = 0;
   virtual void nf4_gemm_backward_a(const TensorView& dc, const Nf4Weight& w, const TensorView& da, float alpha,
                                    float beta) const = 0;
 

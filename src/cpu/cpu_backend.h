@@ -16,7 +16,8 @@ void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorV
                      const TensorView& dup, const SwiGluAdapters& adapters, const TensorView& h);
 void nf4_quantize(const TensorView& w, Nf4Weight& out);
 void nf4_dequantize(const Nf4Weight& w, const TensorView& out);
-void nf4_gemm(const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha, float beta);
+void nf4_gemm(const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha, float beta,
+              const TensorView& bias = {});
 void nf4_gemm_backward_a(const TensorView& dc, const Nf4Weight& w, const TensorView& da, float alpha, float beta);
 
 // Train ops (train.cpp). Reductions (mse_loss, grad_norm, the clipping norm) sum in fp64 over fixed chunks in a

@@ -112,7 +112,8 @@ void compute_tile(const GemmProblem& p, std::int64_t bi, std::int64_t i0, std::i
         micro_kernel(kc, buf.a_pack.data() + ip * kc, buf.b_pack.data() + jp * kc, acc + ip * kNc + jp, kNc);
   }
 
-  // C = alpha * sum + beta * C_old, rounded once to C's dtype. beta == 0 never reads C (NaN there is overwritten).
+  // C = alpha * sum + beta * C_old (+ bias), rounded once to C's dtype. beta == 0 never reads C (NaN there is
+  // overwritten).
   const double alpha = p.alpha, beta = p.beta;
   const std::int64_t c_off = bi * p.stride_c, ldc = p.ldc();
   for (std::int64_t i = 0; i < mc; ++i) {
@@ -123,10 +124,12 @@ void compute_tile(const GemmProblem& p, std::int64_t bi, std::int64_t i0, std::i
       if (p.c_dtype == DType::F32) {
         float* c = static_cast<float*>(p.c);
         if (beta != 0.0) v = p.k == 0 ? beta * c[idx] : v + beta * c[idx];
+        if (p.bias) v += static_cast<const float*>(p.bias)[j0 + j];
         c[idx] = static_cast<float>(v);
       } else {
         std::uint16_t* c = static_cast<std::uint16_t*>(p.c);
         if (beta != 0.0) v = p.k == 0 ? beta * bf16_to_float(c[idx]) : v + beta * bf16_to_float(c[idx]);
+        if (p.bias) v += bf16_to_float(static_cast<const std::uint16_t*>(p.bias)[j0 + j]);
         c[idx] = float_to_bf16(static_cast<float>(v));
       }
     }

@@ -185,7 +185,8 @@ void nf4_dequantize(const Nf4Weight& w, const TensorView& out) {
   }
 }
 
-void nf4_gemm(const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha, float beta) {
+void nf4_gemm(const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha, float beta,
+              const TensorView& bias) {
   const std::vector<std::uint16_t> w16 = dequantize_bf16(w);
   std::vector<std::uint16_t> a_storage;
   GemmProblem p;
@@ -200,6 +201,7 @@ void nf4_gemm(const TensorView& a, const Nf4Weight& w, const TensorView& c, floa
   p.c_dtype = c.dtype();
   p.alpha = alpha;
   p.beta = beta;
+  p.bias = bias.empty() ? nullptr : bias.data();
   gemm(p);
 }
 

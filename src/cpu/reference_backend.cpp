@@ -20,9 +20,9 @@ class CpuReference final : public ReferenceBackend {
   }
   void nf4_quantize(const TensorView& w, Nf4Weight& out) const override { cpu::nf4_quantize(w, out); }
   void nf4_dequantize(const Nf4Weight& w, const TensorView& out) const override { cpu::nf4_dequantize(w, out); }
-  void nf4_gemm(const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha,
-                float beta) const override {
-    cpu::nf4_gemm(a, w, c, alpha, beta);
+  void nf4_gemm(const TensorView& a, const Nf4Weight& w, const TensorView& c, float alpha, float beta,
+                const TensorView& bias) const override {
+    cpu::nf4_gemm(a, w, c, alpha, beta, bias);
   }
   void nf4_gemm_backward_a(const TensorView& dc, const Nf4Weight& w, const TensorView& da, float alpha,
                            float beta) const override {

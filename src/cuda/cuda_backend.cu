@@ -75,8 +75,9 @@ class CudaBackend final : public GpuBackend {
     cuda::nf4_gate_up(ctx, a, w_gate, w_up, out, opts);
   }
   void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weight> ws, std::span<const TensorView> cs,
-                 std::span<const float> betas, const Nf4GemmOptions& opts) const override {
-    cuda::nf4_gemms(ctx, a, ws, cs, betas, opts);
+                 std::span<const float> betas, std::span<const TensorView> biases,
+                 const Nf4GemmOptions& opts) const override {
+    cuda::nf4_gemms(ctx, a, ws, cs, betas, biases, opts);
   }
   void nf4_gemms_backward_a(const Context& ctx, std::span<const TensorView> dcs, std::span<const Nf4Weight> ws,
                             const TensorView& da, const Nf4GemmOptions& opts) const override {

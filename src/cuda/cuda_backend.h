@@ -61,7 +61,7 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
 // summed into one (da = alpha·Σ dc_i·dequant(W_i) + beta·da; empty dc_i skipped): one dequantize launch for all
 // where every product takes DequantGemm, otherwise one call each.
 void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weight> ws, std::span<const TensorView> cs,
-               std::span<const float> betas, const Nf4GemmOptions& opts);
+               std::span<const float> betas, std::span<const TensorView> biases, const Nf4GemmOptions& opts);
 void nf4_gemms_backward_a(const Context& ctx, std::span<const TensorView> dcs, std::span<const Nf4Weight> ws,
                           const TensorView& da, const Nf4GemmOptions& opts);
 

@@ -967,10 +967,12 @@ void expect_linears_match_composition(const LinearsCase& c, std::uint64_t seed) 
   for (std::int64_t r : c.r) rank += r;
   const Tensor a = test::random_tensor(DType::F32, {rank, c.k}, seed + 1);
   std::vector<Nf4Tensor> ws;
-  std::vector<Tensor> bs, y0s, dys;
+  std::vector<Tensor> bs, y0s, dys, biases;
   for (std::size_t i = 0; i < np; ++i) {
     ws.push_back(nf4_quantize(cpu, test::random_tensor(DType::F32, {c.n[i], c.k}, seed + 10 + i), i % 2 == 0));
     bs.push_back(c.r[i] ? test::random_tensor(DType::F32, {c.n[i], c.r[i]}, seed + 20 + i) : Tensor());
+    // Every projection but the third has a bias (the second's accumulates onto y too).
+    biases.push_back(i != 2 ? test::random_tensor(DType::F32, {c.n[i]}, seed + 60 + i) : Tensor());
     y0s.push_back(test::random_tensor(DType::F32, {c.m, c.n[i]}, seed + 30 + i));
     dys.push_back(test::random_tensor(DType::F32, {c.m, c.n[i]}, seed + 40 + i));
   }
@@ -986,6 +988,7 @@ void expect_linears_match_composition(const LinearsCase& c, std::uint64_t seed) 
     Tensor y = test::host_copy(y0s[i]);
     const float beta = i == 1 ? 1.0f : 0.0f;
     nf4_gemm(cpu, x, ws[i].view(), y, {1.0f, beta});
+    if (!biases[i].view().empty()) add_bias(cpu, y, biases[i]);
     nf4_gemm_backward_a(cpu, dys[i], ws[i].view(), dx_ref, {1.0f, i == 0 ? dx_beta : 1.0f});
     if (c.r[i]) {
       const TensorView ai(static_cast<float*>(a.data()) + row * c.k, DType::F32, {c.r[i], c.k});
@@ -1010,7 +1013,7 @@ void expect_linears_match_composition(const LinearsCase& c, std::uint64_t seed) 
   std::vector<Nf4Projection> ps;
   for (std::size_t i = 0; i < np; ++i) {
     ys.push_back(test::host_copy(y0s[i]));
-    ps.push_back({ws[i].view(), ys[i], i == 1 ? 1.0f : 0.0f, bs[i], scales[i]});
+    ps.push_back({ws[i].view(), ys[i], i == 1 ? 1.0f : 0.0f, bs[i], scales[i], biases[i]});
   }
   Tensor t(DType::F32, {c.m, rank}), dt(DType::F32, {c.m, rank}), ga(DType::F32, {rank, c.k});
   Tensor dx = test::host_copy(dx0);
@@ -1066,6 +1069,14 @@ TEST(Nf4Linears, RefuseBadArgumentsBeforeWriting) {
   EXPECT_TRUE(test::throws_error(call({good}, test::random_tensor(DType::F32, {16, 64}, 5), t),
                                  ErrorCode::ShapeMismatch, {"a is", "[8,64]"}));
   EXPECT_TRUE(test::throws_error(call({{w.view(), y, 0.5f, b, 2.0f}}, a, t), ErrorCode::InvalidArgument, {"beta"}));
+  EXPECT_TRUE(test::throws_error(call({{w.view(), y, 0.0f, b, 2.0f, Tensor(DType::F32, {63})}}, a, t),
+                                 ErrorCode::ShapeMismatch, {"projection 0 bias is [63]", "[64]"}));
+  EXPECT_TRUE(test::throws_error(call({{w.view(), y, 0.0f, b, 2.0f, Tensor(DType::F32, {1, 64})}}, a, t),
+                                 ErrorCode::ShapeMismatch, {"projection 0 bias"}));
+  EXPECT_TRUE(test::throws_error(call({{w.view(), y, 0.0f, b, 2.0f, Tensor(DType::BF16, {64})}}, a, t),
+                                 ErrorCode::DTypeMismatch, {"projection 0 bias"}));
+  EXPECT_TRUE(test::throws_error(call({{w.view(), y, 0.0f, b, 2.0f, TensorView(y.data(), DType::F32, {64})}}, a, t),
+                                 ErrorCode::InvalidArgument, {"overlap"}));
   EXPECT_TRUE(test::throws_error(call({good}, a, TensorView()), ErrorCode::InvalidArgument, {"t has null data"}));
   EXPECT_TRUE(test::throws_error(call({{w.view(), x, 0.0f, b, 2.0f}}, a, t), ErrorCode::InvalidArgument,
                                  {"projection 0 y and x overlap"}));

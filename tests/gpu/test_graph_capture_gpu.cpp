@@ -29,7 +29,7 @@ struct StepBuffers {
   Tensor x, a_master, b_master, norm_w, cos, sin, head_w, labels, dy;  // inputs
   Tensor a, b, y, t, h, h2, gate, up, xn, rstd, dx, dt, grad_a, grad_b;  // outputs
   Tensor dgate, dup, dxn, dnorm_w, q_rot, loss, dh_head, dw_head, y_small;
-  Tensor a2, dy2, y2a, y2b, t2, dt2, grad_a2, grad_b2a, grad_b2b, dx2;  // two projections of x, adapters stacked
+  Tensor a2, bias2, dy2, y2a, y2b, t2, dt2, grad_a2, grad_b2a, grad_b2b, dx2;  // two projections of x, adapters stacked
 
   explicit StepBuffers(const Context& ctx) : dev(ctx.device()) {
     std::uint64_t seed = 4100;
@@ -88,6 +88,7 @@ struct StepBuffers {
     grad_b2a = out(DType::F32, {kFfn, kRank});
     grad_b2b = out(DType::F32, {kFfn, kRank});
     dx2 = out(DType::BF16, {kTokens, kHidden});
+    bias2 = in(DType::BF16, {kFfn});
   }
 
   // Every output, in a fixed order, for comparing runs.
@@ -110,8 +111,9 @@ struct StepBuffers {
     gemm_bt(ctx, x, a, t);
     gemm_bt(ctx, t, b, y, {2.0f, 1.0f});
     nf4_gemm(ctx, TensorView(x.data(), DType::BF16, {7, kHidden}, dev), w_up, y_small);  // few tokens: small-M kernels
-    // Two projections of x as one op (an attention's q, k and v): one dequantize launch, the adapters stacked.
-    const std::vector<Nf4Projection> two{{w_gate, y2a, 0.0f, b, 2.0f}, {w_up, y2b, 0.0f, b, 0.5f}};
+    // Two projections of x as one op (an attention's q, k and v): one dequantize launch, the adapters stacked, the
+    // first's bias in its GEMM's epilogue (the pointer, set per launch, must be this buffer's in the replay).
+    const std::vector<Nf4Projection> two{{w_gate, y2a, 0.0f, b, 2.0f, bias2}, {w_up, y2b, 0.0f, b, 0.5f}};
     lora_nf4_linears(ctx, x, two, a2, t2);
     nf4_gate_up(ctx, x, w_gate, w_up, {gate, up, h});
     swiglu(ctx, gate, up, h2);
@@ -179,6 +181,35 @@ TEST(GraphCapture, TrainStepOpsReplayOnAContextMadeWhileCapturing) {
 // A product over a short K (an adapter's second product y += t·Bᵀ, rank 16, at a Llama projection's size) takes an
 // algorithm without cuBLASLt's workspace: its graph holds no memset node (the workspace algorithms zero part of it
 // before every launch).
+struct NodeCounts {
+  int kernels = 0, memsets = 0, all = 0;
+};
+
+// The nodes of what f launches on ctx's stream, captured (its plans made by a run outside the capture first).
+// Counts out: CUDA_OK's fatal failure returns from a void function.
+template <class F>
+void count_captured_nodes(const Context& ctx, F&& f, NodeCounts& counts) {
+  f();
+  ctx.synchronize();
+  cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream());
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  cudaGraph_t graph = nullptr;
+  f();
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  std::size_t n = 0;
+  CUDA_OK(cudaGraphGetNodes(graph, nullptr, &n));
+  std::vector<cudaGraphNode_t> nodes(n);
+  CUDA_OK(cudaGraphGetNodes(graph, nodes.data(), &n));
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type{};
+    CUDA_OK(cudaGraphNodeGetType(node, &type));
+    counts.kernels += type == cudaGraphNodeTypeKernel;
+    counts.memsets += type == cudaGraphNodeTypeMemset;
+    ++counts.all;
+  }
+  cudaGraphDestroy(graph);
+}
+
 TEST(GraphCapture, ShortKProductsCaptureNoMemset) {
   QMM_REQUIRE_GPU();
   const Context ctx = Context::cuda_with_new_stream(0);
@@ -186,27 +217,45 @@ TEST(GraphCapture, ShortKProductsCaptureNoMemset) {
   const Tensor t = to_device(test::random_tensor(DType::BF16, {4096, 16}, 4301), dev);
   const Tensor b = to_device(test::random_tensor(DType::BF16, {4096, 16}, 4302), dev);
   Tensor y = to_device(test::random_tensor(DType::BF16, {4096, 4096}, 4303), dev);
-  gemm_bt(ctx, t, b, y, {1.0f, 1.0f});  // the plan is made outside the capture
-  ctx.synchronize();
-  cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream());
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  cudaGraph_t graph = nullptr;
-  gemm_bt(ctx, t, b, y, {1.0f, 1.0f});
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  std::size_t n = 0;
-  CUDA_OK(cudaGraphGetNodes(graph, nullptr, &n));
-  std::vector<cudaGraphNode_t> nodes(n);
-  CUDA_OK(cudaGraphGetNodes(graph, nodes.data(), &n));
-  int kernels = 0, memsets = 0;
-  for (cudaGraphNode_t node : nodes) {
-    cudaGraphNodeType type{};
-    CUDA_OK(cudaGraphNodeGetType(node, &type));
-    kernels += type == cudaGraphNodeTypeKernel;
-    memsets += type == cudaGraphNodeTypeMemset;
+  NodeCounts n;
+  count_captured_nodes(
+      ctx,
+      [&] {
+        gemm_bt(ctx, t, b, y, {1.0f, 1.0f});
+      },
+      n);
+  EXPECT_GE(n.kernels, 1);
+  EXPECT_EQ(n.memsets, 0) << n.kernels << " kernel node(s)";
+}
+
+// q, k and v's biases ride in their GEMMs' epilogue: a biased group launches what an unbiased one does.
+TEST(GraphCapture, BiasedProjectionsLaunchNoMore) {
+  QMM_REQUIRE_GPU();
+  const Context ctx = Context::cuda_with_new_stream(0);
+  const Device dev = ctx.device();
+  constexpr std::int64_t kTokens = 512, kHidden = 256;
+  const std::int64_t widths[] = {256, 64, 64};
+  const Tensor x = to_device(test::random_tensor(DType::BF16, {kTokens, kHidden}, 4401), dev);
+  std::vector<Nf4Tensor> ws;
+  std::vector<Tensor> ys, biases;
+  for (std::int64_t n : widths) {
+    ws.push_back(nf4_quantize(ctx, to_device(test::random_tensor(DType::BF16, {n, kHidden}, 4402 + n), dev), true));
+    ys.emplace_back(DType::BF16, Shape{kTokens, n}, dev);
+    biases.push_back(to_device(test::random_tensor(DType::BF16, {n}, 4403 + n), dev));
   }
-  cudaGraphDestroy(graph);
-  EXPECT_GE(kernels, 1);
-  EXPECT_EQ(memsets, 0) << kernels << " kernel node(s)";
+  const auto projections = [&](bool biased) {
+    std::vector<Nf4Projection> ps;
+    for (std::size_t i = 0; i < ws.size(); ++i)
+      ps.push_back({ws[i].view(), ys[i], 0.0f, TensorView(), 1.0f, biased ? biases[i].view() : TensorView()});
+    return ps;
+  };
+  NodeCounts plain, biased;
+  count_captured_nodes(
+      ctx, [&] { lora_nf4_linears(ctx, x, projections(false), TensorView(), TensorView()); }, plain);
+  count_captured_nodes(
+      ctx, [&] { lora_nf4_linears(ctx, x, projections(true), TensorView(), TensorView()); }, biased);
+  EXPECT_GE(plain.kernels, 4);  // one dequantize launch and three GEMMs
+  EXPECT_EQ(biased.all, plain.all) << biased.kernels << " kernel node(s) against " << plain.kernels;
 }
 #endif
 

@@ -617,7 +617,7 @@ void expect_linears_gpu_matches_cpu(DType dtype, std::int64_t m, std::int64_t k,
   const Tensor a = test::random_tensor(dtype, {rank, k}, seed + 1, -a_range, a_range);
   const Tensor x_d = to_device(x, d), a_d = to_device(a, d);
   std::vector<Nf4Tensor> ws, ws_d;
-  std::vector<Tensor> bs, bs_d, y0s, y_gpu, dys, dys_d, gb_gpu;
+  std::vector<Tensor> bs, bs_d, y0s, y_gpu, dys, dys_d, gb_gpu, biases, biases_d;
   std::vector<Nf4Projection> pg;
   const float scales[] = {2.0f, 0.5f, 1.0f};
   for (std::size_t i = 0; i < np; ++i) {
@@ -630,7 +630,10 @@ void expect_linears_gpu_matches_cpu(DType dtype, std::int64_t m, std::int64_t k,
     if (i != 1) test::poison(y_gpu[i]);  // projection 1 accumulates onto its "bias"
     dys.push_back(test::random_tensor(dtype, {m, ns[i]}, seed + 40 + i));
     dys_d.push_back(to_device(dys[i], d));
-    pg.push_back({ws_d[i].view(), y_gpu[i], i == 1 ? 1.0f : 0.0f, bs_d[i], scales[i % 3]});
+    // Every projection but the third adds a bias (in the GEMM's epilogue, or a launch after a small-M kernel).
+    biases.push_back(i != 2 ? test::random_tensor(dtype, {ns[i]}, seed + 60 + i) : Tensor());
+    biases_d.push_back(i != 2 ? to_device(biases[i], d) : Tensor());
+    pg.push_back({ws_d[i].view(), y_gpu[i], i == 1 ? 1.0f : 0.0f, bs_d[i], scales[i % 3], biases_d[i]});
   }
   Tensor t(dtype, {m, rank}), t_d(dtype, {m, rank}, d);
   test::poison(t_d);
@@ -650,14 +653,19 @@ void expect_linears_gpu_matches_cpu(DType dtype, std::int64_t m, std::int64_t k,
     Tensor exact = test::host_copy(y0s[i]);
     nf4_gemm(cpu, x, ws[i].view(), exact, {1.0f, beta});
     Tensor after = test::nf4_scale_after_reference(x, ws[i].view(), y0s[i], 1.0f, beta);
+    if (!biases[i].view().empty()) {
+      add_bias(cpu, exact, biases[i]);
+      add_bias(cpu, after, biases[i]);
+    }
     if (rs[i]) {
       const Tensor ti = host_columns(t_got, col, rs[i]);
       gemm_bt(cpu, ti, bs[i], exact, {scales[i % 3], 1.0f});
       gemm_bt(cpu, ti, bs[i], after, {scales[i % 3], 1.0f});
       col += rs[i];
     }
-    EXPECT_TRUE(
-        test::nf4_forward_close(test::host_copy(y_gpu[i]), exact, after, roundings(out_tol(k + rs[i]), rs[i] ? 2 : 1)))
+    EXPECT_TRUE(test::nf4_forward_close(
+        test::host_copy(y_gpu[i]), exact, after,
+        roundings(out_tol(k + rs[i]), 1 + (rs[i] ? 1 : 0) + (biases[i].view().empty() ? 0 : 1))))
         << what << ": y " << i;
   }
 

@@ -44,7 +44,8 @@ constexpr int kHeuristicResults = 8;
 std::size_t round_up(std::size_t x, std::size_t to) { return (x + to - 1) / to * to; }
 
 // cuBLASLt state of one plan. Created once, only read afterwards (cublasLtMatmul takes them as const input), so
-// threads share a plan without locking.
+// threads share a plan without locking; the one exception, a bias epilogue's pointer, is set under the launch's
+// lock (cublasLtMatmul reads it when it launches).
 struct LtPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t lt_a = nullptr;  // cuBLASLt's A: our B
@@ -164,6 +165,14 @@ bool try_make_plan(const CudaState& st, const GemmProblem& p, const Route& r, cu
   const cublasOperation_t op_b = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   QMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   QMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  if (p.bias) {  // cuBLASLt's rows are our columns: its bias, one value a row of D, is ours, one a column
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const cudaDataType_t bias_type = r.c_type;
+    QMM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    QMM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+  }
 
   // Column-major views of the row-major buffers: rows = the row-major column count = the leading dimension.
   const auto u = [](std::int64_t v) { return static_cast<std::uint64_t>(v); };
@@ -273,6 +282,9 @@ void gemm(const Context& ctx, const GemmProblem& p) {
                                             shape_text(p) + ": batches of C would overlap");
   if (!p.dense() && (p.batch > 1 || p.k == 0 || route_of(p).convert))
     throw Error(ErrorCode::Unsupported, "gemm: row pitches need one bf16 product with k > 0 (" + shape_text(p) + ")");
+  if (p.bias && (p.batch > 1 || p.k == 0 || route_of(p).convert))
+    throw Error(ErrorCode::Unsupported,
+                "gemm: a bias needs one product with k > 0 and no conversion (" + shape_text(p) + ")");
   if (p.k == 0) {  // an empty product: C = beta * C, which cuBLASLt does not take (k must be positive)
     launch_scale_c(st, p);
     return;
@@ -325,6 +337,9 @@ void gemm(const Context& ctx, const GemmProblem& p) {
   }
   // cuBLASLt's A is our B and its B our A (see the top). beta == 0: cuBLASLt does not read C.
   std::lock_guard<std::mutex> lock(st.lt_mutex);
+  if (p.bias)
+    QMM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof(p.bias)));
   QMM_CUBLAS_CHECK(cublasLtMatmul(st.lt, plan->desc, &alpha, b, plan->lt_a, a, plan->lt_b, &beta, p.c, plan->lt_c, p.c,
                                   plan->lt_c, &plan->algo, plan->workspace_bytes ? st.workspace : nullptr,
                                   plan->workspace_bytes, st.stream));

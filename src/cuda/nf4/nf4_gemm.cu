@@ -145,9 +145,10 @@ void dequantize_bf16(const Context& ctx, const Nf4Weight& w, void* dst) {
   cuda::nf4_dequantize(ctx, w, TensorView(dst, DType::BF16, {w.rows, w.cols}, Device::cuda(state(ctx).device)));
 }
 
-// C[m,n] = alpha * A[m,k] * B^T + beta * C with B stored [n,k] (trans_b), or * B with B stored [k,n].
+// C[m,n] = alpha * A[m,k] * B^T + beta * C (+ bias[n] on every row) with B stored [n,k] (trans_b), or * B with B
+// stored [k,n].
 void bf16_gemm(const Context& ctx, const void* a, const void* b, bool trans_b, const TensorView& c, std::int64_t m,
-               std::int64_t n, std::int64_t k, float alpha, float beta) {
+               std::int64_t n, std::int64_t k, float alpha, float beta, const void* bias = nullptr) {
   GemmProblem p;
   p.m = m;
   p.n = n;
@@ -161,6 +162,7 @@ void bf16_gemm(const Context& ctx, const void* a, const void* b, bool trans_b, c
   p.alpha = alpha;
   p.beta = beta;
   p.math = MathMode::FP32;  // bf16 storage: bf16 operands, fp32 accumulation in any mode
+  p.bias = bias;
   cuda::gemm(ctx, p);
 }
 
@@ -234,15 +236,19 @@ void nf4_gemm_backward_a(const Context& ctx, const TensorView& dc, const Nf4Weig
 }
 
 void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weight> ws, std::span<const TensorView> cs,
-               std::span<const float> betas, const Nf4GemmOptions& opts) {
+               std::span<const float> betas, std::span<const TensorView> biases, const Nf4GemmOptions& opts) {
   auto one = [&](std::size_t i) { return Nf4GemmOptions{opts.alpha, betas[i], opts.path}; };
   bool grouped = ws.size() > 1 && a.dim(0) > 0;
   for (std::size_t i = 0; i < ws.size(); ++i)  // every plan first: a forced path that cannot serve one throws here
     grouped = plan_or_throw(ctx, nf4_problem(Nf4Op::Forward, a, ws[i], nullptr, cs[i].dtype(), one(i))).kernel ==
                   Nf4Kernel::DequantGemm &&
               grouped;
+  // Grouped, the GEMMs add the biases in their epilogue; apart (the small-M kernels), a launch of its own each.
   if (!grouped) {
-    for (std::size_t i = 0; i < ws.size(); ++i) cuda::nf4_gemm(ctx, a, ws[i], cs[i], one(i));
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      cuda::nf4_gemm(ctx, a, ws[i], cs[i], one(i));
+      if (!biases[i].empty() && a.dim(0) > 0) cuda::add_bias(ctx, cs[i], biases[i]);
+    }
     return;
   }
   set_device(ctx);
@@ -257,7 +263,8 @@ void nf4_gemms(const Context& ctx, const TensorView& a, std::span<const Nf4Weigh
   auto* w16 = scratch.at<__nv_bfloat16>(w_at);
   nf4_dequantize_many(ctx, ws, w16);
   for (std::size_t i = 0; i < ws.size(); ++i) {
-    bf16_gemm(ctx, a16, w16, true, cs[i], M, ws[i].rows, K, opts.alpha, betas[i]);
+    bf16_gemm(ctx, a16, w16, true, cs[i], M, ws[i].rows, K, opts.alpha, betas[i],
+              biases[i].empty() ? nullptr : biases[i].data());
     w16 += ws[i].numel();
   }
 }
