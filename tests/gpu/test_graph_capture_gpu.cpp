@@ -112,7 +112,7 @@ struct StepBuffers {
     gemm_bt(ctx, t, b, y, {2.0f, 1.0f});
     nf4_gemm(ctx, TensorView(x.data(), DType::BF16, {7, kHidden}, dev), w_up, y_small);  // few tokens: small-M kernels
     // Two projections of x as one op (an attention's q, k and v): one dequantize launch, the adapters stacked, the
-    // first's bias in its GEMM's epilogue (the pointer, set per launch, must be this buffer's in the replay).
+    // first's bias in its GEMM's epilogue.
     const std::vector<Nf4Projection> two{{w_gate, y2a, 0.0f, b, 2.0f, bias2}, {w_up, y2b, 0.0f, b, 0.5f}};
     lora_nf4_linears(ctx, x, two, a2, t2);
     nf4_gate_up(ctx, x, w_gate, w_up, {gate, up, h});
@@ -178,9 +178,6 @@ TEST(GraphCapture, TrainStepOpsReplayOnAContextMadeWhileCapturing) {
   cudaStreamDestroy(stream);
 }
 
-// A product over a short K (an adapter's second product y += t·Bᵀ, rank 16, at a Llama projection's size) takes an
-// algorithm without cuBLASLt's workspace: its graph holds no memset node (the workspace algorithms zero part of it
-// before every launch).
 struct NodeCounts {
   int kernels = 0, memsets = 0, all = 0;
 };
@@ -210,6 +207,9 @@ void count_captured_nodes(const Context& ctx, F&& f, NodeCounts& counts) {
   cudaGraphDestroy(graph);
 }
 
+// A product over a short K (an adapter's second product y += t·Bᵀ, rank 16, at a Llama projection's size) takes an
+// algorithm without cuBLASLt's workspace: its graph holds no memset node (the workspace algorithms zero part of it
+// before every launch).
 TEST(GraphCapture, ShortKProductsCaptureNoMemset) {
   QMM_REQUIRE_GPU();
   const Context ctx = Context::cuda_with_new_stream(0);
@@ -256,6 +256,46 @@ TEST(GraphCapture, BiasedProjectionsLaunchNoMore) {
       ctx, [&] { lora_nf4_linears(ctx, x, projections(true), TensorView(), TensorView()); }, biased);
   EXPECT_GE(plain.kernels, 4);  // one dequantize launch and three GEMMs
   EXPECT_EQ(biased.all, plain.all) << biased.kernels << " kernel node(s) against " << plain.kernels;
+}
+
+// The bias epilogue's pointer is set on the plan's shared descriptor at each launch: a graph keeps the one it was
+// captured with, whatever later launches of the same plan set.
+TEST(GraphCapture, BiasEpilogueReplaysItsOwnBias) {
+  QMM_REQUIRE_GPU();
+  const Context ctx = Context::cuda_with_new_stream(0);
+  const Device dev = ctx.device();
+  constexpr std::int64_t kTokens = 512, kHidden = 256;
+  const Tensor x = to_device(test::random_tensor(DType::BF16, {kTokens, kHidden}, 4501), dev);
+  std::vector<Nf4Tensor> ws;
+  for (std::int64_t n : {256, 64})
+    ws.push_back(nf4_quantize(ctx, to_device(test::random_tensor(DType::BF16, {n, kHidden}, 4502 + n), dev), true));
+  const Tensor bias_a = to_device(test::random_tensor(DType::BF16, {256}, 4503), dev);
+  const Tensor bias_b = to_device(test::random_tensor(DType::BF16, {256}, 4504, 5.0f, 6.0f), dev);
+  Tensor y0(DType::BF16, {kTokens, 256}, dev), y1(DType::BF16, {kTokens, 64}, dev);
+  const auto run = [&](const Tensor& bias) {
+    const std::vector<Nf4Projection> ps{{ws[0].view(), y0, 0.0f, TensorView(), 1.0f, bias},
+                                        {ws[1].view(), y1, 0.0f, TensorView(), 1.0f, TensorView()}};
+    lora_nf4_linears(ctx, x, ps, TensorView(), TensorView());
+  };
+  run(bias_a);  // the plans, outside the capture
+  ctx.synchronize();
+  const Tensor want = test::host_copy(y0);
+  cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream());
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  cudaGraph_t graph = nullptr;
+  run(bias_a);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  run(bias_b);  // the same plan, its descriptor now pointing at bias_b
+  ctx.synchronize();
+  EXPECT_FALSE(test::bytes_equal(test::host_copy(y0), want)) << "bias_b changed nothing";
+  test::poison(y0);
+  CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  EXPECT_TRUE(test::bytes_equal(test::host_copy(y0), want));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
 }
 #endif
 
