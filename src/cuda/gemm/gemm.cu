@@ -280,9 +280,12 @@ void gemm(const Context& ctx, const GemmProblem& p) {
     throw Error(ErrorCode::Unsupported, "gemm: C batch stride " + std::to_string(p.stride_c) +
                                             " is below m*n = " + std::to_string(p.m * p.n) + " for " +
                                             shape_text(p) + ": batches of C would overlap");
-  if (!p.dense() && (p.batch > 1 || p.k == 0 || route_of(p).convert))
+  const Route r = route_of(p);
+  // Row pitches and a bias (the bias epilogue) take one product that cuBLASLt runs on the operands as given.
+  const bool one_plain_product = p.batch == 1 && p.k > 0 && !r.convert;
+  if (!p.dense() && !one_plain_product)
     throw Error(ErrorCode::Unsupported, "gemm: row pitches need one bf16 product with k > 0 (" + shape_text(p) + ")");
-  if (p.bias && (p.batch > 1 || p.k == 0 || route_of(p).convert))
+  if (p.bias && !one_plain_product)
     throw Error(ErrorCode::Unsupported,
                 "gemm: a bias needs one product with k > 0 and no conversion (" + shape_text(p) + ")");
   if (p.k == 0) {  // an empty product: C = beta * C, which cuBLASLt does not take (k must be positive)
@@ -293,7 +296,6 @@ void gemm(const Context& ctx, const GemmProblem& p) {
     throw Error(ErrorCode::Unsupported, "gemm: batch " + std::to_string(p.batch) +
                                             " exceeds cuBLASLt's int32 batch count for " + shape_text(p));
 
-  const Route r = route_of(p);
   const std::size_t ab_elem = r.ab_type == CUDA_R_16BF ? 2 : 4;
   const std::size_t c_elem = p.c_dtype == DType::BF16 ? 2 : 4;
   Alignments al{};
