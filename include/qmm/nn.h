@@ -234,7 +234,8 @@ class SwiGluMlp {
   // kernel instead of onto gate and up, and the backward down's share of h's gradient there too (writing h again
   // for down's A gradient): where no projection has a bias, down drops nothing in that forward, and on a CUDA
   // context with bf16 activations and ranks up to kSwiGluAdaptersMmaRank (the kernel's tensor-core path); on a
-  // CPU context always. The sums then go unrounded into the SwiGLU (as in Python's lora_nf4_mlp).
+  // CPU context with bf16 activations or FP32 math on all three (the kernel's sums do not round operands as
+  // MathMode::BF16/TF32 GEMMs do). The sums then go unrounded into the SwiGLU (as in Python's lora_nf4_mlp).
   bool adapters_in_swiglu(ForwardMode mode = ForwardMode::Train) const;
   std::int64_t hidden_features() const { return down_.out_features(); }        // H
   std::int64_t intermediate_features() const { return gate_.out_features(); }  // I

@@ -67,9 +67,16 @@ bool SwiGluMlp::adapters_in_swiglu(ForwardMode mode) const {
   for (const LoraLinear* l : {&gate_, &up_, &down_})
     if (!l->bias().empty()) return false;
   if (down_.config().dropout > 0.0f && mode != ForwardMode::Eval) return false;  // its dh share joins unmasked
-  if (gate_.context().device().is_cpu()) return true;
+  const bool bf16 = gate_.config().activations == DType::BF16;
+  if (gate_.context().device().is_cpu()) {
+    // The kernel sums the terms exactly from t and B as stored; f32 activations under a reduced math mode would
+    // lose the operand rounding the adapters' own GEMMs apply.
+    bool exact_math = true;
+    for (const LoraLinear* l : {&gate_, &up_, &down_}) exact_math = exact_math && l->config().math == MathMode::FP32;
+    return bf16 || exact_math;
+  }
   const int most = std::max({gate_.config().rank, up_.config().rank, down_.config().rank});
-  return gate_.config().activations == DType::BF16 && most <= kSwiGluAdaptersMmaRank;
+  return bf16 && most <= kSwiGluAdaptersMmaRank;
 }
 
 SwiGluAdapters SwiGluMlp::swiglu_terms() {

@@ -791,6 +791,13 @@ TEST(SwiGluMlp, AdapterTermsGoToTheKernelOnlyWhereTheyMay) {
   EXPECT_FALSE(down_drops.adapters_in_swiglu());
   EXPECT_TRUE(down_drops.adapters_in_swiglu(ForwardMode::Eval));  // nothing dropped in an Eval forward
   EXPECT_FALSE(biased.adapters_in_swiglu());
+  // f32 activations whose adapters' GEMMs truncate their operands (MathMode::BF16): the kernel's exact sums would
+  // differ from those GEMMs by a bf16 rounding, so the terms stay on gate and up.
+  LoraConfig truncating = c;
+  truncating.math = MathMode::BF16;
+  SwiGluMlp reduced(LoraLinear(cpu(), g.base(), truncating), LoraLinear(cpu(), u.base(), c),
+                    LoraLinear(cpu(), d.base(), c));
+  EXPECT_FALSE(reduced.adapters_in_swiglu());
   // Down dropping out: the terms go onto gate and up, and the result is still the formula.
   randomize_adapters(down_drops.gate(), 7505);
   randomize_adapters(down_drops.up(), 7506);

@@ -178,7 +178,8 @@ TEST(NnGpu, SwiGluMlpMatchesCpu) {
     float dropout = 0.1f;
   };
   // M = 7 takes the small-M NF4 kernels (fused gate/up included) where the dispatcher picks them. Without
-  // dropout the adapters' terms go into the SwiGLU kernel (adapters_in_swiglu: bf16 on the GPU, always on the CPU).
+  // dropout the adapters' terms go into the SwiGLU kernel (adapters_in_swiglu: bf16 on the GPU; on the CPU bf16 or
+  // f32 under FP32 math, which these configs' default BF16 math is not: both devices take the same formula).
   const std::vector<Run> runs = {{false, DType::F32, 130, false},       {false, DType::BF16, 130, true},
                                  {true, DType::F32, 130, true},         {true, DType::BF16, 130, false},
                                  {true, DType::BF16, 7, false},         {true, DType::F32, 7, true},
@@ -191,6 +192,7 @@ TEST(NnGpu, SwiGluMlpMatchesCpu) {
     const MlpOptions o{r.recompute, true};
     SwiGluMlp on_cpu(cpu(), g.host(), u.host(), d.host(), c, o), on_gpu(gpu, g.dev(), u.dev(), d.dev(), c, o);
     EXPECT_EQ(on_gpu.adapters_in_swiglu(), r.dropout == 0.0f && r.act == DType::BF16);
+    EXPECT_EQ(on_cpu.adapters_in_swiglu(), on_gpu.adapters_in_swiglu());
     same_adapters(on_cpu.gate(), on_gpu.gate(), seed + 9);
     same_adapters(on_cpu.up(), on_gpu.up(), seed + 11);
     same_adapters(on_cpu.down(), on_gpu.down(), seed + 13);
