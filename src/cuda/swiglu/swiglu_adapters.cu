@@ -31,8 +31,10 @@ using swiglu_detail::Sigmoid;
 using swiglu_detail::sigmoid_pair;
 
 constexpr int kMaxMmaRank = kSwiGluAdaptersMmaRank;
-constexpr int kWarpsPerBlock = 2;
-constexpr int kStages = 3;  // tiles in flight per warp
+// Four warps a block with two tiles in flight each: more warps an SM than fewer, deeper pipelines, whose slots
+// (the backward's gate, up, dh and three t runs a row) would limit the blocks an SM holds.
+constexpr int kWarpsPerBlock = 4;
+constexpr int kStages = 2;  // tiles in flight per warp
 constexpr int kStripCols = 32;
 constexpr int kTiles = kStripCols / 8;  // the strip's n8 mma tiles
 constexpr int kTileRows = 16;
@@ -110,52 +112,30 @@ __device__ __forceinline__ void load_b_frags(std::uint32_t (&f)[kTiles][KS][2], 
   }
 }
 
-// A term's t runs of a tile take KS slots a lane: its rows g and g + 8 (lane q's columns k0 = 4·KS·q ..
-// k0 + 4·KS - 1 of each, see a_col) are the two halves of one slot for KS = 1, a slot each for KS = 2.
+// Stages a term's t run for one row of a tile (lane q's columns k0 = 4·KS·q .. k0 + 4·KS - 1, see a_col) into
+// the lane's slot: one 8- or 16-byte copy where t's layout allows, else element by element; zeros past r and M.
 template <int KS>
-__device__ __forceinline__ unsigned char* t_run_at(uint4 (*slots)[32], int base, int lane, int c) {
-  if constexpr (KS == 1) return reinterpret_cast<unsigned char*>(&slots[base][lane]) + 8 * c;
-  return reinterpret_cast<unsigned char*>(&slots[base + c][lane]);
-}
-
-// Stages row `row`'s run (row half c) of a term's t: one 8- or 16-byte copy where t's layout allows, else element
-// by element; zeros past r and M.
-template <int KS>
-__device__ __forceinline__ void stage_t(uint4 (*slots)[32], int base, int lane, int c, const Term<__nv_bfloat16>& tm,
-                                        std::int64_t row, std::int64_t m, int k0) {
+__device__ __forceinline__ void stage_t(uint4* slot, const Term<__nv_bfloat16>& tm, std::int64_t row, std::int64_t m,
+                                        int k0) {
   constexpr int kRun = 4 * KS;
-  unsigned char* dst = t_run_at<KS>(slots, base, lane, c);
   const __nv_bfloat16* at = tm.t + row * tm.ldt + k0;
   if (row < m && tm.align >= kRun && k0 + kRun <= tm.r) {
-    common::cp_async_ca_or_zero<2 * kRun>(common::shared_address(dst), at, true);
+    common::cp_async_ca_or_zero<2 * kRun>(common::shared_address(slot), at, true);
     return;
   }
-  std::uint32_t w[2 * KS];
+  std::uint32_t w[4] = {};
 #pragma unroll
   for (int i = 0; i < 2 * KS; ++i) {
     const int k = k0 + 2 * i;
     w[i] = pack_bf16(at, 2 * i, 2 * i + 1, row < m && k < tm.r, row < m && k + 1 < tm.r);
   }
-  if constexpr (KS == 1)
-    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-  else
-    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+  *slot = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// A term's A fragments from its staged runs.
+// A term's A fragments from its two staged rows (g, g + 8).
 template <int KS>
-__device__ __forceinline__ void a_frags(std::uint32_t (&a)[KS][4], uint4 (*slots)[32], int base, int lane) {
-  std::uint32_t w[2][4];
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    if constexpr (KS == 1) {
-      const uint2 v = *reinterpret_cast<const uint2*>(t_run_at<KS>(slots, base, lane, c));
-      w[c][0] = v.x, w[c][1] = v.y;
-    } else {
-      const uint4 v = *reinterpret_cast<const uint4*>(t_run_at<KS>(slots, base, lane, c));
-      w[c][0] = v.x, w[c][1] = v.y, w[c][2] = v.z, w[c][3] = v.w;
-    }
-  }
+__device__ __forceinline__ void a_frags(std::uint32_t (&a)[KS][4], const uint4& row_g, const uint4& row_g8) {
+  const std::uint32_t w[2][4] = {{row_g.x, row_g.y, row_g.z, row_g.w}, {row_g8.x, row_g8.y, row_g8.z, row_g8.w}};
 #pragma unroll
   for (int c = 0; c < 2; ++c)
 #pragma unroll
@@ -164,11 +144,18 @@ __device__ __forceinline__ void a_frags(std::uint32_t (&a)[KS][4], uint4 (*slots
       for (int h = 0; h < 2; ++h) a[ks][c + 2 * h] = w[c][2 * ks + h];  // registers: rows g / g + 8, k halves 0 / 1
 }
 
-// values[c][e] += scale · the term's product at the lane's run c, element e (tile e / 2's accumulator
-// 2c + e % 2), its fp32 mma tiles held only for this.
+// acc[j] = the term's mma tile j (fp32).
 template <int KS>
-__device__ __forceinline__ void add_term(float (&values)[2][8], float scale, const std::uint32_t (&a)[KS][4],
-                                         const std::uint32_t (&bf)[kTiles][KS][2]);
+__device__ __forceinline__ void term_tiles(float (&acc)[kTiles][4], const std::uint32_t (&a)[KS][4],
+                                           const std::uint32_t (&bf)[kTiles][KS][2]) {
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) mma_bf16_16816(acc[j], a[ks], bf[j][ks][0], bf[j][ks][1]);
+  }
+}
 
 // 8 consecutive bf16 elements (row, col..) of an [M, N] tensor: one 16-byte load where it fits, else one by one
 // (zeros outside the tensor).
@@ -217,8 +204,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 16 / kWarpsPerBlock) swig
   using E = Elem<__nv_bfloat16>;
   constexpr int KDA = KD > 0 ? KD : 1;
   constexpr int kData = kBackward ? 3 : 2;          // gate, up (, dh)
-  constexpr int kTg = 2 * kData, kTu = kTg + K, kTd = kTu + K;  // the terms' first slots (t_run_at)
-  constexpr int kItems = kTd + KD;                              // data: rows g and g + 8 each
+  constexpr int kTerms = 2 + (KD > 0 ? 1 : 0);      // t_g, t_u (, t_d)
+  constexpr int kItems = 2 * (kData + kTerms);      // each for rows g and g + 8
   __shared__ uint4 stage[kWarpsPerBlock][kStages][kItems][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
   const std::int64_t strip = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
@@ -233,7 +220,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 16 / kWarpsPerBlock) swig
   const std::int64_t last = std::min(first + p.rows_per_group, p.m);
   const int tiles = static_cast<int>((last - first + kTileRows - 1) / kTileRows);
   const std::int64_t col = col0 + 8 * q;
-  // Slot order: data d, row half c at 2d + c; then the terms' t runs from kTg, kTu, kTd.
+  // Item order in a slot set: data d, row half c at 2d + c; term e's t at 2(kData + e) + c.
   const auto issue = [&](int tile) {
     uint4(*slots)[32] = stage[warp][tile % kStages];
     const std::int64_t row0 = first + static_cast<std::int64_t>(tile) * kTileRows;
@@ -243,9 +230,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 16 / kWarpsPerBlock) swig
       stage8(&slots[c][lane], p.gate, row, col, p.m, p.n, p.vec);
       stage8(&slots[2 + c][lane], p.up, row, col, p.m, p.n, p.vec);
       if constexpr (kBackward) stage8(&slots[4 + c][lane], p.dh, row, col, p.m, p.n, p.vec);
-      stage_t<K>(slots, kTg, lane, c, p.tg, row, p.m, 4 * K * q);
-      stage_t<K>(slots, kTu, lane, c, p.tu, row, p.m, 4 * K * q);
-      if constexpr (KD > 0) stage_t<KD>(slots, kTd, lane, c, p.td, row, p.m, 4 * KD * q);
+      stage_t<K>(&slots[2 * kData + c][lane], p.tg, row, p.m, 4 * K * q);
+      stage_t<K>(&slots[2 * kData + 2 + c][lane], p.tu, row, p.m, 4 * K * q);
+      if constexpr (KD > 0) stage_t<KD>(&slots[2 * kData + 4 + c][lane], p.td, row, p.m, 4 * KD * q);
     }
   };
 #pragma unroll
@@ -257,62 +244,39 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 16 / kWarpsPerBlock) swig
     if (tile + kStages - 1 < tiles) issue(tile + kStages - 1);
     common::cp_async_commit();
     common::cp_async_wait<kStages - 1>();  // this tile's copies (the lane's own) have landed
-    uint4(*slots)[32] = stage[warp][tile % kStages];
-    // gate', up' (and dh') of the lane's two runs, each term folded in as soon as its tiles are made.
-    float gv[2][8], uv[2][8], dv[2][8];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      E::unpack(slots[c][lane], gv[c]);
-      E::unpack(slots[2 + c][lane], uv[c]);
-      if constexpr (kBackward) E::unpack(slots[4 + c][lane], dv[c]);
-    }
-    std::uint32_t a[K][4];
-    if (has_g) {
-      a_frags<K>(a, slots, kTg, lane);
-      add_term<K>(gv, p.tg.scale, a, bg);
-    }
-    if (has_u) {
-      a_frags<K>(a, slots, kTu, lane);
-      add_term<K>(uv, p.tu.scale, a, bu);
-    }
-    if constexpr (KD > 0) {
-      std::uint32_t ad[KD][4];
-      a_frags<KD>(ad, slots, kTd, lane);
-      add_term<KD>(dv, 1.0f, ad, bd);
-    }
+    const uint4(*slots)[32] = stage[warp][tile % kStages];
+    std::uint32_t ag[K][4], au[K][4], ad[KDA][4];
+    a_frags<K>(ag, slots[2 * kData][lane], slots[2 * kData + 1][lane]);
+    a_frags<K>(au, slots[2 * kData + 2][lane], slots[2 * kData + 3][lane]);
+    if constexpr (KD > 0) a_frags<KD>(ad, slots[2 * kData + 4][lane], slots[2 * kData + 5][lane]);
+    float accg[kTiles][4] = {}, accu[kTiles][4] = {}, accd[kTiles][4] = {};
+    if (has_g) term_tiles<K>(accg, ag, bg);
+    if (has_u) term_tiles<K>(accu, au, bu);
+    if constexpr (KD > 0) term_tiles<KD>(accd, ad, bd);
     const std::int64_t row0 = first + static_cast<std::int64_t>(tile) * kTileRows;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
+      float gv[8], uv[8], dv[8], o0[8], o1[8], hv[8];
+      E::unpack(slots[c][lane], gv);
+      E::unpack(slots[2 + c][lane], uv);
+      if constexpr (kBackward) E::unpack(slots[4 + c][lane], dv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        // run c's element e is tile e / 2's accumulator 2c + e % 2
+        const int j = e / 2, reg = 2 * c + e % 2;
+        const float gp = gv[e] + p.tg.scale * accg[j][reg], up = uv[e] + p.tu.scale * accu[j][reg];
+        if constexpr (kBackward)
+          swiglu_all(gp, up, dv[e] + accd[j][reg], o0[e], o1[e], hv[e]);
+        else
+          o0[e] = gp * sigmoid_pair(gp).s * up;
+      }
       const std::int64_t row = row0 + g + 8 * c;
+      store8(p.out0, row, col, p.m, p.n, p.vec, o0);
       if constexpr (kBackward) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {  // in place: gv, uv, dv become dgate, dup, h
-          float dg, du, h;
-          swiglu_all(gv[c][e], uv[c][e], dv[c][e], dg, du, h);
-          gv[c][e] = dg, uv[c][e] = du, dv[c][e] = h;
-        }
-        store8(p.out0, row, col, p.m, p.n, p.vec, gv[c]);
-        store8(p.out1, row, col, p.m, p.n, p.vec, uv[c]);
-        if (p.hout) store8(p.hout, row, col, p.m, p.n, p.vec, dv[c]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) gv[c][e] = gv[c][e] * sigmoid_pair(gv[c][e]).s * uv[c][e];
-        store8(p.out0, row, col, p.m, p.n, p.vec, gv[c]);
+        store8(p.out1, row, col, p.m, p.n, p.vec, o1);
+        if (p.hout) store8(p.hout, row, col, p.m, p.n, p.vec, hv);
       }
     }
-  }
-}
-
-template <int KS>
-__device__ __forceinline__ void add_term(float (&values)[2][8], float scale, const std::uint32_t (&a)[KS][4],
-                                         const std::uint32_t (&bf)[kTiles][KS][2]) {
-#pragma unroll
-  for (int j = 0; j < kTiles; ++j) {
-    float acc[4] = {};
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) mma_bf16_16816(acc, a[ks], bf[j][ks][0], bf[j][ks][1]);
-#pragma unroll
-    for (int reg = 0; reg < 4; ++reg) values[reg / 2][2 * j + reg % 2] += scale * acc[reg];
   }
 }
 
