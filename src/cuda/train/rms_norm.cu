@@ -215,11 +215,11 @@ __device__ __forceinline__ float load_row_packs(const T* x, const T* dy, const T
 }
 
 // dx = rstd · (g − x̂ · mean) for the same packs, written to the row dx (which may be dy: the row is in registers);
-// with kWithDw also dw_sum[p·V + k] += dy · x̂ per element (the lane's own shared-memory sums).
+// with kWithDw also acc += dy · x̂ per element.
 template <class T, int kPacks, bool kWithDw>
 __device__ __forceinline__ void store_row_dx(const uint4 (&qx)[kPacks], const uint4 (&qdy)[kPacks], const T* w,
                                              float rs, float mean, T* dx, std::int64_t first, int stride,
-                                             std::int64_t packs, float* dw_sum) {
+                                             std::int64_t packs, float (&acc)[kPacks][Elem<T>::kVec]) {
   using E = Elem<T>;
   constexpr int V = E::kVec;
 #pragma unroll
@@ -234,7 +234,7 @@ __device__ __forceinline__ void store_row_dx(const uint4 (&qx)[kPacks], const ui
     for (int k = 0; k < V; ++k) {
       const float g = dv[k] * wv[k], xh = xv[k] * rs;
       out[k] = rs * (g - xh * mean);
-      if constexpr (kWithDw) dw_sum[p * V + k] = fmaf(dv[k], xh, dw_sum[p * V + k]);
+      if constexpr (kWithDw) acc[j][k] = fmaf(dv[k], xh, acc[j][k]);
     }
     E::store_vec(dx, p, out);
   }
@@ -251,8 +251,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const float rs = rstd[row];
   uint4 qx[kPacks], qdy[kPacks];
   const float dot = load_row_packs<T, kPacks>(x + row * hid, dy + row * hid, w, rs, lane, 32, packs, qx, qdy);
+  float unused[kPacks][Elem<T>::kVec];
   store_row_dx<T, kPacks, false>(qx, qdy, w, rs, warp_total(dot) / static_cast<float>(hid), dx + row * hid, lane, 32,
-                                 packs, nullptr);
+                                 packs, unused);
 }
 
 // The packs per lane the warp kernels take for rows of hid elements of T (1, 2, 4, 8 or 16), or 0 where a row is
@@ -304,39 +305,30 @@ void with_row_split(RowSplit split, F&& f) {
 
 // ---- the backward with the weight gradient's partials, rows split over one or two warps -------------------------
 
-constexpr int kMaxGroupRows = 16;  // rows per block and per partial, fewer where that leaves SMs without blocks
+constexpr int kGroupRows = 16;  // rows per block and per partial: enough blocks for the GPU at a few thousand rows
 
-// Block b takes rows group_rows·b.. (its group, a multiple of kSlots rows), kSlots rows at a time, each row's packs
-// split over kWarpsPerRow warps (pack p in lane p mod 32·kWarpsPerRow). With kWithDw each lane sums dy · x̂ for its
-// columns over its slot's rows in shared memory (dynamic, [kSlots][hid] floats: registers left free for more
-// blocks an SM); the block then writes their sum, slots in order, to partial[b]. dx may be dy: a row is in
-// registers before any of it is written.
+// Block b takes rows 16 b.. (its group), kSlots rows at a time, each row's packs split over kWarpsPerRow warps
+// (pack p in lane p mod 32·kWarpsPerRow). With kWithDw each lane sums dy · x̂ for its columns over its slot's rows;
+// the slots then add their sums in slot order into shared memory ([hid] floats, dynamic) and the block writes them
+// to partial[b]. dx may be dy: a row is in registers before any of it is written.
 template <class T, int kPacks, int kWarpsPerRow, bool kWithDw>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     rms_norm_backward_rows_kernel(const T* x, const T* w, const float* rstd, const T* dy, T* dx, float* partial,
-                                  std::int64_t rows, std::int64_t hid, int group_rows) {
+                                  std::int64_t rows, std::int64_t hid) {
   using E = Elem<T>;
   constexpr int V = E::kVec;
   constexpr int kSlots = kWarpsPerBlock / kWarpsPerRow;
   constexpr int kRowLanes = 32 * kWarpsPerRow;
+  static_assert(kGroupRows % kSlots == 0, "whole steps per group");
   __shared__ float row_parts[2][kWarpsPerBlock];  // each warp's share of a row's dot, double-buffered by step
-  extern __shared__ float dw_sums[];
+  extern __shared__ float dw_sum[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int slot = warp / kWarpsPerRow, row_lane = (warp % kWarpsPerRow) * 32 + lane;
   const std::int64_t packs = hid / V;
-  float* dw_sum = kWithDw ? dw_sums + slot * hid : nullptr;
-  if constexpr (kWithDw) {  // each lane zeroes the sums it alone adds to
-#pragma unroll
-    for (int j = 0; j < kPacks; ++j) {
-      const std::int64_t p = row_lane + kRowLanes * j;
-      if (p >= packs) continue;
-#pragma unroll
-      for (int k = 0; k < V; ++k) dw_sum[p * V + k] = 0.0f;
-    }
-  }
+  float acc[kPacks][V] = {};
 #pragma unroll 1
-  for (int step = 0; step < group_rows / kSlots; ++step) {
-    const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * group_rows + step * kSlots + slot;
+  for (int step = 0; step < kGroupRows / kSlots; ++step) {
+    const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kGroupRows + step * kSlots + slot;
     const bool live = row < rows;
     uint4 qx[kPacks], qdy[kPacks];
     float dot = 0.0f, rs = 0.0f;
@@ -347,16 +339,22 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     dot = row_total<kWarpsPerRow>(dot, row_parts, step & 1);
     if (live)
       store_row_dx<T, kPacks, kWithDw>(qx, qdy, w, rs, dot / static_cast<float>(hid), dx + row * hid, row_lane,
-                                       kRowLanes, packs, dw_sum);
+                                       kRowLanes, packs, acc);
   }
   if constexpr (kWithDw) {
-    __syncthreads();
-    for (std::int64_t k = threadIdx.x; k < hid; k += blockDim.x) {
-      float sum = dw_sums[k];
+    for (int s = 0; s < kSlots; ++s) {
+      if (slot == s) {
 #pragma unroll
-      for (int s = 1; s < kSlots; ++s) sum += dw_sums[s * hid + k];
-      partial[blockIdx.x * hid + k] = sum;
+        for (int j = 0; j < kPacks; ++j) {
+          const std::int64_t p = row_lane + kRowLanes * j;
+          if (p >= packs) continue;
+#pragma unroll
+          for (int k = 0; k < V; ++k) dw_sum[p * V + k] = s == 0 ? acc[j][k] : dw_sum[p * V + k] + acc[j][k];
+        }
+      }
+      __syncthreads();
     }
+    for (std::int64_t k = threadIdx.x; k < hid; k += blockDim.x) partial[blockIdx.x * hid + k] = dw_sum[k];
   }
 }
 
@@ -430,25 +428,18 @@ bool launch_backward_rows(const Context& ctx, const TensorView& x, const TensorV
   const std::int64_t rows = x.dim(0), hid = x.dim(1);
   const RowSplit split = row_split<T, kMaxPacksBackward>(hid, {x.data(), w.data(), dy.data(), dx.data()});
   if (dx.empty() || split.packs == 0 || (split.warps == 1 && dw.empty())) return false;
-  // Groups of up to kMaxGroupRows rows, halved (down to one step of kSlots rows) while there are fewer than two a
-  // SM: more partials to add, but no SM left idle at a few thousand rows.
-  const int slots = kWarpsPerBlock / split.warps;
-  int group_rows = kMaxGroupRows;
-  while (group_rows > slots && (rows + group_rows - 1) / group_rows < 2 * state(ctx).sm_count()) group_rows /= 2;
-  const unsigned groups = static_cast<unsigned>((rows + group_rows - 1) / group_rows);
+  const unsigned groups = static_cast<unsigned>((rows + kGroupRows - 1) / kGroupRows);
   std::unique_ptr<ScratchBuffer> partial;
   if (!dw.empty())
     partial = std::make_unique<ScratchBuffer>(state(ctx), static_cast<std::size_t>(groups * hid) * sizeof(float));
-  // Each slot's sums: at most 64 KB (8 slots of 2048 columns, or 4 of 4096), over the 48 KB a launch may take
-  // without opting in.
-  const int dw_bytes = dw.empty() ? 0 : static_cast<int>(slots * hid * sizeof(float));
+  // At most 16 KB (2 x 8 packs of 16 bytes a lane, 64 lanes): under the 48 KB a launch may take without opting in.
+  const int dw_bytes = dw.empty() ? 0 : static_cast<int>(hid * sizeof(float));
   auto run = [&](auto packs, auto warps_per_row, auto with_dw) {
     const auto kernel = rms_norm_backward_rows_kernel<T, decltype(packs)::value, decltype(warps_per_row)::value,
                                                       decltype(with_dw)::value>;
-    if (dw_bytes > 0) allow_dynamic_shared(reinterpret_cast<const void*>(kernel), dw_bytes);
     kernel<<<groups, 32 * kWarpsPerBlock, dw_bytes, stream_of(ctx)>>>(
         x.data_as<const T>(), w.data_as<const T>(), rstd.data_as<const float>(), dy.data_as<const T>(), dx.data_as<T>(),
-        partial ? partial->at<float>(0) : nullptr, rows, hid, group_rows);
+        partial ? partial->at<float>(0) : nullptr, rows, hid);
   };
   with_row_split<kMaxPacksBackward>(split, [&](auto packs, auto warps_per_row) {
     if constexpr (decltype(warps_per_row)::value == 1)  // one warp a row takes this kernel only with dw
