@@ -1,5 +1,6 @@
 // SwiGluMlp: y = down(silu(gate(x))·up(x)) over three LoraLinears, from the public ops only.
 #include <algorithm>
+#include <array>
 #include <string>
 #include <utility>
 
@@ -64,16 +65,14 @@ bool SwiGluMlp::fused_gate_up() const {
 }
 
 bool SwiGluMlp::adapters_in_swiglu(ForwardMode mode) const {
-  for (const LoraLinear* l : {&gate_, &up_, &down_})
-    if (!l->bias().empty()) return false;
+  const std::array<const LoraLinear*, 3> layers{&gate_, &up_, &down_};
+  if (std::ranges::any_of(layers, [](const LoraLinear* l) { return !l->bias().empty(); })) return false;
   if (down_.config().dropout > 0.0f && mode != ForwardMode::Eval) return false;  // its dh share joins unmasked
   const bool bf16 = gate_.config().activations == DType::BF16;
   if (gate_.context().device().is_cpu()) {
     // The kernel sums the terms exactly from t and B as stored; f32 activations under a reduced math mode would
     // lose the operand rounding the adapters' own GEMMs apply.
-    bool exact_math = true;
-    for (const LoraLinear* l : {&gate_, &up_, &down_}) exact_math = exact_math && l->config().math == MathMode::FP32;
-    return bf16 || exact_math;
+    return bf16 || std::ranges::all_of(layers, [](const LoraLinear* l) { return l->config().math == MathMode::FP32; });
   }
   const int most = std::max({gate_.config().rank, up_.config().rank, down_.config().rank});
   return bf16 && most <= kSwiGluAdaptersMmaRank;
