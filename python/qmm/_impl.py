@@ -74,7 +74,7 @@ def linear_forward(x, w, bias, lora, path, cached=False):
     """y = x @ dequant(W)^T (+ bias) (+ the adapter), the NF4 product and the adapter's casts and products in one
     binding call. The bias is written first and the NF4 product accumulates onto it (beta = 1): one rounding of
     base + bias, as a linear layer's bias epilogue. Returns y and the adapter's saved tensors (None without one).
-    cached: the adapter's working copies come from _copies (cast once per step), not from this call."""
+    cached: the adapter's working copies come from _copies (one cast a forward), not from this call."""
     n, k = w.shape
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if bias is not None:
