@@ -19,10 +19,10 @@ Models are built from real configs (random weights, no hub): saved once with a t
 by each variant in its own process (from_pretrained, with BitsAndBytesConfig for the 4-bit ones). LoRA r 16, alpha
 32 on all seven projections, the same nonzero adapter initialisation in every variant (PEFT's B = 0 would leave A's
 gradient zero), the same token batch, AdamW on the adapters (fused on a GPU, as transformers' Trainer's default).
-Per variant: median and min step time, tokens/s, torch's peak allocated memory (+ qmm's own in the patched
-variants: qmm.memory_stats' fixed memory and scratch peak) and the device's used memory (torch.cuda.mem_get_info,
-which also sees qmm's pool and CUDA graphs' memory), every step's loss, kernels per step, GPU busy time and GPU
-time by kind of kernel (torch.profiler over two steps, --profile), kernels per decoder layer (--per-layer: a
+Per variant: median and min step time (every timed step's in the JSON report), tokens/s, torch's peak allocated
+memory (+ qmm's own in the patched variants: qmm.memory_stats' fixed memory and scratch peak) and the device's used
+memory (torch.cuda.mem_get_info, which also sees qmm's pool and CUDA graphs' memory), every step's loss, kernels
+per step, GPU busy time and GPU time by kind of kernel (torch.profiler over two steps, --profile), kernels per decoder layer (--per-layer: a
 profiled step with and without the last decoder layer), and the LoRA gradients of step 0 against bnb's (relative
 difference, norm-wise, per tensor: largest and median). Variants whose packages are missing are reported as skipped.
 
@@ -385,7 +385,7 @@ def worker(args):
         if device == "cuda":
             free, total = torch.cuda.mem_get_info()
             used.append((total - free) / 2 ** 30)
-    result = {"variant": args.worker, "median_ms": statistics.median(times), "min_ms": min(times),
+    result = {"variant": args.worker, "median_ms": statistics.median(times), "min_ms": min(times), "step_ms": times,
               "tokens_per_s": batch * seq / (statistics.median(times) / 1e3), "losses": losses, "first_step_s": first,
               "torch_peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else 0.0,
               "device_used_gib": max(used) if used else 0.0}
