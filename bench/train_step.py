@@ -22,9 +22,10 @@ gradient zero), the same token batch, AdamW on the adapters (fused on a GPU, as 
 Per variant: median and min step time (every timed step's in the JSON report), tokens/s, torch's peak allocated
 memory (+ qmm's own in the patched variants: qmm.memory_stats' fixed memory and scratch peak) and the device's used
 memory (torch.cuda.mem_get_info, which also sees qmm's pool and CUDA graphs' memory), every step's loss, kernels
-per step, GPU busy time and GPU time by kind of kernel (torch.profiler over two steps, --profile), kernels per decoder layer (--per-layer: a
-profiled step with and without the last decoder layer), and the LoRA gradients of step 0 against bnb's (relative
-difference, norm-wise, per tensor: largest and median). Variants whose packages are missing are reported as skipped.
+per step, GPU busy time and GPU time by kind of kernel (torch.profiler over two steps, --profile), kernels per
+decoder layer (--per-layer: a profiled step with and without the last decoder layer), and the LoRA gradients of
+step 0 against bnb's (relative difference, norm-wise, per tensor: largest and median). Variants whose packages are
+missing are reported as skipped.
 
     PYTHONPATH=build/python python3 bench/train_step.py [--models qwen,llama] [--variants ...] [--steps 10]
         [--checkpointing] [--profile] [--per-layer] [--nf4-path auto] [--json out/train_step.json]
