@@ -386,8 +386,9 @@ def worker(args):
         if device == "cuda":
             free, total = torch.cuda.mem_get_info()
             used.append((total - free) / 2 ** 30)
-    result = {"variant": args.worker, "median_ms": statistics.median(times), "min_ms": min(times), "step_ms": times,
-              "tokens_per_s": batch * seq / (statistics.median(times) / 1e3), "losses": losses, "first_step_s": first,
+    median = statistics.median(times)
+    result = {"variant": args.worker, "median_ms": median, "min_ms": min(times), "step_ms": times,
+              "tokens_per_s": batch * seq / (median / 1e3), "losses": losses, "first_step_s": first,
               "torch_peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else 0.0,
               "device_used_gib": max(used) if used else 0.0}
     qmm = sys.modules.get("qmm")
