@@ -692,22 +692,31 @@ void Bench::run_loss() {
 
   // rms_norm forward and backward (with dw) at the decoder's widths, bf16, against the copy bandwidth at the op's
   // least traffic: forward reads x and writes y; backward reads x and dy and writes dx (dw's partials are a few
-  // percent of that; where a row does not fit the registers of two warps the kernels read x and dy twice).
+  // percent of that; where a row does not fit the registers of two warps the kernels read x and dy twice). With the
+  // residual add (add_rms_norm: reads x and r, writes h and y) and with the residual's gradient added to dx
+  // (rms_norm_backward+dres: reads dres too), one pass more each, in place of an add's three.
   std::vector<std::pair<std::string, std::pair<std::int64_t, std::int64_t>>> norms = {
       {"llama3-8b 4096 tok", {4096, 4096}}, {"qwen2.5-1.5b 2048 tok", {2048, 1536}}};
   if (!is_gpu_) norms = {{"small", {16, 256}}};
+  struct NormOp {
+    const char* name;
+    bool backward, residual;
+  };
   for (const auto& [label, dims] : norms)
-    for (bool backward : {false, true}) {
-      const char* op = backward ? "rms_norm_backward" : "rms_norm";
+    for (const NormOp& nop : {NormOp{"rms_norm", false, false}, NormOp{"rms_norm_backward", true, false},
+                              NormOp{"add_rms_norm", false, true}, NormOp{"rms_norm_backward+dres", true, true}}) {
+      const char* op = nop.name;
       if (!selected(op, label)) continue;
       const auto [t, h] = dims;
-      const double bytes = 2.0 * static_cast<double>(t) * h * (backward ? 3.0 : 2.0);
+      const double bytes = 2.0 * static_cast<double>(t) * h * ((nop.backward ? 3.0 : 2.0) + (nop.residual ? 1 : 0));
       const int sets = sets_for(bytes);
-      std::vector<Tensor> x, dy, y;
+      std::vector<Tensor> x, dy, y, res, hs;  // res: the residual input or gradient; hs: the forward's h
       for (int i = 0; i < sets; ++i) {
         x.push_back(pool_->make(ctx_, DType::BF16, {t, h}, 950 + i));
         dy.push_back(pool_->make(ctx_, DType::BF16, {t, h}, 980 + i));
         y.emplace_back(DType::BF16, Shape{t, h}, ctx_.device());
+        if (nop.residual) res.push_back(pool_->make(ctx_, DType::BF16, {t, h}, 1010 + i));
+        if (nop.residual && !nop.backward) hs.emplace_back(DType::BF16, Shape{t, h}, ctx_.device());
       }
       const Tensor w = pool_->make(ctx_, DType::BF16, {h}, 990), rstd(DType::F32, {t}, ctx_.device());
       const Tensor dw(DType::F32, {h}, ctx_.device());
@@ -715,8 +724,12 @@ void Bench::run_loss() {
       rms_norm(ctx_, x[0], w, y[0], rstd, 1e-6f);
       auto fn = [&](int i) {
         const int s = i % sets;
-        if (backward) rms_norm_backward(ctx_, x[s], w, rstd, dy[s], y[s], dw);
-        else rms_norm(ctx_, x[s], w, y[s], rstd, 1e-6f);
+        if (nop.backward)
+          rms_norm_backward(ctx_, x[s], w, rstd, dy[s], y[s], dw, nop.residual ? TensorView(res[s]) : TensorView{});
+        else if (nop.residual)
+          add_rms_norm(ctx_, x[s], res[s], w, hs[s], y[s], rstd, 1e-6f);
+        else
+          rms_norm(ctx_, x[s], w, y[s], rstd, 1e-6f);
       };
       record({op, "bf16", label, 1, t, h, 1, 0, bytes, time(fn, sets)});
       record_stream(op, results_.back());
@@ -996,7 +1009,8 @@ void Bench::add_ratios() {
       if (r.mode == "dh" || r.mode == "dh, 1024-token rows")
         base = find(r.op, "2 gemms", r.m, r.n, r.k), r.baseline = "2 gemms";
       if (r.mode == "dh+dw") base = find(r.op, "3 gemms", r.m, r.n, r.k), r.baseline = "3 gemms";
-    } else if (r.op == "rms_norm" || r.op == "rms_norm_backward" || r.op == "rope") {
+    } else if (r.op == "rms_norm" || r.op == "rms_norm_backward" || r.op == "add_rms_norm" ||
+               r.op == "rms_norm_backward+dres" || r.op == "rope") {
       base = find("stream", r.op, r.m, r.n, r.k), r.baseline = "stream, same bytes";
     } else if (r.op == "mlp_block") {
       if (r.mode != "bf16") base = find("mlp_block", "bf16", r.m, r.n, r.k), r.baseline = "bf16 base";

@@ -91,11 +91,19 @@ CrossEntropyChunks linear_cross_entropy_chunks(std::int64_t tokens, std::int64_t
 // backward where given (empty: not kept). eps finite and >= 0.
 void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y,
               const TensorView& rstd, float eps);
+// A decoder layer's residual add and the RMSNorm after it in one pass: h = x + r rounded to x's dtype (as a bf16
+// tensor add rounds it), then y = rms_norm(h, w) as above, rstd from h. x, r, h, y [T, H] of one dtype (f32 or bf16);
+// h and y are each x, r or disjoint from every argument, and not each other; w and rstd as for rms_norm.
+void add_rms_norm(const Context& ctx, const TensorView& x, const TensorView& r, const TensorView& w,
+                  const TensorView& h, const TensorView& y, const TensorView& rstd, float eps);
 // Its backward from the forward's rstd: dx = rstd · (g − x̂ · mean(g · x̂)) with g = dy · w and x̂ = x · rstd (fp32),
 // written in x's dtype (dx may be dy); dw [H] f32 accumulated, dw += Σ_t dy · x̂, summed over the rows in a fixed
-// order (the same bits for any thread count or GPU); dx or dw may be empty (not wanted).
+// order (the same bits for any thread count or GPU); dx or dw may be empty (not wanted). dres, where given (x's shape
+// and dtype; dx may be it), is a gradient that reaches x by another path, the residual stream around the norm: it is
+// added to dx in fp32 before dx's one rounding, so that the two gradients' sum takes no launch of its own. (For
+// add_rms_norm, x is its h, and dx is the gradient of both its x and its r.)
 void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
-                       const TensorView& dy, const TensorView& dx, const TensorView& dw);
+                       const TensorView& dy, const TensorView& dx, const TensorView& dw, const TensorView& dres = {});
 
 // Rotary position embedding on q and k, the half-split rotation of Hugging Face's apply_rotary_pos_emb (Llama,
 // Qwen2, Mistral): with x = [x1, x2] (the halves of the head dimension D) and cos = [c1, c2], sin = [s1, s2]

@@ -46,10 +46,11 @@ class ReferenceBackend {
   virtual void adamw_step(std::span<const AdamWParam> params, const AdamWOptions& opts, int step,
                           const TensorView& norm) const = 0;
   virtual void zero(const TensorView& t) const = 0;
-  virtual void rms_norm(const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd,
-                        float eps) const = 0;
-  virtual void rms_norm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd,
-                                 const TensorView& dy, const TensorView& dx, const TensorView& dw) const = 0;
+  // r and h are absent views (rank 0) without the residual add (rms_norm), dres without a second gradient.
+  virtual void rms_norm(const TensorView& x, const TensorView& r, const TensorView& w, const TensorView& h,
+                        const TensorView& y, const TensorView& rstd, float eps) const = 0;
+  virtual void rms_norm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
+                                 const TensorView& dx, const TensorView& dw, const TensorView& dres) const = 0;
   // k and k_out are absent views (rank 0) where there is no k.
   virtual void rope(const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
                     const TensorView& q_out, const TensorView& k_out, bool inverse) const = 0;

@@ -292,11 +292,32 @@ void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, cons
   for (const auto& [name, in] : {std::pair<const char*, const TensorView*>{"x", &x}, {"w", &w}, {"y", &y}})
     detail::require_no_overlap(op, "rstd", rstd, name, *in);
   if (x.numel() == 0) return;
-  QMM_TRAIN_ROUTE(ctx, op, rms_norm, x, w, y, rstd, eps);
+  QMM_TRAIN_ROUTE(ctx, op, rms_norm, x, TensorView{}, w, TensorView{}, y, rstd, eps);
+}
+
+void add_rms_norm(const Context& ctx, const TensorView& x, const TensorView& r, const TensorView& w,
+                  const TensorView& h, const TensorView& y, const TensorView& rstd, float eps) {
+  const char* op = "add_rms_norm";
+  require_norm_operands(ctx, op, x, "y", y, w, rstd);
+  require_like(ctx, op, "r", r, "x", x);
+  require_like(ctx, op, "h", h, "x", x);
+  QMM_REQUIRE(std::isfinite(eps) && eps >= 0.0f, ErrorCode::InvalidArgument, op,
+              "eps is " + num(eps) + " but must be finite and >= 0");
+  for (const auto& [name, out] : {std::pair<const char*, const TensorView*>{"h", &h}, {"y", &y}}) {
+    require_exact_alias_or_disjoint(op, name, *out, "x", x);
+    require_exact_alias_or_disjoint(op, name, *out, "r", r);
+    detail::require_no_overlap(op, name, *out, "w", w);
+  }
+  detail::require_no_overlap(op, "y", y, "h", h);
+  for (const auto& [name, in] :
+       {std::pair<const char*, const TensorView*>{"x", &x}, {"r", &r}, {"w", &w}, {"h", &h}, {"y", &y}})
+    detail::require_no_overlap(op, "rstd", rstd, name, *in);
+  if (x.numel() == 0) return;
+  QMM_TRAIN_ROUTE(ctx, op, rms_norm, x, r, w, h, y, rstd, eps);
 }
 
 void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
-                       const TensorView& dy, const TensorView& dx, const TensorView& dw) {
+                       const TensorView& dy, const TensorView& dx, const TensorView& dw, const TensorView& dres) {
   const char* op = "rms_norm_backward";
   QMM_REQUIRE(!rstd.empty(), ErrorCode::ShapeMismatch, op,
               "rstd is missing but must be [" + std::to_string(x.rank() == 2 ? x.dim(0) : 0) + "] (the forward's)");
@@ -307,17 +328,26 @@ void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView
     for (const auto& [name, in] : {std::pair<const char*, const TensorView*>{"x", &x}, {"w", &w}, {"rstd", &rstd}})
       detail::require_no_overlap(op, "dx", dx, name, *in);
   }
+  if (!dres.empty()) {
+    QMM_REQUIRE(!dx.empty(), ErrorCode::InvalidArgument, op, "dres is given but dx is not: dres is added to dx");
+    require_like(ctx, op, "dres", dres, "x", x);
+    require_exact_alias_or_disjoint(op, "dx", dx, "dres", dres);
+  }
   if (!dw.empty()) {
     detail::require_tensor(ctx, op, "dw", dw);
     detail::require_dtype(op, "dw", dw, {DType::F32});
     QMM_REQUIRE(dw.shape() == w.shape(), ErrorCode::ShapeMismatch, op,
                 "dw is " + dw.shape().str() + " but must be w's shape " + w.shape().str());
-    for (const auto& [name, in] : {std::pair<const char*, const TensorView*>{"x", &x}, {"w", &w}, {"rstd", &rstd},
-                                   {"dy", &dy}, {"dx", &dx}})
+    for (const auto& [name, in] : {std::pair<const char*, const TensorView*>{"x", &x},
+                                   {"w", &w},
+                                   {"rstd", &rstd},
+                                   {"dy", &dy},
+                                   {"dx", &dx},
+                                   {"dres", &dres}})
       detail::require_no_overlap(op, "dw", dw, name, *in);
   }
   if (x.numel() == 0) return;
-  QMM_TRAIN_ROUTE(ctx, op, rms_norm_backward, x, w, rstd, dy, dx, dw);
+  QMM_TRAIN_ROUTE(ctx, op, rms_norm_backward, x, w, rstd, dy, dx, dw, dres);
 }
 
 void rope(const Context& ctx, const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,

@@ -32,9 +32,12 @@ void mse_loss(const TensorView& y, const TensorView& target, const TensorView& l
 void grad_norm(std::span<const TensorView> grads, const TensorView& norm);
 void adamw_step(std::span<const AdamWParam> params, const AdamWOptions& opts, int step, const TensorView& norm);
 void zero(const TensorView& t);
-void rms_norm(const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd, float eps);
+// r and h are absent views (rank 0) for a norm without the residual add before it (rms_norm), as dres is for a
+// backward without a second gradient.
+void rms_norm(const TensorView& x, const TensorView& r, const TensorView& w, const TensorView& h, const TensorView& y,
+              const TensorView& rstd, float eps);
 void rms_norm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
-                       const TensorView& dx, const TensorView& dw);
+                       const TensorView& dx, const TensorView& dw, const TensorView& dres);
 // k and k_out are absent views (rank 0) where there is no k.
 void rope(const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
           const TensorView& q_out, const TensorView& k_out, bool inverse);

@@ -49,13 +49,13 @@ class CpuReference final : public ReferenceBackend {
     cpu::adamw_step(params, opts, step, norm);
   }
   void zero(const TensorView& t) const override { cpu::zero(t); }
-  void rms_norm(const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd,
-                float eps) const override {
-    cpu::rms_norm(x, w, y, rstd, eps);
+  void rms_norm(const TensorView& x, const TensorView& r, const TensorView& w, const TensorView& h, const TensorView& y,
+                const TensorView& rstd, float eps) const override {
+    cpu::rms_norm(x, r, w, h, y, rstd, eps);
   }
   void rms_norm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
-                         const TensorView& dx, const TensorView& dw) const override {
-    cpu::rms_norm_backward(x, w, rstd, dy, dx, dw);
+                         const TensorView& dx, const TensorView& dw, const TensorView& dres) const override {
+    cpu::rms_norm_backward(x, w, rstd, dy, dx, dw, dres);
   }
   void rope(const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
             const TensorView& q_out, const TensorView& k_out, bool inverse) const override {

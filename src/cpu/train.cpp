@@ -203,15 +203,21 @@ double rounded(double v) {
   return load(&tmp, 0);
 }
 
-void rms_norm(const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd, float eps) {
+void rms_norm(const TensorView& x, const TensorView& res, const TensorView& w, const TensorView& h, const TensorView& y,
+              const TensorView& rstd, float eps) {
   const std::int64_t rows = x.dim(0), hid = x.dim(1);
   with_storage(x.dtype(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const T* xp = x.data_as<const T>();
     const T* wp = w.data_as<const T>();
     T* yp = y.data_as<T>();
+    // With the residual add, the norm reads h = x + res, written first (h may be x or res: element by element).
+    const T* xp = res.empty() ? x.data_as<const T>() : h.data_as<const T>();
 #pragma omp parallel for schedule(static)
     for (std::int64_t r = 0; r < rows; ++r) {
+      if (!res.empty())
+        for (std::int64_t k = 0; k < hid; ++k)
+          store(h.data_as<T>(), r * hid + k,
+                load(x.data_as<const T>(), r * hid + k) + load(res.data_as<const T>(), r * hid + k));
       double ss = 0;
       for (std::int64_t k = 0; k < hid; ++k) ss += load(xp, r * hid + k) * load(xp, r * hid + k);
       const float rs = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(hid) + eps));  // fp32, the contract
@@ -223,7 +229,7 @@ void rms_norm(const TensorView& x, const TensorView& w, const TensorView& y, con
 }
 
 void rms_norm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
-                       const TensorView& dx, const TensorView& dw) {
+                       const TensorView& dx, const TensorView& dw, const TensorView& dres) {
   const std::int64_t rows = x.dim(0), hid = x.dim(1);
   const float* rs = rstd.data_as<const float>();
   with_storage(x.dtype(), [&](auto* tag) {
@@ -242,6 +248,7 @@ void rms_norm_backward(const TensorView& x, const TensorView& w, const TensorVie
     }
     if (dx.empty()) return;
     T* dxp = dx.data_as<T>();
+    const T* dresp = dres.empty() ? nullptr : dres.data_as<const T>();
 #pragma omp parallel for schedule(static)
     for (std::int64_t r = 0; r < rows; ++r) {
       double dot = 0;
@@ -250,7 +257,7 @@ void rms_norm_backward(const TensorView& x, const TensorView& w, const TensorVie
       const double mean = dot / static_cast<double>(hid);
       for (std::int64_t k = 0; k < hid; ++k) {
         const double g = load(dyp, r * hid + k) * load(wp, k), xh = load(xp, r * hid + k) * rs[r];
-        store(dxp, r * hid + k, rs[r] * (g - xh * mean));
+        store(dxp, r * hid + k, rs[r] * (g - xh * mean) + (dresp ? load(dresp, r * hid + k) : 0.0));
       }
     }
   });

@@ -110,13 +110,14 @@ class CudaBackend final : public GpuBackend {
     cuda::adamw_step(ctx, params, opts, step, norm);
   }
   void zero(const Context& ctx, const TensorView& t) const override { cuda::zero(ctx, t); }
-  void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y,
-                const TensorView& rstd, float eps) const override {
-    cuda::rms_norm(ctx, x, w, y, rstd, eps);
+  void rms_norm(const Context& ctx, const TensorView& x, const TensorView& r, const TensorView& w, const TensorView& h,
+                const TensorView& y, const TensorView& rstd, float eps) const override {
+    cuda::rms_norm(ctx, x, r, w, h, y, rstd, eps);
   }
   void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
-                         const TensorView& dy, const TensorView& dx, const TensorView& dw) const override {
-    cuda::rms_norm_backward(ctx, x, w, rstd, dy, dx, dw);
+                         const TensorView& dy, const TensorView& dx, const TensorView& dw,
+                         const TensorView& dres) const override {
+    cuda::rms_norm_backward(ctx, x, w, rstd, dy, dx, dw, dres);
   }
   void rope(const Context& ctx, const TensorView& q, const TensorView& k, const TensorView& cos,
             const TensorView& sin, const TensorView& q_out, const TensorView& k_out, bool inverse) const override {

@@ -78,10 +78,11 @@ void grad_norm(const Context& ctx, std::span<const TensorView> grads, const Tens
 void adamw_step(const Context& ctx, std::span<const AdamWParam> params, const AdamWOptions& opts, int step,
                 const TensorView& norm);
 void zero(const Context& ctx, const TensorView& t);
-void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y,
-              const TensorView& rstd, float eps);
+// r and h are absent views (rank 0) without the residual add (rms_norm), dres without a second gradient.
+void rms_norm(const Context& ctx, const TensorView& x, const TensorView& r, const TensorView& w, const TensorView& h,
+              const TensorView& y, const TensorView& rstd, float eps);
 void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
-                       const TensorView& dy, const TensorView& dx, const TensorView& dw);
+                       const TensorView& dy, const TensorView& dx, const TensorView& dw, const TensorView& dres);
 // k and k_out are absent views (rank 0) where there is no k.
 void rope(const Context& ctx, const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
           const TensorView& q_out, const TensorView& k_out, bool inverse);

@@ -1251,6 +1251,53 @@ TEST(TrainRmsNorm, ForwardAndBackwardMatchTheDefinition) {
     }
 }
 
+// add_rms_norm is h = round(x + r) and then rms_norm of h, bit for bit; the backward's dres is added to dx before
+// its rounding (checked against the sum in fp64 to dx's own tolerance), and both may be computed in place.
+TEST(TrainRmsNorm, ResidualAddAndSecondGradientFuse) {
+  const Context& ctx = Context::cpu();
+  std::uint64_t seed = 950;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (auto [rows, hid] : {std::pair<std::int64_t, std::int64_t>{1, 1}, {7, 63}, {65, 64}, {3, 1536}}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " " + std::to_string(rows) + "x" + std::to_string(hid));
+      const Tensor x = test::random_tensor(dt, {rows, hid}, ++seed, -3.0f, 3.0f);
+      const Tensor r = test::random_tensor(dt, {rows, hid}, ++seed, -3.0f, 3.0f);
+      const Tensor w = test::random_tensor(dt, {hid}, ++seed, 0.5f, 1.5f);
+      const float eps = 1e-5f;
+      Tensor h = test::filled(dt, {rows, hid}, NAN), y = test::filled(dt, {rows, hid}, NAN);
+      Tensor rstd = test::filled(DType::F32, {rows}, NAN);
+      add_rms_norm(ctx, x, r, w, h, y, rstd, eps);
+      Tensor h_ref(dt, {rows, hid}), y_ref(dt, {rows, hid}), rstd_ref(DType::F32, {rows});
+      for (std::int64_t i = 0; i < rows * hid; ++i)
+        test::set_value(h_ref, i, test::get_value(x, i) + test::get_value(r, i));  // rounded once, as a tensor add
+      rms_norm(ctx, h_ref, w, y_ref, rstd_ref, eps);
+      EXPECT_TRUE(test::bytes_equal(h, h_ref));
+      EXPECT_TRUE(test::bytes_equal(y, y_ref));
+      EXPECT_TRUE(test::bytes_equal(rstd, rstd_ref));
+      // In place: h over x and y over r.
+      Tensor hx = test::host_copy(x), yr = test::host_copy(r);
+      add_rms_norm(ctx, hx, yr, w, hx, yr, {}, eps);
+      EXPECT_TRUE(test::bytes_equal(hx, h_ref));
+      EXPECT_TRUE(test::bytes_equal(yr, y_ref));
+
+      const Tensor dy = test::random_tensor(dt, {rows, hid}, ++seed),
+                   dres = test::random_tensor(dt, {rows, hid}, ++seed);
+      Tensor dx_plain(dt, {rows, hid}), dw_plain = test::filled(DType::F32, {hid}, 0.5f);
+      rms_norm_backward(ctx, h, w, rstd, dy, dx_plain, dw_plain);
+      Tensor dx = test::filled(dt, {rows, hid}, NAN), dw = test::filled(DType::F32, {hid}, 0.5f);
+      rms_norm_backward(ctx, h, w, rstd, dy, dx, dw, dres);
+      EXPECT_TRUE(test::bytes_equal(dw, dw_plain));  // dres leaves the weight's gradient alone
+      const double tol = dt == DType::BF16 ? 1.0 / 128 : 1e-6;
+      for (std::int64_t i = 0; i < rows * hid; ++i) {
+        // The unrounded norm gradient lies within half an ulp of dx_plain: the sum within that plus dx's rounding.
+        const double plain = test::get_value(dx_plain, i), res = test::get_value(dres, i);
+        ASSERT_NEAR(test::get_value(dx, i), plain + res, tol * (std::abs(plain) + std::abs(plain + res)) + 1e-7) << i;
+      }
+      Tensor in_place = test::host_copy(dres);  // dx = dres
+      rms_norm_backward(ctx, h, w, rstd, dy, in_place, {}, in_place);
+      EXPECT_TRUE(test::bytes_equal(in_place, dx));
+    }
+}
+
 TEST(TrainRmsNorm, BadArgumentsNameThem) {
   const Context& ctx = Context::cpu();
   const Tensor x = test::random_tensor(DType::F32, {4, 8}, 1), w = test::random_tensor(DType::F32, {8}, 2);
@@ -1267,6 +1314,41 @@ TEST(TrainRmsNorm, BadArgumentsNameThem) {
                                  ErrorCode::ShapeMismatch, {"rms_norm_backward", "rstd"}));
   EXPECT_TRUE(test::throws_error([&] { rms_norm_backward(ctx, x, w, rstd, x, dx, Tensor(DType::BF16, {8})); },
                                  ErrorCode::DTypeMismatch, {"rms_norm_backward", "dw"}));
+  EXPECT_TRUE(test::throws_error([&] { rms_norm_backward(ctx, x, w, rstd, x, {}, dw, x); }, ErrorCode::InvalidArgument,
+                                 {"rms_norm_backward", "dres is given but dx is not"}));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        rms_norm_backward(ctx, x, w, rstd, x, dx, dw, Tensor(DType::F32, {4, 7}));
+      },
+      ErrorCode::ShapeMismatch, {"rms_norm_backward", "dres"}));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        rms_norm_backward(ctx, x, w, rstd, x, dx, dw, Tensor(DType::BF16, {4, 8}));
+      },
+      ErrorCode::DTypeMismatch, {"rms_norm_backward", "dres"}));
+  // add_rms_norm: r and h like x, h and y distinct, nothing written on error.
+  const Tensor r = test::random_tensor(DType::F32, {4, 8}, 4);
+  Tensor h = test::filled(DType::F32, {4, 8}, NAN);
+  y = test::filled(DType::F32, {4, 8}, NAN);
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        add_rms_norm(ctx, x, Tensor(DType::F32, {4, 7}), w, h, y, rstd, 1e-6f);
+      },
+      ErrorCode::ShapeMismatch, {"add_rms_norm", "r"}));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        add_rms_norm(ctx, x, r, w, Tensor(DType::BF16, {4, 8}), y, rstd, 1e-6f);
+      },
+      ErrorCode::DTypeMismatch, {"add_rms_norm", "h"}));
+  EXPECT_TRUE(test::throws_error([&] { add_rms_norm(ctx, x, r, w, h, h, rstd, 1e-6f); }, ErrorCode::InvalidArgument,
+                                 {"add_rms_norm", "y and h overlap"}));
+  EXPECT_TRUE(test::throws_error([&] { add_rms_norm(ctx, x, r, w, h, y, rstd, -1.0f); }, ErrorCode::InvalidArgument,
+                                 {"add_rms_norm", "eps"}));
+  const Tensor buf = test::random_tensor(DType::F32, {4, 16}, 5);  // h over a part of x
+  const TensorView xa(buf.data(), DType::F32, {4, 8}), hb(buf.data_as<float>() + 4, DType::F32, {4, 8});
+  EXPECT_TRUE(test::throws_error([&] { add_rms_norm(ctx, xa, r, w, hb, y, rstd, 1e-6f); }, ErrorCode::InvalidArgument,
+                                 {"add_rms_norm", "h and x overlap"}));
+  EXPECT_TRUE(std::isnan(h.data_as<float>()[0]) && std::isnan(y.data_as<float>()[0]));
 }
 
 // ---- rope -------------------------------------------------------------------------------------------------------

@@ -524,6 +524,65 @@ TEST(TrainOpsGpu, RmsNormMatchesCpu) {
     }
 }
 
+// add_rms_norm and rms_norm_backward with dres on the GPU against the CPU oracle, through the same widths and kernels
+// as RmsNormMatchesCpu: h = round(x + r) to the bit (both round the exact sum once), y, rstd, dx and dw to that
+// test's tolerances; outputs poisoned first; in place (h over x, y over r; dx over dres, with and without dw) gives
+// the same bytes.
+TEST(TrainOpsGpu, AddRmsNormAndResidualGradientMatchCpu) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  std::uint64_t seed = 1200;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (auto [rows, hid] : {std::pair<std::int64_t, std::int64_t>{1, 64},
+                             {7, 100},
+                             {300, 1536},
+                             {2048, 4096},
+                             {1, 5120},
+                             {5, 8},
+                             {9, 4104},
+                             {33, 2048},
+                             {4099, 1536}}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " " + std::to_string(rows) + "x" + std::to_string(hid));
+      const Tensor x = test::random_tensor(dt, {rows, hid}, ++seed, -3.0f, 3.0f);
+      const Tensor r = test::random_tensor(dt, {rows, hid}, ++seed, -3.0f, 3.0f);
+      const Tensor w = test::random_tensor(dt, {hid}, ++seed, 0.5f, 1.5f);
+      const Tensor dy = test::random_tensor(dt, {rows, hid}, ++seed),
+                   dres = test::random_tensor(dt, {rows, hid}, ++seed);
+      Tensor h(dt, {rows, hid}), y(dt, {rows, hid}), rstd(DType::F32, {rows}), dx(dt, {rows, hid});
+      Tensor dw = test::filled(DType::F32, {hid}, 0);
+      add_rms_norm(Context::cpu(), x, r, w, h, y, rstd, 1e-6f);
+      rms_norm_backward(Context::cpu(), h, w, rstd, dy, dx, dw, dres);
+      const Device dev = gpu.device();
+      const Tensor poison = test::filled(dt, {rows, hid}, NAN);
+      const Tensor h_d = to_device(poison, dev), y_d = to_device(poison, dev), dx_d = to_device(poison, dev);
+      const Tensor rstd_d = to_device(test::filled(DType::F32, {rows}, NAN), dev);
+      const Tensor dw_d = to_device(test::filled(DType::F32, {hid}, 0), dev), w_d = to_device(w, dev);
+      const Tensor x_d = to_device(x, dev), r_d = to_device(r, dev), dy_d = to_device(dy, dev);
+      const Tensor dres_d = to_device(dres, dev);
+      add_rms_norm(gpu, x_d, r_d, w_d, h_d, y_d, rstd_d, 1e-6f);
+      rms_norm_backward(gpu, h_d, w_d, rstd_d, dy_d, dx_d, dw_d, dres_d);
+      gpu.synchronize();
+      const double one = dt == DType::BF16 ? 1.0 / 128 : 1e-5;
+      EXPECT_TRUE(test::bytes_equal(test::host_copy(h_d), h)) << "h";
+      EXPECT_TRUE(test::all_close(test::host_copy(rstd_d), rstd, {0, 1e-5, 1e-6})) << "rstd";
+      EXPECT_TRUE(test::all_close(test::host_copy(y_d), y, {1e-6, 2 * one, one})) << "y";
+      EXPECT_TRUE(test::all_close(test::host_copy(dx_d), dx, {1e-4, one, one})) << "dx";
+      EXPECT_TRUE(test::all_close(test::host_copy(dw_d), dw, {1e-4, 1e-4, 1e-5})) << "dw";
+      const Tensor hx = to_device(x, dev), yr = to_device(r, dev);  // in place
+      const Tensor dx_in = to_device(dres, dev), dx_in_dw = to_device(dres, dev);
+      const Tensor dw_in = to_device(test::filled(DType::F32, {hid}, 0), dev);
+      add_rms_norm(gpu, hx, yr, w_d, hx, yr, {}, 1e-6f);
+      rms_norm_backward(gpu, h_d, w_d, rstd_d, dy_d, dx_in, {}, dx_in);
+      rms_norm_backward(gpu, h_d, w_d, rstd_d, dy_d, dx_in_dw, dw_in, dx_in_dw);
+      gpu.synchronize();
+      EXPECT_TRUE(test::bytes_equal(test::host_copy(hx), test::host_copy(h_d))) << "h in place";
+      EXPECT_TRUE(test::bytes_equal(test::host_copy(yr), test::host_copy(y_d))) << "y in place";
+      EXPECT_TRUE(test::bytes_equal(test::host_copy(dx_in), test::host_copy(dx_d))) << "dx in place";
+      EXPECT_TRUE(test::bytes_equal(test::host_copy(dx_in_dw), test::host_copy(dx_d))) << "dx in place with dw";
+      EXPECT_TRUE(test::bytes_equal(test::host_copy(dw_in), test::host_copy(dw_d))) << "dw again";
+    }
+}
+
 // rope on the GPU against the CPU oracle (fp64, rounded once): ragged shapes through every access width (16 bytes,
 // two elements where D/2 is not a multiple of the wide vector or a pointer is misaligned, one where D/2 is odd),
 // grouped-query heads, no k, cos and sin per sequence or broadcast, f32 cos with bf16 q, the inverse, in place, and

@@ -534,8 +534,42 @@ void add_loss_cases(std::vector<Case>& cases, std::int64_t t, std::int64_t hidde
 
 double rounded_to(DType dtype, double x) { return dtype == DType::BF16 ? round_to_bf16(x) : static_cast<float>(x); }
 
-// rms_norm forward and backward (y, rstd, dx, dw) and rope forward and inverse, both storage dtypes, against the
-// definitions written out here: one rounding of each result to its dtype (x·rstd rounded, then ·w, for y).
+// RMSNorm's outputs written out from the definitions: y, rstd, dx, dw of rms_norm and its backward on x, or with
+// R, h = round(x + R) first and the outputs of add_rms_norm (h, y, rstd) and of the backward on h with DRES added to
+// dx (dx, dw); one rounding of each result to its dtype (x·rstd rounded, then ·w, for y).
+Reference norm_reference(DType dt, std::int64_t rows, std::int64_t hidden, float eps, const Tensor& X, const Tensor* R,
+                         const Tensor& W, const Tensor& DY, const Tensor* DRES) {
+  Reference r(R ? 5 : 4);
+  const std::size_t out = R ? 1 : 0;  // y's index
+  r[out + 3].assign(static_cast<std::size_t>(hidden), 0.0);
+  std::vector<double> x(static_cast<std::size_t>(hidden));
+  for (std::int64_t i = 0; i < rows; ++i) {
+    double ss = 0, dot = 0;
+    for (std::int64_t k = 0; k < hidden; ++k) {
+      double v = value_at(X, i * hidden + k);
+      if (R) r[0].push_back(v = rounded_to(dt, v + value_at(*R, i * hidden + k)));
+      x[static_cast<std::size_t>(k)] = v;
+      ss += v * v;
+    }
+    const double rs = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(hidden) + eps));
+    r[out + 1].push_back(rs);
+    for (std::int64_t k = 0; k < hidden; ++k) {
+      const double xv = x[static_cast<std::size_t>(k)], w = value_at(W, k), dy = value_at(DY, i * hidden + k);
+      r[out].push_back(rounded_to(dt, w * rounded_to(dt, xv * rs)));
+      dot += dy * w * xv * rs;
+      r[out + 3][static_cast<std::size_t>(k)] += dy * xv * rs;
+    }
+    for (std::int64_t k = 0; k < hidden; ++k) {
+      const double xv = x[static_cast<std::size_t>(k)], g = value_at(DY, i * hidden + k) * value_at(W, k);
+      const double extra = DRES ? value_at(*DRES, i * hidden + k) : 0.0;
+      r[out + 2].push_back(rounded_to(dt, rs * (g - xv * rs * dot / static_cast<double>(hidden)) + extra));
+    }
+  }
+  return r;
+}
+
+// rms_norm forward and backward (y, rstd, dx, dw), add_rms_norm with the backward's dres (h, y, rstd, dx, dw), and
+// rope forward and inverse, both storage dtypes, against the definitions written out here (norm_reference).
 // Limits: f32 1e-6; bf16 4e-3 (a rounding of 2^-9 relative on every element, summed in Frobenius norm).
 void add_norm_rope_cases(std::vector<Case>& cases, std::int64_t rows, std::int64_t hidden, std::int64_t batch,
                          std::int64_t seq, std::int64_t heads_q, std::int64_t heads_k, std::int64_t head_dim) {
@@ -555,30 +589,22 @@ void add_norm_rope_cases(std::vector<Case>& cases, std::int64_t rows, std::int64
                        rms_norm_backward(ctx, x, w, rstd, on(ctx, *DY), dx, dw);
                        return Outputs{y, rstd, dx, dw};
                      },
-                     [=] {
-                       Reference r(4);
-                       r[3].assign(static_cast<std::size_t>(hidden), 0.0);
-                       for (std::int64_t i = 0; i < rows; ++i) {
-                         double ss = 0, dot = 0;
-                         for (std::int64_t k = 0; k < hidden; ++k) ss += std::pow(value_at(*X, i * hidden + k), 2);
-                         const double rs = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(hidden) + eps));
-                         r[1].push_back(rs);
-                         for (std::int64_t k = 0; k < hidden; ++k) {
-                           const double x = value_at(*X, i * hidden + k), w = value_at(*W, k);
-                           const double dy = value_at(*DY, i * hidden + k);
-                           r[0].push_back(rounded_to(dt, w * rounded_to(dt, x * rs)));
-                           dot += dy * w * x * rs;
-                           r[3][static_cast<std::size_t>(k)] += dy * x * rs;
-                         }
-                         for (std::int64_t k = 0; k < hidden; ++k) {
-                           const double x = value_at(*X, i * hidden + k), w = value_at(*W, k);
-                           const double g = value_at(*DY, i * hidden + k) * w;
-                           r[2].push_back(rounded_to(dt, rs * (g - x * rs * dot / static_cast<double>(hidden))));
-                         }
-                       }
-                       return r;
+                     [=] { return norm_reference(dt, rows, hidden, eps, *X, nullptr, *W, *DY, nullptr); }, tol, tol});
+    auto R = std::make_shared<Tensor>(random(dt, {rows, hidden}, 76, 2.0f));
+    auto DRES = std::make_shared<Tensor>(random(dt, {rows, hidden}, 77));
+    cases.push_back({std::string("add_rms_norm+backward dres ") + dtype_name(dt), dims(rows, hidden, 1),
+                     [=](const Context& ctx) {
+                       Tensor h = poisoned(ctx, dt, {rows, hidden}), y = poisoned(ctx, dt, {rows, hidden});
+                       Tensor rstd = poisoned(ctx, DType::F32, {rows}), dx = poisoned(ctx, dt, {rows, hidden});
+                       Tensor dw = on(ctx, Tensor(DType::F32, {hidden}));
+                       zero(ctx, dw);
+                       const Tensor w = on(ctx, *W);
+                       add_rms_norm(ctx, on(ctx, *X), on(ctx, *R), w, h, y, rstd, eps);
+                       rms_norm_backward(ctx, h, w, rstd, on(ctx, *DY), dx, dw, on(ctx, *DRES));
+                       return Outputs{h, y, rstd, dx, dw};
                      },
-                     tol, tol});
+                     [=] { return norm_reference(dt, rows, hidden, eps, *X, R.get(), *W, *DY, DRES.get()); }, tol,
+                     tol});
     const std::int64_t half = head_dim / 2;
     auto Q = std::make_shared<Tensor>(random(dt, {batch, seq, heads_q, head_dim}, 74));
     auto K = std::make_shared<Tensor>(random(dt, {batch, seq, heads_k, head_dim}, 75));

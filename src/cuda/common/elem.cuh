@@ -27,6 +27,10 @@ struct Elem<float> {
   __device__ __forceinline__ static void store_vec(float* p, std::int64_t v, const float (&x)[kVec]) {
     reinterpret_cast<float4*>(p)[v] = make_float4(x[0], x[1], x[2], x[3]);
   }
+  // fp32 values as the 16-byte vector store_vec writes.
+  __device__ __forceinline__ static uint4 pack(const float (&x)[kVec]) {
+    return make_uint4(__float_as_uint(x[0]), __float_as_uint(x[1]), __float_as_uint(x[2]), __float_as_uint(x[3]));
+  }
   // A 16-byte vector already loaded (as 4 words), as fp32 values.
   __device__ __forceinline__ static void unpack(const uint4& q, float (&x)[kVec]) {
     x[0] = __uint_as_float(q.x);
@@ -59,13 +63,17 @@ struct Elem<__nv_bfloat16> {
     }
   }
   __device__ __forceinline__ static void store_vec(__nv_bfloat16* p, std::int64_t v, const float (&x)[kVec]) {
+    reinterpret_cast<uint4*>(p)[v] = pack(x);
+  }
+  // fp32 values rounded to the 16-byte vector store_vec writes.
+  __device__ __forceinline__ static uint4 pack(const float (&x)[kVec]) {
     std::uint32_t w[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);  // .x = low half = lower index
       w[j] = *reinterpret_cast<const std::uint32_t*>(&b);
     }
-    reinterpret_cast<uint4*>(p)[v] = make_uint4(w[0], w[1], w[2], w[3]);
+    return make_uint4(w[0], w[1], w[2], w[3]);
   }
 };
 

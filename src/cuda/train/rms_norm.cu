@@ -2,7 +2,9 @@
 // lane forward, where a lane also holds its share of the next row, kMaxPacksBackward backward, whose lanes hold x
 // and dy) are read once; other rows (odd widths, misaligned views, very wide rows) go one block per row.
 // The row's sum of squares (fp32, reduced in a fixed order) gives rstd; the forward writes
-// y = w · round(x · rstd), the backward dx = rstd · (g − x̂ · mean(g · x̂)), g = dy · w.
+// y = w · round(x · rstd), the backward dx = rstd · (g − x̂ · mean(g · x̂)), g = dy · w. With a residual r (add_rms_norm)
+// the forward normalizes h = round(x + r), writing h as it goes; with dres the backward adds it to dx before dx's
+// rounding: the decoder layer's residual adds ride on the norms' passes over the row.
 // The weight gradient dw += Σ_rows dy · x̂ is summed without atomics, in a fixed order, into one partial per group
 // of rows, which a last kernel adds in group order. Where a row fits the registers of one warp or of two, the
 // backward kernel that writes dx sums the partials too, from the x and dy it already holds (x and dy are read
@@ -46,16 +48,25 @@ __device__ __forceinline__ float block_total(float v) {
   return total;
 }
 
+// res and h null: y = norm(x); else h = round(x + res) first (each element written by the thread that reads it
+// again: h may be x or res) and y = norm(h).
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    rms_norm_kernel(const T* x, const T* w, T* y, float* rstd, std::int64_t hid, float eps) {
+    rms_norm_kernel(const T* x, const T* res, const T* w, T* h, T* y, float* rstd, std::int64_t hid, float eps) {
   using E = Elem<T>;
   const std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * hid;
   float ss = 0.0f;
   for (std::int64_t k = threadIdx.x; k < hid; k += kThreads) {
-    const float v = E::load(x, base + k);
+    float v = E::load(x, base + k);
+    if (res) {
+      T sum;  // rounded to the storage dtype: the norm reads h as stored
+      E::store(&sum, 0, v + E::load(res, base + k));
+      v = E::load(&sum, 0);
+      E::store(h, base + k, v);
+    }
     ss = fmaf(v, v, ss);
   }
+  if (res) x = h;
   const float rs = rsqrtf(block_total(ss) / static_cast<float>(hid) + eps);
   if (rstd && threadIdx.x == 0) rstd[blockIdx.x] = rs;
   for (std::int64_t k = threadIdx.x; k < hid; k += kThreads) {
@@ -66,8 +77,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) rms_norm_dx_kernel(const T* x, const T* w, const float* rstd,
-                                                               const T* dy, T* dx, std::int64_t hid) {
+__global__ void __launch_bounds__(kThreads)
+    rms_norm_dx_kernel(const T* x, const T* w, const float* rstd, const T* dy, const T* dres, T* dx, std::int64_t hid) {
   using E = Elem<T>;
   const std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * hid;
   const float rs = rstd[blockIdx.x];
@@ -77,7 +88,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_dx_kernel(const T* x, const
   const float mean = block_total(dot) / static_cast<float>(hid);
   for (std::int64_t k = threadIdx.x; k < hid; k += kThreads) {
     const float g = E::load(dy, base + k) * E::load(w, k), xh = E::load(x, base + k) * rs;
-    E::store(dx, base + k, rs * (g - xh * mean));
+    E::store(dx, base + k, rs * (g - xh * mean) + (dres ? E::load(dres, base + k) : 0.0f));
   }
 }
 
@@ -117,10 +128,12 @@ __device__ __forceinline__ float row_total(float v, float (&parts)[2][kWarpsPerB
 // Persistent forward: block b takes row steps b, b + gridDim.x, ...; a step is kSlots rows (kWarpsPerBlock /
 // kWarpsPerRow), each row's packs split over kWarpsPerRow warps (pack p in lane p mod 32·kWarpsPerRow). A lane
 // loads its share of the next step's row before it reduces and writes this one's, so the grid keeps loads in
-// flight while it writes (the rows are in registers: y may be x).
-template <class T, int kPacks, int kWarpsPerRow>
+// flight while it writes (the rows are in registers: y may be x). With kAdd a lane loads its packs of res for the
+// row it reduces, and writes h = round(x + res) (h and y may be x or res: the row's packs are read before).
+template <class T, int kPacks, int kWarpsPerRow, bool kAdd>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    rms_norm_rows_kernel(const T* x, const T* w, T* y, float* rstd, std::int64_t rows, std::int64_t hid, float eps) {
+    rms_norm_rows_kernel(const T* x, const T* res, const T* w, T* h, T* y, float* rstd, std::int64_t rows,
+                         std::int64_t hid, float eps) {
   using E = Elem<T>;
   constexpr int V = E::kVec;
   constexpr int kSlots = kWarpsPerBlock / kWarpsPerRow;
@@ -148,6 +161,29 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     const std::int64_t row = step * kSlots + slot;
     const bool live = row < rows;
     float ss = 0.0f;
+    if constexpr (kAdd) {
+      if (live) {
+        uint4 qr[kPacks];
+        const uint4* rr = reinterpret_cast<const uint4*>(res + row * hid);
+#pragma unroll
+        for (int j = 0; j < kPacks; ++j) {
+          const std::int64_t p = row_lane + kRowLanes * j;
+          if (p < packs) qr[j] = rr[p];
+        }
+#pragma unroll
+        for (int j = 0; j < kPacks; ++j) {
+          const std::int64_t p = row_lane + kRowLanes * j;
+          if (p >= packs) continue;
+          float v[V], rv[V];
+          E::unpack(cur[j], v);
+          E::unpack(qr[j], rv);
+#pragma unroll
+          for (int k = 0; k < V; ++k) v[k] += rv[k];
+          cur[j] = E::pack(v);  // rounded: the norm reads h as stored
+          reinterpret_cast<uint4*>(h + row * hid)[p] = cur[j];
+        }
+      }
+    }
     if (live) {
 #pragma unroll
       for (int j = 0; j < kPacks; ++j) {
@@ -214,11 +250,12 @@ __device__ __forceinline__ float load_row_packs(const T* x, const T* dy, const T
   return dot;
 }
 
-// dx = rstd · (g − x̂ · mean) for the same packs, written to the row dx (which may be dy: the row is in registers);
-// with kWithDw also acc += dy · x̂ per element.
+// dx = rstd · (g − x̂ · mean) (+ dres, the row of the second gradient where not null) for the same packs, written
+// to the row dx (which may be dy: the row is in registers, or dres: a pack is read before it is written); with
+// kWithDw also acc += dy · x̂ per element.
 template <class T, int kPacks, bool kWithDw>
 __device__ __forceinline__ void store_row_dx(const uint4 (&qx)[kPacks], const uint4 (&qdy)[kPacks], const T* w,
-                                             float rs, float mean, T* dx, std::int64_t first, int stride,
+                                             const T* dres, float rs, float mean, T* dx, std::int64_t first, int stride,
                                              std::int64_t packs, float (&acc)[kPacks][Elem<T>::kVec]) {
   using E = Elem<T>;
   constexpr int V = E::kVec;
@@ -226,14 +263,15 @@ __device__ __forceinline__ void store_row_dx(const uint4 (&qx)[kPacks], const ui
   for (int j = 0; j < kPacks; ++j) {
     const std::int64_t p = first + stride * j;
     if (p >= packs) continue;
-    float xv[V], dv[V], wv[V], out[V];
+    float xv[V], dv[V], wv[V], out[V], rv[V] = {};
     E::unpack(qx[j], xv);
     E::unpack(qdy[j], dv);
     E::load_vec(w, p, wv);
+    if (dres) E::load_vec(dres, p, rv);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const float g = dv[k] * wv[k], xh = xv[k] * rs;
-      out[k] = rs * (g - xh * mean);
+      out[k] = rs * (g - xh * mean) + rv[k];
       if constexpr (kWithDw) acc[j][k] = fmaf(dv[k], xh, acc[j][k]);
     }
     E::store_vec(dx, p, out);
@@ -242,8 +280,8 @@ __device__ __forceinline__ void store_row_dx(const uint4 (&qx)[kPacks], const ui
 
 template <class T, int kPacks>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    rms_norm_dx_warp_kernel(const T* x, const T* w, const float* rstd, const T* dy, T* dx, std::int64_t rows,
-                            std::int64_t hid) {
+    rms_norm_dx_warp_kernel(const T* x, const T* w, const float* rstd, const T* dy, const T* dres, T* dx,
+                            std::int64_t rows, std::int64_t hid) {
   const int lane = threadIdx.x & 31;
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= rows) return;
@@ -252,8 +290,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   uint4 qx[kPacks], qdy[kPacks];
   const float dot = load_row_packs<T, kPacks>(x + row * hid, dy + row * hid, w, rs, lane, 32, packs, qx, qdy);
   float unused[kPacks][Elem<T>::kVec];
-  store_row_dx<T, kPacks, false>(qx, qdy, w, rs, warp_total(dot) / static_cast<float>(hid), dx + row * hid, lane, 32,
-                                 packs, unused);
+  store_row_dx<T, kPacks, false>(qx, qdy, w, dres ? dres + row * hid : nullptr, rs,
+                                 warp_total(dot) / static_cast<float>(hid), dx + row * hid, lane, 32, packs, unused);
 }
 
 // The packs per lane the warp kernels take for rows of hid elements of T (1, 2, 4, 8 or 16), or 0 where a row is
@@ -313,8 +351,8 @@ constexpr int kGroupRows = 16;  // rows per block and per partial: enough blocks
 // to partial[b]. dx may be dy: a row is in registers before any of it is written.
 template <class T, int kPacks, int kWarpsPerRow, bool kWithDw>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    rms_norm_backward_rows_kernel(const T* x, const T* w, const float* rstd, const T* dy, T* dx, float* partial,
-                                  std::int64_t rows, std::int64_t hid) {
+    rms_norm_backward_rows_kernel(const T* x, const T* w, const float* rstd, const T* dy, const T* dres, T* dx,
+                                  float* partial, std::int64_t rows, std::int64_t hid) {
   using E = Elem<T>;
   constexpr int V = E::kVec;
   constexpr int kSlots = kWarpsPerBlock / kWarpsPerRow;
@@ -338,8 +376,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     }
     dot = row_total<kWarpsPerRow>(dot, row_parts, step & 1);
     if (live)
-      store_row_dx<T, kPacks, kWithDw>(qx, qdy, w, rs, dot / static_cast<float>(hid), dx + row * hid, row_lane,
-                                       kRowLanes, packs, acc);
+      store_row_dx<T, kPacks, kWithDw>(qx, qdy, w, dres ? dres + row * hid : nullptr, rs, dot / static_cast<float>(hid),
+                                       dx + row * hid, row_lane, kRowLanes, packs, acc);
   }
   if constexpr (kWithDw) {
     for (int s = 0; s < kSlots; ++s) {
@@ -390,24 +428,33 @@ __global__ void __launch_bounds__(common::kLaneSumThreads)
 }
 
 template <class T>
-void launch_forward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y,
-                    const TensorView& rstd, float eps) {
+void launch_forward(const Context& ctx, const TensorView& x, const TensorView& res, const TensorView& w,
+                    const TensorView& h, const TensorView& y, const TensorView& rstd, float eps) {
   const std::int64_t rows = x.dim(0), hid = x.dim(1);
-  if (const RowSplit split = row_split<T, kMaxPacksForward>(hid, {x.data(), w.data(), y.data()}); split.packs) {
+  const T* res_p = res.empty() ? nullptr : res.data_as<const T>();
+  T* h_p = h.empty() ? nullptr : h.data_as<T>();
+  float* rstd_p = rstd.empty() ? nullptr : rstd.data_as<float>();
+  if (const RowSplit split = row_split<T, kMaxPacksForward>(hid, {x.data(), res_p, w.data(), h_p, y.data()});
+      split.packs) {
     with_row_split<kMaxPacksForward>(split, [&](auto packs, auto warps_per_row) {
       constexpr int kWarpsPerRow = decltype(warps_per_row)::value;
-      const auto kernel = rms_norm_rows_kernel<T, decltype(packs)::value, kWarpsPerRow>;
-      const std::int64_t steps = (rows + kWarpsPerBlock / kWarpsPerRow - 1) / (kWarpsPerBlock / kWarpsPerRow);
-      kernel<<<grid_for(ctx, kernel, 32 * kWarpsPerBlock, steps * 32 * kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
-               stream_of(ctx)>>>(x.data_as<const T>(), w.data_as<const T>(), y.data_as<T>(),
-                                 rstd.empty() ? nullptr : rstd.data_as<float>(), rows, hid, eps);
+      const auto launch = [&](auto add) {
+        const auto kernel = rms_norm_rows_kernel<T, decltype(packs)::value, kWarpsPerRow, decltype(add)::value>;
+        const std::int64_t steps = (rows + kWarpsPerBlock / kWarpsPerRow - 1) / (kWarpsPerBlock / kWarpsPerRow);
+        kernel<<<grid_for(ctx, kernel, 32 * kWarpsPerBlock, steps * 32 * kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
+                 stream_of(ctx)>>>(x.data_as<const T>(), res_p, w.data_as<const T>(), h_p, y.data_as<T>(), rstd_p, rows,
+                                   hid, eps);
+      };
+      if (res_p)
+        launch(std::true_type{});
+      else
+        launch(std::false_type{});
     });
     QMM_CUDA_CHECK_LAUNCH("rms_norm_rows_kernel");
     return;
   }
   rms_norm_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream_of(ctx)>>>(
-      x.data_as<const T>(), w.data_as<const T>(), y.data_as<T>(), rstd.empty() ? nullptr : rstd.data_as<float>(),
-      x.dim(1), eps);
+      x.data_as<const T>(), res_p, w.data_as<const T>(), h_p, y.data_as<T>(), rstd_p, hid, eps);
   QMM_CUDA_CHECK_LAUNCH("rms_norm_kernel");
 }
 
@@ -424,9 +471,9 @@ void finish_dw(const Context& ctx, const float* partial, std::int64_t groups, st
 // kernel instead (a warp per row, more blocks).
 template <class T>
 bool launch_backward_rows(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
-                          const TensorView& dy, const TensorView& dx, const TensorView& dw) {
+                          const TensorView& dy, const TensorView& dx, const TensorView& dw, const T* dres) {
   const std::int64_t rows = x.dim(0), hid = x.dim(1);
-  const RowSplit split = row_split<T, kMaxPacksBackward>(hid, {x.data(), w.data(), dy.data(), dx.data()});
+  const RowSplit split = row_split<T, kMaxPacksBackward>(hid, {x.data(), w.data(), dy.data(), dx.data(), dres});
   if (dx.empty() || split.packs == 0 || (split.warps == 1 && dw.empty())) return false;
   const unsigned groups = static_cast<unsigned>((rows + kGroupRows - 1) / kGroupRows);
   std::unique_ptr<ScratchBuffer> partial;
@@ -438,8 +485,8 @@ bool launch_backward_rows(const Context& ctx, const TensorView& x, const TensorV
     const auto kernel = rms_norm_backward_rows_kernel<T, decltype(packs)::value, decltype(warps_per_row)::value,
                                                       decltype(with_dw)::value>;
     kernel<<<groups, 32 * kWarpsPerBlock, dw_bytes, stream_of(ctx)>>>(
-        x.data_as<const T>(), w.data_as<const T>(), rstd.data_as<const float>(), dy.data_as<const T>(), dx.data_as<T>(),
-        partial ? partial->at<float>(0) : nullptr, rows, hid);
+        x.data_as<const T>(), w.data_as<const T>(), rstd.data_as<const float>(), dy.data_as<const T>(), dres,
+        dx.data_as<T>(), partial ? partial->at<float>(0) : nullptr, rows, hid);
   };
   with_row_split<kMaxPacksBackward>(split, [&](auto packs, auto warps_per_row) {
     if constexpr (decltype(warps_per_row)::value == 1)  // one warp a row takes this kernel only with dw
@@ -456,9 +503,10 @@ bool launch_backward_rows(const Context& ctx, const TensorView& x, const TensorV
 
 template <class T>
 void launch_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
-                     const TensorView& dy, const TensorView& dx, const TensorView& dw) {
+                     const TensorView& dy, const TensorView& dx, const TensorView& dw, const TensorView& dres) {
   const std::int64_t rows = x.dim(0), hid = x.dim(1);
-  if (launch_backward_rows<T>(ctx, x, w, rstd, dy, dx, dw)) return;
+  const T* dres_p = dres.empty() ? nullptr : dres.data_as<const T>();
+  if (launch_backward_rows<T>(ctx, x, w, rstd, dy, dx, dw, dres_p)) return;
   if (!dw.empty()) {  // first: dx may be dy
     const std::int64_t groups = (rows + kRowsPerGroup - 1) / kRowsPerGroup;
     const unsigned col_blocks = static_cast<unsigned>((hid + kThreads - 1) / kThreads);
@@ -469,35 +517,39 @@ void launch_backward(const Context& ctx, const TensorView& x, const TensorView& 
     finish_dw(ctx, partial.at<float>(0), groups, hid, dw);
   }
   if (dx.empty()) return;
-  if (const int packs = warp_packs<T, kMaxPacksBackward>(hid, {x.data(), w.data(), dy.data(), dx.data()})) {
+  if (const int packs = warp_packs<T, kMaxPacksBackward>(hid, {x.data(), w.data(), dy.data(), dx.data(), dres_p})) {
     with_packs<kMaxPacksBackward>(packs, [&](auto k) {
       rms_norm_dx_warp_kernel<T, decltype(k)::value><<<warp_blocks(rows), 32 * kWarpsPerBlock, 0, stream_of(ctx)>>>(
-          x.data_as<const T>(), w.data_as<const T>(), rstd.data_as<const float>(), dy.data_as<const T>(),
+          x.data_as<const T>(), w.data_as<const T>(), rstd.data_as<const float>(), dy.data_as<const T>(), dres_p,
           dx.data_as<T>(), rows, hid);
     });
     QMM_CUDA_CHECK_LAUNCH("rms_norm_dx_warp_kernel");
     return;
   }
   rms_norm_dx_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream_of(ctx)>>>(
-      x.data_as<const T>(), w.data_as<const T>(), rstd.data_as<const float>(), dy.data_as<const T>(), dx.data_as<T>(),
-      hid);
+      x.data_as<const T>(), w.data_as<const T>(), rstd.data_as<const float>(), dy.data_as<const T>(), dres_p,
+      dx.data_as<T>(), hid);
   QMM_CUDA_CHECK_LAUNCH("rms_norm_dx_kernel");
 }
 
 }  // namespace
 
-void rms_norm(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& y,
-              const TensorView& rstd, float eps) {
+void rms_norm(const Context& ctx, const TensorView& x, const TensorView& r, const TensorView& w, const TensorView& h,
+              const TensorView& y, const TensorView& rstd, float eps) {
   set_device(ctx);
-  if (x.dtype() == DType::BF16) launch_forward<__nv_bfloat16>(ctx, x, w, y, rstd, eps);
-  else launch_forward<float>(ctx, x, w, y, rstd, eps);
+  if (x.dtype() == DType::BF16)
+    launch_forward<__nv_bfloat16>(ctx, x, r, w, h, y, rstd, eps);
+  else
+    launch_forward<float>(ctx, x, r, w, h, y, rstd, eps);
 }
 
 void rms_norm_backward(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& rstd,
-                       const TensorView& dy, const TensorView& dx, const TensorView& dw) {
+                       const TensorView& dy, const TensorView& dx, const TensorView& dw, const TensorView& dres) {
   set_device(ctx);
-  if (x.dtype() == DType::BF16) launch_backward<__nv_bfloat16>(ctx, x, w, rstd, dy, dx, dw);
-  else launch_backward<float>(ctx, x, w, rstd, dy, dx, dw);
+  if (x.dtype() == DType::BF16)
+    launch_backward<__nv_bfloat16>(ctx, x, w, rstd, dy, dx, dw, dres);
+  else
+    launch_backward<float>(ctx, x, w, rstd, dy, dx, dw, dres);
 }
 
 }  // namespace qmm::cuda
