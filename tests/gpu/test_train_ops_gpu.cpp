@@ -478,21 +478,16 @@ TEST(TrainOpsGpu, HostTensorsAreRejected) {
 // over one warp (up to 8 packs a lane: 2048 bf16, 1024 f32) or two (4096 bf16, 2048 and 1536 f32) with dw's
 // partials in the same kernel, or a block per row (100, 4104, 5120; 4096 f32); groups of 16 rows ragged (1, 5, 7,
 // 9, 33, 300 rows). y in place over x and dx over dy (with and without dw) give the same bytes, dw too.
+// 4099 rows: more row steps than a persistent grid's blocks.
+constexpr std::pair<std::int64_t, std::int64_t> kNormShapes[] = {
+    {1, 64}, {7, 100}, {300, 1536}, {2048, 4096}, {1, 5120}, {5, 8}, {9, 4104}, {33, 2048}, {65, 1536}, {4099, 1536}};
+
 TEST(TrainOpsGpu, RmsNormMatchesCpu) {
   QMM_REQUIRE_GPU();
   Context& gpu = *test::gpu_context();
   std::uint64_t seed = 800;
   for (DType dt : {DType::F32, DType::BF16})
-    for (auto [rows, hid] : {std::pair<std::int64_t, std::int64_t>{1, 64},
-                             {7, 100},
-                             {300, 1536},
-                             {2048, 4096},
-                             {1, 5120},
-                             {5, 8},
-                             {9, 4104},
-                             {33, 2048},
-                             {65, 1536},
-                             {4099, 1536}}) {  // more row steps than a persistent grid's blocks
+    for (auto [rows, hid] : kNormShapes) {
       SCOPED_TRACE(std::string(dtype_name(dt)) + " " + std::to_string(rows) + "x" + std::to_string(hid));
       const Tensor x = test::random_tensor(dt, {rows, hid}, ++seed, -3.0f, 3.0f);
       const Tensor w = test::random_tensor(dt, {hid}, ++seed, 0.5f, 1.5f);
@@ -533,15 +528,7 @@ TEST(TrainOpsGpu, AddRmsNormAndResidualGradientMatchCpu) {
   Context& gpu = *test::gpu_context();
   std::uint64_t seed = 1200;
   for (DType dt : {DType::F32, DType::BF16})
-    for (auto [rows, hid] : {std::pair<std::int64_t, std::int64_t>{1, 64},
-                             {7, 100},
-                             {300, 1536},
-                             {2048, 4096},
-                             {1, 5120},
-                             {5, 8},
-                             {9, 4104},
-                             {33, 2048},
-                             {4099, 1536}}) {
+    for (auto [rows, hid] : kNormShapes) {
       SCOPED_TRACE(std::string(dtype_name(dt)) + " " + std::to_string(rows) + "x" + std::to_string(hid));
       const Tensor x = test::random_tensor(dt, {rows, hid}, ++seed, -3.0f, 3.0f);
       const Tensor r = test::random_tensor(dt, {rows, hid}, ++seed, -3.0f, 3.0f);
