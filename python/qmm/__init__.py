@@ -21,25 +21,26 @@ qmm.release_cached_memory gives it back).
 """
 from . import compile_ops, functional, generate, graphs, layers, nf4, ops, patch  # noqa: F401 (by concern)
 from ._base import Error
-from .functional import (Lora, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_linears, lora_nf4_mlp,
-                         lora_nf4_swiglu, nf4_gate_up_linear, nf4_linear, nf4_swiglu, rms_norm_autograd, rope_autograd,
-                         swiglu_autograd)
+from .functional import (Lora, add_rms_norm_autograd, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_linears,
+                         lora_nf4_mlp, lora_nf4_swiglu, nf4_gate_up_linear, nf4_linear, nf4_swiglu, rms_norm_autograd,
+                         rms_norm_residual_autograd, rope_autograd, swiglu_autograd)
 from .generate import static_decoder
 from .graphs import graph_step
 from .layers import LoraAdapter, QLoraLinear, QLoraSwiGluMlp, replace_bnb_linears, replace_bnb_mlps
 from .nf4 import NF4_CODEBOOK, NF4_NESTED_BLOCK_SIZE, Nf4Weight
-from .ops import (batched_gemm, cuda_device_count, gemm, gemm_backward_a, gemm_backward_b, gemm_bt,
+from .ops import (add_rms_norm, batched_gemm, cuda_device_count, gemm, gemm_backward_a, gemm_backward_b, gemm_bt,
                   linear_cross_entropy, lora_backward_dy, memory_stats, nf4_gate_up, nf4_gemm, nf4_gemm_backward_a,
                   release_cached_memory, reset_peak_memory_stats, rms_norm, rms_norm_backward, rope, swiglu,
                   swiglu_backward)
 from .patch import patch_bnb, unpatch_bnb
 
 __all__ = [
-    "Error", "Lora", "LoraAdapter", "Nf4Weight", "QLoraLinear", "QLoraSwiGluMlp", "batched_gemm", "cuda_device_count",
-    "gemm", "gemm_backward_a", "gemm_backward_b", "gemm_bt", "graph_step", "linear_cross_entropy",
-    "linear_cross_entropy_loss", "lora_backward_dy", "lora_nf4_linear", "lora_nf4_linears", "lora_nf4_mlp",
-    "lora_nf4_swiglu", "memory_stats", "nf4_gate_up", "nf4_gate_up_linear", "nf4_gemm", "nf4_gemm_backward_a",
-    "nf4_linear", "nf4_swiglu", "patch_bnb", "release_cached_memory", "replace_bnb_linears", "replace_bnb_mlps",
-    "reset_peak_memory_stats", "rms_norm", "rms_norm_autograd", "rms_norm_backward", "rope", "rope_autograd",
-    "static_decoder", "swiglu", "swiglu_autograd", "swiglu_backward", "unpatch_bnb",
+    "Error", "Lora", "LoraAdapter", "Nf4Weight", "QLoraLinear", "QLoraSwiGluMlp", "add_rms_norm",
+    "add_rms_norm_autograd", "batched_gemm", "cuda_device_count", "gemm", "gemm_backward_a", "gemm_backward_b",
+    "gemm_bt", "graph_step", "linear_cross_entropy", "linear_cross_entropy_loss", "lora_backward_dy", "lora_nf4_linear",
+    "lora_nf4_linears", "lora_nf4_mlp", "lora_nf4_swiglu", "memory_stats", "nf4_gate_up", "nf4_gate_up_linear",
+    "nf4_gemm", "nf4_gemm_backward_a", "nf4_linear", "nf4_swiglu", "patch_bnb", "release_cached_memory",
+    "replace_bnb_linears", "replace_bnb_mlps", "reset_peak_memory_stats", "rms_norm", "rms_norm_autograd",
+    "rms_norm_backward", "rms_norm_residual_autograd", "rope", "rope_autograd", "static_decoder", "swiglu",
+    "swiglu_autograd", "swiglu_backward", "unpatch_bnb",
 ]

@@ -23,6 +23,7 @@ from ._base import _error
 from .nf4 import Nf4Weight
 from .ops import nf4_gate_up as _nf4_gate_up
 from .ops import nf4_gemm_backward_a, rope_like, swiglu_backward as _swiglu_backward
+from .ops import add_rms_norm as _add_rms_norm
 from .ops import rms_norm as _rms_norm
 from .ops import rms_norm_backward as _rms_norm_backward
 from .ops import rope as _rope
@@ -544,14 +545,14 @@ if AVAILABLE:
         return x.new_empty(x.shape), x.new_empty((_rows_of(x),), dtype=torch.float32)
 
     @op("qmm::rms_norm_backward", mutates_args=())
-    def rms_norm_backward_op(x: Tensor, w: Tensor, rstd: Tensor, dy: Tensor, want_dx: bool,
+    def rms_norm_backward_op(x: Tensor, w: Tensor, rstd: Tensor, dy: Tensor, dres: Optional[Tensor], want_dx: bool,
                              want_dw: bool) -> Tuple[Tensor, Tensor]:
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
-        dx = _rms_norm_backward(x, w, rstd, dy, dx=want_dx, dw=dw)
+        dx = _rms_norm_backward(x, w, rstd, dy, dx=want_dx, dw=dw, dres=dres if want_dx else None)
         return _or_empty(dx, x), x.new_empty(0) if dw is None else dw.to(w.dtype)
 
     @rms_norm_backward_op.register_fake
-    def _(x, w, rstd, dy, want_dx, want_dw):
+    def _(x, w, rstd, dy, dres, want_dx, want_dw):
         return x.new_empty(x.shape) if want_dx else x.new_empty(0), w.new_empty(w.shape) if want_dw else x.new_empty(0)
 
     def _setup_rms_norm(ctx, inputs, output):
@@ -564,10 +565,36 @@ if AVAILABLE:
         want = ctx.needs_input_grad[:2]
         if dy is None or not any(want):
             return None, None, None
-        dx, dw = rms_norm_backward_op(x, w, rstd, dy, want[0], want[1])
+        dx, dw = rms_norm_backward_op(x, w, rstd, dy, None, want[0], want[1])
         return _or_none(dx) if want[0] else None, _or_none(dw) if want[1] else None, None
 
     rms_norm_op.register_autograd(_rms_norm_grad, setup_context=_setup_rms_norm)
+
+    @op("qmm::add_rms_norm", mutates_args=())
+    def add_rms_norm_op(x: Tensor, r: Tensor, w: Tensor, eps: float) -> Tuple[Tensor, Tensor, Tensor]:
+        return _add_rms_norm(x, r, w, eps, rstd=True)
+
+    @add_rms_norm_op.register_fake
+    def _(x, r, w, eps):
+        return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty((_rows_of(x),), dtype=torch.float32)
+
+    def _setup_add_rms_norm(ctx, inputs, output):
+        ctx.save_for_backward(output[0], inputs[2], output[2])
+        ctx.mark_non_differentiable(output[2])
+        ctx.set_materialize_grads(False)
+
+    def _add_rms_norm_grad(ctx, dh, dy, _):
+        h, w, rstd = ctx.saved_tensors
+        want_x, want_w = ctx.needs_input_grad[0] or ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dx = dw = None
+        if dy is None:
+            dx = dh if want_x else None
+        elif want_x or want_w:
+            dx, dw = rms_norm_backward_op(h, w, rstd, dy, dh, want_x, want_w)
+            dx, dw = _or_none(dx) if want_x else None, _or_none(dw) if want_w else None
+        return dx if ctx.needs_input_grad[0] else None, dx if ctx.needs_input_grad[1] else None, dw, None
+
+    add_rms_norm_op.register_autograd(_add_rms_norm_grad, setup_context=_setup_add_rms_norm)
 
     # ---- gate and up alone, and the SwiGLU alone ------------------------------------------------------------------
 
@@ -712,6 +739,11 @@ def linear_cross_entropy(h, w, labels, ignore_index, chunk_tokens=0, check_label
 
 def rms_norm(x, w, eps):
     return rms_norm_op(x, w, float(eps))[0]
+
+
+def add_rms_norm(x, r, w, eps):
+    h, y, _ = add_rms_norm_op(x, r, w, float(eps))
+    return h, y
 
 
 def nf4_gate_up(x, w_gate, w_up, path):

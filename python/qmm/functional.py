@@ -9,7 +9,8 @@ import torch
 from . import _impl, compile_ops
 from ._base import _error, _flag
 from .nf4 import Nf4Weight, _nf4
-from .ops import nf4_gate_up, nf4_gemm_backward_a, rms_norm, rms_norm_backward, rope, swiglu, swiglu_backward
+from .ops import (add_rms_norm, nf4_gate_up, nf4_gemm_backward_a, rms_norm, rms_norm_backward, rope, swiglu,
+                  swiglu_backward)
 
 _compiling = compile_ops.compiling
 
@@ -444,6 +445,68 @@ def rms_norm_autograd(x, w, eps):
     if not _grad_wanted(x, w):
         return rms_norm(x, w, eps)[0]
     return _RmsNorm.apply(x, w, float(eps))
+
+
+class _AddRmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, r, w, eps):
+        h, y, rstd = add_rms_norm(x, r, w, eps, rstd=True)
+        ctx.save_for_backward(h, w, rstd)
+        ctx.set_materialize_grads(False)
+        return h, y
+
+    @staticmethod
+    def backward(ctx, dh, dy):
+        h, w, rstd = ctx.saved_tensors
+        want_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        dx = dw = None
+        if dy is None:
+            dx = dh if want_x else None
+        else:
+            dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[2] else None
+            dx = rms_norm_backward(h, w, rstd, dy, dx=want_x, dw=dw, dres=dh if want_x else None)
+        return (dx if ctx.needs_input_grad[0] else None, dx if ctx.needs_input_grad[1] else None,
+                None if dw is None else dw.to(w.dtype), None)
+
+
+def add_rms_norm_autograd(x, r, w, eps):
+    """(h, y) = (x + r, rms_norm(x + r, w, eps)) in one pass (see qmm.add_rms_norm), differentiable in x, r and w:
+    the gradient reaching h and the norm's meet in one backward kernel, which gives x and r their (one) gradient."""
+    if _compiling():
+        return compile_ops.add_rms_norm(x, r, w, eps)
+    if not _grad_wanted(x, r, w):
+        return add_rms_norm(x, r, w, eps)[:2]
+    return _AddRmsNorm.apply(x, r, w, float(eps))
+
+
+class _RmsNormResidual(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        y, rstd = rms_norm(x, w, eps, rstd=True)
+        ctx.save_for_backward(x, w, rstd)
+        ctx.set_materialize_grads(False)
+        return x.view_as(x), y
+
+    @staticmethod
+    def backward(ctx, dres, dy):
+        x, w, rstd = ctx.saved_tensors
+        if dy is None:
+            return dres if ctx.needs_input_grad[0] else None, None, None
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
+        dx = rms_norm_backward(x, w, rstd, dy, dx=ctx.needs_input_grad[0], dw=dw,
+                               dres=dres if ctx.needs_input_grad[0] else None)
+        return dx, None if dw is None else dw.to(w.dtype), None
+
+
+def rms_norm_residual_autograd(x, w, eps):
+    """(x, rms_norm(x, w, eps)) where x goes on as the residual stream beside its norm: the first output is x (a
+    view), whose gradient is added to the norm's input gradient in the norm's backward kernel instead of a sum of
+    its own. Under torch.compile, x itself and qmm's rms_norm (the compiler fuses the sum)."""
+    if _compiling():
+        return x, compile_ops.rms_norm(x, w, eps)
+    if not _grad_wanted(x, w):
+        return x, rms_norm(x, w, eps)[0]
+    return _RmsNormResidual.apply(x, w, float(eps))
 
 
 class _Rope(torch.autograd.Function):

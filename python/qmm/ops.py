@@ -246,13 +246,32 @@ def rms_norm(x, w, eps, *, rstd=False):
     return y.view(x.shape), r
 
 
-def rms_norm_backward(x, w, rstd, dy, *, dx=True, dw=None):
-    """rms_norm's gradients from its rstd: returns dx (x's dtype; None where dx=False) and accumulates the float32
-    gradient of w into `dw` where given."""
+def add_rms_norm(x, r, w, eps, *, rstd=False):
+    """A decoder layer's residual add and the RMSNorm after it in one pass: h = x + r (rounded to x's dtype, as
+    the tensor add), y = rms_norm(h, w, eps). x and r of one shape [..., H] and dtype. Returns (h, y, rstd [rows]
+    float32 where rstd=True, else None)."""
+    if tuple(r.shape) != tuple(x.shape):
+        raise _error("ShapeMismatch", f"add_rms_norm: r has shape {list(r.shape)} but must have x's {list(x.shape)}")
     hidden = _dim(x, -1)
+    x2, r2 = _in(x).reshape(-1, hidden), _in(r).reshape(-1, hidden)
+    h, y = torch.empty_like(x2), torch.empty_like(x2)
+    rs = torch.empty((x2.shape[0],), dtype=torch.float32, device=x.device) if rstd else None
+    _call(_qmm.add_rms_norm, x2, x2, r2, _in(w), h, y, rs, eps=float(eps))
+    return h.view(x.shape), y.view(x.shape), rs
+
+
+def rms_norm_backward(x, w, rstd, dy, *, dx=True, dw=None, dres=None):
+    """rms_norm's gradients from its rstd: returns dx (x's dtype; None where dx=False) and accumulates the float32
+    gradient of w into `dw` where given. `dres` (x's shape and dtype), a gradient that reaches x by another path
+    (the residual stream), is added to dx in the same pass."""
+    hidden = _dim(x, -1)
+    if dres is not None and tuple(dres.shape) != tuple(x.shape):
+        raise _error("ShapeMismatch", f"rms_norm_backward: dres has shape {list(dres.shape)} but must have x's "
+                                      f"{list(x.shape)}")
     x2, dy2 = _in(x).reshape(-1, hidden), _in(dy).reshape(-1, hidden)
+    dres2 = None if dres is None else _in(dres).reshape(-1, hidden)
     dx_out = torch.empty_like(x2) if dx else None
-    _call(_qmm.rms_norm_backward, x2, x2, _in(w), _in(rstd), dy2, dx_out, None if dw is None else dw.detach())
+    _call(_qmm.rms_norm_backward, x2, x2, _in(w), _in(rstd), dy2, dx_out, None if dw is None else dw.detach(), dres2)
     return None if dx_out is None else dx_out.view(x.shape)
 
 

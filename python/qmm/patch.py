@@ -17,10 +17,12 @@ custom ops as its tensors read from the layer at the call (compile_ops.py), neve
 one value not on the layer as a tensor qmm can read without a device synchronization, the double quantization's
 offset, is kept on bitsandbytes' QuantState as a CPU tensor, made when the weight is first seen (patch_bnb, or an
 eager call after bitsandbytes replaced it)."""
+import ast
 import collections
 import functools
 import inspect
 import sys
+import textwrap
 import types
 import warnings
 import weakref
@@ -31,8 +33,9 @@ from . import _qmm
 from ._base import _error
 from ._impl import PendingLabelCheck
 from .compile_ops import compiling
-from .functional import (Lora, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_linears, lora_nf4_mlp,
-                         lora_nf4_swiglu, nf4_gate_up_linear, rms_norm_autograd, rope_autograd, swiglu_autograd)
+from .functional import (Lora, add_rms_norm_autograd, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_linears,
+                         lora_nf4_mlp, lora_nf4_swiglu, nf4_gate_up_linear, rms_norm_autograd,
+                         rms_norm_residual_autograd, rope_autograd, swiglu_autograd)
 from .layers import _has_bnb_weight, _is_lora_wrapper, _model
 from .nf4 import Nf4Weight
 
@@ -480,6 +483,130 @@ def _rms_norm_forward(norm, x, *args, **kwargs):
 
 
 
+# ---- decoder layers: the residual adds inside the norms' kernels ----------------------------------------------
+
+_DECODER_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
+_CACHE_NAMES = ("past_key_values", "cache", "layer_past")
+# The statements of those layers' forward in transformers 5 (the cache argument named past_key_values, or cache in
+# later releases): what _decoder_layer_forward computes, the residual adds inside the norms' passes.
+_DECODER_BODY = """
+residual = hidden_states
+hidden_states = self.input_layernorm(hidden_states)
+hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
+    position_ids=position_ids, {cache}={cache}, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+hidden_states = residual + hidden_states
+residual = hidden_states
+hidden_states = self.post_attention_layernorm(hidden_states)
+hidden_states = self.mlp(hidden_states)
+hidden_states = residual + hidden_states
+return hidden_states
+"""
+_KEYWORDS = {"attention_mask", "position_ids", "use_cache", "position_embeddings"}
+_fused_layers = {}  # decoder layer class -> its subclass computing the fused forward, or None where it can't
+
+
+def _statements(source):
+    """A function's or a block's statements as ast.unparse writes them (no comments, docstring or layout)."""
+    tree = ast.parse(textwrap.dedent(source))
+    body = tree.body[0].body if len(tree.body) == 1 and isinstance(tree.body[0], ast.FunctionDef) else tree.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return [ast.unparse(s) for s in body]
+
+
+def _make_fused_layer(cls):
+    """cls's subclass whose forward is _decoder_layer_forward, where cls's own forward (unwrapped) is the known
+    one: its statements _DECODER_BODY's, its parameters (self, hidden_states, the five keywords with defaults,
+    **kwargs). A subclass rather than a patched forward: transformers' gradient checkpointing wraps a layer class's
+    forward (5.2x) or its __call__ (earlier), and checkpoints the subclass's the same way. It keeps cls's name (model
+    parallel plans and _no_split_modules name the class) and pickles as a function of cls (_fused_layer)."""
+    forward = inspect.unwrap(cls.forward)
+    try:
+        statements = _statements(inspect.getsource(forward))
+        params = list(inspect.signature(forward).parameters.values())
+    except (OSError, TypeError, ValueError, SyntaxError):
+        return None
+    names = [p.name for p in params]
+    cache = next((n for n in names if n in _CACHE_NAMES), None)
+    if cache is None or statements != _statements(_DECODER_BODY.format(cache=cache)) or \
+            names[:2] != ["self", "hidden_states"] or set(names[2:-1]) != _KEYWORDS | {cache} or \
+            params[-1].kind is not inspect.Parameter.VAR_KEYWORD or \
+            any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or p.default is inspect.Parameter.empty
+                for p in params[2:-1]):
+        return None
+    keywords = tuple((p.name, p.default) for p in params[2:-1])
+    return type(cls.__name__, (cls,), {"forward": _decoder_layer_forward, "__reduce_ex__": _reduce_fused_layer,
+                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                       "_qmm_decoder": (cls, keywords)})
+
+
+def _fused_layer_class(cls):
+    if cls not in _fused_layers:
+        _fused_layers[cls] = _make_fused_layer(cls)
+    return _fused_layers[cls]
+
+
+def _fused_layer(cls):
+    """An empty instance of cls's fused subclass (cls's where there is none), for pickle and copy.deepcopy."""
+    fused = _fused_layer_class(cls)
+    return object.__new__(fused or cls)
+
+
+def _reduce_fused_layer(self, protocol):
+    return _fused_layer, (type(self)._qmm_decoder[0],), self.__dict__
+
+
+def _is_decoder_layer(module):
+    """A Llama/Qwen2/Qwen3/Mistral decoder layer whose forward is the known one, its norms RMSNorms qmm takes, and
+    no forward of the instance's own (accelerate's hooks: the class's forward would not run)."""
+    return type(module).__name__ in _DECODER_LAYERS and not hasattr(type(module), "_qmm_decoder") and \
+        "forward" not in module.__dict__ and "_old_forward" not in module.__dict__ and \
+        all(_is_rms_norm(getattr(module, n, None)) for n in ("input_layernorm", "post_attention_layernorm")) and \
+        _fused_layer_class(type(module)) is not None
+
+
+def _decoder_uncovered(layer, x, args, kwargs, keywords):
+    """Why the fused forward does not take this call, or None."""
+    if args:
+        return "a decoder layer called with positional arguments besides the hidden states"
+    if any(k in _CACHE_NAMES for k in kwargs) and not all(k in dict(keywords) for k in kwargs if k in _CACHE_NAMES):
+        return "a decoder layer called with the KV cache under another name"
+    if not isinstance(x, torch.Tensor) or x.dtype not in _QMM_DTYPES or x.device.type not in ("cpu", "cuda"):
+        return "decoder layer activations qmm does not take (torch.float32 or torch.bfloat16, CPU or CUDA)"
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        if norm.weight.dtype != x.dtype:
+            return f"an RMSNorm weight in {norm.weight.dtype} under {x.dtype} activations"
+    return None
+
+
+def _decoder_layer_forward(self, hidden_states, *args, **kwargs):
+    """The layer's own forward (_DECODER_BODY) with its residual adds inside the norms' kernels: the attention's
+    add and the post-attention norm as one op (add_rms_norm), whose backward adds the residual's gradient to the
+    norm's; the input norm's backward likewise takes the gradient of the residual it starts (so that the layer's
+    two gradient sums take no launch). The MLP's add stays (its sum is the next layer's input)."""
+    cls, keywords = type(self)._qmm_decoder
+    why = _decoder_uncovered(self, hidden_states, args, kwargs, keywords)
+    if why is not None:
+        warnings.warn(f"qmm.patch_bnb: {why}; the layer's own forward runs instead", stacklevel=2)
+        return cls.forward(self, hidden_states, *args, **kwargs)
+    named = {name: kwargs.pop(name, default) for name, default in keywords}
+    norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+    residual, h = rms_norm_residual_autograd(hidden_states, norm1.weight, norm1.variance_epsilon)
+    h, _ = self.self_attn(hidden_states=h, **named, **kwargs)
+    if h.dtype != residual.dtype or h.shape != residual.shape:  # the layer's own add would promote or broadcast
+        h = residual + h
+        return h + self.mlp(self.post_attention_layernorm(h))
+    residual, h = add_rms_norm_autograd(residual, h, norm2.weight, norm2.variance_epsilon)
+    return residual + self.mlp(h)
+
+
+def _patch_decoder_layer(module, path):
+    """Gives a decoder layer its fused subclass; unpatch_bnb sets its class back."""
+    cls = type(module)
+    module.__dict__[_PATCH] = _Patch(None, path, "__class__", cls)
+    module.__class__ = _fused_layer_class(cls)
+
+
 def _rope_module_of(module):
     """The transformers modeling module whose apply_rotary_pos_emb a Llama/Qwen2/Qwen3/Mistral attention calls."""
     if type(module).__name__ not in _ATTENTIONS:
@@ -519,8 +646,8 @@ def _patch_rope(model):
 
 _Patch = collections.namedtuple("_Patch", ("fn", "path", "attr", "previous"))
 _Patch.__doc__ = """What patch_bnb sets on a module (as _qmm_patch): its forward fn(module, x, ...) and NF4 path,
-and where an instance attribute was patched (attr "forward" or accelerate's "_old_forward", and its previous value),
-else attr None: the class's forward dispatches."""
+and where an instance attribute was patched (attr "forward" or accelerate's "_old_forward", and its previous value;
+"__class__" and the class for a decoder layer, whose fn is None), else attr None: the class's forward dispatches."""
 _ORIGINAL = "_qmm_original_forward"  # on a class whose forward dispatches: its own forward
 
 
@@ -584,11 +711,15 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
     mask skip, wrapped while such a model is patched) know there is nothing to mask beyond causality, so that in
     CUDA graphs and under torch.compile the attention keeps SDPA's causal kernel instead of an explicit mask. With
     `fused_norm`, the RMSNorm modules of Llama, Qwen2/3 and Mistral run qmm's rms_norm forward and backward kernels
-    (bitsandbytes or not). With `fused_rope`, their attention's rotary embedding runs qmm's rope (q and k in one
-    launch, forward and backward): as Liger-Kernel does, this points the model family's `apply_rotary_pos_emb` (in
-    transformers' modeling module) at qmm's while any model patched so remains, so other models of that family in
-    the process use it too; unpatch_bnb of the last such model restores it. `path` forces qmm's NF4 implementation
-    (see nf4_gemm). Returns the patched modules' names; unpatch_bnb undoes it."""
+    (bitsandbytes or not), and their decoder layers (where the forward is transformers' known one) compute the
+    residual adds inside the norms' kernels: the attention's add and the post-attention norm as one op
+    (add_rms_norm), both of the layer's gradient sums inside the norms' backward kernels; such a layer gets a
+    subclass of its class, of the same name (unpatch_bnb gives its class back), and its norms' forward hooks do not
+    run. With `fused_rope`, their attention's rotary embedding runs qmm's rope (q and k in one launch, forward and
+    backward): as Liger-Kernel does, this points the model family's `apply_rotary_pos_emb` (in transformers'
+    modeling module) at qmm's while any model patched so remains, so other models of that family in the process use
+    it too; unpatch_bnb of the last such model restores it. `path` forces qmm's NF4 implementation (see nf4_gemm).
+    Returns the patched modules' names; unpatch_bnb undoes it."""
     _model("patch_bnb", model)
     _qmm.check_nf4_path(path, "patch_bnb")
     patched = []
@@ -612,6 +743,8 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
             _hold_masking_checks(model)
         elif fused_norm and _is_rms_norm(module):
             _patch(module, _rms_norm_forward, path)
+        elif fused_norm and _is_decoder_layer(module):
+            _patch_decoder_layer(module, path)
         else:
             continue
         patched.append(name)

@@ -507,18 +507,31 @@ NB_MODULE(_qmm, m) {
       },
       nb::arg("x"), nb::arg("w"), nb::arg("y"), nb::arg("rstd").none(), nb::arg("eps"), nb::arg("stream") = 0);
   m.def(
+      "add_rms_norm",
+      [](const In& x, const In& r, const In& w, const Out& h, const Out& y, const nb::object& rstd, float eps,
+         std::uintptr_t stream) {
+        const char* op = "add_rms_norm";
+        const qmm::TensorView xv = view_of(x, op, "x"), resv = view_of(r, op, "r"), wv = view_of(w, op, "w"),
+                              hv = view_of(h, op, "h"), yv = view_of(y, op, "y"),
+                              rv = view_or_empty<Out>(rstd, op, "rstd");
+        const qmm::Context ctx = context_for(xv, stream);
+        run([&] { qmm::add_rms_norm(ctx, xv, resv, wv, hv, yv, rv, eps); });
+      },
+      nb::arg("x"), nb::arg("r"), nb::arg("w"), nb::arg("h"), nb::arg("y"), nb::arg("rstd").none(), nb::arg("eps"),
+      nb::arg("stream") = 0);
+  m.def(
       "rms_norm_backward",
       [](const In& x, const In& w, const In& rstd, const In& dy, const nb::object& dx, const nb::object& dw,
-         std::uintptr_t stream) {
+         const nb::object& dres, std::uintptr_t stream) {
         const char* op = "rms_norm_backward";
         const qmm::TensorView xv = view_of(x, op, "x"), wv = view_of(w, op, "w"), rv = view_of(rstd, op, "rstd"),
                               dyv = view_of(dy, op, "dy"), dxv = view_or_empty<Out>(dx, op, "dx"),
-                              dwv = view_or_empty<Out>(dw, op, "dw");
+                              dwv = view_or_empty<Out>(dw, op, "dw"), dresv = view_or_empty<In>(dres, op, "dres");
         const qmm::Context ctx = context_for(xv, stream);
-        run([&] { qmm::rms_norm_backward(ctx, xv, wv, rv, dyv, dxv, dwv); });
+        run([&] { qmm::rms_norm_backward(ctx, xv, wv, rv, dyv, dxv, dwv, dresv); });
       },
       nb::arg("x"), nb::arg("w"), nb::arg("rstd"), nb::arg("dy"), nb::arg("dx").none(), nb::arg("dw").none(),
-      nb::arg("stream") = 0);
+      nb::arg("dres").none() = nb::none(), nb::arg("stream") = 0);
 
   m.def(
       "rope",

@@ -618,10 +618,11 @@ def test_patch_bnb_fused_loss_refuses_a_label_out_of_range(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_loss_norm_and_rope_on_a_bf16_lora_model_without_bitsandbytes(device):
     """A bf16 Llama with PEFT LoRA and no bitsandbytes (a plain LoRA run) patched with fused_loss, fused_norm and
-    fused_rope: only the loss, the RMSNorms and the rotary embedding change hands (no NF4 layer to patch), the loss
-    is the unpatched model's within 2^-8 relative (qmm's fp32 logits against bf16 logits upcast, the norms' and
-    rotations' bf16 roundings in another order; 7e-6 seen on the CPU), the LoRA gradients within 2^-4 of their
-    largest value (bf16 throughout; 0.035 seen), and unpatch_bnb restores everything."""
+    fused_rope: only the loss, the RMSNorms (with the decoder layers' residual adds) and the rotary embedding change
+    hands (no NF4 layer to patch), the loss is the unpatched model's within 2^-8 relative (qmm's fp32 logits against
+    bf16 logits upcast, the norms' and rotations' bf16 roundings in another order; 7e-6 seen on the CPU), the LoRA
+    gradients within 2^-4 of their largest value (bf16 throughout; 0.035 seen), and unpatch_bnb restores
+    everything."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from transformers.models.llama import modeling_llama
@@ -635,7 +636,7 @@ def test_fused_loss_norm_and_rope_on_a_bf16_lora_model_without_bitsandbytes(devi
     ref_loss, ref_grads = loss_and_grads(model, ids)
     own_rotary = modeling_llama.apply_rotary_pos_emb
     patched = qmm.patch_bnb(model, fused_loss=True, fused_norm=True, fused_rope=True)
-    assert sorted(n.rpartition(".")[2] for n in patched) == sorted(["model"] + ["norm"] + [
+    assert sorted(n.rpartition(".")[2] for n in patched) == sorted(["model"] + ["norm", "0", "1"] + [
         "input_layernorm", "post_attention_layernorm"] * 2), patched
     loss, grads = loss_and_grads(model, ids)
     assert abs(loss - ref_loss) <= 2.0 ** -8 * abs(ref_loss)
