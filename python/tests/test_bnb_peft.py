@@ -647,6 +647,43 @@ def test_fused_loss_norm_and_rope_on_a_bf16_lora_model_without_bitsandbytes(devi
     assert loss_and_grads(model, ids)[0] == ref_loss
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fused_decoder_layers_of_transformers_models(device, family, checkpointing, monkeypatch):
+    """patch_bnb(fused_norm=True) on transformers' own Llama and Qwen2 (bf16, PEFT LoRA, no bitsandbytes), with and
+    without gradient checkpointing: every decoder layer gets the fused forward (transformers' forward is the known
+    one in this release), which runs once a layer forward and again in each checkpointed recompute; the loss is the
+    unpatched model's within 2^-8 relative and the LoRA gradients within 2^-4 of their largest value
+    (test_fused_loss_norm_and_rope_on_a_bf16_lora_model_without_bitsandbytes's tolerances)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config_cls, lm_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+    config = config_cls(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=128, use_cache=False)
+    torch.manual_seed(0)
+    model = lm_cls(config).to(device, torch.bfloat16)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS),
+                                                       init_lora_weights=False, task_type="CAUSAL_LM")).train()
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    ref_loss, ref_grads = loss_and_grads(model, ids)
+    patched = qmm.patch_bnb(model, fused_norm=True)
+    assert sum(n.rpartition(".")[2] in ("0", "1") for n in patched) == 2, patched
+    calls = []
+    fused = qmm.patch.add_rms_norm_autograd
+    monkeypatch.setattr(qmm.patch, "add_rms_norm_autograd", lambda *a: calls.append(1) or fused(*a))
+    loss, grads = loss_and_grads(model, ids)
+    assert len(calls) == (4 if checkpointing else 2)
+    assert abs(loss - ref_loss) <= 2.0 ** -8 * abs(ref_loss)
+    for n, g in grads.items():
+        assert (g.float() - ref_grads[n].float()).abs().max() <= 2.0 ** -4 * ref_grads[n].float().abs().max(), n
+    qmm.unpatch_bnb(model)
+    assert loss_and_grads(model, ids)[0] == ref_loss
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU")
 @pytest.mark.parametrize("fused", [False, True])
 def test_patched_peft_llama_step_replays_as_a_cuda_graph(fused):

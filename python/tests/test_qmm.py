@@ -1902,6 +1902,223 @@ def test_patch_bnb_fused_norm_runs_qmms_rms_norm(compiled, dtype):
     assert qmm.unpatch_bnb(model) == ["0"]
 
 
+def _hf_add_norm_fp64(x, r, w, eps):
+    """The decoder layer's residual add and RMSNorm in fp64 (the gradients' reference)."""
+    h = x + r
+    return h, w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_add_rms_norm_and_the_residual_gradient(device, dtype, compiled):
+    """qmm.add_rms_norm is PyTorch's x + r and qmm.rms_norm of it, bit for bit; rms_norm_backward(dres=) adds dres to
+    dx before its one rounding (within a rounding of dx and of the sum); add_rms_norm_autograd and
+    rms_norm_residual_autograd (the residual a view of x) give the ops' outputs and the gradients of the same
+    arithmetic in fp64 to test_rms_norm_matches_hugging_faces_module's tolerance, eagerly and compiled (no graph
+    break); bad shapes are qmm.Errors that name the argument."""
+    if compiled and not qmm.compile_ops.AVAILABLE:
+        pytest.skip("needs PyTorch >= 2.4")
+    x, r = randn((2, 5, 64), 1, device, dtype) * 2, randn((2, 5, 64), 2, device, dtype) * 2
+    w = (randn((64,), 3, "cpu") * 0.2 + 1).to(dtype).to(device)
+    h, y, rstd = qmm.add_rms_norm(x, r, w, 1e-6, rstd=True)
+    y_ref, rstd_ref = qmm.rms_norm(x + r, w, 1e-6, rstd=True)
+    assert torch.equal(h, x + r) and torch.equal(y, y_ref) and torch.equal(rstd, rstd_ref)
+    dy, dres = randn(x.shape, 4, device, dtype), randn(x.shape, 5, device, dtype)
+    plain = qmm.rms_norm_backward(h, w, rstd, dy).double()
+    one = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -23
+    got = qmm.rms_norm_backward(h, w, rstd, dy, dres=dres)
+    assert_close(got, plain + dres.double(), one * (plain.abs() + (plain + dres.double()).abs()) + 1e-6, "dx + dres")
+
+    a, b = randn(x.shape, 6, device, dtype), randn(x.shape, 7, device, dtype)
+    tol = 2.0 ** -6 if dtype == torch.bfloat16 else 1e-5
+    for name, fn, ref_fn in [("add_rms_norm", lambda x, r, w: qmm.add_rms_norm_autograd(x, r, w, 1e-6),
+                              lambda x, r, w: _hf_add_norm_fp64(x, r, w, 1e-6)),
+                             ("rms_norm_residual", lambda x, r, w: qmm.rms_norm_residual_autograd(x, w, 1e-6),
+                              lambda x, r, w: (x, _hf_add_norm_fp64(x, 0 * r, w, 1e-6)[1]))]:
+        if compiled:
+            torch._dynamo.reset()
+            from torch._dynamo.utils import counters
+            counters.clear()
+            fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+        first, second = fn(xs, rs, ws)
+        if name == "rms_norm_residual" and not compiled:
+            assert first._base is xs, "the residual is not a view of x"
+        ((first.double() * a.double()).sum() + (second.double() * b.double()).sum()).backward()
+        xd, rd, wd = (t.double().requires_grad_() for t in (x, r, w))
+        ref_first, ref_second = ref_fn(xd, rd, wd)
+        ((ref_first * a.double()).sum() + (ref_second * b.double()).sum()).backward()
+        assert torch.equal(second.detach(), y_ref if name == "add_rms_norm" else qmm.rms_norm(x, w, 1e-6)[0])
+        for got_g, ref_g, what in [(xs.grad, xd.grad, "dx"), (ws.grad, wd.grad, "dw")] + \
+                ([(rs.grad, rd.grad, "dr")] if name == "add_rms_norm" else []):
+            assert_close(got_g, ref_g, tol * ref_g.abs().max() + 1e-6, f"{name} {what}")
+        if compiled:
+            assert _graph_breaks() == 0
+    _expect_error("ShapeMismatch", "r has shape [2, 5, 63]", lambda: qmm.add_rms_norm(x, r[..., :63], w, 1e-6))
+    _expect_error("ShapeMismatch", "dres has shape [5, 64]",
+                  lambda: qmm.rms_norm_backward(h, w, rstd, dy, dres=dres[0]))
+    _expect_error("InvalidArgument", "dres is given but dx is not",
+                  lambda: qmm.rms_norm_backward(h, w, rstd, dy, dx=False, dres=dres))
+
+
+class _DecoderAttention(torch.nn.Module):
+    """An attention as a decoder layer calls it (keywords only); records the keywords of each call."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.calls = []
+
+    def forward(self, hidden_states, **kwargs):
+        self.calls.append(kwargs)
+        return self.proj(hidden_states).tanh(), None
+
+
+class _DecoderMlp(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(hidden, 2 * hidden), torch.nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.up(x)))
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    """A stand-in of transformers' LlamaDecoderLayer: its class name, modules and forward, word for word."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.self_attn, self.mlp = _DecoderAttention(hidden), _DecoderMlp(hidden)
+        self.input_layernorm, self.post_attention_layernorm = LlamaRMSNorm(hidden), LlamaRMSNorm(hidden)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        # Self Attention
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        # Fully Connected
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+class MistralDecoderLayer(LlamaDecoderLayer):
+    """A decoder layer of a known name whose forward is not the known one (its MLP's output scaled)."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
+                                          position_ids=position_ids, past_key_values=past_key_values,
+                                          use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + 0.5 * hidden_states
+        return hidden_states
+
+
+def _decoder_layer(cls, dtype, device):
+    torch.manual_seed(11)
+    layer = cls(64)
+    with torch.no_grad():
+        for i, norm in enumerate((layer.input_layernorm, layer.post_attention_layernorm)):
+            norm.weight.copy_(randn((64,), 20 + i, "cpu") * 0.2 + 1)
+    return layer.to(device, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_patch_bnb_fused_norm_fuses_a_decoder_layers_residual_adds(device, dtype, compiled, monkeypatch):
+    """patch_bnb(fused_norm=True) on a Llama-style decoder layer whose forward is transformers' own: the layer gets a
+    subclass of the same name computing the input norm with the residual's gradient (rms_norm_residual_autograd)
+    and the attention's add with the post-attention norm (add_rms_norm_autograd), once each a call; the output and
+    the gradients of x and every weight are the unpatched layer's to the norms' tolerances (bf16: the gradients'
+    sums rounded once instead of twice), the attention gets the same keywords (extra ones passed on), compiled
+    without a graph break; torch.save/torch.load and copy.deepcopy keep the fused class and its results; a call
+    with positional arguments runs the layer's own forward with a warning; a layer whose forward differs keeps
+    its class; unpatch_bnb gives the class back."""
+    if compiled and not qmm.compile_ops.AVAILABLE:
+        pytest.skip("needs PyTorch >= 2.4")
+    layer = _decoder_layer(LlamaDecoderLayer, dtype, device)
+    x, dy = randn((2, 5, 64), 1, device, dtype) * 2, randn((2, 5, 64), 2, device, dtype)
+    cos = randn((1, 5, 16), 3, device, dtype)
+    keywords = dict(position_embeddings=(cos, cos), use_cache=False, output_attentions=False)
+
+    def run(module):
+        module.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        y = module(xr, **keywords)
+        (y.double() * dy.double()).sum().backward()
+        return [y.detach(), xr.grad] + [p.grad for p in layer.parameters()]
+
+    ref = run(layer)
+    ref_calls = layer.self_attn.calls[:]
+    assert qmm.patch_bnb(layer, fused_norm=True) == ["", "input_layernorm", "post_attention_layernorm"]
+    assert type(layer) is not LlamaDecoderLayer and isinstance(layer, LlamaDecoderLayer)
+    assert type(layer).__name__ == "LlamaDecoderLayer"
+    fused = []
+    for name in ("add_rms_norm_autograd", "rms_norm_residual_autograd"):
+        monkeypatch.setattr(qmm.patch, name, functools.partial(
+            lambda f, n, *a: fused.append(n) or f(*a), getattr(qmm.patch, name), name))
+    if compiled:
+        torch._dynamo.reset()
+        from torch._dynamo.utils import counters
+        counters.clear()
+    layer.self_attn.calls.clear()
+    got = run(torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer)
+    if compiled:
+        assert _graph_breaks() == 0
+    else:
+        assert sorted(fused) == ["add_rms_norm_autograd", "rms_norm_residual_autograd"]
+    assert [sorted(c) for c in layer.self_attn.calls] == [sorted(c) for c in ref_calls]
+    assert "output_attentions" in layer.self_attn.calls[0]
+    one, tol = (2.0 ** -7, 2.0 ** -5) if dtype == torch.bfloat16 else (1e-6, 1e-5)
+    assert_close(got[0], ref[0], one * ref[0].double().abs() + 4 * one, "layer output")
+    for i, (g, r) in enumerate(zip(got[1:], ref[1:])):
+        assert_close(g, r, tol * r.abs().max() + 1e-6, f"gradient {i}")
+    if not compiled:
+        buf = io.BytesIO()
+        torch.save(layer, buf)
+        buf.seek(0)
+        for copied in (torch.load(buf, weights_only=False), copy.deepcopy(layer)):
+            assert type(copied) is type(layer)
+            assert torch.equal(copied(x, **keywords), layer(x, **keywords))
+        with pytest.warns(UserWarning, match="positional arguments"):
+            y = layer(x, None)
+        assert_close(y, ref[0], one * ref[0].double().abs() + 4 * one, "layer output, own forward")
+    assert qmm.unpatch_bnb(layer) == ["", "input_layernorm", "post_attention_layernorm"]
+    assert type(layer) is LlamaDecoderLayer
+    other = _decoder_layer(MistralDecoderLayer, dtype, device)
+    assert qmm.patch_bnb(other, fused_norm=True) == ["input_layernorm", "post_attention_layernorm"]
+    assert type(other) is MistralDecoderLayer
+
+
 # ---- rope -------------------------------------------------------------------------------------------------------
 
 
