@@ -6,6 +6,7 @@ import gc
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import qmm
 from qmm import _copies
