@@ -128,6 +128,8 @@ def test_unwatched_ops_cast_their_own_copies(device, casts, monkeypatch):
         assert_equal(got[step], run(ref, x, dy), f"step {step}")
 
 
+@pytest.mark.skipif(int(torch.__version__.split(".")[0]) < 2,
+                    reason="PyTorch 1.x's non-reentrant checkpoint fails an internal assert on saved leaves")
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_recomputation_under_checkpointing_reads_the_adapters_as_its_forward(device, casts, monkeypatch):
     """Gradient checkpointing recomputes the layer inside the backward, outside an announced forward: its ops cast
@@ -202,6 +204,7 @@ def test_copies_made_in_inference_mode_are_not_trained_on(device, casts):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_copies_go_with_their_adapters(device):
+    gc.collect()  # earlier tests' layers, so that only this one's entries come and go
     before = len(_copies._entries)
     layer = Layer(device)
     x = randn((2, 64), 60, device).to(torch.bfloat16)
