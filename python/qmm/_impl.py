@@ -9,7 +9,7 @@ sum added in the second GEMM's epilogue (beta = 1), after the NF4 base product a
 bases. The backward reads dy once for dt = scale * dy @ b_w and grad_b (lora_backward_dy)."""
 import torch
 
-from . import _qmm
+from . import _copies, _qmm
 from ._base import _call, _in, _rows, _to_dlpack
 from .ops import (cast, gemm, gemm_backward_b, gemm_bt, linear_cross_entropy, lora_backward_dy, nf4_gate_up,
                   nf4_gemm_backward_a, swiglu)
@@ -63,10 +63,18 @@ def _adapter_input_grad(dt, a_w, dx, dropped, want_dxd, xd_shape):
     return gemm(dt, a_w).view(xd_shape) if want_dxd else None
 
 
-def linear_forward(x, w, bias, lora, path):
+def _cached(loras, dtype, stacked, cached):
+    """The adapters' working copies from _copies (see there) where `cached` (the eager ops), else None."""
+    if not cached:
+        return None
+    return _copies.get([None if lora is None else lora[1:3] for lora in loras], dtype, stacked)
+
+
+def linear_forward(x, w, bias, lora, path, cached=False):
     """y = x @ dequant(W)^T (+ bias) (+ the adapter), the NF4 product and the adapter's casts and products in one
     binding call. The bias is written first and the NF4 product accumulates onto it (beta = 1): one rounding of
-    base + bias, as a linear layer's bias epilogue. Returns y and the adapter's saved tensors (None without one)."""
+    base + bias, as a linear layer's bias epilogue. Returns y and the adapter's saved tensors (None without one).
+    cached: the adapter's working copies come from _copies (one cast a forward), not from this call."""
     n, k = w.shape
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if bias is not None:
@@ -78,6 +86,9 @@ def linear_forward(x, w, bias, lora, path):
               1.0)
         return y, None
     xd, a, b, scale = lora
+    copies = _cached([lora], x.dtype, False, cached)
+    if copies is not None:
+        a, b = copies[0]
     xd2 = None if xd is x else _rows(op, "xd", xd, k)
     a, b = _in(a), _in(b)
     a_w, b_w = ((None, None) if a.dtype == x.dtype else
@@ -125,31 +136,43 @@ def _grouped(x, loras):
     return any(lora is not None for lora in loras) and all(lora is None or lora[0] is x for lora in loras)
 
 
-def linears_forward(x, ws, biases, loras, path):
+def linears_forward(x, ws, biases, loras, path, cached=False):
     """linear_forward for several projections of one input (an attention's q, k and v). Where every adapter reads x
     itself, one lora_nf4_linears call: the adapters' working copies in one launch, a's stacked, their first
     products as one GEMM, and every base product's dequantization in one launch; the saved tensors a Grouped.
     Otherwise every adapter's working copies in one launch, then each projection as linear_forward computes it,
-    and a list of each projection's saved tensors. Returns the outputs and the saved tensors."""
+    and a list of each projection's saved tensors. Returns the outputs and the saved tensors. cached as
+    linear_forward takes it."""
     if _grouped(x, loras):
-        return _grouped_forward(x, ws, biases, loras, path)
-    working = working_copies([None if lora is None else lora[1:3] for lora in loras], x.dtype)
+        return _grouped_forward(x, ws, biases, loras, path, cached)
+    working = _cached(loras, x.dtype, False, cached) or working_copies(
+        [None if lora is None else lora[1:3] for lora in loras], x.dtype)
     done = [linear_forward(x, w, bias, None if lora is None else (lora[0], *copies, lora[3]), path)
             for w, bias, lora, copies in zip(ws, biases, loras, working)]
     return [y for y, _ in done], [saved for _, saved in done]
 
 
-def _stacking(x, loras):
+def _stacking(x, loras, cached=False):
     """The binding arguments that stack these adapters of x (lora_nf4_linears_forward, lora_adapters_forward): each
     a and b as qmm takes them, b's working copy where b is not in x's dtype (else None), a_all [R, K] and t [M, R]
-    to be written. Returns (as_, bs, b_ws, a_all, t, scales)."""
-    as_ = [None if lora is None else _in(lora[1]) for lora in loras]
-    bs = [None if lora is None else _in(lora[2]) for lora in loras]
-    b_ws = [None if b is None or b.dtype == x.dtype else torch.empty(b.shape, dtype=x.dtype, device=x.device)
-            for b in bs]
-    rank = sum(a.shape[0] for a in as_ if a is not None)
-    a_all = torch.empty((rank, x.shape[-1]), dtype=x.dtype, device=x.device)
-    t = torch.empty((x.numel() // x.shape[-1], rank), dtype=x.dtype, device=x.device)
+    to be written. Returns (as_, bs, b_ws, a_all, t, scales). With copies from _copies (cached), a_all holds every
+    a already and each a is its rows there (which the binding's cast skips), each b its copy."""
+    copies = _cached(loras, x.dtype, True, cached)
+    if copies is None:
+        as_ = [None if lora is None else _in(lora[1]) for lora in loras]
+        bs = [None if lora is None else _in(lora[2]) for lora in loras]
+        b_ws = [None if b is None or b.dtype == x.dtype else torch.empty(b.shape, dtype=x.dtype, device=x.device)
+                for b in bs]
+        rank = sum(a.shape[0] for a in as_ if a is not None)
+        a_all = torch.empty((rank, x.shape[-1]), dtype=x.dtype, device=x.device)
+    else:
+        a_all, bs = copies[0], [None if b is None else _in(b) for b in copies[1]]
+        as_, row = [], 0
+        for lora in loras:
+            as_.append(None if lora is None else a_all[row:row + lora[1].shape[0]])
+            row += 0 if lora is None else lora[1].shape[0]
+        b_ws = [None] * len(loras)
+    t = torch.empty((x.numel() // x.shape[-1], a_all.shape[0]), dtype=x.dtype, device=x.device)
     scales = [1.0 if lora is None else float(lora[3]) for lora in loras]
     return as_, bs, b_ws, a_all, t, scales
 
@@ -159,13 +182,13 @@ def _grouped_saved(x2, stacking):
     return Grouped((x2, t, a_all, *(b if bw is None else bw for b, bw in zip(bs, b_ws))))
 
 
-def _grouped_forward(x, ws, biases, loras, path):
+def _grouped_forward(x, ws, biases, loras, path, cached):
     op = "lora_nf4_linears"
     x2 = _rows(op, "x", x, ws[0].shape[1])
     ys = [torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype, device=x.device) for w in ws]
     # The biases go to the op, whose GEMMs add them before they round (a linear layer's bias epilogue).
     biases = [None if bias is None else _in(bias.to(x.dtype)) for bias in biases]
-    stacking = _stacking(x, loras)
+    stacking = _stacking(x, loras, cached)
     _call(_qmm.lora_nf4_linears_forward, x2, x2, [w._native for w in ws], [y.view(-1, y.shape[-1]) for y in ys],
           [0.0] * len(ws), biases, *stacking[:3], stacking[5], *stacking[3:5], path)
     return ys, _grouped_saved(x2, stacking)
@@ -289,19 +312,19 @@ def _swiglu_terms(saved, scales):
     return (t, b_gate, float(scales[0]), b_up, float(scales[1]))
 
 
-def swiglu_forward(x, w_gate, w_up, loras, path, keep):
+def swiglu_forward(x, w_gate, w_up, loras, path, keep, cached=False):
     """h = silu(gate) * up, gate = x @ dequant(Wg)^T (+ its adapter), up likewise, both base products from one read
     of x (nf4_gate_up). Returns h, gate and up (kept for the backward: None unless `keep` or an adapter needs
     them) and the adapters' saved tensors: a Grouped where every adapter reads x (their first products then run as
     one GEMM, lora_adapters), else each adapter's. Without adapters the SwiGLU runs in the gate/up kernel's
-    epilogue."""
+    epilogue. cached as linear_forward takes it."""
     if loras[0] is None and loras[1] is None:
         gate, up, h = nf4_gate_up(x, w_gate, w_up, gate=keep, up=keep, path=path)
         return h, gate, up, (None, None)
     gate, up, _ = nf4_gate_up(x, w_gate, w_up, h=False, path=path)
     if _grouped(x, loras):  # both adapters' first products as one GEMM (lora_adapters)
         x2 = _flat(x)
-        stacking = _stacking(x, loras)
+        stacking = _stacking(x, loras, cached)
         saved = _grouped_saved(x2, stacking)
         terms = _swiglu_terms(saved, stacking[5])
         _call(_qmm.lora_adapters_forward, x2, x2, [_flat(gate), _flat(up)], *stacking[:3], stacking[5],
@@ -309,7 +332,8 @@ def swiglu_forward(x, w_gate, w_up, loras, path, keep):
         if terms is None:
             return swiglu(gate, up), gate, up, saved
         return swiglu(_flat(gate), _flat(up), adapters=terms).view(gate.shape), gate, up, saved
-    working = working_copies([None if lora is None else lora[1:3] for lora in loras], x.dtype)
+    working = _cached(loras, x.dtype, False, cached) or working_copies(
+        [None if lora is None else lora[1:3] for lora in loras], x.dtype)
     saved = tuple(None if lora is None else _adapter_first(lora, *w) for lora, w in zip(loras, working))
     terms = _swiglu_terms(saved, [1.0 if lora is None else lora[3] for lora in loras])
     if terms is None:
@@ -354,13 +378,13 @@ def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd
     return (dx, *dxds, *grads)
 
 
-def mlp_forward(x, w_gate, w_up, w_down, loras, down_lora, path, keep):
+def mlp_forward(x, w_gate, w_up, w_down, loras, down_lora, path, keep, cached=False):
     """An MLP block as one op: swiglu_forward, then the down projection of h (down_lora = (a, b, scale) reads h
     itself: no dropout). h is not kept: the backward's SwiGLU kernel writes it again where the down adapter's
     gradient needs it, which saves the block's largest activation. Returns y and what mlp_backward takes (None
-    without keep)."""
-    h, gate, up, saved = swiglu_forward(x, w_gate, w_up, loras, path, keep)
-    y, saved_d = linear_forward(h, w_down, None, None if down_lora is None else (h, *down_lora), path)
+    without keep). cached as linear_forward takes it."""
+    h, gate, up, saved = swiglu_forward(x, w_gate, w_up, loras, path, keep, cached)
+    y, saved_d = linear_forward(h, w_down, None, None if down_lora is None else (h, *down_lora), path, cached)
     return y, ((gate, up, saved, None if saved_d is None else saved_d[1:]) if keep else None)
 
 

@@ -90,7 +90,7 @@ class _LoraNf4Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, xd, a, b, bias, w, scale, path):
         lora = None if a is None else (x if xd is None else xd, a, b, scale)
-        y, saved = _impl.linear_forward(x, w, bias, lora, path)
+        y, saved = _impl.linear_forward(x, w, bias, lora, path, cached=True)
         ctx.save_for_backward(*(saved or ()), a, b, bias)
         ctx.w, ctx.path, ctx.scale, ctx.dropped, ctx.x_shape = w, path, scale, xd is not None, x.shape
         return y
@@ -119,7 +119,7 @@ def lora_nf4_linear(x, w, lora=None, bias=None, path="auto"):
         return compile_ops.lora_nf4_linear(x, w, lora_args, bias, path)
     w = _weight(op, "w", w)
     if not _grad_wanted(x, bias, *(lora or ())[:2], lora and lora.x_dropped):
-        return _impl.linear_forward(x, w, bias, lora_args, path)[0]
+        return _impl.linear_forward(x, w, bias, lora_args, path, cached=True)[0]
     if lora is None:
         return _LoraNf4Linear.apply(x, None, None, None, bias, w, 1.0, path)
     return _LoraNf4Linear.apply(x, lora.x_dropped, lora.a, lora.b, bias, w, lora_args[3], path)
@@ -140,7 +140,7 @@ class _LoraNf4Linears(torch.autograd.Function):
         xds, as_, bs, biases, ws = (flat[i::5] for i in range(5))
         loras = [None if a is None else (x if xd is None else xd, a, b, scale)
                  for xd, a, b, scale in zip(xds, as_, bs, scales)]
-        ys, saved = _impl.linears_forward(x, ws, biases, loras, path)
+        ys, saved = _impl.linears_forward(x, ws, biases, loras, path, cached=True)
         ctx.grouped = isinstance(saved, _impl.Grouped)
         ctx.counts = [len(saved)] if ctx.grouped else [len(s or ()) for s in saved]
         flat = saved if ctx.grouped else [t for s in saved for t in (s or ())]
@@ -201,7 +201,7 @@ def lora_nf4_linears(x, weights, loras=None, biases=None, path="auto"):
     ws = [_weight(op, f"weights[{i}]", w) for i, w in enumerate(weights)]
     tensors = [t for lora in loras if lora is not None for t in (lora.a, lora.b, lora.x_dropped)]
     if not _grad_wanted(x, *biases, *tensors):
-        return tuple(_impl.linears_forward(x, ws, biases, lora_args, path)[0])
+        return tuple(_impl.linears_forward(x, ws, biases, lora_args, path, cached=True)[0])
     flat = []
     for lora, bias, w in zip(loras, biases, ws):
         flat += [None, None, None] if lora is None else [lora.x_dropped, lora.a, lora.b]
@@ -215,7 +215,7 @@ class _LoraNf4SwiGlu(torch.autograd.Function):
     def forward(ctx, x, xd_g, a_g, b_g, xd_u, a_u, b_u, w_gate, w_up, scales, path):
         loras = tuple(None if a is None else (x if xd is None else xd, a, b, s)
                       for xd, a, b, s in ((xd_g, a_g, b_g, scales[0]), (xd_u, a_u, b_u, scales[1])))
-        h, gate, up, saved = _impl.swiglu_forward(x, w_gate, w_up, loras, path, keep=True)
+        h, gate, up, saved = _impl.swiglu_forward(x, w_gate, w_up, loras, path, keep=True, cached=True)
         ctx.grouped = isinstance(saved, _impl.Grouped)
         flat = saved if ctx.grouped else [t for s in saved for t in (s or (None,) * 4)]
         ctx.save_for_backward(gate, up, *flat, a_g, b_g, a_u, b_u)
@@ -253,7 +253,7 @@ def lora_nf4_swiglu(x, w_gate, w_up, gate_lora=None, up_lora=None, path="auto"):
     w_gate, w_up = _weight(op, "w_gate", w_gate), _weight(op, "w_up", w_up)
     tensors = [t for lora in (gate_lora, up_lora) if lora is not None for t in (lora.a, lora.b, lora.x_dropped)]
     if not _grad_wanted(x, *tensors):
-        return _impl.swiglu_forward(x, w_gate, w_up, loras, path, keep=False)[0]
+        return _impl.swiglu_forward(x, w_gate, w_up, loras, path, keep=False, cached=True)[0]
     args = []
     for lora, lora_args in zip((gate_lora, up_lora), loras):
         args += [None, None, None] if lora is None else [lora.x_dropped, lora.a, lora.b]
@@ -267,7 +267,8 @@ class _LoraNf4Mlp(torch.autograd.Function):
         loras = tuple(None if a is None else (x if xd is None else xd, a, b, s)
                       for xd, a, b, s in ((xd_g, a_g, b_g, scales[0]), (xd_u, a_u, b_u, scales[1])))
         down = None if a_d is None else (a_d, b_d, scales[2])
-        y, (gate, up, saved, saved_d) = _impl.mlp_forward(x, w_gate, w_up, w_down, loras, down, path, keep=True)
+        y, (gate, up, saved, saved_d) = _impl.mlp_forward(x, w_gate, w_up, w_down, loras, down, path, keep=True,
+                                                           cached=True)
         ctx.grouped = isinstance(saved, _impl.Grouped)
         flat = saved if ctx.grouped else [t for s in saved for t in (s or (None,) * 4)]
         ctx.n_saved = len(flat)
@@ -320,7 +321,7 @@ def lora_nf4_mlp(x, w_gate, w_up, w_down, gate_lora=None, up_lora=None, down_lor
                for t in (lora.a, lora.b, lora.x_dropped)]
     down_args = None if down is None else down[1:]
     if not _grad_wanted(x, *tensors):
-        return _impl.mlp_forward(x, w_gate, w_up, w_down, loras, down_args, path, keep=False)[0]
+        return _impl.mlp_forward(x, w_gate, w_up, w_down, loras, down_args, path, keep=False, cached=True)[0]
     args = []
     for lora in (gate_lora, up_lora):
         args += [None, None, None] if lora is None else [lora.x_dropped, lora.a, lora.b]

@@ -36,6 +36,7 @@ import copy
 
 import torch
 
+from . import _copies
 from ._base import _error
 
 
@@ -104,7 +105,8 @@ class _Capture:
         try:
             # On the stream the warm-up ran on: qmm keeps a context (cuBLASLt handle, plans) per stream, and a fresh
             # one would do its first-use set-up of large GEMM kernels inside the capture, which that cannot hold.
-            with torch.cuda.graph(graph, stream=self.side):
+            # The adapters' working copies cast inside the capture: each replay casts them again (qmm._copies).
+            with torch.cuda.graph(graph, stream=self.side), _copies.capturing():
                 self.outputs = _detached(step(*self.inputs))
         except Exception as e:  # what the step did that a graph cannot hold; the message says which call
             raise _error("Unsupported", f"graph_step: the step could not be captured into a CUDA graph: {e}. A "

@@ -29,7 +29,7 @@ import weakref
 
 import torch
 
-from . import _qmm
+from . import _copies, _qmm
 from ._base import _error
 from ._impl import PendingLabelCheck
 from .compile_ops import compiling
@@ -750,6 +750,11 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
         patched.append(name)
     if fused_rope:
         _patch_rope(model)
+    # Each forward of the model (and of a causal LM inside, which generate() calls directly) casts the adapters'
+    # working copies for all its ops in one launch (qmm._copies).
+    for module in model.modules():
+        if module is model or _is_causal_lm(module):
+            _copies.watch(module)
     return patched
 
 
@@ -767,4 +772,6 @@ def unpatch_bnb(model):
             _nf4_cache.pop(module, None)
             restored.append(name)
     _release_wraps(model)
+    for module in model.modules():
+        _copies.unwatch(module)
     return restored

@@ -166,6 +166,32 @@ def test_patch_bnb_on_a_peft_llama(device, monkeypatch):
     assert (ref[0] - ref[1]).abs().max().item() > 2.0 ** -4 * ref[0].abs().max().item()  # the adapters count
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_patched_model_casts_its_adapters_once_a_forward(device, monkeypatch):
+    """A patched PEFT model announces its forwards to qmm (a forward pre-hook): after the first, each forward copies
+    every adapter's matrices for its ops in one cast launch (here the stacked a's of q/k/v and gate/up: the model
+    runs in float32); adapters written without their version counters moving (as bitsandbytes' optimizers write
+    them) are read as they are at the next forward, whose loss is the unpatched model's. unpatch_bnb removes the
+    hook."""
+    model = qlora_llama(device)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    qmm.patch_bnb(model)
+    loss_and_grads(model, ids)
+    casts = []
+    real = qmm._qmm.cast
+    monkeypatch.setattr(qmm._qmm, "cast", lambda *a, **k: casts.append(len(a[0])) or real(*a, **k))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data.mul_(1.5)
+    loss, _ = loss_and_grads(model, ids)
+    assert casts == [2 * 5], casts  # per layer q, k, v's and gate's and up's a into their stacks
+    qmm.unpatch_bnb(model)
+    assert not model._forward_pre_hooks
+    ref, _ = loss_and_grads(model, ids)
+    assert abs(loss - ref) <= 1e-3 * abs(ref)
+
+
 def test_adapters_trained_patched_save_and_load_with_peft(tmp_path):
     """The adapters of a patched model, trained a few AdamW steps, saved by PEFT (save_pretrained) under PEFT's own
     names and loaded into a fresh model, as a state dict or as a second named adapter made active (load_adapter,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import qmm
+from qmm import _copies
 
 HAS_GPU = torch.cuda.is_available() and qmm.cuda_device_count() > 0
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
@@ -28,16 +29,20 @@ def qlora_mlp(device, hidden=64, inter=96):
     return mlp
 
 
-def trainer(device, fused=False):
+def trainer(device, fused=False, watched=False):
     """A fresh block, its optimizer and its training step (forward, backward, AdamW, gradients cleared): AdamW
     capturable on a GPU (a capture needs that), fused (PyTorch's one-kernel AdamW, transformers' Trainer's default) or
-    not."""
+    not. watched: the block's forwards announced to qmm (as patch_bnb's models announce theirs: its adapters'
+    working copies then come from one cast a forward, qmm._copies) and run in bf16."""
     mlp = qlora_mlp(device)
+    dtype = torch.bfloat16 if watched else torch.float32
+    if watched:
+        _copies.watch(mlp)
     fused_arg = dict(fused=True) if fused else {}  # (older PyTorch has no fused AdamW)
     opt = torch.optim.AdamW(mlp.parameters(), lr=1e-2, capturable=device == "cuda", **fused_arg)
 
     def step(x, target):
-        loss = torch.nn.functional.mse_loss(mlp(x), target)
+        loss = torch.nn.functional.mse_loss(mlp(x.to(dtype)).float(), target)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -105,12 +110,14 @@ def test_graph_step_inputs_must_be_tensors():
 
 
 @needs_gpu
-@pytest.mark.parametrize("fused", [False, True])
-def test_graph_step_trains_as_the_eager_step_bit_for_bit(fused):
+@pytest.mark.parametrize("fused, watched", [(False, False), (True, False), (False, True)])
+def test_graph_step_trains_as_the_eager_step_bit_for_bit(fused, watched):
     """Ten steps on changing batches: the replayed step's losses and trained weights equal the eager step's (AdamW
-    capturable, or fused). Two warm-up calls run eagerly, the third captures (and replays) the graph."""
-    mlp_e, step_e = trainer("cuda", fused)
-    mlp_g, step_g = trainer("cuda", fused)
+    capturable, or fused). Two warm-up calls run eagerly, the third captures (and replays) the graph. Watched, the
+    captured step casts the adapters' working copies once, inside the graph: every replay casts them again from the
+    weights the previous replay's AdamW wrote."""
+    mlp_e, step_e = trainer("cuda", fused, watched)
+    mlp_g, step_g = trainer("cuda", fused, watched)
     graphed = qmm.graph_step(step_g, warmup=2)
     for i, (x, target) in enumerate(batches("cuda", 10)):
         want = step_e(x, target).item()
@@ -181,6 +188,31 @@ def test_qmm_op_first_seen_inside_a_capture():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=torch.cuda.Stream()):  # a stream qmm has never seen
         qmm.nf4_gemm(a, w4, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+@needs_gpu
+def test_a_capture_of_ones_own_casts_each_ops_copies_inside():
+    """A watched block captured with torch.cuda.graph by hand (not graph_step): qmm caches no working copies for
+    that capture, each op casts its own inside it, so that a replay reads the adapters as they are then (here after
+    an eager forward left copies behind and the adapters changed)."""
+    mlp = qlora_mlp("cuda")
+    _copies.watch(mlp)
+    x = randn((33, 64), 5, "cuda").to(torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):  # warm-up on the capture's stream
+        mlp(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph, stream=side):
+        out = mlp(x)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.data.mul_(-0.5)
+        want = mlp(x)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
