@@ -63,11 +63,18 @@ def _adapter_input_grad(dt, a_w, dx, dropped, want_dxd, xd_shape):
     return gemm(dt, a_w).view(xd_shape) if want_dxd else None
 
 
+def _pairs(loras):
+    return [None if lora is None else lora[1:3] for lora in loras]
+
+
 def _cached(loras, dtype, stacked, cached):
     """The adapters' working copies from _copies (see there) where `cached` (the eager ops), else None."""
-    if not cached:
-        return None
-    return _copies.get([None if lora is None else lora[1:3] for lora in loras], dtype, stacked)
+    return _copies.get(_pairs(loras), dtype, stacked) if cached else None
+
+
+def _working(loras, dtype, cached):
+    """Each adapter's (a_w, b_w) in dtype (None without one): from _copies where cached, else cast here."""
+    return _cached(loras, dtype, False, cached) or working_copies(_pairs(loras), dtype)
 
 
 def linear_forward(x, w, bias, lora, path, cached=False):
@@ -145,8 +152,7 @@ def linears_forward(x, ws, biases, loras, path, cached=False):
     linear_forward takes it."""
     if _grouped(x, loras):
         return _grouped_forward(x, ws, biases, loras, path, cached)
-    working = _cached(loras, x.dtype, False, cached) or working_copies(
-        [None if lora is None else lora[1:3] for lora in loras], x.dtype)
+    working = _working(loras, x.dtype, cached)
     done = [linear_forward(x, w, bias, None if lora is None else (lora[0], *copies, lora[3]), path)
             for w, bias, lora, copies in zip(ws, biases, loras, working)]
     return [y for y, _ in done], [saved for _, saved in done]
@@ -332,8 +338,7 @@ def swiglu_forward(x, w_gate, w_up, loras, path, keep, cached=False):
         if terms is None:
             return swiglu(gate, up), gate, up, saved
         return swiglu(_flat(gate), _flat(up), adapters=terms).view(gate.shape), gate, up, saved
-    working = _cached(loras, x.dtype, False, cached) or working_copies(
-        [None if lora is None else lora[1:3] for lora in loras], x.dtype)
+    working = _working(loras, x.dtype, cached)
     saved = tuple(None if lora is None else _adapter_first(lora, *w) for lora, w in zip(loras, working))
     terms = _swiglu_terms(saved, [1.0 if lora is None else lora[3] for lora in loras])
     if terms is None:

@@ -424,6 +424,13 @@ def linear_cross_entropy_loss(h, w, labels, ignore_index=-100, chunk_tokens=0, c
     return _LinearCrossEntropy.apply(h2, w, labels, ignore_index, chunk_tokens, check_labels, chunk_vocab)
 
 
+def _norm_grads(x, w, rstd, dy, want_dx, want_dw, dres=None):
+    """rms_norm_backward's dx (dres added; None unless wanted) and dw in w's dtype (None unless wanted)."""
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
+    dx = rms_norm_backward(x, w, rstd, dy, dx=want_dx, dw=dw, dres=dres if want_dx else None)
+    return dx, None if dw is None else dw.to(w.dtype)
+
+
 class _RmsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, eps):
@@ -434,9 +441,7 @@ class _RmsNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, rstd = ctx.saved_tensors
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
-        dx = rms_norm_backward(x, w, rstd, dy, dx=ctx.needs_input_grad[0], dw=dw)
-        return dx, None if dw is None else dw.to(w.dtype), None
+        return *_norm_grads(x, w, rstd, dy, *ctx.needs_input_grad[:2]), None
 
 
 def rms_norm_autograd(x, w, eps):
@@ -460,14 +465,11 @@ class _AddRmsNorm(torch.autograd.Function):
     def backward(ctx, dh, dy):
         h, w, rstd = ctx.saved_tensors
         want_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        dx = dw = None
         if dy is None:
-            dx = dh if want_x else None
+            dx, dw = dh if want_x else None, None
         else:
-            dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[2] else None
-            dx = rms_norm_backward(h, w, rstd, dy, dx=want_x, dw=dw, dres=dh if want_x else None)
-        return (dx if ctx.needs_input_grad[0] else None, dx if ctx.needs_input_grad[1] else None,
-                None if dw is None else dw.to(w.dtype), None)
+            dx, dw = _norm_grads(h, w, rstd, dy, want_x, ctx.needs_input_grad[2], dh)
+        return dx if ctx.needs_input_grad[0] else None, dx if ctx.needs_input_grad[1] else None, dw, None
 
 
 def add_rms_norm_autograd(x, r, w, eps):
@@ -493,10 +495,7 @@ class _RmsNormResidual(torch.autograd.Function):
         x, w, rstd = ctx.saved_tensors
         if dy is None:
             return dres if ctx.needs_input_grad[0] else None, None, None
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
-        dx = rms_norm_backward(x, w, rstd, dy, dx=ctx.needs_input_grad[0], dw=dw,
-                               dres=dres if ctx.needs_input_grad[0] else None)
-        return dx, None if dw is None else dw.to(w.dtype), None
+        return *_norm_grads(x, w, rstd, dy, *ctx.needs_input_grad[:2], dres), None
 
 
 def rms_norm_residual_autograd(x, w, eps):

@@ -534,7 +534,7 @@ def _make_fused_layer(cls):
             any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or p.default is inspect.Parameter.empty
                 for p in params[2:-1]):
         return None
-    keywords = tuple((p.name, p.default) for p in params[2:-1])
+    keywords = {p.name: p.default for p in params[2:-1]}
     return type(cls.__name__, (cls,), {"forward": _decoder_layer_forward, "__reduce_ex__": _reduce_fused_layer,
                                        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                        "_qmm_decoder": (cls, keywords)})
@@ -569,7 +569,7 @@ def _decoder_uncovered(layer, x, args, kwargs, keywords):
     """Why the fused forward does not take this call, or None."""
     if args:
         return "a decoder layer called with positional arguments besides the hidden states"
-    if any(k in _CACHE_NAMES for k in kwargs) and not all(k in dict(keywords) for k in kwargs if k in _CACHE_NAMES):
+    if any(k in _CACHE_NAMES and k not in keywords for k in kwargs):
         return "a decoder layer called with the KV cache under another name"
     if not isinstance(x, torch.Tensor) or x.dtype not in _QMM_DTYPES or x.device.type not in ("cpu", "cuda"):
         return "decoder layer activations qmm does not take (torch.float32 or torch.bfloat16, CPU or CUDA)"
@@ -589,7 +589,7 @@ def _decoder_layer_forward(self, hidden_states, *args, **kwargs):
     if why is not None:
         warnings.warn(f"qmm.patch_bnb: {why}; the layer's own forward runs instead", stacklevel=2)
         return cls.forward(self, hidden_states, *args, **kwargs)
-    named = {name: kwargs.pop(name, default) for name, default in keywords}
+    named = {name: kwargs.pop(name, default) for name, default in keywords.items()}
     norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
     residual, h = rms_norm_residual_autograd(hidden_states, norm1.weight, norm1.variance_epsilon)
     h, _ = self.self_attn(hidden_states=h, **named, **kwargs)

@@ -211,13 +211,14 @@ void rms_norm(const TensorView& x, const TensorView& res, const TensorView& w, c
     const T* wp = w.data_as<const T>();
     T* yp = y.data_as<T>();
     // With the residual add, the norm reads h = x + res, written first (h may be x or res: element by element).
-    const T* xp = res.empty() ? x.data_as<const T>() : h.data_as<const T>();
+    const T* in = x.data_as<const T>();
+    const T* rp = res.empty() ? nullptr : res.data_as<const T>();
+    T* hp = res.empty() ? nullptr : h.data_as<T>();
+    const T* xp = rp ? hp : in;
 #pragma omp parallel for schedule(static)
     for (std::int64_t r = 0; r < rows; ++r) {
-      if (!res.empty())
-        for (std::int64_t k = 0; k < hid; ++k)
-          store(h.data_as<T>(), r * hid + k,
-                load(x.data_as<const T>(), r * hid + k) + load(res.data_as<const T>(), r * hid + k));
+      if (rp)
+        for (std::int64_t k = 0; k < hid; ++k) store(hp, r * hid + k, load(in, r * hid + k) + load(rp, r * hid + k));
       double ss = 0;
       for (std::int64_t k = 0; k < hid; ++k) ss += load(xp, r * hid + k) * load(xp, r * hid + k);
       const float rs = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(hid) + eps));  // fp32, the contract
