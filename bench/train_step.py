@@ -22,10 +22,10 @@ gradient zero), the same token batch, AdamW on the adapters (fused on a GPU, as 
 Per variant: median and min step time (every timed step's in the JSON report), tokens/s, torch's peak allocated
 memory (+ qmm's own in the patched variants: qmm.memory_stats' fixed memory and scratch peak) and the device's used
 memory (torch.cuda.mem_get_info, which also sees qmm's pool and CUDA graphs' memory), every step's loss, kernels
-per step, GPU busy time and GPU time by kind of kernel (torch.profiler over two steps, --profile), kernels per
-decoder layer (--per-layer: a profiled step with and without the last decoder layer), and the LoRA gradients of
-step 0 against bnb's (relative difference, norm-wise, per tensor: largest and median). Variants whose packages are
-missing are reported as skipped.
+per step, GPU busy time, GPU time by kind of kernel and the GPU's idle time between kernels with the largest gaps
+(torch.profiler over two steps, --profile), kernels per decoder layer (--per-layer: a profiled step with and
+without the last decoder layer), and the LoRA gradients of step 0 against bnb's (relative difference, norm-wise,
+per tensor: largest and median). Variants whose packages are missing are reported as skipped.
 
     PYTHONPATH=build/python python3 bench/train_step.py [--models qwen,llama] [--variants ...] [--steps 10]
         [--checkpointing] [--profile] [--per-layer] [--nf4-path auto] [--json out/train_step.json]
@@ -158,6 +158,10 @@ def table(model_label, results):
         lines += ["", "GPU time by kind, ms a step:"]
         lines += [f"- {r['variant']}: " + ", ".join(f"{k} {ms:.2f}" for k, ms in r["gpu_ms_by_kind"].items())
                   for r in kinds]
+    for r in (r for r in results if r.get("idle")):
+        lines += ["", f"GPU idle between kernels, {r['variant']}: {r['idle']['idle_ms']:.2f} ms a step; largest "
+                      "(kernel before -> after: times a step, µs a step):"]
+        lines += [f"- {a} -> {b}: {n}, {us}" for a, b, n, us in r["idle"]["gaps"]]
     return "\n".join(lines)
 
 
@@ -293,6 +297,26 @@ def top_kernels(kernels, steps, count=25):
     return [[name, round(n / steps, 1), round(us / steps / 1e3, 3)] for name, (n, us) in ranked]
 
 
+def idle_gaps(kernels, steps, count=12):
+    """Where the GPU idles between kernels: {"idle_ms": per step, "gaps": [[kernel before (cut to 60 characters),
+    kernel after, times a step, µs a step], ...] largest first}. A gap is the time from the last end so far to the
+    next kernel's start (events with time_range in µs, as torch.profiler gives them; a graph's replays included)."""
+    events = sorted(kernels, key=lambda e: e.time_range.start)
+    by_pair, idle, covered, before = {}, 0.0, None, None
+    for e in events:
+        start, end = e.time_range.start, e.time_range.end
+        if covered is not None and start > covered:
+            entry = by_pair.setdefault((before.name[:60], e.name[:60]), [0, 0.0])
+            entry[0] += 1
+            entry[1] += start - covered
+            idle += start - covered
+        if covered is None or end >= covered:
+            covered, before = end, e
+    ranked = sorted(by_pair.items(), key=lambda kv: -kv[1][1])[:count]
+    return {"idle_ms": round(idle / steps / 1e3, 2),
+            "gaps": [[a, b, round(n / steps, 1), round(us / steps, 1)] for (a, b), (n, us) in ranked]}
+
+
 def profiled_step_events(train_step, ids, device, warmup=2):
     """The names of one profiled training step's kernels (CPU events on the CPU), in launch order, after `warmup`
     steps (plans, compiles and the optimizer's state made before it)."""
@@ -407,6 +431,7 @@ def worker(args):
         result["gpu_busy_ms"] = round(busy_us / 2 / 1e3, 1)
         result["top_kernels"] = top_kernels(kernels, steps=2)
         result["gpu_ms_by_kind"] = gpu_time_by_kind(kernels, steps=2)
+        result["idle"] = idle_gaps(kernels, steps=2)
     if args.per_layer:
         result["kernels_per_layer"] = kernels_per_layer(model, train_step, ids, device)
     grads_path = args.out + ".grads.pt"

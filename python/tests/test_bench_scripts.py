@@ -145,3 +145,25 @@ def test_train_step_sorts_kernels_by_kind():
     got = train_step.gpu_time_by_kind([Event("nvjet_a", 3000.0), Event("nvjet_b", 1000.0),
                                        Event("Memset (Device)", 500.0)], steps=2)
     assert got == {"cuBLAS GEMM": 2.0, "memset": 0.25}
+
+
+def test_train_step_finds_the_gpus_idle_gaps():
+    """train_step.idle_gaps: the time between one kernel's end (or the latest end so far, where kernels overlap) and
+    the next one's start, summed per step and by the pair of kernels around each gap, largest first."""
+    sys.path.insert(0, BENCH)
+    try:
+        import train_step
+    finally:
+        sys.path.remove(BENCH)
+
+    class Event:
+        def __init__(self, name, start, end):
+            self.name, self.time_range = name, type("Range", (), {"start": start, "end": end})()
+
+    # spans in ms (the events' in µs): a [0, 10], b [12, 20] (gap 2 after a), c [15, 30] overlapping b, a again
+    # [35, 40] (gap 5 after c), b [41, 50] (gap 1 after a), listed out of order as the profiler may
+    spans = [("b", 41, 50), ("a", 0, 10), ("c", 15, 30), ("b", 12, 20), ("a", 35, 40)]
+    got = train_step.idle_gaps([Event(n, a * 1e3, b * 1e3) for n, a, b in spans], steps=2)
+    assert got["idle_ms"] == 4.0
+    assert got["gaps"] == [["c", "a", 0.5, 2500.0], ["a", "b", 1.0, 1500.0]]
+    assert train_step.idle_gaps([], steps=1) == {"idle_ms": 0.0, "gaps": []}
