@@ -22,10 +22,14 @@ enum class MathMode {
 const char* math_mode_name(MathMode mode);
 
 // out = alpha * product + beta * out. beta = 0 overwrites (out's old contents are never read, NaN included).
+// With an addend, out = alpha * product + beta * addend: a tensor of out's shape and dtype read in place of out's
+// old contents (a residual stream added in the GEMM's epilogue instead of a pass of its own); it may be out itself
+// but no other memory that out overlaps.
 struct GemmOptions {
   float alpha = 1.0f;
   float beta = 0.0f;
   MathMode math = MathMode::FP32;
+  TensorView addend{};  // empty: out
 };
 
 // Dense GEMM family. A and B share one dtype (f32 or bf16); the output is that dtype or f32.

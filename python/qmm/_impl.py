@@ -77,17 +77,22 @@ def _working(loras, dtype, cached):
     return _cached(loras, dtype, False, cached) or working_copies(_pairs(loras), dtype)
 
 
-def linear_forward(x, w, bias, lora, path, cached=False):
-    """y = x @ dequant(W)^T (+ bias) (+ the adapter), the NF4 product and the adapter's casts and products in one
-    binding call. The bias is written first and the NF4 product accumulates onto it (beta = 1): one rounding of
-    base + bias, as a linear layer's bias epilogue. Returns y and the adapter's saved tensors (None without one).
-    cached: the adapter's working copies come from _copies (one cast a forward), not from this call."""
+def linear_forward(x, w, bias, lora, path, cached=False, residual=None):
+    """y = x @ dequant(W)^T (+ bias) (+ the adapter) (+ residual), the NF4 product and the adapter's casts and
+    products in one binding call. The bias is written first and the NF4 product accumulates onto it (beta = 1): one
+    rounding of base + bias, as a linear layer's bias epilogue. A residual (y's shape and x's dtype; no bias) rides
+    in the adapter's second product as its GEMM's addend (copied into y first where there is no adapter). Returns
+    y and the adapter's saved tensors (None without one). cached: the adapter's working copies come from _copies
+    (one cast a forward), not from this call."""
     n, k = w.shape
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if bias is not None:
         y.copy_(bias.to(x.dtype).expand_as(y))
+    if residual is not None and lora is None:
+        y.copy_(residual)
     op = "lora_nf4_linear"
-    x2, y2, beta = _rows(op, "x", x, k), y.view(-1, n), 0.0 if bias is None else 1.0
+    x2, y2 = _rows(op, "x", x, k), y.view(-1, n)
+    beta = 0.0 if bias is None and (residual is None or lora is not None) else 1.0
     if lora is None:
         _call(_qmm.lora_nf4_linear_forward, x2, x2, w._native, y2, beta, path, None, None, None, None, None, None,
               1.0)
@@ -102,7 +107,8 @@ def linear_forward(x, w, bias, lora, path, cached=False):
                 (torch.empty(a.shape, dtype=x.dtype, device=x.device), torch.empty(b.shape, dtype=x.dtype,
                                                                                     device=x.device)))
     t = torch.empty((x2.shape[0], a.shape[0]), dtype=x.dtype, device=x.device)
-    _call(_qmm.lora_nf4_linear_forward, x2, x2, w._native, y2, beta, path, xd2, a, b, a_w, b_w, t, float(scale))
+    _call(_qmm.lora_nf4_linear_forward, x2, x2, w._native, y2, beta, path, xd2, a, b, a_w, b_w, t, float(scale),
+          None if residual is None else _flat(residual))
     return y, (x2 if xd2 is None else xd2, t, a if a_w is None else a_w, b if b_w is None else b_w)
 
 
@@ -383,13 +389,15 @@ def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd
     return (dx, *dxds, *grads)
 
 
-def mlp_forward(x, w_gate, w_up, w_down, loras, down_lora, path, keep, cached=False):
+def mlp_forward(x, w_gate, w_up, w_down, loras, down_lora, path, keep, cached=False, residual=None):
     """An MLP block as one op: swiglu_forward, then the down projection of h (down_lora = (a, b, scale) reads h
-    itself: no dropout). h is not kept: the backward's SwiGLU kernel writes it again where the down adapter's
-    gradient needs it, which saves the block's largest activation. Returns y and what mlp_backward takes (None
-    without keep). cached as linear_forward takes it."""
+    itself: no dropout), plus residual where given (in the down GEMMs' epilogue: a decoder layer's last add). h is
+    not kept: the backward's SwiGLU kernel writes it again where the down adapter's gradient needs it, which saves
+    the block's largest activation. Returns y and what mlp_backward takes (None without keep). cached as
+    linear_forward takes it."""
     h, gate, up, saved = swiglu_forward(x, w_gate, w_up, loras, path, keep, cached)
-    y, saved_d = linear_forward(h, w_down, None, None if down_lora is None else (h, *down_lora), path, cached)
+    y, saved_d = linear_forward(h, w_down, None, None if down_lora is None else (h, *down_lora), path, cached,
+                                residual)
     return y, ((gate, up, saved, None if saved_d is None else saved_d[1:]) if keep else None)
 
 

@@ -404,13 +404,14 @@ if AVAILABLE:
                         d_codes: Tensor, d_absmax: Tensor, d_absmax2: Optional[Tensor], d_code2: Optional[Tensor],
                         d_offset: Tensor, d_rows: int, d_cols: int, d_block_size: int,
                         scale_g: float, scale_u: float, scale_d: float, path: str,
-                        keep: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        keep: bool, residual: Optional[Tensor]
+                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         w_gate = weight_of(g_codes, g_absmax, g_absmax2, g_code2, g_offset, g_rows, g_cols, g_block_size)
         w_up = weight_of(u_codes, u_absmax, u_absmax2, u_code2, u_offset, u_rows, u_cols, u_block_size)
         w_down = weight_of(d_codes, d_absmax, d_absmax2, d_code2, d_offset, d_rows, d_cols, d_block_size)
         loras = (_lora(x, xd_g, a_g, b_g, scale_g), _lora(x, xd_u, a_u, b_u, scale_u))
         down = None if a_d is None else (a_d, b_d, scale_d)
-        y, kept = _impl.mlp_forward(x, w_gate, w_up, w_down, loras, down, path, keep)
+        y, kept = _impl.mlp_forward(x, w_gate, w_up, w_down, loras, down, path, keep, residual=residual)
         if kept is None:
             return (y,) + tuple(x.new_empty(0) for _ in range(5))
         gate, up, saved, saved_d = kept
@@ -421,7 +422,7 @@ if AVAILABLE:
 
     @lora_nf4_mlp_op.register_fake
     def _(x, xd_g, a_g, b_g, xd_u, a_u, b_u, a_d, b_d, *args):
-        rows, keep = args[5], args[-1]
+        rows, keep = args[5], args[-2]
         if not keep:
             return (x.new_empty(x.shape),) + tuple(x.new_empty(0) for _ in range(5))
         kept = x.new_empty((*x.shape[:-1], rows))  # keep: gate and up, with or without adapters
@@ -489,9 +490,9 @@ if AVAILABLE:
 
     def _mlp_block_grad(ctx, dy, *_):
         gate, up, xs_g, xs_u, t_g, t_u, t_d, a_g, b_g, a_u, b_u, a_d, b_d, *w = ctx.saved_tensors
-        n = ctx.needs_input_grad  # x, xd_g, a_g, b_g, xd_u, a_u, b_u, a_d, b_d
+        n = ctx.needs_input_grad  # x, xd_g, a_g, b_g, xd_u, a_u, b_u, a_d, b_d, ..., residual (the last)
         if dy is None:
-            return (None,) * 38
+            return (None,) * 39
         want = (n[0], n[1], n[4], n[2], n[3], n[5], n[6], n[7], n[8])
         dx, dxd_g, dxd_u, da_g, db_g, da_u, db_u, da_d, db_d = (_or_none(g) for g in lora_nf4_mlp_backward_op(
             dy, gate, up, xs_g, xs_u, _or_none(t_g), _or_none(t_u), _or_none(t_d), a_g, b_g, a_u, b_u, a_d, b_d,
@@ -500,7 +501,8 @@ if AVAILABLE:
         grads = (dx, dxd_g, _impl.param_grad(da_g, a_g), _impl.param_grad(db_g, b_g), dxd_u,
                  _impl.param_grad(da_u, a_u), _impl.param_grad(db_u, b_u), _impl.param_grad(da_d, a_d),
                  _impl.param_grad(db_d, b_d))
-        return tuple(g if wanted else None for g, wanted in zip(grads, n[:9])) + (None,) * 29
+        return tuple(g if wanted else None for g, wanted in zip(grads, n[:9])) + (None,) * 29 + \
+            (dy if n[38] else None,)
 
     lora_nf4_mlp_op.register_autograd(_mlp_block_grad, setup_context=_setup_mlp_block)
 
@@ -718,8 +720,9 @@ def lora_nf4_swiglu(x, w_gate, w_up, loras, path):
     return lora_nf4_swiglu_op(x, *args, *_op_args(w_gate), *_op_args(w_up), *scales, path, keep)[0]
 
 
-def lora_nf4_mlp(x, w_gate, w_up, w_down, loras, down, path):
-    """loras as lora_nf4_swiglu's; down: (a, b, scale) of the down projection's adapter (reading h), or None."""
+def lora_nf4_mlp(x, w_gate, w_up, w_down, loras, down, path, residual=None):
+    """loras as lora_nf4_swiglu's; down: (a, b, scale) of the down projection's adapter (reading h), or None;
+    residual: added to the block's output (its gradient is the output's)."""
     args, scales = [], []
     for lora in loras:
         xd, a, b, scale = (None, None, None, 1.0) if lora is None else lora
@@ -728,7 +731,7 @@ def lora_nf4_mlp(x, w_gate, w_up, w_down, loras, down, path):
     a_d, b_d, scale_d = (None, None, 1.0) if down is None else down
     keep = torch.is_grad_enabled()
     return lora_nf4_mlp_op(x, *args, a_d, b_d, *_op_args(w_gate), *_op_args(w_up), *_op_args(w_down), *scales,
-                           scale_d, path, keep)[0]
+                           scale_d, path, keep, residual)[0]
 
 
 def linear_cross_entropy(h, w, labels, ignore_index, chunk_tokens=0, check_labels=True, chunk_vocab=0):

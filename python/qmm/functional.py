@@ -263,12 +263,12 @@ def lora_nf4_swiglu(x, w_gate, w_up, gate_lora=None, up_lora=None, path="auto"):
 
 class _LoraNf4Mlp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, xd_g, a_g, b_g, xd_u, a_u, b_u, a_d, b_d, w_gate, w_up, w_down, scales, path):
+    def forward(ctx, x, xd_g, a_g, b_g, xd_u, a_u, b_u, a_d, b_d, residual, w_gate, w_up, w_down, scales, path):
         loras = tuple(None if a is None else (x if xd is None else xd, a, b, s)
                       for xd, a, b, s in ((xd_g, a_g, b_g, scales[0]), (xd_u, a_u, b_u, scales[1])))
         down = None if a_d is None else (a_d, b_d, scales[2])
         y, (gate, up, saved, saved_d) = _impl.mlp_forward(x, w_gate, w_up, w_down, loras, down, path, keep=True,
-                                                           cached=True)
+                                                           cached=True, residual=residual)
         ctx.grouped = isinstance(saved, _impl.Grouped)
         flat = saved if ctx.grouped else [t for s in saved for t in (s or (None,) * 4)]
         ctx.n_saved = len(flat)
@@ -287,23 +287,33 @@ class _LoraNf4Mlp(torch.autograd.Function):
             saved = _impl.Grouped(flat)
         else:
             saved = tuple(tuple(flat[4 * i:4 * i + 4]) if ctx.has[i] else None for i in range(2))
-        n = ctx.needs_input_grad  # x, xd_g, a_g, b_g, xd_u, a_u, b_u, a_d, b_d
+        n = ctx.needs_input_grad  # x, xd_g, a_g, b_g, xd_u, a_u, b_u, a_d, b_d, residual
         grads = _impl.mlp_backward(dy, gate, up, *ctx.weights, ctx.path, saved, saved_d, ctx.scales, ctx.dropped,
                                    ctx.x_shape, (n[0], n[1], n[4], n[2], n[3], n[5], n[6], n[7], n[8]))
         dx, dxd_g, dxd_u, *param_grads = grads
         da_g, db_g, da_u, db_u, da_d, db_d = (_impl.param_grad(g, p) for g, p in zip(param_grads, params))
-        return dx, dxd_g, da_g, db_g, dxd_u, da_u, db_u, da_d, db_d, None, None, None, None, None
+        return (dx, dxd_g, da_g, db_g, dxd_u, da_u, db_u, da_d, db_d, dy if n[9] else None,
+                None, None, None, None, None)
 
 
-def lora_nf4_mlp(x, w_gate, w_up, w_down, gate_lora=None, up_lora=None, down_lora=None, path="auto"):
-    """y = down(silu(gate) * up): a whole SwiGLU MLP block with frozen NF4 weights (w_gate and w_up [I, H], w_down
-    [H, I]) and LoRA adapters on any of the three, as one op (lora_nf4_swiglu, then the down projection). The
-    intermediate h is not kept for the backward, whose SwiGLU kernel writes it again (where down_lora's gradient
-    needs it) and adds down_lora's share of h's gradient itself: the block keeps gate and up, x and the adapters'
-    small products. down_lora reads h itself (no x_dropped: dropout on the down projection's input needs
-    lora_nf4_swiglu and lora_nf4_linear)."""
+def lora_nf4_mlp(x, w_gate, w_up, w_down, gate_lora=None, up_lora=None, down_lora=None, path="auto",
+                 residual=None):
+    """y = down(silu(gate) * up) (+ residual): a whole SwiGLU MLP block with frozen NF4 weights (w_gate and w_up
+    [I, H], w_down [H, I]) and LoRA adapters on any of the three, as one op (lora_nf4_swiglu, then the down
+    projection). The intermediate h is not kept for the backward, whose SwiGLU kernel writes it again (where
+    down_lora's gradient needs it) and adds down_lora's share of h's gradient itself: the block keeps gate and up,
+    x and the adapters' small products. down_lora reads h itself (no x_dropped: dropout on the down projection's
+    input needs lora_nf4_swiglu and lora_nf4_linear). residual (x's shape, dtype and device: a decoder layer's
+    residual stream) is added in the down adapter's GEMM (its epilogue's addend: no pass of its own) and gets y's
+    gradient."""
     op = "lora_nf4_mlp"
     _check_x(op, x)
+    if residual is not None and (not isinstance(residual, torch.Tensor) or residual.shape != x.shape or
+                                 residual.dtype != x.dtype or residual.device != x.device):
+        what = f"{list(residual.shape)} {residual.dtype} on {residual.device}" \
+            if isinstance(residual, torch.Tensor) else type(residual).__name__
+        raise _error("InvalidArgument", f"{op}: residual is {what}; it must have x's shape, dtype and device "
+                                        f"({list(x.shape)} {x.dtype} on {x.device})")
     shape = _gate_up_shape(op, w_gate, w_up)
     down_shape = _shape(w_down) if isinstance(w_down, tuple) else _nf4(op, "w_down", w_down)
     if tuple(down_shape) != (shape[1], shape[0]):
@@ -315,19 +325,21 @@ def lora_nf4_mlp(x, w_gate, w_up, w_down, gate_lora=None, up_lora=None, down_lor
                                         f"use lora_nf4_swiglu and lora_nf4_linear for dropout on the down projection")
     down = _check_lora(op, "down_lora", down_lora, None, *down_shape)  # (None, a, b, scale): h is made inside
     if _compiling():
-        return compile_ops.lora_nf4_mlp(x, w_gate, w_up, w_down, loras, None if down is None else down[1:], path)
+        return compile_ops.lora_nf4_mlp(x, w_gate, w_up, w_down, loras, None if down is None else down[1:], path,
+                                        residual)
     w_gate, w_up, w_down = (_weight(op, n, w) for n, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)))
     tensors = [t for lora in (gate_lora, up_lora, down_lora) if lora is not None
                for t in (lora.a, lora.b, lora.x_dropped)]
     down_args = None if down is None else down[1:]
-    if not _grad_wanted(x, *tensors):
-        return _impl.mlp_forward(x, w_gate, w_up, w_down, loras, down_args, path, keep=False, cached=True)[0]
+    if not _grad_wanted(x, residual, *tensors):
+        return _impl.mlp_forward(x, w_gate, w_up, w_down, loras, down_args, path, keep=False, cached=True,
+                                 residual=residual)[0]
     args = []
     for lora in (gate_lora, up_lora):
         args += [None, None, None] if lora is None else [lora.x_dropped, lora.a, lora.b]
     args += [None, None] if down_lora is None else [down_lora.a, down_lora.b]
     scales = tuple(1.0 if la is None else la[3] for la in (*loras, down))
-    return _LoraNf4Mlp.apply(x, *args, w_gate, w_up, w_down, scales, path)
+    return _LoraNf4Mlp.apply(x, *args, residual, w_gate, w_up, w_down, scales, path)
 
 
 def nf4_swiglu(x, w_gate, w_up, path="auto"):

@@ -266,6 +266,16 @@ def _lora_linear_forward(layer, x, *args, **kwargs):
 
 
 def _swiglu_mlp_forward(mlp, x, *args, **kwargs):
+    return _swiglu_mlp(mlp, x, args, kwargs, None)
+
+
+def _plus(residual, y):
+    return y if residual is None else residual + y
+
+
+def _swiglu_mlp(mlp, x, args, kwargs, residual):
+    """A patched SwiGLU MLP's output for x, plus residual where given (in the down projection's GEMM where the block
+    runs as one op, else added after)."""
     projections = (mlp.gate_proj, mlp.up_proj)
     bases = [_bnb_nf4_base(p) for p in projections]
     plans = [_lora_plan(p) for p in projections]
@@ -276,17 +286,27 @@ def _swiglu_mlp_forward(mlp, x, *args, **kwargs):
         why = _VARIANT + " on gate_proj or up_proj"
     weights = [None] if why else [_weight_now(b) for b in bases]
     if None in weights:
-        return _fallback(mlp, why or _NOT_NF4, x, *args, **kwargs)
+        return _plus(residual, _fallback(mlp, why or _NOT_NF4, x, *args, **kwargs))
     if all(b.bias is None for b in bases) and "add" not in plans:  # gate, up, their adapters and the SwiGLU: one op
         loras = [_adapter(p, plan, x) for p, plan in zip(projections, plans)]
         down = _block_down(mlp.down_proj)
         if down is not None:  # down too: h is not kept for the backward
-            return lora_nf4_mlp(x, *weights, down[0], *loras, down[1], _path(mlp))
-        return mlp.down_proj(lora_nf4_swiglu(x, *weights, *loras, _path(mlp)))
+            return lora_nf4_mlp(x, *weights, down[0], *loras, down[1], _path(mlp), residual=residual)
+        return _plus(residual, mlp.down_proj(lora_nf4_swiglu(x, *weights, *loras, _path(mlp))))
     outs = nf4_gate_up_linear(x, *weights, _path(mlp))  # biases, or several adapters: added as PEFT adds them
     gate, up = ((y if b.bias is None else y + b.bias.to(y.dtype)) for y, b in zip(outs, bases))
     gate, up = ((y if plan == "none" else _add_lora(p, x, y)) for p, plan, y in zip(projections, plans, (gate, up)))
-    return mlp.down_proj(swiglu_autograd(gate, up))
+    return _plus(residual, mlp.down_proj(swiglu_autograd(gate, up)))
+
+
+def _mlp_plus(mlp, h, residual):
+    """residual + mlp(h), the decoder layer's last add in the MLP's down projection where qmm runs the MLP itself
+    (patched by patch_bnb, called without hooks of its own that calling the module would run)."""
+    patch = mlp.__dict__.get(_PATCH)
+    if patch is not None and patch.fn is _swiglu_mlp_forward and patch.attr is None and \
+            not mlp._forward_hooks and not mlp._forward_pre_hooks:
+        return _swiglu_mlp(mlp, h, (), {}, residual)
+    return residual + mlp(h)
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -583,7 +603,7 @@ def _decoder_layer_forward(self, hidden_states, *args, **kwargs):
     """The layer's own forward (_DECODER_BODY) with its residual adds inside the norms' kernels: the attention's
     add and the post-attention norm as one op (add_rms_norm), whose backward adds the residual's gradient to the
     norm's; the input norm's backward likewise takes the gradient of the residual it starts (so that the layer's
-    two gradient sums take no launch). The MLP's add stays (its sum is the next layer's input)."""
+    two gradient sums take no launch); the MLP's add in its down projection's GEMM where qmm runs the MLP."""
     cls, keywords = type(self)._qmm_decoder
     why = _decoder_uncovered(self, hidden_states, args, kwargs, keywords)
     if why is not None:
@@ -597,7 +617,7 @@ def _decoder_layer_forward(self, hidden_states, *args, **kwargs):
         h = residual + h
         return h + self.mlp(self.post_attention_layernorm(h))
     residual, h = add_rms_norm_autograd(residual, h, norm2.weight, norm2.variance_epsilon)
-    return residual + self.mlp(h)
+    return _mlp_plus(self.mlp, h, residual)
 
 
 def _patch_decoder_layer(module, path):

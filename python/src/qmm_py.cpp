@@ -627,9 +627,10 @@ NB_MODULE(_qmm, m) {
       "lora_nf4_linear_forward",
       [](const In& x, const Nf4Handle& w, const Out& y, float beta, const std::string& path, const nb::object& xd,
          const nb::object& a, const nb::object& b, const nb::object& a_w, const nb::object& b_w, const nb::object& t,
-         float scale, std::uintptr_t stream) {
+         float scale, const nb::object& residual, std::uintptr_t stream) {
         const char* op = "lora_nf4_linear_forward";
         const qmm::TensorView xv = view_of(x, op, "x"), yv = view_of(y, op, "y");
+        const qmm::TensorView rv = view_or_empty<In>(residual, op, "residual");
         const AdapterViews ad{view_or_empty<In>(xd, op, "xd"), view_or_empty<In>(a, op, "a"),
                               view_or_empty<In>(b, op, "b"),   view_or_empty<Out>(a_w, op, "a_w"),
                               view_or_empty<Out>(b_w, op, "b_w"), view_or_empty<Out>(t, op, "t"), scale};
@@ -640,8 +641,30 @@ NB_MODULE(_qmm, m) {
                "x is " + xv.shape().str() + " and y " + yv.shape().str() + ": both [M, *]");
         const bool adapter = !ad.a.empty();
         if (adapter) check_adapter(op, ad, xv, yv.dim(1));
+        if (!rv.empty()) {
+          // The residual rides in the adapter's second product (its GEMM's addend), which then runs first: w is
+          // checked here, before y is written.
+          if (!adapter || beta != 0.0f)
+            fail(qmm::ErrorCode::InvalidArgument, op, "a residual needs an adapter and beta 0");
+          require_matrix(op, "y", yv, xv.dim(0), wv.rows, xv.dtype(), xv.device());
+          require_matrix(op, "residual", rv, xv.dim(0), wv.rows, xv.dtype(), xv.device());
+          if (wv.cols != xv.dim(1) || wv.device() != xv.device())
+            fail(qmm::ErrorCode::ShapeMismatch, op,
+                 "w is [" + std::to_string(wv.rows) + ", " + std::to_string(wv.cols) + "] on " + wv.device().str() +
+                     " for x " + xv.shape().str() + " on " + xv.device().str());
+        }
         const qmm::Context ctx = context_for(xv, stream);
         run([&] {
+          if (!rv.empty()) {  // y = residual + scale·t·bᵀ, then y += x·dequant(w)ᵀ
+            std::vector<qmm::TensorView> from, to;
+            if (!ad.a_w.empty()) from.push_back(ad.a), to.push_back(ad.a_w);
+            if (!ad.b_w.empty()) from.push_back(ad.b), to.push_back(ad.b_w);
+            qmm::cast(ctx, from, to);
+            qmm::gemm_bt(ctx, ad.xd.empty() ? xv : ad.xd, ad.a_used(), ad.t);
+            qmm::gemm_bt(ctx, ad.t, ad.b_used(), yv, {ad.scale, 1.0f, qmm::MathMode::FP32, rv});
+            qmm::nf4_gemm(ctx, xv, wv, yv, nf4_options(1.0f, 1.0f, path, op));
+            return;
+          }
           qmm::nf4_gemm(ctx, xv, wv, yv, opts);  // checks w against x and y before anything is written
           if (!adapter) return;
           std::vector<qmm::TensorView> from, to;  // the working copies in one launch
@@ -654,8 +677,9 @@ NB_MODULE(_qmm, m) {
       },
       nb::arg("x"), nb::arg("w"), nb::arg("y"), nb::arg("beta"), nb::arg("path"), nb::arg("xd").none(),
       nb::arg("a").none(), nb::arg("b").none(), nb::arg("a_w").none(), nb::arg("b_w").none(), nb::arg("t").none(),
-      nb::arg("scale"), nb::arg("stream") = 0,
-      "y = x @ dequant(W)^T + beta * y, then y += scale * (xd @ a^T) @ b^T in x's dtype where a is given");
+      nb::arg("scale"), nb::arg("residual").none() = nb::none(), nb::arg("stream") = 0,
+      "y = x @ dequant(W)^T + beta * y, then y += scale * (xd @ a^T) @ b^T in x's dtype where a is given; with a "
+      "residual (an adapter and beta 0) y = residual + scale * (xd @ a^T) @ b^T, then the NF4 product added");
   m.def(
       "lora_nf4_linear_backward",
       [](const In& dy, const Nf4Handle& w, const std::string& path, const nb::object& dx, const nb::object& xs,

@@ -813,6 +813,45 @@ def test_lora_nf4_mlp_matches_reference(device, dtype, m, k, n, case):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("down_rank", [0, 16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_lora_nf4_mlp_adds_a_residual(device, dtype, down_rank, compiled):
+    """lora_nf4_mlp(..., residual=r) is lora_nf4_mlp(...) + r (the residual rides in the down adapter's GEMM, or is
+    copied under the NF4 product without a down adapter: roundings of the sum in another order, up to a bf16 ulp of
+    the largest value, 2^-7), r's gradient is the output's, exactly, and every other gradient is the one without a residual, bit for
+    bit (the backward does not change); the same compiled (aot_eager, fullgraph). A residual of another shape or
+    dtype is a qmm.Error."""
+    if compiled and not qmm.compile_ops.AVAILABLE:
+        pytest.skip("needs PyTorch >= 2.4")
+    m, k, n = 65, 64, 96
+    ws = mlp_weights(device, k, n)
+    x, dy = randn((2, m, k), 1, device, dtype), randn((2, m, k), 3, device, dtype)
+    r = randn((2, m, k), 2, device, dtype) * 4
+    down = None if down_rank == 0 else (randn((down_rank, n), 6, device) * 0.3, randn((k, down_rank), 7, device) * 0.3)
+    params = [(randn((4, k), 4, device) * 0.3, randn((n, 4), 5, device) * 0.3), None, down]
+
+    def run(with_residual):
+        xr, rr = x.clone().requires_grad_(), r.clone().requires_grad_()
+        leaves = [None if p is None else [t.clone().requires_grad_() for t in p] for p in params]
+        loras = [None if p is None else qmm.Lora(p[0], p[1], 1.5) for p in leaves]
+        fn = _compiled_afresh(qmm.lora_nf4_mlp, compiled)
+        y = fn(xr, *ws, *loras, residual=rr) if with_residual else fn(xr, *ws, *loras) + rr
+        y.backward(dy)
+        return [y.detach(), rr.grad, xr.grad] + [t.grad for p in leaves if p is not None for t in p]
+
+    got, ref = run(True), run(False)
+    assert_close(got[0], ref[0], 2.0 ** -7 * ref[0].double().abs().max().item() + 1e-6, "output")
+    assert torch.equal(got[1], dy), "residual's gradient"
+    for i, (g, want) in enumerate(zip(got[2:], ref[2:])):
+        assert torch.equal(g, want), f"gradient {i}"
+    lora = qmm.Lora(*params[0], 1.5)
+    for bad in (r[:, 1:], r.double() if dtype == torch.float32 else r.float()):
+        with pytest.raises(qmm.Error, match="lora_nf4_mlp: residual"):
+            qmm.lora_nf4_mlp(x, *ws, lora, residual=bad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,k,ns", [(1, 64, (64, 16, 16)), (7, 128, (63, 65, 7)), (65, 192, (96, 32, 32))])
 @pytest.mark.parametrize("unused_v", [False, True])
 @pytest.mark.parametrize("dropout", [True, False])
@@ -1484,6 +1523,16 @@ def _graph_breaks():
     return sum(counters["graph_break"].values())
 
 
+def _compiled_afresh(fn, compiled):
+    """fn compiled (aot_eager, fullgraph) after resetting dynamo and its graph-break count; fn itself otherwise."""
+    if not compiled:
+        return fn
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    return torch.compile(fn, backend="aot_eager", fullgraph=True)
+
+
 @pytest.mark.skipif(not qmm.compile_ops.AVAILABLE, reason="needs PyTorch >= 2.4")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -1883,11 +1932,7 @@ def test_patch_bnb_fused_norm_runs_qmms_rms_norm(compiled, dtype):
 
     ref = run(model)
     assert qmm.patch_bnb(model, fused_norm=True) == ["0"]
-    if compiled:
-        torch._dynamo.reset()
-        from torch._dynamo.utils import counters
-        counters.clear()
-    got = run(torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model)
+    got = run(_compiled_afresh(model, compiled))
     if compiled:
         assert _graph_breaks() == 0
     one, tol = (2.0 ** -7, 2.0 ** -6) if dtype == torch.bfloat16 else (1e-6, 1e-5)
@@ -1936,11 +1981,7 @@ def test_add_rms_norm_and_the_residual_gradient(device, dtype, compiled):
                               lambda x, r, w: _hf_add_norm_fp64(x, r, w, 1e-6)),
                              ("rms_norm_residual", lambda x, r, w: qmm.rms_norm_residual_autograd(x, w, 1e-6),
                               lambda x, r, w: (x, _hf_add_norm_fp64(x, 0 * r, w, 1e-6)[1]))]:
-        if compiled:
-            torch._dynamo.reset()
-            from torch._dynamo.utils import counters
-            counters.clear()
-            fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        fn = _compiled_afresh(fn, compiled)
         xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
         first, second = fn(xs, rs, ws)
         if name == "rms_norm_residual" and not compiled:
@@ -2086,12 +2127,8 @@ def test_patch_bnb_fused_norm_fuses_a_decoder_layers_residual_adds(device, dtype
     for name in ("add_rms_norm_autograd", "rms_norm_residual_autograd"):
         monkeypatch.setattr(qmm.patch, name, functools.partial(
             lambda f, n, *a: fused.append(n) or f(*a), getattr(qmm.patch, name), name))
-    if compiled:
-        torch._dynamo.reset()
-        from torch._dynamo.utils import counters
-        counters.clear()
     layer.self_attn.calls.clear()
-    got = run(torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer)
+    got = run(_compiled_afresh(layer, compiled))
     if compiled:
         assert _graph_breaks() == 0
     else:
@@ -2117,6 +2154,50 @@ def test_patch_bnb_fused_norm_fuses_a_decoder_layers_residual_adds(device, dtype
     other = _decoder_layer(MistralDecoderLayer, dtype, device)
     assert qmm.patch_bnb(other, fused_norm=True) == ["input_layernorm", "post_attention_layernorm"]
     assert type(other) is MistralDecoderLayer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("hooked", [False, True])
+def test_fused_decoder_layer_adds_the_residual_in_a_patched_mlp(device, compiled, hooked, monkeypatch):
+    """A fused decoder layer whose MLP patch_bnb runs as one block (NF4 LoRA projections) hands the layer's last
+    residual add to that block (lora_nf4_mlp's residual, in the down projection's GEMM); with a forward hook on
+    the MLP the layer calls the module (the hook runs) and adds after. Output and gradients are the unpatched
+    layer's to the patched MLP's tolerance (2^-6 of the largest), compiled without a graph break."""
+    if compiled and not qmm.compile_ops.AVAILABLE:
+        pytest.skip("needs PyTorch >= 2.4")
+    layer = _decoder_layer(LlamaDecoderLayer, torch.float32, device)
+    layer.mlp = FakeMlp(mlp_weights(device, 64, 96))
+    for i, p in enumerate(("gate_proj", "up_proj", "down_proj")):
+        setattr(layer.mlp, p, FakeLora(getattr(layer.mlp, p), 4, 10 + 2 * i))
+    hook_calls = []
+    if hooked:
+        layer.mlp.register_forward_hook(lambda *a: hook_calls.append(1))
+    x, dy = randn((2, 5, 64), 1, device) * 2, randn((2, 5, 64), 2, device)
+    keywords = dict(position_embeddings=(randn((1, 5, 16), 3, device),) * 2)
+
+    def run(module):
+        module.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        y = module(xr, **keywords)
+        (y.double() * dy.double()).sum().backward()
+        return [y.detach(), xr.grad] + [p.grad for n, p in layer.named_parameters() if "lora_" in n]
+
+    ref = run(layer)
+    residuals = []
+    real = qmm.patch.lora_nf4_mlp
+    monkeypatch.setattr(qmm.patch, "lora_nf4_mlp", lambda *a, **k: residuals.append(k.get("residual") is not None)
+                        or real(*a, **k))
+    qmm.patch_bnb(layer, fused_norm=True)
+    hook_calls.clear()
+    got = run(_compiled_afresh(layer, compiled))
+    if compiled:
+        assert _graph_breaks() == 0
+    else:
+        assert residuals == [not hooked]
+    assert len(hook_calls) == (1 if hooked else 0)
+    _assert_near(got, ref, 2.0 ** -6, "fused decoder layer with a patched MLP")
+    qmm.unpatch_bnb(layer)
 
 
 # ---- rope -------------------------------------------------------------------------------------------------------

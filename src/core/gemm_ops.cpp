@@ -68,6 +68,17 @@ void check_no_overlap(const char* op, const Arg& a, const Arg& b, const Arg& c) 
   detail::require_no_overlap(op, c.name, c.t, b.name, b.t);
 }
 
+// The addend, where given: c's shape and dtype, and either c itself or memory apart from it.
+void check_addend(const Context& ctx, const char* op, const Arg& c, const GemmOptions& opts) {
+  const TensorView& d = opts.addend;
+  if (d.empty()) return;
+  detail::require_tensor(ctx, op, "addend", d);
+  QMM_REQUIRE(d.shape() == c.t.shape(), ErrorCode::ShapeMismatch, op,
+              "addend is " + d.shape().str() + " but must be " + c.name + "'s shape " + c.t.shape().str());
+  detail::require_same_dtype(op, c.name, c.t, "addend", d);
+  if (d.data() != c.t.data()) detail::require_no_overlap(op, c.name, c.t, "addend", d);
+}
+
 GemmProblem make_problem(const TensorView& a, const TensorView& b, const TensorView& c, const GemmOptions& opts) {
   GemmProblem p;
   p.a = a.data();
@@ -78,6 +89,7 @@ GemmProblem make_problem(const TensorView& a, const TensorView& b, const TensorV
   p.alpha = opts.alpha;
   p.beta = opts.beta;
   p.math = opts.math;
+  if (!opts.addend.empty() && opts.addend.data() != c.data()) p.c_in = opts.addend.data();
   return p;
 }
 
@@ -236,6 +248,7 @@ void gemm(const Context& ctx, const TensorView& a, const TensorView& b, const Te
               "A is " + a.shape().str() + " but B is " + b.shape().str() + ": inner dimensions differ");
   check_output_shape(op, C, {a.dim(0), b.dim(1)});
   check_no_overlap(op, A, B, C);
+  check_addend(ctx, op, C, opts);
   GemmProblem p = make_problem(a, b, c, opts);
   p.m = a.dim(0);
   p.n = b.dim(1);
@@ -253,6 +266,7 @@ void gemm_bt(const Context& ctx, const TensorView& a, const TensorView& b, const
                   ": inner dimensions differ (B is [N,K], its last dimension must equal A's)");
   check_output_shape(op, C, {a.dim(0), b.dim(0)});
   check_no_overlap(op, A, B, C);
+  check_addend(ctx, op, C, opts);
   GemmProblem p = make_problem(a, b, c, opts);
   p.m = a.dim(0);
   p.n = b.dim(0);
@@ -272,6 +286,7 @@ void gemm_backward_a(const Context& ctx, const TensorView& dc, const TensorView&
                   ": inner dimensions differ (dC is [M,N], B is [K,N]; their N must agree)");
   check_output_shape(op, DA, {dc.dim(0), b.dim(0)});
   check_no_overlap(op, DC, B, DA);
+  check_addend(ctx, op, DA, opts);
   GemmProblem p = make_problem(dc, b, da, opts);
   p.m = dc.dim(0);
   p.n = b.dim(0);
@@ -291,6 +306,7 @@ void gemm_backward_b(const Context& ctx, const TensorView& a, const TensorView& 
                   ": inner dimensions differ (A is [M,K], dC is [M,N]; their M must agree)");
   check_output_shape(op, DB, {a.dim(1), dc.dim(1)});
   check_no_overlap(op, A, DC, DB);
+  check_addend(ctx, op, DB, opts);
   GemmProblem p = make_problem(a, dc, db, opts);
   p.m = a.dim(1);
   p.n = dc.dim(1);
@@ -422,6 +438,7 @@ void batched_gemm(const Context& ctx, const TensorView& a, const TensorView& b, 
                   (transpose_b ? " (transpose_b: B is [b,h,n,k])" : " (B is [b,h,k,n])"));
   check_output_shape(op, C, {a.dim(0), a.dim(1), m, n});
   check_no_overlap(op, A, B, C);
+  check_addend(ctx, op, C, opts);
   GemmProblem p = make_problem(a, b, c, opts);
   p.batch = a.dim(0) * a.dim(1);
   p.m = m;

@@ -29,6 +29,8 @@ struct GemmProblem {
   // bias [n] in c_dtype, added to every row of C before C's one rounding (a linear layer's bias); batch 1, and on a
   // GPU k > 0 without conversion (cuBLASLt's bias epilogue).
   const void* bias = nullptr;
+  // beta's operand where it is not C itself (GemmOptions::addend): C's layout, read before C is written.
+  const void* c_in = nullptr;
 
   std::int64_t lda() const { return pitch_a ? pitch_a : trans_a ? m : k; }  // row-major leading dimensions
   std::int64_t ldb() const { return pitch_b ? pitch_b : trans_b ? k : n; }

@@ -112,10 +112,11 @@ void compute_tile(const GemmProblem& p, std::int64_t bi, std::int64_t i0, std::i
         micro_kernel(kc, buf.a_pack.data() + ip * kc, buf.b_pack.data() + jp * kc, acc + ip * kNc + jp, kNc);
   }
 
-  // C = alpha * sum + beta * C_old (+ bias), rounded once to C's dtype. beta == 0 never reads C (NaN there is
-  // overwritten).
+  // C = alpha * sum + beta * C_old (+ bias), rounded once to C's dtype; C_old is the addend where one is given.
+  // beta == 0 never reads it (NaN there is overwritten).
   const double alpha = p.alpha, beta = p.beta;
   const std::int64_t c_off = bi * p.stride_c, ldc = p.ldc();
+  const void* c_old = p.c_in ? p.c_in : p.c;
   for (std::int64_t i = 0; i < mc; ++i) {
     for (std::int64_t j = 0; j < nc; ++j) {
       const std::int64_t idx = c_off + (i0 + i) * ldc + (j0 + j);
@@ -123,12 +124,14 @@ void compute_tile(const GemmProblem& p, std::int64_t bi, std::int64_t i0, std::i
       double v = p.k == 0 ? 0.0 : alpha * acc[i * kNc + j];
       if (p.c_dtype == DType::F32) {
         float* c = static_cast<float*>(p.c);
-        if (beta != 0.0) v = p.k == 0 ? beta * c[idx] : v + beta * c[idx];
+        const float* old = static_cast<const float*>(c_old);
+        if (beta != 0.0) v = p.k == 0 ? beta * old[idx] : v + beta * old[idx];
         if (p.bias) v += static_cast<const float*>(p.bias)[j0 + j];
         c[idx] = static_cast<float>(v);
       } else {
         std::uint16_t* c = static_cast<std::uint16_t*>(p.c);
-        if (beta != 0.0) v = p.k == 0 ? beta * bf16_to_float(c[idx]) : v + beta * bf16_to_float(c[idx]);
+        const std::uint16_t* old = static_cast<const std::uint16_t*>(c_old);
+        if (beta != 0.0) v = p.k == 0 ? beta * bf16_to_float(old[idx]) : v + beta * bf16_to_float(old[idx]);
         if (p.bias) v += bf16_to_float(static_cast<const std::uint16_t*>(p.bias)[j0 + j]);
         c[idx] = float_to_bf16(static_cast<float>(v));
       }

@@ -281,6 +281,39 @@ TEST(Gemm, BetaZeroNeverReadsC) {
   }
 }
 
+TEST(Gemm, AddendStandsInForTheOldOutput) {
+  // out = alpha·product + beta·addend: the addend read where out's old contents would be, out never read (poisoned
+  // here); the addend may be out itself; beta = 0 never reads it either; K = 0 gives beta·addend.
+  const Context ctx = Context::cpu();
+  std::uint64_t seed = 2500;
+  for (Op op : kAllOps) {
+    for (const Dims& d : {Dims{63, 65, 47, 2, 2}, Dims{1, 7, 1000, 1, 1}, Dims{5, 6, 0, 2, 1}}) {
+      const Layout l = layout(op, d);
+      for (DTypes t : kDTypeCombos) {
+        for (GemmOptions o : {GemmOptions{1.0f, 1.0f, MathMode::FP32}, GemmOptions{0.5f, -2.0f, MathMode::TF32},
+                              GemmOptions{1.5f, 0.0f, MathMode::BF16}}) {
+          const Tensor x = test::random_tensor(t.in, l.x, ++seed);
+          const Tensor y = test::random_tensor(t.in, l.y, ++seed);
+          Tensor addend = test::random_tensor(t.out, l.out, ++seed);
+          if (o.beta == 0.0f) test::poison(addend);
+          const Tensor before = test::host_copy(addend);
+          Tensor c(t.out, l.out);
+          test::poison(c);
+          o.addend = addend;
+          call(op, ctx, x, y, c, o);
+          const Tensor want = naive(op, d, x, y, addend, o);
+          EXPECT_TRUE(test::all_close(c, want, same_operands(t.out))) << describe(op, d, t, o);
+          EXPECT_TRUE(test::bytes_equal(addend, before)) << describe(op, d, t, o) << ": the addend changed";
+          Tensor in_place = test::host_copy(before);  // the addend as out itself: the same as no addend
+          o.addend = in_place;
+          call(op, ctx, x, y, in_place, o);
+          EXPECT_TRUE(test::bytes_equal(in_place, c)) << describe(op, d, t, o) << ": in place";
+        }
+      }
+    }
+  }
+}
+
 // ---- the math modes really are different ------------------------------------------------------------------------
 TEST(Gemm, MathModesRoundOperandsAsSpecified) {
   // One row times one column, exact in fp32: the result shows how each operand was rounded.
@@ -529,6 +562,30 @@ TEST(Gemm, EveryValidationPathThrowsAndLeavesOutputUnchanged) {
     const TensorView out_on_y(big_y.data(), DType::F32, l.out);                // starts where yo starts
     expect_rejected(what + " overlap x", big_x, run(xo, y, out_on_x), invalid, {nm.op, nm.out, nm.x, "overlap"});
     expect_rejected(what + " overlap y", big_y, run(x, yo, out_on_y), invalid, {nm.op, nm.out, nm.y, "overlap"});
+
+    // The addend: out's shape and dtype, on the context's device, out itself or apart from it.
+    const auto with_addend = [](const TensorView& a) {
+      GemmOptions o;
+      o.beta = 1.0f;
+      o.addend = a;
+      return o;
+    };
+    const Tensor add_shape = test::random_tensor(DType::F32, layout(op, {d.m, d.n + 1, d.k, d.batch, d.heads}).out, 12);
+    const Tensor add_bf16 = test::random_tensor(DType::BF16, l.out, 13);
+    Tensor big_out = test::random_tensor(DType::F32, {l.out.numel() + 1}, 14);
+    const TensorView out_in_big(big_out.data(), DType::F32, l.out);
+    const TensorView add_on_out(big_out.data_as<float>() + 1, DType::F32, l.out);  // partial overlap with out
+    const TensorView add_gpu(add_bf16.data(), DType::F32, l.out, Device::cuda(0));
+    expect_rejected(what + " addend shape", out, run(x, y, out, with_addend(add_shape)), shape,
+                    {nm.op, "addend", l.out.str()});
+    expect_rejected(what + " addend dtype", out, run(x, y, out, with_addend(add_bf16)), dtype,
+                    {nm.op, "addend", "bf16"});
+    expect_rejected(what + " addend overlap", big_out, run(x, y, out_in_big, with_addend(add_on_out)), invalid,
+                    {nm.op, "addend", nm.out, "overlap"});
+    expect_rejected(what + " addend device", out, run(x, y, out, with_addend(add_gpu)), device,
+                    {nm.op, "addend", "cuda:0"});
+    expect_rejected(what + " addend null", out, run(x, y, out, with_addend(TensorView(nullptr, DType::F32, l.out))),
+                    invalid, {nm.op, "addend", "null"});
 
     // Scalars and mode.
     expect_rejected(what + " alpha inf", out, run(x, y, out, {inf, 0, MathMode::FP32}), invalid, {nm.op, "alpha"});

@@ -299,6 +299,7 @@ TEST(GpuGemm, EmptyInnerDimensionScalesC) {
 }
 
 // ---- views that do not start on a 16-byte boundary ----------------------------------------------------------------
+
 // A device view of `src`'s values starting `offset_elems` elements into a larger allocation.
 struct OffsetView {
   Tensor storage;
@@ -311,6 +312,37 @@ OffsetView offset_copy(const Tensor& src, std::int64_t offset_elems) {
   o.view = TensorView(base, src.dtype(), src.shape(), gpu_device());
   copy(o.view, src);
   return o;
+}
+
+// An addend read in place of out's old contents (a residual in the GEMM's epilogue): out poisoned, the addend
+// unchanged, every variant, against the CPU oracle run in place on the addend's values; K = 0 and an addend one
+// element off a 16-byte boundary too.
+TEST(GpuGemm, AddendStandsInForTheOldOutput) {
+  QMM_REQUIRE_GPU();
+  Context& gpu = *test::gpu_context();
+  const Context cpu = Context::cpu();
+  std::uint64_t seed = 71;
+  for (Op op : kAllOps)
+    for (const Mode& mode : {kModes[0], kModes[3], kModes[4]})
+      for (const Dims d : {Dims{65, 63, 1000}, Dims{1, 1000, 16}, Dims{7, 65, 0}})
+        for (const std::int64_t offset : {0, 1}) {
+          const Shapes s = shapes_of(op, d);
+          const Tensor x = test::random_tensor(mode.ab, s.x, ++seed), y = test::random_tensor(mode.ab, s.y, ++seed);
+          const Tensor addend = test::random_tensor(mode.c, s.out, ++seed);
+          const GemmOptions plain{0.5f, 1.0f, mode.math};
+          Tensor ref = test::host_copy(addend);
+          run_op(cpu, op, x, y, ref, plain);
+          const OffsetView add = offset_copy(addend, offset);
+          Tensor c(mode.c, s.out, gpu.device());
+          test::poison(c);
+          GemmOptions opts = plain;
+          opts.addend = add.view;
+          run_op(gpu, op, to_device(x, gpu.device()), to_device(y, gpu.device()), c, opts);
+          gpu.synchronize();
+          const std::string what = case_text(op, d, mode, 0.5f, 1.0f) + " addend offset " + std::to_string(offset);
+          EXPECT_TRUE(test::all_close(test::host_copy(c), ref, d.k == 0 ? kExact : tolerance_for(mode, d.k))) << what;
+          EXPECT_TRUE(test::bytes_equal(test::host_copy(add.view), addend)) << what << ": the addend changed";
+        }
 }
 
 TEST(GpuGemm, UnalignedViews) {

@@ -259,11 +259,12 @@ void launch_scale_c(const CudaState& st, const GemmProblem& p) {
   const unsigned grid =
       static_cast<unsigned>(std::max<std::int64_t>(1, std::min((total + kThreads - 1) / kThreads, cap)));
   if (p.c_dtype == DType::F32) {
-    scale_c_kernel<float><<<grid, kThreads, 0, st.stream>>>(static_cast<float*>(p.c), per, p.stride_c, total,
-                                                            p.beta);
+    scale_c_kernel<float><<<grid, kThreads, 0, st.stream>>>(static_cast<const float*>(p.c_in ? p.c_in : p.c),
+                                                            static_cast<float*>(p.c), per, p.stride_c, total, p.beta);
   } else {
-    scale_c_kernel<std::uint16_t><<<grid, kThreads, 0, st.stream>>>(static_cast<std::uint16_t*>(p.c), per,
-                                                                    p.stride_c, total, p.beta);
+    scale_c_kernel<std::uint16_t>
+        <<<grid, kThreads, 0, st.stream>>>(static_cast<const std::uint16_t*>(p.c_in ? p.c_in : p.c),
+                                           static_cast<std::uint16_t*>(p.c), per, p.stride_c, total, p.beta);
   }
   QMM_CUDA_CHECK_LAUNCH("scale_c_kernel");
 }
@@ -308,6 +309,7 @@ void gemm(const Context& ctx, const GemmProblem& p) {
     al.b = alignment_class(p.b, p.batch, p.stride_b, ab_elem);
   }
   al.c = alignment_class(p.c, p.batch, p.stride_c, c_elem);
+  if (p.c_in) al.c = std::min(al.c, alignment_class(p.c_in, p.batch, p.stride_c, c_elem));
   // A row pitch moves every row start: the alignment is also the pitch's (a dense matrix's rows are its own).
   const auto pitched = [](std::uint32_t a, std::int64_t pitch, std::size_t elem) {
     return pitch ? std::min(a, alignment_class(nullptr, 2, pitch, elem)) : a;
@@ -337,14 +339,15 @@ void gemm(const Context& ctx, const GemmProblem& p) {
     a = a16;
     b = b16;
   }
-  // cuBLASLt's A is our B and its B our A (see the top). beta == 0: cuBLASLt does not read C.
+  // cuBLASLt's A is our B and its B our A (see the top). beta == 0: cuBLASLt does not read C (the addend where
+  // given; D is always p.c).
   std::lock_guard<std::mutex> lock(st.lt_mutex);
   if (p.bias)
     QMM_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof(p.bias)));
-  QMM_CUBLAS_CHECK(cublasLtMatmul(st.lt, plan->desc, &alpha, b, plan->lt_a, a, plan->lt_b, &beta, p.c, plan->lt_c, p.c,
-                                  plan->lt_c, &plan->algo, plan->workspace_bytes ? st.workspace : nullptr,
-                                  plan->workspace_bytes, st.stream));
+  QMM_CUBLAS_CHECK(cublasLtMatmul(st.lt, plan->desc, &alpha, b, plan->lt_a, a, plan->lt_b, &beta, p.c_in ? p.c_in : p.c,
+                                  plan->lt_c, p.c, plan->lt_c, &plan->algo,
+                                  plan->workspace_bytes ? st.workspace : nullptr, plan->workspace_bytes, st.stream));
 }
 
 }  // namespace qmm::cuda

@@ -91,12 +91,12 @@ __device__ __forceinline__ void store_c(std::uint16_t* p, float v) {
 }
 
 template <class T>
-__global__ void scale_c_kernel(T* c, std::int64_t per_batch, std::int64_t stride_c, std::int64_t total,
+__global__ void scale_c_kernel(const T* c_in, T* c, std::int64_t per_batch, std::int64_t stride_c, std::int64_t total,
                                float beta) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    T* p = c + (i / per_batch) * stride_c + (i % per_batch);
-    store_c(p, beta == 0.0f ? 0.0f : beta * load_c(p));
+    const std::int64_t at = (i / per_batch) * stride_c + (i % per_batch);
+    store_c(c + at, beta == 0.0f ? 0.0f : beta * load_c(c_in + at));
   }
 }
 
