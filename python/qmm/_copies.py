@@ -212,7 +212,8 @@ def get(pairs, dtype, stacked):
     token = _token(device)
     if token is _FOREIGN:
         return None
-    key = (stacked, dtype, *(id(m) for p in pairs for m in (p if p is not None else (None, None))))
+    # The device is part of the key: Module.to() moves a parameter (the same object) to another device.
+    key = (stacked, dtype, device, *(id(m) for p in pairs for m in (p if p is not None else (None, None))))
     e = _entries.get(key)
     if e is None or e.pairs() is None:
         e = _entries[key] = _Entry(key, pairs, stacked, dtype, device)
