@@ -80,19 +80,20 @@ def _working(loras, dtype, cached):
 def linear_forward(x, w, bias, lora, path, cached=False, residual=None):
     """y = x @ dequant(W)^T (+ bias) (+ the adapter) (+ residual), the NF4 product and the adapter's casts and
     products in one binding call. The bias is written first and the NF4 product accumulates onto it (beta = 1): one
-    rounding of base + bias, as a linear layer's bias epilogue. A residual (y's shape and x's dtype; no bias) rides
-    in the adapter's second product as its GEMM's addend (copied into y first where there is no adapter). Returns
+    rounding of base + bias, as a linear layer's bias epilogue. A residual (y's shape and x's dtype) rides in the
+    adapter's second product as its GEMM's addend (written into y first where there is no adapter or a bias). Returns
     y and the adapter's saved tensors (None without one). cached: the adapter's working copies come from _copies
     (one cast a forward), not from this call."""
     n, k = w.shape
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if bias is not None:
         y.copy_(bias.to(x.dtype).expand_as(y))
-    if residual is not None and lora is None:
-        y.copy_(residual)
+    before = residual is not None and (lora is None or bias is not None)  # written into y, not the addend
+    if before:
+        y.add_(residual) if bias is not None else y.copy_(residual)
     op = "lora_nf4_linear"
     x2, y2 = _rows(op, "x", x, k), y.view(-1, n)
-    beta = 0.0 if bias is None and (residual is None or lora is not None) else 1.0
+    beta = 1.0 if bias is not None or before else 0.0
     if lora is None:
         _call(_qmm.lora_nf4_linear_forward, x2, x2, w._native, y2, beta, path, None, None, None, None, None, None,
               1.0)
@@ -108,7 +109,7 @@ def linear_forward(x, w, bias, lora, path, cached=False, residual=None):
                                                                                     device=x.device)))
     t = torch.empty((x2.shape[0], a.shape[0]), dtype=x.dtype, device=x.device)
     _call(_qmm.lora_nf4_linear_forward, x2, x2, w._native, y2, beta, path, xd2, a, b, a_w, b_w, t, float(scale),
-          None if residual is None else _flat(residual))
+          None if residual is None or before else _flat(residual))
     return y, (x2 if xd2 is None else xd2, t, a if a_w is None else a_w, b if b_w is None else b_w)
 
 

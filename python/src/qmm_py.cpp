@@ -648,10 +648,12 @@ NB_MODULE(_qmm, m) {
             fail(qmm::ErrorCode::InvalidArgument, op, "a residual needs an adapter and beta 0");
           require_matrix(op, "y", yv, xv.dim(0), wv.rows, xv.dtype(), xv.device());
           require_matrix(op, "residual", rv, xv.dim(0), wv.rows, xv.dtype(), xv.device());
-          if (wv.cols != xv.dim(1) || wv.device() != xv.device())
+          if (wv.cols != xv.dim(1))
             fail(qmm::ErrorCode::ShapeMismatch, op,
-                 "w is [" + std::to_string(wv.rows) + ", " + std::to_string(wv.cols) + "] on " + wv.device().str() +
-                     " for x " + xv.shape().str() + " on " + xv.device().str());
+                 "w is [" + std::to_string(wv.rows) + ", " + std::to_string(wv.cols) + "] for x " + xv.shape().str());
+          if (wv.device() != xv.device())
+            fail(qmm::ErrorCode::DeviceMismatch, op,
+                 "w is on " + wv.device().str() + " but x is on " + xv.device().str());
         }
         const qmm::Context ctx = context_for(xv, stream);
         run([&] {
