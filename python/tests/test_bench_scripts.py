@@ -37,13 +37,16 @@ def rows(table_text):
 
 
 def test_train_step_tiny_runs_and_compares_with_bnb():
-    """bench/train_step.py: every variant asked for runs (none skipped), each worker's end is reported as it comes,
-    and the patched variants' losses and gradients are compared with bnb's."""
+    """bench/train_step.py: every variant asked for runs (none skipped) and reports its pipelined step time too, each
+    worker's end is reported as it comes, and the patched variants' losses and gradients are compared with bnb's."""
     out, err = run_script("train_step.py", "--variants", "bnb,qmm,qmm-all", "--steps", "2", "--warmup", "1")
     table = rows(out)
     assert set(table) == {"bnb", "qmm", "qmm-all"}, out
+    header = next(line for line in out.splitlines() if line.startswith("| variant"))
+    pipelined = [c.strip() for c in header.strip().strip("|").split("|")].index("pipelined ms") - 1
     for variant, cells in table.items():
         assert not cells[0].startswith("skipped"), (variant, cells)
+        assert float(cells[pipelined]) > 0, (variant, cells)
         assert re.search(rf"tiny {variant}: exit 0 after \d+ s", err), err
     for variant in ("qmm", "qmm-all"):
         assert table[variant][-3] != "-", table[variant]  # the LoRA gradients against bnb's
