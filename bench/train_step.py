@@ -14,6 +14,9 @@
                    backward as CUDA graphs; AdamW stays eager)
   liger        Liger-Kernel's patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) on bnb + PEFT
   unsloth      Unsloth's FastLanguageModel in 4-bit with its LoRA
+  fp32-ref     the bnb model's NF4 weights dequantized into float32 layers, the whole model, its activations and
+               adapters in float32: the reference every variant's LoRA gradients and losses are also compared with
+               (how far each is from the exact step of the same 4-bit weights; its time is not a target)
 
 Models are built from real configs (random weights, no hub): saved once with a tokenizer beside them, then loaded
 by each variant in its own process (from_pretrained, with BitsAndBytesConfig for the 4-bit ones). LoRA r 16, alpha
@@ -58,7 +61,7 @@ MODELS = {  # name: (config class, config, batch, sequence length)
              "tiny Llama (a check of the script)"),
 }
 VARIANTS = ["bf16", "bnb", "qmm", "qmm-compile", "qmm-all", "qmm-all-compile", "qmm-all-graph",
-            "qmm-all-reduce-overhead", "liger", "unsloth"]
+            "qmm-all-reduce-overhead", "liger", "unsloth", "fp32-ref"]
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 16, 32
 
@@ -155,6 +158,12 @@ def table(model_label, results):
                      f"{peak} | {r['device_used_gib']:.2f} | {r.get('kernels_per_step', '-')} | "
                      f"{r.get('kernels_per_layer', '-')} | "
                      f"{r.get('gpu_busy_ms', '-')} | {grads} | {loss_diff} | {r['first_step_s']:.1f} |")
+    exact = [r for r in results if "grad_rel_max_vs_fp32" in r]
+    if exact:
+        lines += ["", "Against fp32-ref (the same 4-bit weights, everything else in float32): LoRA gradients of step "
+                      "0, relative difference max / median; max loss difference:"]
+        lines += [f"- {r['variant']}: {r['grad_rel_max_vs_fp32']:.3f} / {r['grad_rel_median_vs_fp32']:.3f}; "
+                  f"{r['loss_diff_vs_fp32']:.2e}" for r in exact]
     kinds = [r for r in results if r.get("gpu_ms_by_kind")]
     if kinds:
         lines += ["", "GPU time by kind, ms a step:"]
@@ -200,9 +209,13 @@ def parent(args):
           f"{'' if args.nf4_path == 'auto' else ', qmm NF4 path ' + args.nf4_path}")
     for model, results in run_models(args, run_variant):
         reference = next((r for r in results if r["variant"] == "bnb" and "skipped" not in r), None)
+        exact = next((r for r in results if r["variant"] == "fp32-ref" and "skipped" not in r), None)
         for r in results:
             if reference and "skipped" not in r and r is not reference:
                 r.update(compare_grads(r, reference))
+            if exact and "skipped" not in r and r is not exact:
+                r.update({k + "_vs_fp32": v for k, v in compare_grads(r, exact).items()})
+                r["loss_diff_vs_fp32"] = max(abs(a - b) for a, b in zip(r["losses"], exact["losses"]))
         for r in results:
             r.pop("grads", None)
         report["models"][model] = results
@@ -227,6 +240,8 @@ def load(variant, folder, args):
         return FastLanguageModel.get_peft_model(
             model, r=RANK, lora_alpha=ALPHA, lora_dropout=0, bias="none", target_modules=PROJECTIONS,
             use_gradient_checkpointing="unsloth" if args.checkpointing else False)
+    if variant == "fp32-ref":
+        return fp32_reference(folder, quant, args)
     if variant == "liger":
         import liger_kernel.transformers as liger
         {"llama": liger.apply_liger_kernel_to_llama, "tiny": liger.apply_liger_kernel_to_llama,
@@ -247,6 +262,29 @@ def load(variant, folder, args):
         qmm.patch_bnb(model, path=args.nf4_path, fused_loss=everything, fused_norm=everything,
                       fused_rope=everything)
     return model
+
+
+def fp32_reference(folder, quant, args):
+    """The model in float32 with each projection's weight the 4-bit model's NF4 weight dequantized, and PEFT's LoRA in
+    float32: the exact step of the 4-bit weights, up to fp32 rounding."""
+    import bitsandbytes
+    import peft
+    import torch
+    import transformers
+
+    four_bit = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, torch_dtype=torch.bfloat16, device_map={"": args.device}, quantization_config=quant)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32,
+                                                              device_map={"": args.device})
+    dense = dict(model.named_modules())
+    with torch.no_grad():
+        for name, module in four_bit.named_modules():
+            if isinstance(module, bitsandbytes.nn.Linear4bit):
+                w = bitsandbytes.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+                dense[name].weight.copy_(w.float())
+    del four_bit
+    return peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                      target_modules=PROJECTIONS, task_type="CAUSAL_LM"))
 
 
 def lora_params(model):

@@ -52,6 +52,17 @@ def test_train_step_tiny_runs_and_compares_with_bnb():
         assert table[variant][-3] != "-", table[variant]  # the LoRA gradients against bnb's
 
 
+def test_train_step_compares_with_the_fp32_reference():
+    """The fp32-ref variant (the 4-bit weights dequantized, everything else float32) runs, and the other variants'
+    LoRA gradients and losses are compared with its: bnb's within a bf16 step's distance of the exact one."""
+    out, _ = run_script("train_step.py", "--variants", "bnb,fp32-ref", "--steps", "1", "--warmup", "1")
+    assert set(rows(out)) == {"bnb", "fp32-ref"}, out
+    found = re.search(r"^- bnb: ([\d.]+) / ([\d.]+); ([\d.e+-]+)$", out, re.MULTILINE)
+    assert found, out[-2000:]
+    grad_max, grad_median, loss = (float(v) for v in found.groups())
+    assert 0 < grad_median <= grad_max < 0.2 and 0 <= loss < 1e-2, found.group(0)
+
+
 def test_train_step_counts_a_layer():
     """--per-layer: a profiled step with and without the last decoder layer, the difference in the table (on the
     CPU, CPU events: a check of the script)."""
