@@ -89,8 +89,10 @@ def linear_forward(x, w, bias, lora, path, cached=False, residual=None):
     if bias is not None:
         y.copy_(bias.to(x.dtype).expand_as(y))
     before = residual is not None and (lora is None or bias is not None)  # written into y, not the addend
-    if before:
-        y.add_(residual) if bias is not None else y.copy_(residual)
+    if before and bias is not None:
+        y.add_(residual)
+    elif before:
+        y.copy_(residual)
     op = "lora_nf4_linear"
     x2, y2 = _rows(op, "x", x, k), y.view(-1, n)
     beta = 1.0 if bias is not None or before else 0.0
