@@ -10,12 +10,13 @@ and the graph's first kernel and the graph's span. "own exec" instantiates the c
 """
 import argparse
 import ctypes
-import json
 import statistics
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+import train_step  # write_report
 
 
 def cudart():
@@ -132,10 +133,8 @@ def main():
                 print(r, flush=True)
                 results.append(r)
                 del g, keep
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f,
-                      indent=1)
+    train_step.write_report({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                             "results": results}, args.json)
 
 
 if __name__ == "__main__":

@@ -657,24 +657,18 @@ NB_MODULE(_qmm, m) {
         }
         const qmm::Context ctx = context_for(xv, stream);
         run([&] {
-          if (!rv.empty()) {  // y = residual + scale·t·bᵀ, then y += x·dequant(w)ᵀ
-            std::vector<qmm::TensorView> from, to;
-            if (!ad.a_w.empty()) from.push_back(ad.a), to.push_back(ad.a_w);
-            if (!ad.b_w.empty()) from.push_back(ad.b), to.push_back(ad.b_w);
-            qmm::cast(ctx, from, to);
-            qmm::gemm_bt(ctx, ad.xd.empty() ? xv : ad.xd, ad.a_used(), ad.t);
-            qmm::gemm_bt(ctx, ad.t, ad.b_used(), yv, {ad.scale, 1.0f, qmm::MathMode::FP32, rv});
-            qmm::nf4_gemm(ctx, xv, wv, yv, nf4_options(1.0f, 1.0f, path, op));
-            return;
-          }
-          qmm::nf4_gemm(ctx, xv, wv, yv, opts);  // checks w against x and y before anything is written
+          // Without a residual the NF4 product comes first (it checks w against x and y before anything is
+          // written) and the adapter's term is added onto it; with one, y = residual + term (the residual as the
+          // term's GEMM's addend), then the NF4 product is added.
+          if (rv.empty()) qmm::nf4_gemm(ctx, xv, wv, yv, opts);
           if (!adapter) return;
           std::vector<qmm::TensorView> from, to;  // the working copies in one launch
           if (!ad.a_w.empty()) from.push_back(ad.a), to.push_back(ad.a_w);
           if (!ad.b_w.empty()) from.push_back(ad.b), to.push_back(ad.b_w);
           qmm::cast(ctx, from, to);
           qmm::gemm_bt(ctx, ad.xd.empty() ? xv : ad.xd, ad.a_used(), ad.t);
-          qmm::gemm_bt(ctx, ad.t, ad.b_used(), yv, {ad.scale, 1.0f});
+          qmm::gemm_bt(ctx, ad.t, ad.b_used(), yv, {ad.scale, 1.0f, qmm::MathMode::FP32, rv});
+          if (!rv.empty()) qmm::nf4_gemm(ctx, xv, wv, yv, nf4_options(1.0f, 1.0f, path, op));
         });
       },
       nb::arg("x"), nb::arg("w"), nb::arg("y"), nb::arg("beta"), nb::arg("path"), nb::arg("xd").none(),
