@@ -209,20 +209,6 @@ def _grouped_forward(x, ws, biases, loras, path, cached):
     return ys, _grouped_saved(x2, stacking)
 
 
-def _adapters_backward(dys, saved, scales, dx, wants):
-    """lora_adapters' gradients for the Grouped saved tensors of a gate/up pair: dt, every grad_b, grad_a (one GEMM
-    over both) and dx += dt @ a_all; returns (da, db) per adapter (None where none or not wanted)."""
-    x2, t, a_all, *bs = saved
-    dev = t.device
-    dt = torch.empty(t.shape, dtype=t.dtype, device=dev)
-    want_a = any(want[0] for want, b in zip(wants, bs) if b is not None)
-    grad_a = torch.empty(a_all.shape, dtype=torch.float32, device=dev) if want_a else None
-    grad_bs = [None if b is None else torch.empty(b.shape, dtype=torch.float32, device=dev) for b in bs]
-    _call(_qmm.lora_adapters_backward, x2, x2, list(dys), bs, [float(s) for s in scales], grad_bs, a_all, t, dt,
-          grad_a, None if dx is None else _flat(dx), 1.0)
-    return [g for pair in _per_adapter(bs, grad_a, grad_bs, wants, [False] * len(bs)) for g in pair]
-
-
 def _per_adapter(bs, grad_a, grad_bs, wants, skip):
     """Each adapter's (da, db) from the stacked grad_a (its rows, in order) and its grad_b; (None, None) without an
     adapter, None where not wanted (wants: (want_da, want_db) each) or skipped."""
@@ -370,13 +356,10 @@ def swiglu_backward(dh, gate, up, w_gate, w_up, path, saved, scales, dropped, xd
     else:  # gate and up hold the base products only: the kernel adds the terms again
         dgate, dup = (d.view(gate.shape) for d in _swiglu_backward(_flat(gate), _flat(up), _flat(dh), adapters=terms,
                                                                      dh_term=dh_term, h=h))
-    if isinstance(saved, Grouped):
-        dx = None
-        if want_dx:
-            dx = nf4_gemm_backward_a(dgate, w_gate, path=path)
-            nf4_gemm_backward_a(dup, w_up, out=dx, beta=1.0, path=path)
-        da_g, db_g, da_u, db_u = _adapters_backward((_flat(dgate), _flat(dup)), saved, scales, dx,
-                                                    (want[3:5], want[5:7]))
+    if isinstance(saved, Grouped):  # dx's two NF4 products (both weights dequantized at once) and the adapters'
+        dx, ((_, da_g, db_g), (_, da_u, db_u)) = _grouped_backward(
+            (dgate, dup), (w_gate, w_up), path, saved, scales, xd_shape, ((False, *want[3:5]), (False, *want[5:7])),
+            want_dx)
         return dx, None, None, da_g, db_g, da_u, db_u
     dts, grads = [], []
     for d, s, scale, (want_a, want_b) in zip((dgate, dup), saved, scales, (want[3:5], want[5:7])):

@@ -790,31 +790,6 @@ NB_MODULE(_qmm, m) {
       "y_i += scale_i * t_i @ b_i^T, t = x @ a_all^T (a_all: every a cast and stacked; b_w: b's working copy where "
       "given); without second_products only the casts and t (ys give the shapes; swiglu's adapters add the terms)");
   m.def(
-      "lora_adapters_backward",
-      [](const In& x, const std::vector<nb::object>& dys, const std::vector<nb::object>& bs,
-         const std::vector<float>& scales, const std::vector<nb::object>& grad_bs, const In& a_all, const In& t,
-         const Out& dt, const nb::object& grad_a, const nb::object& dx, float dx_beta, std::uintptr_t stream) {
-        const char* op = "lora_adapters_backward";
-        const std::size_t n = dys.size();
-        if (bs.size() != n || scales.size() != n || grad_bs.size() != n)
-          fail(qmm::ErrorCode::InvalidArgument, op, "every per-adapter list must have one entry per adapter");
-        const qmm::TensorView xv = view_of(x, op, "x");
-        std::vector<qmm::LoraTermGrad> terms;
-        for (std::size_t i = 0; i < n; ++i)
-          if (!bs[i].is_none())
-            terms.push_back({view_or_empty<In>(dys[i], op, "dy"), view_or_empty<In>(bs[i], op, "b"), scales[i],
-                             view_or_empty<Out>(grad_bs[i], op, "grad_b")});
-        const qmm::TensorView av = view_of(a_all, op, "a_all"), tv = view_of(t, op, "t"), dtv = view_of(dt, op, "dt"),
-                              gav = view_or_empty<Out>(grad_a, op, "grad_a"), dxv = view_or_empty<Out>(dx, op, "dx");
-        const qmm::Context ctx = context_for(xv, stream);
-        run([&] { qmm::lora_adapters_backward(ctx, xv, terms, av, tv, dtv, gav, dxv, dx_beta); });
-      },
-      nb::arg("x"), nb::arg("dys"), nb::arg("bs"), nb::arg("scales"), nb::arg("grad_bs"), nb::arg("a_all"),
-      nb::arg("t"), nb::arg("dt"), nb::arg("grad_a").none(), nb::arg("dx").none(), nb::arg("dx_beta"),
-      nb::arg("stream") = 0,
-      "lora_adapters' gradients: dt, grad_b_i, grad_a = dt^T @ x, dx = dt @ a_all + dx_beta * dx (entries of b None: "
-      "no adapter there)");
-  m.def(
       "lora_nf4_linears_backward",
       [](const In& x, const std::vector<const Nf4Handle*>& ws, const std::vector<nb::object>& dys,
          const std::vector<nb::object>& bs, const std::vector<float>& scales, const std::vector<nb::object>& grad_bs,

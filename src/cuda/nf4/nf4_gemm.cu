@@ -333,10 +333,11 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   const std::size_t mn = static_cast<std::size_t>(M * N);
   ScratchPlan scratch;
   const std::size_t a_at = a.dtype() == DType::F32 ? scratch.reserve(static_cast<std::size_t>(M * K) * 2) : 0;
-  // One bf16 weight region, reused for the up weight after the gate GEMM (stream order makes that safe); none
-  // on the fused path.
-  const std::size_t w_at =
-      fused ? 0 : scratch.reserve(static_cast<std::size_t>(std::max(w_gate.numel(), w_up.numel())) * 2);
+  // Where both products are wanted, both bf16 weights in one region, dequantized by one launch; else the one
+  // wanted. None on the fused path.
+  const bool want_g = want_h || !out.gate.empty(), want_u = want_h || !out.up.empty(), both = want_g && want_u;
+  const std::int64_t w_elems = both ? w_gate.numel() + w_up.numel() : want_g ? w_gate.numel() : w_up.numel();
+  const std::size_t w_at = fused ? 0 : scratch.reserve(static_cast<std::size_t>(w_elems) * 2);
   const std::size_t g_at = g_tmp ? scratch.reserve(mn * 4) : 0;
   const std::size_t u_at = u_tmp ? scratch.reserve(mn * 4) : 0;
   scratch.commit(ctx);
@@ -345,15 +346,19 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
   const TensorView g_dst = g_tmp ? TensorView(scratch.at<void>(g_at), DType::F32, {M, N}, dev) : out.gate;
   const TensorView u_dst = u_tmp ? TensorView(scratch.at<void>(u_at), DType::F32, {M, N}, dev) : out.up;
   const void* a16 = bf16_operand(ctx, a, scratch, a_at);
-  auto project = [&](const Nf4Weight& w, const TensorView& dst) {
+  auto* w16 = fused ? nullptr : scratch.at<__nv_bfloat16>(w_at);
+  if (!fused && both) {
+    const Nf4Weight ws[2] = {w_gate, w_up};
+    nf4_dequantize_many(ctx, ws, w16);
+  }
+  auto project = [&](const Nf4Weight& w, const TensorView& dst, const __nv_bfloat16* w_bf16) {
     if (dst.empty()) return;
     if (fused) return launch_nf4_gemm_fused(ctx, plan, a16, M, w, dst, opts.alpha, opts.beta);
-    void* w16 = scratch.at<void>(w_at);
-    dequantize_bf16(ctx, w, w16);
-    bf16_gemm(ctx, a16, w16, true, dst, M, N, K, opts.alpha, opts.beta);
+    if (!both) dequantize_bf16(ctx, w, w16);
+    bf16_gemm(ctx, a16, w_bf16, true, dst, M, N, K, opts.alpha, opts.beta);
   };
-  project(w_gate, g_dst);
-  project(w_up, u_dst);
+  project(w_gate, g_dst, w16);
+  project(w_up, u_dst, both ? w16 + w_gate.numel() : w16);
   if (!want_h) return;
 
   auto bf16_out = [](const TensorView& v) {
