@@ -10,6 +10,8 @@
   qmm-all-compile  the same, compiled
   qmm-all-graph    qmm-all with the whole step (forward, backward, AdamW) replayed as one CUDA graph
                    (qmm.graph_step; AdamW fused and capturable)
+  qmm-all-graph3   the same captured as three graphs replayed in turn (graph_step's pieces=3: the first small, so
+                   that the GPU starts before the host has launched the whole step)
   qmm-all-reduce-overhead  qmm-all compiled with mode="reduce-overhead" (PyTorch replays the compiled forward and
                    backward as CUDA graphs; AdamW stays eager)
   liger        Liger-Kernel's patches (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) on bnb + PEFT
@@ -60,8 +62,9 @@ MODELS = {  # name: (config class, config, batch, sequence length)
                                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256), 2, 64,
              "tiny Llama (a check of the script)"),
 }
-VARIANTS = ["bf16", "bnb", "qmm", "qmm-compile", "qmm-all", "qmm-all-compile", "qmm-all-graph",
+VARIANTS = ["bf16", "bnb", "qmm", "qmm-compile", "qmm-all", "qmm-all-compile", "qmm-all-graph", "qmm-all-graph3",
             "qmm-all-reduce-overhead", "liger", "unsloth", "fp32-ref"]
+GRAPH_PIECES = {"qmm-all-graph": 1, "qmm-all-graph3": 3}  # the variants that replay graph_step's graphs
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 16, 32
 
@@ -401,7 +404,7 @@ def worker(args):
     model = load(args.worker, args.model_dir, args).train()
     params = lora_params(model)
     init_adapters(params)
-    graphed = args.worker.endswith("-graph")
+    graphed = args.worker in GRAPH_PIECES
     # On a GPU PyTorch's fused AdamW (transformers' Trainer's default optimizer): one kernel for every adapter,
     # where the capturable multi-tensor one would replay a few small kernels per tensor.
     opt = torch.optim.AdamW(list(params.values()), lr=1e-4, fused=device == "cuda",
@@ -423,7 +426,8 @@ def worker(args):
     run = train_step
     if graphed:
         import qmm
-        run = qmm.graph_step(train_step, warmup=1)  # step 0 below is eager too: the optimizer has its state
+        # step 0 below is eager too: the optimizer has its state
+        run = qmm.graph_step(train_step, warmup=1, pieces=GRAPH_PIECES[args.worker])
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -524,7 +528,7 @@ def main():
         ap.error("--models takes qwen and llama (or --tiny)")
     if args.steps < 1 or args.warmup < 1:
         ap.error("--steps and --warmup must be at least 1")
-    if "qmm-all-graph" in args.variants.split(",") and args.warmup < 3:
+    if set(GRAPH_PIECES) & set(args.variants.split(",")) and args.warmup < 3:
         ap.error("--warmup must be at least 3 with qmm-all-graph (step 1 warms it up, step 2 captures its graph)")
     parent(args)
 

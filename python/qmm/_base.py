@@ -27,6 +27,11 @@ def _capsule(a):
     return a
 
 
+# Called before every qmm op on a GPU where set: qmm.graph_step counts the step's calls with it and cuts its capture
+# into several graphs between them.
+_on_cuda_call = None
+
+
 def _call(fn, like, *args, **kwargs):
     """Runs a `_qmm` op for tensors on like's device: on a GPU in PyTorch's current stream there, with that GPU
     current for the call only (qmm makes its context's GPU current; PyTorch's choice is restored after). Tensors,
@@ -35,6 +40,8 @@ def _call(fn, like, *args, **kwargs):
     args = [_capsule(a) for a in args]
     if not like.is_cuda:
         return fn(*args, **kwargs, stream=0)
+    if _on_cuda_call is not None:
+        _on_cuda_call()
     index = like.device.index
     if _raw_stream is not None and _current_device is not None:
         stream, current = _raw_stream(index), _current_device()
