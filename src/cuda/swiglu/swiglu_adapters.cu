@@ -19,6 +19,7 @@
 #include "cuda/common/cuda_state.h"
 #include "cuda/common/elem.cuh"
 #include "cuda/common/sm80_ptx.cuh"
+#include "cuda/common/waves.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/swiglu/swiglu.cuh"
 
@@ -313,13 +314,11 @@ template <int K, int KD, bool kBackward>
 void launch_mma(const Context& ctx, Args<__nv_bfloat16> p) {
   const auto kernel = swiglu_adapters_mma_kernel<K, KD, kBackward>;
   const std::int64_t strips = (p.n + kStripCols - 1) / kStripCols, tiles = (p.m + kTileRows - 1) / kTileRows;
-  // Enough warps to fill the GPU twice over, each walking as many row tiles as that leaves (its b fragments are
-  // loaded once per strip and row group).
-  const std::int64_t want_warps = 2 * wave_blocks(ctx, kernel, kWarpsPerBlock * 32) * kWarpsPerBlock;
-  const std::int64_t groups =
-      std::clamp<std::int64_t>((want_warps + strips - 1) / strips, 1, std::min<std::int64_t>(tiles, 65535));
-  p.rows_per_group = (tiles + groups - 1) / groups * kTileRows;
-  const dim3 grid(static_cast<unsigned>((strips + kWarpsPerBlock - 1) / kWarpsPerBlock),
+  const std::int64_t column_blocks = (strips + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  // Whole waves of blocks, each walking a group of row tiles (its b fragments loaded once per group).
+  p.rows_per_group =
+      tiles_per_row_group(column_blocks, tiles, wave_blocks(ctx, kernel, kWarpsPerBlock * 32)) * kTileRows;
+  const dim3 grid(static_cast<unsigned>(column_blocks),
                   static_cast<unsigned>((p.m + p.rows_per_group - 1) / p.rows_per_group));
   kernel<<<grid, kWarpsPerBlock * 32, 0, stream_of(ctx)>>>(p);
   QMM_CUDA_CHECK_LAUNCH("swiglu_adapters_mma_kernel");
