@@ -37,9 +37,11 @@ def _call(fn, like, *args, **kwargs):
     current for the call only (qmm makes its context's GPU current; PyTorch's choice is restored after). Tensors,
     also those in list arguments, travel as DLPack capsules made by to_dlpack: a tensor's own __dlpack__, which the
     extension would call otherwise, costs ~10x more in recent PyTorch (2.4 vs 0.2 µs in 2.15)."""
-    args = [_capsule(a) for a in args]
+    # `args` stays referenced until the op returns: the extension releases a capsule of an optional argument as soon
+    # as it has read its address, and a tensor made for the call (a contiguous copy) would be freed with it.
+    capsules = [_capsule(a) for a in args]
     if not like.is_cuda:
-        return fn(*args, **kwargs, stream=0)
+        return fn(*capsules, **kwargs, stream=0)
     if _on_cuda_call is not None:
         _on_cuda_call()
     index = like.device.index
@@ -48,15 +50,22 @@ def _call(fn, like, *args, **kwargs):
     else:
         stream, current = torch.cuda.current_stream(like.device).cuda_stream, torch.cuda.current_device()
     if index == current:
-        return fn(*args, **kwargs, stream=stream)
+        return fn(*capsules, **kwargs, stream=stream)
     with torch.cuda.device(like.device):
-        return fn(*args, **kwargs, stream=stream)
+        return fn(*capsules, **kwargs, stream=stream)
 
 
 def _flag(op, name, value):
     """value where it is a bool; otherwise a qmm.Error naming the op and the argument."""
     if not isinstance(value, bool):
         raise _error("InvalidArgument", f"{op}: {name} must be True or False, got {value!r}")
+    return value
+
+
+def _int(op, name, value, low, high):
+    """value where it is an int in [low, high]; otherwise a qmm.Error naming the op and the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _error("InvalidArgument", f"{op}: {name} must be an int in [{low}, {high}], got {value!r}")
     return value
 
 
@@ -67,12 +76,28 @@ def _in(t):
     return t if t.is_contiguous() else t.contiguous()
 
 
+_increment_version = getattr(getattr(torch.autograd, "graph", None), "increment_version", None)  # PyTorch >= 2.1
+
+
+def _written(op, name, t):
+    """t, a tensor of the caller's that the op writes in place, as PyTorch's in-place ops treat theirs: refused where
+    it requires grad in grad mode (autograd would not see the write: PyTorch refuses out= there too), and marked
+    written (its version bumped) so that a backward that saved it fails instead of reading the new values."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise _error("InvalidArgument", f"{op}: argument '{name}' requires grad; the op writes it in place, which "
+                                        "autograd does not record (write into a tensor without grad, or use the "
+                                        "op's differentiable form)")
+    if _increment_version is not None and not t.is_inference():
+        _increment_version(t)
+    return t
+
+
 def _out(op, out, shape, dtype, like, beta):
     if out is None:
         if beta != 0.0:
             raise _error("InvalidArgument", f"{op}: beta = {beta} needs out= (the tensor to accumulate into)")
         return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
-    return out
+    return _written(op, "out", out)
 
 
 def _dim(t, i):

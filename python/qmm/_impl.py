@@ -111,7 +111,7 @@ def linear_forward(x, w, bias, lora, path, cached=False, residual=None):
                                                                                     device=x.device)))
     t = torch.empty((x2.shape[0], a.shape[0]), dtype=x.dtype, device=x.device)
     _call(_qmm.lora_nf4_linear_forward, x2, x2, w._native, y2, beta, path, xd2, a, b, a_w, b_w, t, float(scale),
-          None if residual is None or before else _flat(residual))
+          None if residual is None or before else _flat(_in(residual)))
     return y, (x2 if xd2 is None else xd2, t, a if a_w is None else a_w, b if b_w is None else b_w)
 
 

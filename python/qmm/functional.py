@@ -425,7 +425,15 @@ def linear_cross_entropy_loss(h, w, labels, ignore_index=-100, chunk_tokens=0, c
     columns per chunk, as ops.linear_cross_entropy takes them).
     check_labels as linear_cross_entropy takes it (True: a label out of range is a qmm.Error, and on a GPU the call
     waits for the device to read them; False: nothing waits, and such a label makes the loss NaN)."""
-    _flag("linear_cross_entropy_loss", "check_labels", check_labels)
+    op = "linear_cross_entropy_loss"
+    _flag(op, "check_labels", check_labels)
+    if not isinstance(h, torch.Tensor) or not isinstance(labels, torch.Tensor) or h.dim() < 1:
+        raise _error("InvalidArgument", f"{op}: h [..., H] and labels [...] must be tensors")
+    # One label per row of h, in h's order: labels of h's leading shape, or flattened
+    if tuple(labels.shape) != tuple(h.shape[:-1]) and not (labels.dim() == 1 and labels.numel() == h.numel() //
+                                                           max(h.shape[-1], 1)):
+        raise _error("ShapeMismatch", f"{op}: labels have shape {list(labels.shape)} but must have h's leading "
+                                      f"shape {list(h.shape[:-1])} (or be those rows flattened)")
     hidden = h.shape[-1]
     h2, labels = h.reshape(-1, hidden), labels.reshape(-1)
     if _compiling():

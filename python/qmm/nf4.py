@@ -44,6 +44,9 @@ class Nf4Weight:
         if not all(-2 ** 63 <= v < 2 ** 63 for v in shape) or not -2 ** 31 <= block_size < 2 ** 31:
             raise _error("InvalidArgument", f"Nf4Weight: shape {shape} or block size {block_size} overflows qmm's "
                                             f"integers")
+        if absmax.dtype == torch.float32 and (absmax2 is not None or code2 is not None or offset != 0.0):
+            raise _error("InvalidArgument", "Nf4Weight: a float32 absmax is a plain weight's, which takes no absmax2, "
+                                            "code2 or offset (a double-quantized weight's absmax is uint8)")
         flat = lambda t: None if t is None else _in(t).reshape(-1)  # noqa: E731
         self.codes, self.absmax, self.absmax2, self.code2 = flat(codes), flat(absmax), flat(absmax2), flat(code2)
         self.shape, self.block_size, self.offset = shape, block_size, offset

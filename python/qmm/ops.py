@@ -4,7 +4,7 @@ import torch
 from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _qmm
-from ._base import _call, _dim, _error, _flag, _in, _out, _rows
+from ._base import _call, _dim, _error, _flag, _in, _int, _out, _rows, _written
 from .nf4 import _nf4
 
 
@@ -142,6 +142,12 @@ def swiglu_backward(gate, up, dh, *, adapters=None, dh_term=None, out=None, h=No
     dt [M, r], a [r, N]). out = (dgate, dup) may be (gate, up) themselves (in place); h, where given, receives
     swiglu's h again."""
     gate, up, dh = _in(gate), _in(up), _in(dh)
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise _error("InvalidArgument", "swiglu_backward: out must be a pair (dgate, dup) of tensors")
+        out = tuple(_written("swiglu_backward", name, t) for name, t in zip(("out[0]", "out[1]"), out))
+    if h is not None:
+        _written("swiglu_backward", "h", h)
     dgate, dup = out if out is not None else (torch.empty_like(gate), torch.empty_like(up))
     _call(_qmm.swiglu_backward, gate, gate, up, dh, dgate, dup, **_swiglu_adapters(adapters, dh_term), h=h)
     return dgate, dup
@@ -199,6 +205,7 @@ def lora_backward_dy(dy, b, t, grad_b, *, scale=1.0, beta=1.0, out=None, math="f
     dy where the GPU kernel applies (bf16, r 8/16/32, N a multiple of 8)."""
     dy, b, t = _in(dy), _in(b), _in(t)
     out = _out("lora_backward_dy", out, (_dim(dy, 0), _dim(b, 1)), None, dy, 0.0)
+    _written("lora_backward_dy", "grad_b", grad_b)
     _call(_qmm.lora_backward_dy, dy, dy, b, t, out.detach(), grad_b.detach(), scale=scale, beta=beta, math=math)
     return out
 
@@ -218,12 +225,19 @@ def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, 
     out of range; check_labels=False waits for nothing (a CUDA graph can capture it), and a label out of range then
     makes the loss NaN and its token's dh row NaN. chunk_tokens and chunk_vocab (0: qmm's choice, within 5% of the
     fp32 logits' bytes without dw) split the logits on a GPU as the C++ linear_cross_entropy_chunks says."""
-    _flag("linear_cross_entropy", "check_labels", check_labels)
-    _flag("linear_cross_entropy", "accumulate_dw", accumulate_dw)
+    op = "linear_cross_entropy"
+    _flag(op, "check_labels", check_labels)
+    _flag(op, "accumulate_dw", accumulate_dw)
+    _int(op, "ignore_index", ignore_index, -2 ** 31, 2 ** 31 - 1)
+    _int(op, "chunk_tokens", chunk_tokens, -2 ** 63, 2 ** 63 - 1)  # the sign is qmm's check, with the others
+    _int(op, "chunk_vocab", chunk_vocab, -2 ** 63, 2 ** 63 - 1)
     h, w = _in(h), _in(w)
     labels = _in(labels)
-    if labels.dtype == torch.int64:
-        labels = labels.to(torch.int32)
+    if labels.dtype == torch.int64:  # int32 for qmm; a value past int32 stays out of range, never wraps into it
+        low, high = -2 ** 31, 2 ** 31 - 1
+        labels = labels.clamp(low + (ignore_index == low), high - (ignore_index == high)).to(torch.int32)
+    if dw is not None:
+        _written("linear_cross_entropy", "dw", dw)
     loss = torch.empty((), dtype=torch.float32, device=h.device).reshape(1)
     dh_out = torch.empty_like(h) if dh else None
     _call(_qmm.linear_cross_entropy, h, h, w, labels, loss, None if dh_out is None else dh_out,
@@ -265,9 +279,12 @@ def rms_norm_backward(x, w, rstd, dy, *, dx=True, dw=None, dres=None):
     gradient of w into `dw` where given. `dres` (x's shape and dtype), a gradient that reaches x by another path
     (the residual stream), is added to dx in the same pass."""
     hidden = _dim(x, -1)
-    if dres is not None and tuple(dres.shape) != tuple(x.shape):
-        raise _error("ShapeMismatch", f"rms_norm_backward: dres has shape {list(dres.shape)} but must have x's "
-                                      f"{list(x.shape)}")
+    for name, t in (("dy", dy), ("dres", dres)):
+        if t is not None and tuple(t.shape) != tuple(x.shape):
+            raise _error("ShapeMismatch", f"rms_norm_backward: {name} has shape {list(t.shape)} but must have x's "
+                                          f"{list(x.shape)}")
+    if dw is not None:
+        _written("rms_norm_backward", "dw", dw)
     x2, dy2 = _in(x).reshape(-1, hidden), _in(dy).reshape(-1, hidden)
     dres2 = None if dres is None else _in(dres).reshape(-1, hidden)
     dx_out = torch.empty_like(x2) if dx else None
@@ -364,6 +381,8 @@ def rope(q, k, cos, sin, *, inverse=False, inplace=False):
         if inplace and copied:
             raise _error("InvalidArgument", f"{op}: argument '{name}' cannot be rotated in place: its memory is "
                                             f"neither [B, S, H, D] nor (cos broadcast over the batch) [B, H, S, D]")
+        if inplace:
+            _written(op, name, t)
         pairs.append((t, t2, t2 if inplace else torch.empty_like(t2), back))
     # One launch for both where q and k share qmm's [B, S] (Hugging Face's layout); else one each.
     groups = [pairs] if len(pairs) < 2 or pairs[0][1].shape[:2] == pairs[1][1].shape[:2] else [[p] for p in pairs]

@@ -42,6 +42,20 @@ qmm::DType dtype_of(const nb::dlpack::dtype& t, const char* op, const char* name
            ", " + std::to_string(t.bits) + " bits; qmm takes float32, bfloat16, float16, uint8 and int32)");
 }
 
+// A real address on `device` for arrays without elements, whose data pointer frameworks leave null: qmm's ops take
+// a view with null data as an argument not given (TensorView::empty), and a tensor of M = 0 rows is a given one
+// (an adapter's t in a backward over no tokens: its gradients are zeros, not left unwritten). Never read or written.
+void* no_elements_at(const qmm::Device& device) {
+  static std::mutex mutex;
+  // One small allocation per device, never freed (not even at exit, when the CUDA runtime may be gone).
+  static auto* held = new std::map<std::pair<bool, int>, qmm::Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  const std::pair<bool, int> key{device.is_cpu(), device.index};
+  auto it = held->find(key);
+  if (it == held->end()) it = held->emplace(key, qmm::Tensor(qmm::DType::U8, {256}, device)).first;
+  return it->second.data();
+}
+
 // A TensorView of a dense row-major array. Strided arrays are refused rather than copied: an output written into a
 // copy would be lost, and a silent copy of an input hides a cost.
 template <class Array>
@@ -75,11 +89,14 @@ qmm::TensorView view_of(const Array& a, const char* op, const char* name) {
          std::string("argument '") + name + "' is on a device qmm does not run on (DLPack device type " +
              std::to_string(a.device_type()) + ")");
   }
-  return qmm::TensorView(const_cast<void*>(static_cast<const void*>(a.data())), dtype_of(a.dtype(), op, name),
-                         shape, device);
+  void* data = const_cast<void*>(static_cast<const void*>(a.data()));
+  if (data == nullptr && empty) data = no_elements_at(device);
+  return qmm::TensorView(data, dtype_of(a.dtype(), op, name), shape, device);
 }
 
-// An optional argument: None is the absent (empty) view. Array is In or Out.
+// An optional argument: None is the absent (empty) view. Array is In or Out. The view outlives the array made here
+// (a DLPack capsule is released with it): the caller keeps the tensor referenced until the op returns
+// (qmm._base._call does).
 template <class Array>
 qmm::TensorView view_or_empty(const nb::object& a, const char* op, const char* name) {
   if (a.is_none()) return {};
@@ -380,7 +397,11 @@ NB_MODULE(_qmm, m) {
         try {
           std::rethrow_exception(p);
         } catch (const qmm::Error& e) {
-          nb::object value = nb::handle(error_type)(e.what());
+          // A message may quote bytes of a malformed file that are not UTF-8: replaced, never a decode error.
+          const std::string what = e.what();
+          nb::object text =
+              nb::steal(PyUnicode_DecodeUTF8(what.data(), static_cast<Py_ssize_t>(what.size()), "replace"));
+          nb::object value = nb::handle(error_type)(text);
           value.attr("code") = qmm::error_code_name(e.code());
           PyErr_SetObject(error_type, value.ptr());
         }

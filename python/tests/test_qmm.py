@@ -2458,3 +2458,139 @@ def test_qlora_swiglu_mlp_with_dropout_on_down(device):
     y.square().sum().backward()
     for ad in (dropping.gate_lora, dropping.up_lora, dropping.down.lora):
         assert torch.isfinite(ad.lora_a.grad).all() and ad.lora_a.grad.abs().sum() > 0
+
+
+# ---- a batch of no tokens ----------------------------------------------------------------------------------------
+
+
+def _grads_of(tensors):
+    return [t.grad for t in tensors]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ops_on_zero_rows_give_empty_outputs_and_zero_parameter_gradients(device):
+    """M = 0 rows (a mixture-of-experts expert that got no token, an empty micro-batch): every differentiable op
+    returns its empty output and, through backward, zero gradients for its weights and adapters: all written (the
+    tensors a framework gives for no elements carry no address; qmm must not take them for arguments not given)."""
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def leaf(shape, seed):
+        return (randn(shape, seed, device) * 0.1).requires_grad_()
+
+    w = qmm.Nf4Weight.quantize(randn((16, 64), 1, device))
+    wg, wu, wd = (qmm.Nf4Weight.quantize(randn(s, 2 + i, device)) for i, s in enumerate(((32, 64), (32, 64),
+                                                                                         (64, 32))))
+    cases = []
+    x = torch.empty((0, 64), device=device, dtype=dt, requires_grad=True)
+    lora = qmm.Lora(leaf((4, 64), 10), leaf((16, 4), 11), 2.0)
+    cases.append(("lora_nf4_linear", lambda: [qmm.lora_nf4_linear(x, w, lora)], [lora.a, lora.b]))
+    loras = [qmm.Lora(leaf((4, 64), 12 + i), leaf((16, 4), 15 + i), 1.0) for i in range(3)]
+    cases.append(("lora_nf4_linears", lambda: qmm.lora_nf4_linears(x, [w, w, w], loras),
+                  [p for lo in loras for p in (lo.a, lo.b)]))
+    gu = [qmm.Lora(leaf((4, 64), 20 + i), leaf((32, 4), 22 + i), 1.0) for i in range(2)]
+    down = qmm.Lora(leaf((4, 32), 24), leaf((64, 4), 25), 1.0)
+    cases.append(("lora_nf4_swiglu", lambda: [qmm.lora_nf4_swiglu(x, wg, wu, *gu)],
+                  [p for lo in gu for p in (lo.a, lo.b)]))
+    residual = torch.empty((0, 64), device=device, dtype=dt)
+    cases.append(("lora_nf4_mlp", lambda: [qmm.lora_nf4_mlp(x, wg, wu, wd, *gu, down, residual=residual)],
+                  [p for lo in gu + [down] for p in (lo.a, lo.b)]))
+    norm_w = leaf((64,), 30)
+    cases.append(("rms_norm_autograd", lambda: [qmm.rms_norm_autograd(x, norm_w, 1e-6)], [norm_w]))
+    r = torch.empty((0, 64), device=device, dtype=dt, requires_grad=True)
+    cases.append(("add_rms_norm_autograd", lambda: list(qmm.add_rms_norm_autograd(x, r, norm_w, 1e-6)), [norm_w]))
+    for name, run, params in cases:
+        for p in params:
+            p.grad = None
+        outs = run()
+        assert all(o.shape[0] == 0 for o in outs), name
+        sum(o.float().sum() for o in outs).backward()
+        for p, g in zip(params, _grads_of(params)):
+            assert g is not None and g.shape == p.shape and torch.count_nonzero(g) == 0, name
+        assert x.grad is None or x.grad.shape == x.shape, name
+
+
+def test_int64_labels_past_int32_stay_out_of_range():
+    """int64 labels go to qmm as int32: a label past int32's range must be reported as out of range (or make the loss
+    NaN unchecked), never wrap into a valid label or into ignore_index."""
+    h, w = randn((4, 8), 1, "cpu"), randn((10, 8), 2, "cpu")
+    for bad in (2 ** 32 + 3, 2 ** 32 - 100, -2 ** 40):
+        labels = torch.tensor([1, bad, 2, 3])
+        _expect_error("InvalidArgument", "label", lambda: qmm.linear_cross_entropy(h, w, labels))
+        loss, _ = qmm.linear_cross_entropy(h, w, labels, check_labels=False)
+        assert torch.isnan(loss), bad
+    edge = torch.tensor([1, 2 ** 40, 2, 3])
+    loss, _ = qmm.linear_cross_entropy(h, w, edge, check_labels=False, ignore_index=2 ** 31 - 1)
+    assert torch.isnan(loss)  # not taken for the ignore_index it would clamp to
+
+
+@pytest.mark.parametrize("bad", [2 ** 40, -100.0, None, True])
+def test_linear_cross_entropy_refuses_a_bad_ignore_index(bad):
+    _expect_error("InvalidArgument", "ignore_index", lambda: qmm.linear_cross_entropy(
+        randn((4, 8), 1, "cpu"), randn((10, 8), 2, "cpu"), torch.tensor([1, 2, 3, 4]), ignore_index=bad))
+
+
+def test_linear_cross_entropy_loss_labels_must_match_the_rows_of_h():
+    h, w = randn((2, 3, 8), 1, "cpu"), randn((10, 8), 2, "cpu")
+    labels = torch.randint(0, 10, (2, 3), generator=gen(3))
+    want = qmm.linear_cross_entropy_loss(h, w, labels)
+    assert torch.equal(qmm.linear_cross_entropy_loss(h, w, labels.reshape(-1)), want)  # flattened: the same rows
+    _expect_error("ShapeMismatch", "labels", lambda: qmm.linear_cross_entropy_loss(h, w, labels.t()))
+    _expect_error("ShapeMismatch", "labels", lambda: qmm.linear_cross_entropy_loss(h, w, labels[:, :2]))
+
+
+def test_rms_norm_backward_dy_must_have_x_shape():
+    x, w = randn((2, 3, 7), 1, "cpu"), randn((7,), 2, "cpu")
+    _, rstd = qmm.rms_norm(x, w, 1e-6, rstd=True)
+    _expect_error("ShapeMismatch", "dy", lambda: qmm.rms_norm_backward(x, w, rstd, randn((3, 2, 7), 3, "cpu")))
+
+
+def test_outputs_written_in_place_are_seen_by_autograd():
+    """out=, dw=, grad_b= and rope's inplace write the caller's tensors: refused where one requires grad in grad mode
+    (autograd would not see the write; torch refuses out= there too), and a tensor a backward saved is marked
+    written, so that the backward fails instead of reading the new values. Nothing is written when refused."""
+    a, b = randn((3, 4), 1, "cpu"), randn((4, 5), 2, "cpu")
+    out = torch.zeros((3, 5), requires_grad=True)
+    _expect_error("InvalidArgument", "'out' requires grad", lambda: qmm.gemm(a, b, out=out))
+    assert torch.count_nonzero(out) == 0
+    with torch.no_grad():
+        qmm.gemm(a, b, out=out)  # as torch's own in-place ops under no_grad
+    assert torch.allclose(out, a @ b)
+    leaf = torch.randn(3, 5, requires_grad=True)
+    saved = torch.zeros(3, 5)
+    y = (leaf * saved).sum()  # saves `saved` for its backward
+    qmm.gemm(a, b, out=saved)
+    if qmm._base._increment_version is not None:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+    q = randn((1, 2, 3, 4), 4, "cpu").requires_grad_() * 1.0
+    cos, sin = randn((1, 2, 4), 5, "cpu"), randn((1, 2, 4), 6, "cpu")
+    before = q.detach().clone()
+    _expect_error("InvalidArgument", "'q' requires grad", lambda: qmm.rope(q, None, cos, sin, inplace=True))
+    assert torch.equal(q.detach(), before)
+    h, w, labels = randn((4, 8), 7, "cpu"), randn((10, 8), 8, "cpu"), torch.tensor([1, 2, 3, 4])
+    _expect_error("InvalidArgument", "'dw' requires grad", lambda: qmm.linear_cross_entropy(
+        h, w, labels, dw=torch.zeros((10, 8), requires_grad=True)))
+
+
+def test_a_plain_nf4_weight_takes_no_double_quant_parts():
+    w4 = qmm.Nf4Weight.quantize(randn((16, 64), 1, "cpu"), double_quant=False)
+    for extra in (dict(absmax2=torch.ones(1)), dict(code2=torch.ones(256)), dict(offset=0.5)):
+        _expect_error("InvalidArgument", "plain", lambda: qmm.Nf4Weight(w4.codes, w4.absmax, (16, 64), 64, **extra))
+
+
+def test_a_malformed_quant_state_with_bytes_that_are_not_utf8_is_a_qmm_error():
+    w4 = qmm.Nf4Weight.quantize(randn((16, 64), 1, "cpu"))
+    sd = w4.to_bnb_state_dict()
+    key = next(k for k in sd if k.endswith("quant_state.bitsandbytes__nf4"))
+    text = bytes(sd[key].tolist())[:-1] + b', "x\xff": 1}'
+    sd[key] = torch.tensor(list(text), dtype=torch.uint8)
+    _expect_error("Io", "not valid JSON", lambda: qmm.Nf4Weight.from_bnb_state_dict(sd))
+
+
+def test_lora_nf4_mlp_takes_a_strided_residual():
+    x = randn((5, 64), 1, "cpu")
+    wg, wu, wd = (qmm.Nf4Weight.quantize(randn(s, 2 + i, "cpu")) for i, s in enumerate(((32, 64), (32, 64), (64, 32))))
+    down = qmm.Lora(randn((4, 32), 5, "cpu"), randn((64, 4), 6, "cpu"), 1.0)
+    residual = randn((64, 5), 7, "cpu").t()  # [5, 64], not contiguous
+    want = qmm.lora_nf4_mlp(x, wg, wu, wd, down_lora=down, residual=residual.contiguous())
+    assert torch.equal(qmm.lora_nf4_mlp(x, wg, wu, wd, down_lora=down, residual=residual), want)
