@@ -62,6 +62,12 @@ def _flag(op, name, value):
     return value
 
 
+def _check_path(op, path):
+    """path names qmm's NF4 implementation ("auto", ...: nf4_gemm's); the name itself is checked by the op."""
+    if not isinstance(path, str):
+        raise _error("InvalidArgument", f"{op}: path must be a str such as 'auto', got {path!r}")
+
+
 def _int(op, name, value, low, high):
     """value where it is an int in [low, high]; otherwise a qmm.Error naming the op and the argument."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:

@@ -7,7 +7,7 @@ import math
 import torch
 
 from . import _impl, compile_ops
-from ._base import _error, _flag
+from ._base import _check_path, _error, _flag
 from .nf4 import Nf4Weight, _nf4
 from .ops import (add_rms_norm, nf4_gate_up, nf4_gemm_backward_a, rms_norm, rms_norm_backward, rope, swiglu,
                   swiglu_backward)
@@ -17,8 +17,12 @@ _compiling = compile_ops.compiling
 
 class Lora(collections.namedtuple("Lora", ("a", "b", "scale", "x_dropped"), defaults=(None,))):
     """A LoRA adapter's term on a projection, scale * (x_dropped @ a^T) @ b^T: a [r, in] and b [out, r] trainable
-    (any float dtype; their products run in the activations' dtype with fp32 sums), `x_dropped` the adapter's input
-    when it is not x itself (dropout(x), computed by the caller with PyTorch, whose backward applies the mask)."""
+    (float32, as PEFT keeps them, or bfloat16; their products run in the activations' dtype with fp32 sums),
+    `x_dropped` the adapter's input when it is not x itself (dropout(x), computed by the caller with PyTorch, whose
+    backward applies the mask)."""
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _grad_wanted(*inputs):
@@ -74,6 +78,18 @@ def _check_lora(op, name, lora, x, out_features, in_features):
     if not isinstance(lora, Lora):
         raise _error("InvalidArgument", f"{op}: argument '{name}' must be a qmm.Lora, not {type(lora).__name__}")
     a, b, scale, xd = lora
+    for part, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.float32, torch.bfloat16):
+            what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise _error("DTypeMismatch", f"{op}: argument '{name}' has {part} of {what}; it must be a "
+                                          f"torch.float32 or torch.bfloat16 tensor")
+    if xd is not None and not isinstance(xd, torch.Tensor):
+        raise _error("InvalidArgument", f"{op}: argument '{name}' has x_dropped of {type(xd).__name__}, not a "
+                                        f"tensor")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or \
+            abs(scale) > _FLOAT32_MAX:
+        raise _error("InvalidArgument", f"{op}: argument '{name}' has scale {scale!r}; it must be a finite number "
+                                        f"(within float32's range)")
     rank = a.shape[0] if a.dim() == 2 else -1
     if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank) or rank < 1:
         raise _error("ShapeMismatch", f"{op}: argument '{name}' has a {list(a.shape)} and b {list(b.shape)}; they "
@@ -81,8 +97,6 @@ def _check_lora(op, name, lora, x, out_features, in_features):
     if xd is not None and xd.shape != x.shape:
         raise _error("ShapeMismatch", f"{op}: argument '{name}' has x_dropped {list(xd.shape)}, not x's shape "
                                       f"{list(x.shape)}")
-    if not math.isfinite(scale):
-        raise _error("InvalidArgument", f"{op}: argument '{name}' has scale {scale}; it must be finite")
     return (x if xd is None else xd, a, b, float(scale))
 
 
@@ -112,6 +126,7 @@ def lora_nf4_linear(x, w, lora=None, bias=None, path="auto"):
     the backward reads the output gradient once for both of the adapter's products."""
     op = "lora_nf4_linear"
     _check_x(op, x)
+    _check_path(op, path)
     out_features, in_features = _shape(w) if isinstance(w, tuple) else _nf4(op, "w", w)
     lora_args = _check_lora(op, "lora", lora, x, out_features, in_features)
     _check_bias(op, "bias", bias, out_features)
@@ -179,6 +194,7 @@ def lora_nf4_linears(x, weights, loras=None, biases=None, path="auto"):
     (None entries: no adapter, no bias) or None. Returns a tuple of outputs."""
     op = "lora_nf4_linears"
     _check_x(op, x)
+    _check_path(op, path)
     if not isinstance(weights, (list, tuple)) or not weights:
         raise _error("InvalidArgument", f"{op}: argument 'weights' must be a non-empty list of NF4 weights")
     n = len(weights)
@@ -246,6 +262,7 @@ def lora_nf4_swiglu(x, w_gate, w_up, gate_lora=None, up_lora=None, path="auto"):
     and up for the backward. Without adapters the SwiGLU runs in the gate/up kernel's epilogue."""
     op = "lora_nf4_swiglu"
     _check_x(op, x)
+    _check_path(op, path)
     shape = _gate_up_shape(op, w_gate, w_up)
     loras = (_check_lora(op, "gate_lora", gate_lora, x, *shape), _check_lora(op, "up_lora", up_lora, x, *shape))
     if _compiling():
@@ -308,6 +325,7 @@ def lora_nf4_mlp(x, w_gate, w_up, w_down, gate_lora=None, up_lora=None, down_lor
     gradient."""
     op = "lora_nf4_mlp"
     _check_x(op, x)
+    _check_path(op, path)
     if residual is not None and (not isinstance(residual, torch.Tensor) or residual.shape != x.shape or
                                  residual.dtype != x.dtype or residual.device != x.device):
         what = f"{list(residual.shape)} {residual.dtype} on {residual.device}" \
@@ -394,6 +412,7 @@ class _Nf4GateUp(torch.autograd.Function):
 
 def nf4_gate_up_linear(x, w_gate, w_up, path="auto"):
     """(x @ dequant(Wg)^T, x @ dequant(Wu)^T) from one read of x, differentiable in x (frozen NF4 weights)."""
+    _check_path("nf4_gate_up_linear", path)
     if _compiling():
         return compile_ops.nf4_gate_up(x, w_gate, w_up, path)
     if _grad_wanted(x):

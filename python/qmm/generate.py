@@ -33,6 +33,7 @@ class StaticDecoder:
                                             f"{max_cache_len!r}")
         self.model = model
         self.max_cache_len = max_cache_len
+        self._batch = None  # the first call's: the cache's tensors are made for it
         self._base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.cache = StaticCache(config=self._base.config, max_cache_len=max_cache_len)
         params = inspect.signature(self._base.forward).parameters
@@ -52,6 +53,14 @@ class StaticDecoder:
     def generate(self, input_ids, **kwargs):
         """model.generate(input_ids, **kwargs) through the static cache (reset first) and the compiled decode
         steps. A cache or cache_implementation of the caller's is refused: the decoder brings its own."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            what = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise _error("InvalidArgument", f"static_decoder.generate: input_ids must be a [batch, tokens] tensor, "
+                                            f"got {what}")
+        if self._batch is not None and input_ids.shape[0] != self._batch:
+            raise _error("InvalidArgument", f"static_decoder.generate: a batch of {input_ids.shape[0]} where the "
+                                            f"decoder's cache holds {self._batch} (the first call's); make a new "
+                                            f"decoder for another batch size")
         for name in ("past_key_values", "cache", "cache_implementation", "use_cache"):
             if name in kwargs:
                 raise _error("InvalidArgument", f"static_decoder.generate: {name} is the decoder's own; pass "
@@ -71,6 +80,7 @@ class StaticDecoder:
             raise _error("InvalidArgument", f"static_decoder.generate: {prompt} prompt tokens and {what} exceed "
                                             f"max_cache_len {self.max_cache_len}")
         self.cache.reset()
+        self._batch = input_ids.shape[0]
         self._prefilled = False
         base = self._base
         had_own = "forward" in base.__dict__
@@ -91,8 +101,18 @@ def static_decoder(model, max_cache_len, compile_kwargs="default"):
     cache of max_cache_len tokens and the decode steps compiled. compile_kwargs: torch.compile's arguments for the
     decode step ("default": mode="reduce-overhead" for a model on a GPU, no compilation on the CPU, where
     there are no graphs to replay; None: never compile)."""
+    if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "generate", None)) or \
+            getattr(model, "config", None) is None:
+        raise _error("InvalidArgument", f"static_decoder: model must be a Hugging Face generative model (a module "
+                                        f"with .generate and .config), got a {type(model).__name__}")
+    param = next(model.parameters(), None)
+    if param is None:
+        raise _error("InvalidArgument", "static_decoder: the model has no parameters")
+    if compile_kwargs is not None and compile_kwargs != "default" and not isinstance(compile_kwargs, dict):
+        raise _error("InvalidArgument", f"static_decoder: compile_kwargs must be a dict of torch.compile's "
+                                        f"arguments, \"default\" or None, got {compile_kwargs!r}")
     if compile_kwargs == "default":
-        on_gpu = next(model.parameters()).is_cuda
+        on_gpu = param.is_cuda
         compile_kwargs = dict(mode="reduce-overhead") if on_gpu else None
     if compile_kwargs is not None and not compile_ops.AVAILABLE:
         raise _error("Unsupported", "static_decoder: compiling the decode step with qmm's ops needs PyTorch 2.4 or "

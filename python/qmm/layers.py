@@ -5,7 +5,7 @@ import math
 import torch
 
 from . import _qmm
-from ._base import _error
+from ._base import _check_path, _error, _int
 from .functional import Lora, lora_nf4_linear, lora_nf4_mlp, lora_nf4_swiglu
 from .nf4 import Nf4Weight, _nf4
 
@@ -17,8 +17,15 @@ class LoraAdapter(torch.nn.Module):
     def __init__(self, in_features, out_features, rank=16, alpha=32.0, dropout=0.0, dtype=torch.float32,
                  device=None):
         super().__init__()
-        if rank <= 0:
-            raise _error("InvalidArgument", f"LoraAdapter: rank must be positive, got {rank}")
+        op = "LoraAdapter"
+        _int(op, "rank", rank, 1, 2 ** 31 - 1)
+        for name, v in (("alpha", alpha), ("dropout", dropout)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise _error("InvalidArgument", f"{op}: {name} must be a finite number, got {v!r}")
+        if not 0 <= dropout < 1:
+            raise _error("InvalidArgument", f"{op}: dropout must be in [0, 1), got {dropout}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise _error("DTypeMismatch", f"{op}: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
         self.scale = alpha / rank
         self.lora_a = torch.nn.Parameter(torch.empty(rank, in_features, dtype=dtype, device=device))
         self.lora_b = torch.nn.Parameter(torch.zeros(out_features, rank, dtype=dtype, device=device))
@@ -58,9 +65,13 @@ class QLoraLinear(_Nf4Module):
     def __init__(self, weight, rank=16, alpha=32.0, dropout=0.0, bias=None, adapter_dtype=torch.float32, path="auto"):
         super().__init__()
         out_features, in_features = _nf4("QLoraLinear", "weight", weight)
+        _check_path("QLoraLinear", path)
         _qmm.check_nf4_path(path, "QLoraLinear")
         self.weight, self.path = weight, path
         self.lora = LoraAdapter(in_features, out_features, rank, alpha, dropout, adapter_dtype, weight.device)
+        if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (out_features,)):
+            what = list(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise _error("ShapeMismatch", f"QLoraLinear: bias is {what}; it must be [{out_features}]")
         # The bias belongs to the frozen base (PEFT's bias="none"): kept, shared with the given tensor, not trained.
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
@@ -86,6 +97,7 @@ class QLoraSwiGluMlp(_Nf4Module):
                  path="auto"):
         super().__init__()
         inter, hidden = _nf4("QLoraSwiGluMlp", "w_gate", w_gate)
+        _check_path("QLoraSwiGluMlp", path)
         _qmm.check_nf4_path(path, "QLoraSwiGluMlp")
         if _nf4("QLoraSwiGluMlp", "w_up", w_up) != (inter, hidden) or \
                 _nf4("QLoraSwiGluMlp", "w_down", w_down) != (hidden, inter):

@@ -4,7 +4,7 @@ import torch
 from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _qmm
-from ._base import _call, _dim, _error, _flag, _in, _int, _out, _rows, _written
+from ._base import _call, _check_path, _dim, _error, _flag, _in, _int, _out, _rows, _written
 from .nf4 import _nf4
 
 
@@ -23,6 +23,8 @@ def _cuda_index(op, device):
     if d.type != "cuda":
         raise _error("InvalidArgument", f"{op}: device {device!r} is not a CUDA device (qmm keeps no memory of its "
                                         "own on the CPU)")
+    if isinstance(device, int) and d.index != device:  # torch.device keeps a small index, which wraps
+        raise _error("InvalidArgument", f"{op}: there is no CUDA device {device}")
     if d.index is not None:
         index = d.index
     else:
@@ -104,6 +106,7 @@ def gemm_backward_b(a, dc, *, out=None, alpha=1.0, beta=0.0, math="fp32", out_dt
 
 def batched_gemm(a, b, *, transpose_b=False, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
     """out[B,H,M,N] = alpha * a[B,H,M,K] @ b[B,H,K,N] (or b[B,H,N,K]^T with transpose_b) + beta * out."""
+    _flag("batched_gemm", "transpose_b", transpose_b)
     a, b = _in(a), _in(b)
     shape = (_dim(a, 0), _dim(a, 1), _dim(a, 2), _dim(b, 2) if transpose_b else _dim(b, 3))
     out = _out("batched_gemm", out, shape, out_dtype, a, beta)
@@ -155,6 +158,7 @@ def swiglu_backward(gate, up, dh, *, adapters=None, dh_term=None, out=None, h=No
 
 # ---- NF4 --------------------------------------------------------------------------------------------------------
 def _nf4_gemm(fn, op, x, x_name, out_name, in_cols, out_cols, w, out, alpha, beta, path, out_dtype):
+    _check_path(op, path)
     x2 = _rows(op, x_name, x, in_cols)
     out = _out(op, out, (*x.shape[:-1], out_cols), out_dtype, x, beta)
     out2 = _rows(op, out_name, out, out_cols, output=True)
@@ -182,6 +186,7 @@ def nf4_gemm_backward_a(dc, w, *, out=None, alpha=1.0, beta=0.0, path="auto", ou
 def nf4_gate_up(a, w_gate, w_up, *, gate=True, up=True, h=True, path="auto", out_dtype=None):
     """Both MLP input projections from one read of a [..., K]: gate = a @ dequant(Wg)^T, up = a @ dequant(Wu)^T
     and h = silu(gate) * up. Returns (gate, up, h), each None where not asked for."""
+    _check_path("nf4_gate_up", path)
     n, k = _nf4("nf4_gate_up", "w_gate", w_gate)
     _nf4("nf4_gate_up", "w_up", w_up)
     a2 = _rows("nf4_gate_up", "a", a, k)
@@ -366,6 +371,8 @@ def rope(q, k, cos, sin, *, inverse=False, inplace=False):
     k themselves, rotated in place (refused where they would be copied). qmm's messages name the shapes it takes:
     [B, S, H, D], or [B·H, S, 1, D] for contiguous inputs."""
     op = "rope"
+    _flag(op, "inverse", inverse)
+    _flag(op, "inplace", inplace)
     cos, sin = _in(cos), _in(sin)
     if cos.dim() == 2:
         cos = cos.unsqueeze(0)

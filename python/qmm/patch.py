@@ -30,7 +30,7 @@ import weakref
 import torch
 
 from . import _copies, _qmm
-from ._base import _error
+from ._base import _check_path, _error, _flag
 from ._impl import PendingLabelCheck
 from .compile_ops import compiling
 from .functional import (Lora, add_rms_norm_autograd, linear_cross_entropy_loss, lora_nf4_linear, lora_nf4_linears,
@@ -741,7 +741,11 @@ def patch_bnb(model, path="auto", fuse_mlp=True, fused_loss=False, fused_norm=Fa
     it too; unpatch_bnb of the last such model restores it. `path` forces qmm's NF4 implementation (see nf4_gemm).
     Returns the patched modules' names; unpatch_bnb undoes it."""
     _model("patch_bnb", model)
+    _check_path("patch_bnb", path)
     _qmm.check_nf4_path(path, "patch_bnb")
+    for flag, value in (("fuse_mlp", fuse_mlp), ("fused_loss", fused_loss), ("fused_norm", fused_norm),
+                        ("fused_rope", fused_rope), ("fuse_qkv", fuse_qkv)):
+        _flag("patch_bnb", flag, value)
     patched = []
     for name, module in model.named_modules():
         if _is_bnb_nf4_layer(module):

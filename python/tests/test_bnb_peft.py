@@ -348,8 +348,15 @@ def test_static_decoder_generates_the_eager_tokens_with_a_compiled_decode_step(d
     qmm.unpatch_bnb(model)
     with pytest.raises(qmm.Error, match="cache_implementation is the decoder's own"):
         decoder.generate(ids[:, :3], cache_implementation="static", **kw)
+    with pytest.raises(qmm.Error, match="a batch of 2 where the decoder's cache holds 1"):
+        decoder.generate(torch.zeros((2, 3), dtype=torch.long, device=device), **kw)
+    with pytest.raises(qmm.Error, match="input_ids must be a \\[batch, tokens\\] tensor"):
+        decoder.generate([[1, 2]], **kw)
     with pytest.raises(qmm.Error, match="max_cache_len must be a positive int"):
         qmm.static_decoder(model, max_cache_len=0)
+    for bad, fragment in (("model", "generative model"), (torch.nn.Linear(2, 2), "generative model")):
+        with pytest.raises(qmm.Error, match=fragment):
+            qmm.static_decoder(bad, max_cache_len=8)
 
 
 def _with_dropout(model, p):

@@ -2594,3 +2594,37 @@ def test_lora_nf4_mlp_takes_a_strided_residual():
     residual = randn((64, 5), 7, "cpu").t()  # [5, 64], not contiguous
     want = qmm.lora_nf4_mlp(x, wg, wu, wd, down_lora=down, residual=residual.contiguous())
     assert torch.equal(qmm.lora_nf4_mlp(x, wg, wu, wd, down_lora=down, residual=residual), want)
+
+
+def test_bad_arguments_are_qmm_errors_naming_op_and_argument():
+    """Arguments of the wrong kind (a str for a flag, None for a path, a float16 adapter, a scale past float32, a
+    wrapped device index) are qmm.Errors naming the op and the argument, not errors from deeper down."""
+    w4 = qmm.Nf4Weight.quantize(randn((16, 64), 1, "cpu"))
+    x = randn((3, 64), 2, "cpu")
+    a, b = randn((4, 64), 3, "cpu"), randn((16, 4), 4, "cpu")
+    q, cos, sin = randn((1, 2, 3, 4), 5, "cpu"), randn((1, 2, 4), 6, "cpu"), randn((1, 2, 4), 7, "cpu")
+    cases = [
+        ("DTypeMismatch", "lora_nf4_linear: argument 'lora' has a of torch.float16",
+         lambda: qmm.lora_nf4_linear(x, w4, qmm.Lora(a.half(), b.half(), 1.0))),
+        ("InvalidArgument", "has scale 1e+40", lambda: qmm.lora_nf4_linear(x, w4, qmm.Lora(a, b, 1e40))),
+        ("InvalidArgument", "has scale None", lambda: qmm.lora_nf4_linear(x, w4, qmm.Lora(a, b, None))),
+        ("InvalidArgument", "nf4_linear: path must be a str", lambda: qmm.nf4_linear(x, w4, path=None)),
+        ("InvalidArgument", "nf4_gemm: path must be a str", lambda: qmm.nf4_gemm(x, w4, path=None)),
+        ("InvalidArgument", "rope: inverse must be True or False", lambda: qmm.rope(q, None, cos, sin, inverse=1)),
+        ("InvalidArgument", "rope: inplace must be True or False",
+         lambda: qmm.rope(q, None, cos, sin, inplace="yes")),
+        ("InvalidArgument", "batched_gemm: transpose_b", lambda: qmm.batched_gemm(
+            randn((1, 1, 2, 3), 8, "cpu"), randn((1, 1, 3, 2), 9, "cpu"), transpose_b=1)),
+        ("InvalidArgument", "Nf4Weight.quantize: double_quant",
+         lambda: qmm.Nf4Weight.quantize(randn((16, 64), 1, "cpu"), double_quant="no")),
+        ("InvalidArgument", "Nf4Weight.quantize: block_size",
+         lambda: qmm.Nf4Weight.quantize(randn((16, 64), 1, "cpu"), block_size=64.0)),
+        ("InvalidArgument", "LoraAdapter: rank", lambda: qmm.QLoraLinear(w4, rank=2.5)),
+        ("InvalidArgument", "LoraAdapter: dropout", lambda: qmm.QLoraLinear(w4, dropout=1.5)),
+        ("InvalidArgument", "LoraAdapter: dropout", lambda: qmm.QLoraLinear(w4, dropout=-0.1)),
+        ("ShapeMismatch", "QLoraLinear: bias", lambda: qmm.QLoraLinear(w4, bias=torch.zeros(15))),
+        ("InvalidArgument", "patch_bnb: fused_loss", lambda: qmm.patch_bnb(torch.nn.Linear(2, 2), fused_loss="no")),
+        ("InvalidArgument", "memory_stats: there is no CUDA device 256", lambda: qmm.memory_stats(256)),
+    ]
+    for code, fragment, fn in cases:
+        _expect_error(code, fragment, fn)
