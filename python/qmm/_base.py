@@ -39,7 +39,10 @@ def _call(fn, like, *args, **kwargs):
     extension would call otherwise, costs ~10x more in recent PyTorch (2.4 vs 0.2 µs in 2.15)."""
     # `args` stays referenced until the op returns: the extension releases a capsule of an optional argument as soon
     # as it has read its address, and a tensor made for the call (a contiguous copy) would be freed with it.
-    capsules = [_capsule(a) for a in args]
+    try:
+        capsules = [_capsule(a) for a in args]
+    except BufferError as e:  # DLPack refuses the tensor: on a device qmm does not run on (meta, ...)
+        raise _error("DeviceMismatch", f"{getattr(fn, '__name__', 'qmm')}: {e}") from None
     if not like.is_cuda:
         return fn(*capsules, **kwargs, stream=0)
     if _on_cuda_call is not None:
@@ -77,6 +80,8 @@ def _int(op, name, value, low, high):
 
 def _in(t):
     """An input as qmm takes it: detached (DLPack refuses tensors that require grad) and dense row-major."""
+    if not isinstance(t, torch.Tensor):
+        raise _error("InvalidArgument", f"qmm: a tensor argument is a {type(t).__name__}, not a torch.Tensor")
     if t.requires_grad:
         t = t.detach()
     return t if t.is_contiguous() else t.contiguous()
@@ -108,6 +113,8 @@ def _out(op, out, shape, dtype, like, beta):
 
 def _dim(t, i):
     """t's extent i, or 0 where t has no such dimension (qmm then names the bad rank)."""
+    if not isinstance(t, torch.Tensor):
+        raise _error("InvalidArgument", f"qmm: a tensor argument is a {type(t).__name__}, not a torch.Tensor")
     return t.shape[i] if -t.dim() <= i < t.dim() else 0
 
 

@@ -188,6 +188,10 @@ def replace_bnb_linears(model, names=("q_proj", "k_proj", "v_proj", "o_proj"), *
     default a Hugging Face model's attention projections) by a QLoraLinear on the same NF4 weight and bias, with
     fresh LoRA adapters (`lora` as for QLoraLinear). Returns the replaced modules' names. With replace_bnb_mlps
     this puts LoRA on every projection of a 4-bit Llama/Qwen/Mistral model, as QLoRA does."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise _error("InvalidArgument", f"replace_bnb_linears: names must be a tuple or list of attribute names, got "
+                                        f"{names!r}")
+
     def matches(name, module):
         return name.rpartition(".")[2] in names and _has_bnb_weight(module)
     return _replace_modules("replace_bnb_linears", model, matches, lambda m: QLoraLinear.from_bnb(m, **lora))

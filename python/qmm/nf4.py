@@ -35,6 +35,9 @@ class Nf4Weight:
             if not (isinstance(t, torch.Tensor) or (t is None and name in ("absmax2", "code2"))):
                 raise _error("InvalidArgument", f"Nf4Weight: argument '{name}' must be a torch.Tensor, not "
                                                 f"{type(t).__name__}")
+        if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2 or \
+                not all(isinstance(v, int) and not isinstance(v, bool) for v in shape):
+            raise _error("InvalidArgument", f"Nf4Weight: shape must be (rows, cols) of two ints, got {shape!r}")
         try:
             shape = (int(shape[0]), int(shape[1]))
             block_size, offset = int(block_size), float(offset)
@@ -61,8 +64,12 @@ class Nf4Weight:
         return {k: v for k, v in self.__dict__.items() if k != "_native"}
 
     def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._native = _qmm.nf4_handle(self)
+        # Made again through the constructor's checks: a malformed pickle is a qmm.Error like a malformed weight.
+        if not isinstance(state, dict) or not {"codes", "absmax", "shape", "block_size"} <= state.keys():
+            raise _error("InvalidArgument", "Nf4Weight: the pickled state lacks the weight's fields")
+        fresh = Nf4Weight(state["codes"], state["absmax"], state["shape"], state["block_size"], state.get("absmax2"),
+                          state.get("code2"), state.get("offset", 0.0))
+        self.__dict__.update(fresh.__dict__)
 
     def op_args(self):
         """The weight as compile_ops' custom ops take it: its tensors and fields (see compile_ops.py)."""

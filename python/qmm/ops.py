@@ -228,8 +228,9 @@ def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, 
     with accumulate_dw=False takes it without its old contents being read (a fresh torch.empty will do).
     check_labels=True reads the labels first (on a GPU the call waits for it) and raises qmm.Error naming the first
     out of range; check_labels=False waits for nothing (a CUDA graph can capture it), and a label out of range then
-    makes the loss NaN and its token's dh row NaN. chunk_tokens and chunk_vocab (0: qmm's choice, within 5% of the
-    fp32 logits' bytes without dw) split the logits on a GPU as the C++ linear_cross_entropy_chunks says."""
+    makes the loss NaN, its token's dh row NaN and, where computed, all of dw NaN (every row of w meets that token).
+    chunk_tokens and chunk_vocab (0: qmm's choice, within 5% of the fp32 logits' bytes without dw) split the logits
+    on a GPU as the C++ linear_cross_entropy_chunks says."""
     op = "linear_cross_entropy"
     _flag(op, "check_labels", check_labels)
     _flag(op, "accumulate_dw", accumulate_dw)

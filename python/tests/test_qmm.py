@@ -2628,3 +2628,26 @@ def test_bad_arguments_are_qmm_errors_naming_op_and_argument():
     ]
     for code, fragment, fn in cases:
         _expect_error(code, fragment, fn)
+
+
+def test_malformed_weights_and_tensor_arguments_are_qmm_errors():
+    w4 = qmm.Nf4Weight.quantize(randn((16, 64), 1, "cpu"))
+    cases = [
+        ("InvalidArgument", "shape must be (rows, cols)", lambda: qmm.Nf4Weight(w4.codes, w4.absmax, (16, 64, 1), 64,
+                                                                               w4.absmax2, w4.code2, w4.offset)),
+        ("InvalidArgument", "shape must be (rows, cols)", lambda: qmm.Nf4Weight(w4.codes, w4.absmax, (16.5, 64), 64,
+                                                                               w4.absmax2, w4.code2, w4.offset)),
+        ("InvalidArgument", "pickled state", lambda: qmm.Nf4Weight.__new__(qmm.Nf4Weight).__setstate__(
+            {"codes": w4.codes})),
+        ("InvalidArgument", "not a torch.Tensor", lambda: qmm.gemm(None, randn((4, 5), 2, "cpu"))),
+        ("InvalidArgument", "not a torch.Tensor", lambda: qmm.rms_norm(randn((2, 7), 3, "cpu"), None, 1e-6)),
+        ("DeviceMismatch", "", lambda: qmm.gemm(torch.empty(3, 4, device="meta"), torch.empty(4, 5, device="meta"))),
+        ("InvalidArgument", "names must be a tuple", lambda: qmm.replace_bnb_linears(torch.nn.Linear(2, 2),
+                                                                                    names="q_proj")),
+    ]
+    for code, fragment, fn in cases:
+        _expect_error(code, fragment, fn)
+    state = w4.__getstate__()
+    again = qmm.Nf4Weight.__new__(qmm.Nf4Weight)
+    again.__setstate__(state)  # a well-formed pickle still loads, to the same weight
+    assert torch.equal(qmm.nf4_gemm(randn((3, 64), 4, "cpu"), again), qmm.nf4_gemm(randn((3, 64), 4, "cpu"), w4))
