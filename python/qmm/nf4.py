@@ -37,7 +37,7 @@ class Nf4Weight:
                                                 f"{type(t).__name__}")
         if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2 or \
                 not all(isinstance(v, int) and not isinstance(v, bool) for v in shape):
-            raise _error("InvalidArgument", f"Nf4Weight: shape must be (rows, cols) of two ints, got {shape!r}")
+            raise _error("InvalidArgument", f"Nf4Weight: shape (rows, cols) must be two ints, got {shape!r}")
         try:
             shape = (int(shape[0]), int(shape[1]))
             block_size, offset = int(block_size), float(offset)

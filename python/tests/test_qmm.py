@@ -2633,9 +2633,9 @@ def test_bad_arguments_are_qmm_errors_naming_op_and_argument():
 def test_malformed_weights_and_tensor_arguments_are_qmm_errors():
     w4 = qmm.Nf4Weight.quantize(randn((16, 64), 1, "cpu"))
     cases = [
-        ("InvalidArgument", "shape must be (rows, cols)", lambda: qmm.Nf4Weight(w4.codes, w4.absmax, (16, 64, 1), 64,
+        ("InvalidArgument", "shape (rows, cols) must be two ints", lambda: qmm.Nf4Weight(w4.codes, w4.absmax, (16, 64, 1), 64,
                                                                                w4.absmax2, w4.code2, w4.offset)),
-        ("InvalidArgument", "shape must be (rows, cols)", lambda: qmm.Nf4Weight(w4.codes, w4.absmax, (16.5, 64), 64,
+        ("InvalidArgument", "shape (rows, cols) must be two ints", lambda: qmm.Nf4Weight(w4.codes, w4.absmax, (16.5, 64), 64,
                                                                                w4.absmax2, w4.code2, w4.offset)),
         ("InvalidArgument", "pickled state", lambda: qmm.Nf4Weight.__new__(qmm.Nf4Weight).__setstate__(
             {"codes": w4.codes})),
