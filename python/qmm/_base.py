@@ -41,7 +41,7 @@ def _call(fn, like, *args, **kwargs):
     # as it has read its address, and a tensor made for the call (a contiguous copy) would be freed with it.
     try:
         capsules = [_capsule(a) for a in args]
-    except BufferError as e:  # DLPack refuses the tensor: on a device qmm does not run on (meta, ...)
+    except (BufferError, RuntimeError) as e:  # DLPack refuses the tensor: on a device qmm does not run on (meta)
         raise _error("DeviceMismatch", f"{getattr(fn, '__name__', 'qmm')}: {e}") from None
     if not like.is_cuda:
         return fn(*capsules, **kwargs, stream=0)
