@@ -71,6 +71,14 @@ def _check_path(op, path):
         raise _error("InvalidArgument", f"{op}: path must be a str such as 'auto', got {path!r}")
 
 
+def _tensors(op, **named):
+    """Each named argument a torch.Tensor; otherwise a qmm.Error naming the op and the argument."""
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise _error("InvalidArgument", f"{op}: argument '{name}' must be a torch.Tensor, got a "
+                                            f"{type(t).__name__}")
+
+
 def _int(op, name, value, low, high):
     """value where it is an int in [low, high]; otherwise a qmm.Error naming the op and the argument."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:

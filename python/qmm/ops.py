@@ -4,7 +4,7 @@ import torch
 from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _qmm
-from ._base import _call, _check_path, _dim, _error, _flag, _in, _int, _out, _rows, _written
+from ._base import _call, _check_path, _dim, _error, _flag, _in, _int, _out, _rows, _tensors, _written
 from .nf4 import _nf4
 
 
@@ -84,28 +84,33 @@ def _gemm(fn, op, x, y, shape, out, alpha, beta, math_mode, out_dtype):
 def gemm(a, b, *, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
     """out[M,N] = alpha * a[M,K] @ b[K,N] + beta * out. a and b share a dtype (float32 or bfloat16); out is that
     dtype or float32. math ("fp32", "tf32", "bf16") sets how float32 operands multiply (bf16 truncates them)."""
+    _tensors("gemm", a=a, b=b)
     return _gemm(_qmm.gemm, "gemm", a, b, (_dim(a, 0), _dim(b, 1)), out, alpha, beta, math, out_dtype)
 
 
 def gemm_bt(a, b, *, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
     """out[M,N] = alpha * a[M,K] @ b[N,K]^T + beta * out (a linear layer's forward)."""
+    _tensors("gemm_bt", a=a, b=b)
     return _gemm(_qmm.gemm_bt, "gemm_bt", a, b, (_dim(a, 0), _dim(b, 0)), out, alpha, beta, math, out_dtype)
 
 
 def gemm_backward_a(dc, b, *, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
     """da[M,K] = alpha * dc[M,N] @ b[K,N]^T + beta * da (gemm's input gradient)."""
+    _tensors("gemm_backward_a", dc=dc, b=b)
     return _gemm(_qmm.gemm_backward_a, "gemm_backward_a", dc, b, (_dim(dc, 0), _dim(b, 0)), out, alpha, beta, math,
                  out_dtype)
 
 
 def gemm_backward_b(a, dc, *, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
     """db[K,N] = alpha * a[M,K]^T @ dc[M,N] + beta * db (gemm's weight gradient)."""
+    _tensors("gemm_backward_b", a=a, dc=dc)
     return _gemm(_qmm.gemm_backward_b, "gemm_backward_b", a, dc, (_dim(a, 1), _dim(dc, 1)), out, alpha, beta, math,
                  out_dtype)
 
 
 def batched_gemm(a, b, *, transpose_b=False, out=None, alpha=1.0, beta=0.0, math="fp32", out_dtype=None):
     """out[B,H,M,N] = alpha * a[B,H,M,K] @ b[B,H,K,N] (or b[B,H,N,K]^T with transpose_b) + beta * out."""
+    _tensors("batched_gemm", a=a, b=b)
     _flag("batched_gemm", "transpose_b", transpose_b)
     a, b = _in(a), _in(b)
     shape = (_dim(a, 0), _dim(a, 1), _dim(a, 2), _dim(b, 2) if transpose_b else _dim(b, 3))
@@ -133,6 +138,7 @@ def swiglu(gate, up, *, out=None, adapters=None):
     gate_scale, b_up, up_scale) adds LoRA terms to the inputs inside the kernel, never stored: gate + gate_scale *
     t[:, :r_g] @ b_gate^T and up + up_scale * t[:, r_g:r_g + r_u] @ b_up^T for gate and up [M, N], t [M, R] and
     b_gate [N, r_g], b_up [N, r_u] (either None for no term), all of gate's dtype."""
+    _tensors("swiglu", gate=gate, up=up)
     gate, up = _in(gate), _in(up)
     out = _out("swiglu", out, gate.shape, None, gate, 0.0)
     _call(_qmm.swiglu, gate, gate, up, out.detach(), **_swiglu_adapters(adapters))
@@ -144,6 +150,7 @@ def swiglu_backward(gate, up, dh, *, adapters=None, dh_term=None, out=None, h=No
     their terms, and with dh_term = (dt, a) at dh + dt @ a (a down projection's adapter share of its input gradient:
     dt [M, r], a [r, N]). out = (dgate, dup) may be (gate, up) themselves (in place); h, where given, receives
     swiglu's h again."""
+    _tensors("swiglu_backward", gate=gate, up=up, dh=dh)
     gate, up, dh = _in(gate), _in(up), _in(dh)
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 2:
@@ -209,6 +216,7 @@ def lora_backward_dy(dy, b, t, grad_b, *, scale=1.0, beta=1.0, out=None, math="f
     scale * dy^T @ t + beta * grad_b (beta = 1 accumulates; beta = 0 overwrites, grad_b not read), in one read of
     dy where the GPU kernel applies (bf16, r 8/16/32, N a multiple of 8)."""
     dy, b, t = _in(dy), _in(b), _in(t)
+    _tensors("lora_backward_dy", dy=dy, b=b, t=t, grad_b=grad_b)
     out = _out("lora_backward_dy", out, (_dim(dy, 0), _dim(b, 1)), None, dy, 0.0)
     _written("lora_backward_dy", "grad_b", grad_b)
     _call(_qmm.lora_backward_dy, dy, dy, b, t, out.detach(), grad_b.detach(), scale=scale, beta=beta, math=math)
@@ -232,6 +240,7 @@ def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, 
     chunk_tokens and chunk_vocab (0: qmm's choice, within 5% of the fp32 logits' bytes without dw) split the logits
     on a GPU as the C++ linear_cross_entropy_chunks says."""
     op = "linear_cross_entropy"
+    _tensors(op, h=h, w=w, labels=labels)
     _flag(op, "check_labels", check_labels)
     _flag(op, "accumulate_dw", accumulate_dw)
     _int(op, "ignore_index", ignore_index, -2 ** 31, 2 ** 31 - 1)
@@ -259,6 +268,7 @@ def rms_norm(x, w, eps, *, rstd=False):
     """RMSNorm over the last dimension as Hugging Face's Llama/Qwen2 modules compute it: y = w * (x * rstd rounded
     to x's dtype), rstd = 1 / sqrt(mean(x^2) + eps) in fp32. x [..., H] float32 or bfloat16, w [H] of x's dtype.
     Returns (y, rstd [rows] float32 where rstd=True, else None)."""
+    _tensors("rms_norm", x=x, w=w)
     x2 = _in(x).reshape(-1, _dim(x, -1)) if x.dim() >= 1 else _in(x)
     y = torch.empty_like(x2)
     r = torch.empty((x2.shape[0],), dtype=torch.float32, device=x.device) if rstd else None
@@ -270,6 +280,7 @@ def add_rms_norm(x, r, w, eps, *, rstd=False):
     """A decoder layer's residual add and the RMSNorm after it in one pass: h = x + r (rounded to x's dtype, as
     the tensor add), y = rms_norm(h, w, eps). x and r of one shape [..., H] and dtype. Returns (h, y, rstd [rows]
     float32 where rstd=True, else None)."""
+    _tensors("add_rms_norm", x=x, r=r, w=w)
     if tuple(r.shape) != tuple(x.shape):
         raise _error("ShapeMismatch", f"add_rms_norm: r has shape {list(r.shape)} but must have x's {list(x.shape)}")
     hidden = _dim(x, -1)
@@ -284,6 +295,7 @@ def rms_norm_backward(x, w, rstd, dy, *, dx=True, dw=None, dres=None):
     """rms_norm's gradients from its rstd: returns dx (x's dtype; None where dx=False) and accumulates the float32
     gradient of w into `dw` where given. `dres` (x's shape and dtype), a gradient that reaches x by another path
     (the residual stream), is added to dx in the same pass."""
+    _tensors("rms_norm_backward", x=x, w=w, rstd=rstd, dy=dy)
     hidden = _dim(x, -1)
     for name, t in (("dy", dy), ("dres", dres)):
         if t is not None and tuple(t.shape) != tuple(x.shape):
@@ -372,6 +384,7 @@ def rope(q, k, cos, sin, *, inverse=False, inplace=False):
     k themselves, rotated in place (refused where they would be copied). qmm's messages name the shapes it takes:
     [B, S, H, D], or [B·H, S, 1, D] for contiguous inputs."""
     op = "rope"
+    _tensors(op, q=q, cos=cos, sin=sin)
     _flag(op, "inverse", inverse)
     _flag(op, "inplace", inplace)
     cos, sin = _in(cos), _in(sin)

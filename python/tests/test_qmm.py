@@ -2633,14 +2633,20 @@ def test_bad_arguments_are_qmm_errors_naming_op_and_argument():
 def test_malformed_weights_and_tensor_arguments_are_qmm_errors():
     w4 = qmm.Nf4Weight.quantize(randn((16, 64), 1, "cpu"))
     cases = [
-        ("InvalidArgument", "shape (rows, cols) must be two ints", lambda: qmm.Nf4Weight(w4.codes, w4.absmax, (16, 64, 1), 64,
-                                                                               w4.absmax2, w4.code2, w4.offset)),
-        ("InvalidArgument", "shape (rows, cols) must be two ints", lambda: qmm.Nf4Weight(w4.codes, w4.absmax, (16.5, 64), 64,
-                                                                               w4.absmax2, w4.code2, w4.offset)),
+        ("InvalidArgument", "shape (rows, cols) must be two ints",
+         lambda: qmm.Nf4Weight(w4.codes, w4.absmax, (16, 64, 1), 64, w4.absmax2, w4.code2, w4.offset)),
+        ("InvalidArgument", "shape (rows, cols) must be two ints",
+         lambda: qmm.Nf4Weight(w4.codes, w4.absmax, (16.5, 64), 64, w4.absmax2, w4.code2, w4.offset)),
         ("InvalidArgument", "pickled state", lambda: qmm.Nf4Weight.__new__(qmm.Nf4Weight).__setstate__(
             {"codes": w4.codes})),
-        ("InvalidArgument", "not a torch.Tensor", lambda: qmm.gemm(None, randn((4, 5), 2, "cpu"))),
-        ("InvalidArgument", "not a torch.Tensor", lambda: qmm.rms_norm(randn((2, 7), 3, "cpu"), None, 1e-6)),
+        ("InvalidArgument", "gemm: argument 'a' must be a torch.Tensor",
+         lambda: qmm.gemm(None, randn((4, 5), 2, "cpu"))),
+        ("InvalidArgument", "rms_norm: argument 'w' must be",
+         lambda: qmm.rms_norm(randn((2, 7), 3, "cpu"), None, 1e-6)),
+        ("InvalidArgument", "rope: argument 'cos' must be", lambda: qmm.rope(randn((1, 2, 3, 4), 5, "cpu"), None,
+                                                                            None, None)),
+        ("InvalidArgument", "linear_cross_entropy: argument 'labels'", lambda: qmm.linear_cross_entropy(
+            randn((4, 8), 1, "cpu"), randn((10, 8), 2, "cpu"), None)),
         ("DeviceMismatch", "", lambda: qmm.gemm(torch.empty(3, 4, device="meta"), torch.empty(4, 5, device="meta"))),
         ("InvalidArgument", "names must be a tuple", lambda: qmm.replace_bnb_linears(torch.nn.Linear(2, 2),
                                                                                     names="q_proj")),
