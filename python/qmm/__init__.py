@@ -2,7 +2,8 @@
 
 Ops run on the tensors' device: CPU tensors on qmm's CPU reference backend, CUDA tensors on the GPU backend, in
 PyTorch's current stream. Inputs are taken as they are when dense row-major (otherwise as a contiguous copy);
-outputs are allocated here unless passed as `out=`, which must be dense row-major (qmm writes it in place). Every
+outputs are allocated here unless passed as `out=`, which must be dense row-major (qmm writes it in place, as
+PyTorch's in-place ops do: refused where it requires grad in grad mode, its version bumped for autograd). Every
 error is a `qmm.Error` (a RuntimeError) whose `code` names the kind ("ShapeMismatch", "Unsupported", ...); no
 output is written when an op fails. On the GPU, qmm keeps one context per (device, stream) with its own cuBLASLt
 workspace and a CUDA memory pool for scratch (the bf16 copy of the weight that the dequantize-then-GEMM path
