@@ -752,3 +752,53 @@ def test_patched_peft_llama_step_replays_as_a_cuda_graph(fused):
     assert graphed.captured == 1
     assert replayed == pytest.approx(eager, rel=1e-4)
     _assert_updates_agree(params, eager_params, initial)
+
+
+def _ddp_rank(rank, world, port, folder, fused):
+    """One rank of test_patch_bnb_under_distributed_data_parallel: the patched model in DDP (gloo, CPU) on its half
+    of the batch; its LoRA gradients (averaged by DDP) and loss saved for the parent."""
+    import os
+
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = qlora_llama("cpu", "CAUSAL_LM")
+        qmm.patch_bnb(model, fused_loss=fused, fused_norm=fused, fused_rope=fused)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ids = torch.randint(0, 128, (2 * world, 9), generator=torch.Generator().manual_seed(1))[2 * rank:2 * rank + 2]
+        for _ in range(2):  # the second step: after the first's gradients, as training does
+            model.zero_grad(set_to_none=True)
+            loss = ddp(input_ids=ids, labels=ids).loss
+            loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        torch.save((loss.item(), grads), f"{folder}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_patch_bnb_under_distributed_data_parallel(tmp_path, fused):
+    """A patched PEFT QLoRA Llama trained with DistributedDataParallel (accelerate's multi-GPU default), two ranks on
+    the CPU: each rank's LoRA gradients are the average DDP makes of the ranks' gradients, equal to one process's
+    gradients of the mean loss over the whole batch (the ranks' halves have equal token counts)."""
+    import socket
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_rank, args=(2, port, str(tmp_path), fused), nprocs=2, join=True)
+    model = qlora_llama("cpu", "CAUSAL_LM")
+    qmm.patch_bnb(model, fused_loss=fused, fused_norm=fused, fused_rope=fused)
+    ids = torch.randint(0, 128, (4, 9), generator=torch.Generator().manual_seed(1))
+    _, want = loss_and_grads(model, ids)
+    for rank in range(2):
+        _, got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert set(got) == set(want)
+        for name, g in got.items():
+            err = (g - want[name]).abs().max() / want[name].abs().max()
+            assert err < 1e-4, (rank, name, float(err))
