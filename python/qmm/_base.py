@@ -102,6 +102,7 @@ def _written(op, name, t):
     """t, a tensor of the caller's that the op writes in place, as PyTorch's in-place ops treat theirs: refused where
     it requires grad in grad mode (autograd would not see the write: PyTorch refuses out= there too), and marked
     written (its version bumped) so that a backward that saved it fails instead of reading the new values."""
+    _tensors(op, **{name: t})
     if t.requires_grad and torch.is_grad_enabled():
         raise _error("InvalidArgument", f"{op}: argument '{name}' requires grad; the op writes it in place, which "
                                         "autograd does not record (write into a tensor without grad, or use the "
