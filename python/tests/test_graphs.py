@@ -286,3 +286,23 @@ def test_graph_step_in_pieces_reports_the_steps_own_error():
     for x, target in batches("cuda", 3):
         assert torch.isfinite(again(x, target))
     assert again.graphs == [2]
+
+
+def test_graph_step_call_hook_counts_this_threads_calls_and_cuts_before_the_numbered_ones():
+    """The hook graph_step installs while it counts or captures (qmm._base._on_cuda_call): calls on other threads
+    (autograd's backward) are not counted, cut() runs before the calls numbered in cuts, and the previous hook is
+    back after the `with`."""
+    import threading
+
+    from qmm import _base, graphs
+    seen = []
+    hook = graphs._CallHook(cuts=[1, 3], cut=lambda: seen.append(hook.calls))
+    with hook:
+        assert _base._on_cuda_call is hook
+        for _ in range(5):
+            _base._on_cuda_call()
+        other = threading.Thread(target=_base._on_cuda_call)
+        other.start()
+        other.join()
+    assert hook.calls == 5 and seen == [1, 3]
+    assert _base._on_cuda_call is None
