@@ -358,7 +358,7 @@ void nf4_gate_up(const Context& ctx, const TensorView& a, const Nf4Weight& w_gat
     bf16_gemm(ctx, a16, w_bf16, true, dst, M, N, K, opts.alpha, opts.beta);
   };
   project(w_gate, g_dst, w16);
-  project(w_up, u_dst, both ? w16 + w_gate.numel() : w16);
+  project(w_up, u_dst, both && !fused ? w16 + w_gate.numel() : w16);
   if (!want_h) return;
 
   auto bf16_out = [](const TensorView& v) {
