@@ -2494,7 +2494,7 @@ def test_ops_on_zero_rows_give_empty_outputs_and_zero_parameter_gradients(device
     residual = torch.empty((0, 64), device=device, dtype=dt)
     cases.append(("lora_nf4_mlp", lambda: [qmm.lora_nf4_mlp(x, wg, wu, wd, *gu, down, residual=residual)],
                   [p for lo in gu + [down] for p in (lo.a, lo.b)]))
-    norm_w = leaf((64,), 30)
+    norm_w = (randn((64,), 30, device) * 0.1).to(dt).requires_grad_()  # the norm's weight is in x's dtype
     cases.append(("rms_norm_autograd", lambda: [qmm.rms_norm_autograd(x, norm_w, 1e-6)], [norm_w]))
     r = torch.empty((0, 64), device=device, dtype=dt, requires_grad=True)
     cases.append(("add_rms_norm_autograd", lambda: list(qmm.add_rms_norm_autograd(x, r, norm_w, 1e-6)), [norm_w]))
