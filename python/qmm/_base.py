@@ -86,10 +86,15 @@ def _int(op, name, value, low, high):
     return value
 
 
-def _in(t):
-    """An input as qmm takes it: detached (DLPack refuses tensors that require grad) and dense row-major."""
+def _any_tensor(t):
+    """The check of ops whose arguments are not named at the call (those that are: _tensors)."""
     if not isinstance(t, torch.Tensor):
         raise _error("InvalidArgument", f"qmm: a tensor argument is a {type(t).__name__}, not a torch.Tensor")
+
+
+def _in(t):
+    """An input as qmm takes it: detached (DLPack refuses tensors that require grad) and dense row-major."""
+    _any_tensor(t)
     if t.requires_grad:
         t = t.detach()
     return t if t.is_contiguous() else t.contiguous()
@@ -122,8 +127,7 @@ def _out(op, out, shape, dtype, like, beta):
 
 def _dim(t, i):
     """t's extent i, or 0 where t has no such dimension (qmm then names the bad rank)."""
-    if not isinstance(t, torch.Tensor):
-        raise _error("InvalidArgument", f"qmm: a tensor argument is a {type(t).__name__}, not a torch.Tensor")
+    _any_tensor(t)
     return t.shape[i] if -t.dim() <= i < t.dim() else 0
 
 

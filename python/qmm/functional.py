@@ -7,7 +7,7 @@ import math
 import torch
 
 from . import _impl, compile_ops
-from ._base import _check_path, _error, _flag
+from ._base import _check_path, _error, _flag, _tensors
 from .nf4 import Nf4Weight, _nf4
 from .ops import (add_rms_norm, nf4_gate_up, nf4_gemm_backward_a, rms_norm, rms_norm_backward, rope, swiglu,
                   swiglu_backward)
@@ -446,8 +446,9 @@ def linear_cross_entropy_loss(h, w, labels, ignore_index=-100, chunk_tokens=0, c
     waits for the device to read them; False: nothing waits, and such a label makes the loss NaN)."""
     op = "linear_cross_entropy_loss"
     _flag(op, "check_labels", check_labels)
-    if not isinstance(h, torch.Tensor) or not isinstance(labels, torch.Tensor) or h.dim() < 1:
-        raise _error("InvalidArgument", f"{op}: h [..., H] and labels [...] must be tensors")
+    _tensors(op, h=h, labels=labels)
+    if h.dim() < 1:
+        raise _error("InvalidArgument", f"{op}: h must be [..., H], got a 0-d tensor")
     # One label per row of h, in h's order: labels of h's leading shape, or flattened
     if tuple(labels.shape) != tuple(h.shape[:-1]) and not (labels.dim() == 1 and labels.numel() == h.numel() //
                                                            max(h.shape[-1], 1)):

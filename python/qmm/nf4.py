@@ -5,7 +5,7 @@ import types
 import torch
 
 from . import _qmm
-from ._base import _call, _dim, _error, _flag, _in, _int
+from ._base import _call, _dim, _error, _flag, _in, _int, _tensors
 
 NF4_NESTED_BLOCK_SIZE = 256  # blocks per absmax2 group when double-quantized (bitsandbytes' nested block size)
 NF4_CODEBOOK = tuple(_qmm.nf4_codebook())  # the 16 NF4 values (float32), bitsandbytes' quant_map for nf4
@@ -100,8 +100,7 @@ class Nf4Weight:
         """NF4 of w [rows, cols] (float32, bfloat16 or float16), byte-identical to bitsandbytes' quantize_4bit."""
         _flag("Nf4Weight.quantize", "double_quant", double_quant)
         _int("Nf4Weight.quantize", "block_size", block_size, 1, 2 ** 31 - 1)
-        if not isinstance(w, torch.Tensor):
-            raise _error("InvalidArgument", f"Nf4Weight.quantize: w must be a torch.Tensor, not {type(w).__name__}")
+        _tensors("Nf4Weight.quantize", w=w)
         w = _in(w)
         rows, cols = _dim(w, 0), _dim(w, 1)
         n = rows * cols

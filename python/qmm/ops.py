@@ -252,7 +252,7 @@ def linear_cross_entropy(h, w, labels, *, ignore_index=-100, dh=False, dw=None, 
         low, high = -2 ** 31, 2 ** 31 - 1
         labels = labels.clamp(low + (ignore_index == low), high - (ignore_index == high)).to(torch.int32)
     if dw is not None:
-        _written("linear_cross_entropy", "dw", dw)
+        _written(op, "dw", dw)
     loss = torch.empty((), dtype=torch.float32, device=h.device).reshape(1)
     dh_out = torch.empty_like(h) if dh else None
     _call(_qmm.linear_cross_entropy, h, h, w, labels, loss, None if dh_out is None else dh_out,
